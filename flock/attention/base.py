@@ -1,0 +1,56 @@
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepLayout:
+    """Where each request's tokens sit in a step and in the paged cache (built once per step)."""
+
+    query_start: np.ndarray  # [R + 1] offsets of each request's new tokens in the flat token batch
+    seq_lens: np.ndarray  # [R] tokens in context after this step (cached + new)
+    block_tables: list[np.ndarray]  # per request, physical block ids
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start)
+
+    def context_slots(self, i: int) -> np.ndarray:
+        """Cache slots of request i's whole context, in position order."""
+        n = int(self.seq_lens[i])
+        blocks = self.block_tables[i][: (n + self.block_size - 1) // self.block_size]
+        slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        return slots[:n]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+
+
+class AttentionBackend:
+    """Attention over the paged KV cache. The model calls `forward` once per layer per step."""
+
+    name = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+        raise NotImplementedError
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,130 @@
+import logging
+import time
+
+import torch
+
+from flock.config import EngineConfig
+from flock.engine.runner import ModelRunner
+from flock.engine.stats import RunStats
+from flock.kv.manager import KVCacheManager
+from flock.model import resolve_model
+from flock.request import Request
+from flock.sampling_params import SamplingParams
+from flock.sched import make_scheduler
+from flock.tokenizer import load_tokenizer
+
+log = logging.getLogger("flock")
+
+
+class LLMEngine:
+    """The step loop: scheduler -> plan -> runner (model, sampler) -> postprocess -> scheduler."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.model_config = resolved.config
+        max_len = config.max_model_len or resolved.config.max_position_embeddings
+        self.runner = ModelRunner(config, resolved, max_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if max_len > self.kv.capacity_tokens:
+            log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
+            max_len = self.kv.capacity_tokens
+        self.max_model_len = max_len
+        self.scheduler = make_scheduler(config.scheduler, config, self.kv)
+        self.tokenizer = load_tokenizer(config.tokenizer or resolved.folder)
+        self.eos_token_ids = set(resolved.config.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
+        self._next_id = 0
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the bad field; changes nothing."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        for position, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self.check_request(prompt_token_ids, params)
+        req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
+        self._next_id += 1
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        self.scheduler.add(req)
+        self.stats.add_request(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, req: Request) -> None:
+        if not req.is_finished:
+            self.scheduler.abort(req)
+
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that finished in it."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not plan:
+            raise RuntimeError("the scheduler planned nothing while requests are pending (deadlock)")
+        tokens = self.runner.run(plan)
+        t2 = time.perf_counter()
+        self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
+        return self._postprocess(plan, tokens.tolist())
+
+    def _postprocess(self, plan, tokens: list[int]) -> list[Request]:
+        finished = []
+        sampled = iter(tokens)
+        for req, n in plan.scheduled:
+            complete = req.num_computed_tokens + n == req.num_tokens
+            req.num_computed_tokens += n
+            if not complete:
+                continue
+            if req.num_output_tokens == 0:
+                self.stats.cached_prefill_tokens += req.num_cached_tokens
+            req.token_ids.append(next(sampled))
+            self.stats.generated_tokens += 1
+            if self._check_stop(req):
+                self.scheduler.finish(req)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request) -> bool:
+        token, p = req.token_ids[-1], req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            req.finish_reason, req.stop_text = "stop", token
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            req.finish_reason = "length"
+        elif req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+        elif p.stop and self._find_stop_string(req):
+            req.finish_reason = "stop"
+        return req.finish_reason is not None
+
+    def _find_stop_string(self, req: Request) -> bool:
+        text = self.decode(req)
+        for s in req.params.stop:
+            if s in text:
+                req.stop_text = s
+                return True
+        return False
+
+    def decode(self, req: Request) -> str:
+        """Output text; cut before the stop string that ended the request, as vLLM does."""
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        if isinstance(req.stop_text, str):
+            text = text[: text.find(req.stop_text)]
+        return text
+
+    def reset_stats(self) -> None:
+        self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)

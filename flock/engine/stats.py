@@ -1,0 +1,68 @@
+from dataclasses import dataclass, field
+
+from flock.request import Request
+from flock.sched.base import StepPlan
+
+
+@dataclass
+class RunStats:
+    """Counters of one run. Saving rate (BatchLLM Eq. 2): 1 - computed / logical prefill tokens."""
+
+    num_requests: int = 0
+    logical_prefill_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    cached_prefill_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    computed_decode_tokens: int = 0  # tokens past the prompt, recomputation after preemption included
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    schedule_seconds: float = 0.0
+    model_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    peak_kv_blocks: int = 0
+    num_kv_blocks: int = 0
+    tokens_per_step: list[int] = field(default_factory=list)
+
+    def add_request(self, req: Request) -> None:
+        self.num_requests += 1
+        self.logical_prefill_tokens += req.num_prompt_tokens
+
+    def add_step(self, plan: StepPlan, schedule_s: float, model_s: float, kv_used: int) -> None:
+        self.steps += 1
+        self.schedule_seconds += schedule_s
+        self.model_seconds += model_s
+        self.preemptions += len(plan.preempted)
+        self.peak_kv_blocks = max(self.peak_kv_blocks, kv_used)
+        self.tokens_per_step.append(plan.num_tokens)
+        for req, n in plan.scheduled:
+            start, prompt = req.num_computed_tokens, req.num_prompt_tokens
+            in_prompt = max(0, min(start + n, prompt) - start)
+            self.computed_prefill_tokens += in_prompt
+            self.computed_decode_tokens += n - in_prompt
+
+    def as_dict(self) -> dict:
+        wall = self.wall_seconds or float("nan")
+        logical = self.logical_prefill_tokens
+        steps = max(self.steps, 1)
+        return {
+            "num_requests": self.num_requests,
+            "logical_prefill_tokens": logical,
+            "computed_prefill_tokens": self.computed_prefill_tokens,
+            "cached_prefill_tokens": self.cached_prefill_tokens,
+            "saving_rate": 1 - self.computed_prefill_tokens / logical if logical else 0.0,
+            "computed_decode_tokens": self.computed_decode_tokens,
+            "generated_tokens": self.generated_tokens,
+            "steps": self.steps,
+            "mean_tokens_per_step": sum(self.tokens_per_step) / steps,
+            "max_tokens_per_step": max(self.tokens_per_step, default=0),
+            "preemptions": self.preemptions,
+            "schedule_seconds": self.schedule_seconds,
+            "model_seconds": self.model_seconds,
+            "wall_seconds": self.wall_seconds,
+            "schedule_fraction": self.schedule_seconds / wall,
+            "peak_kv_blocks": self.peak_kv_blocks,
+            "num_kv_blocks": self.num_kv_blocks,
+            "prompt_tokens_per_s": logical / wall,
+            "generated_tokens_per_s": self.generated_tokens / wall,
+            "total_tokens_per_s": (logical + self.generated_tokens) / wall,
+        }

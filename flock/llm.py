@@ -1,0 +1,105 @@
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from flock.config import EngineConfig
+from flock.engine.engine import LLMEngine
+from flock.outputs import CompletionOutput, RequestOutput
+from flock.request import Request
+from flock.sampling_params import SamplingParams
+
+Prompt = str | dict | list[int]
+
+
+class LLM:
+    """Offline generation, as in vLLM: `LLM(model, **config).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str = "flock/tiny", **kwargs):
+        self.config = EngineConfig.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. All prompts and parameters are
+        checked before any work starts: a bad one raises ValueError naming its index and field."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        texts, token_ids = zip(*(self._tokenize(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        self.engine.reset_stats()
+        requests = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
+        self._run(requests, use_tqdm)
+        return [self._output(req, text) for req, text in zip(requests, texts)]
+
+    def stats(self) -> dict:
+        """Statistics of the last `generate` call."""
+        return self.engine.stats.as_dict()
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        engine = self.engine
+        start = time.perf_counter()
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=None if use_tqdm else True)
+        try:
+            while engine.has_unfinished():
+                finished = engine.step()
+                if finished:
+                    bar.update(len(finished))
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"{engine.stats.generated_tokens / elapsed:.0f} tok/s out")
+        finally:
+            bar.close()
+            for req in requests:
+                engine.abort(req)  # no-op for finished ones; leaves the engine clean after an exception
+            engine.stats.wall_seconds = time.perf_counter() - start
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+
+    def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"], index)
+            raise ValueError(f"request {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"request {index}: prompt must be a string, a token-id list or a dict, not {type(prompt).__name__}")
+
+    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.engine.decode(req),
+            token_ids=req.output_token_ids,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_text,
+        )
+        return RequestOutput(
+            request_id=str(req.request_id),
+            prompt=prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished,
+            num_cached_tokens=req.num_cached_tokens,
+        )

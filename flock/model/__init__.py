@@ -1,0 +1,103 @@
+"""Model building: resolve a name to a Hugging Face folder, build the decoder, load or draw its weights."""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flock.attention.base import AttentionBackend
+from flock.model.builtin import BUILTIN_MODELS, is_builtin, materialize
+from flock.model.config import ModelConfig
+from flock.model.llama import LlamaForCausalLM
+from flock.model.loader import init_dummy, load_safetensors, save_safetensors
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ResolvedModel:
+    folder: Path
+    config: ModelConfig
+    builtin: bool
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    if is_builtin(name):
+        folder = materialize(name)
+        return ResolvedModel(folder, ModelConfig.from_folder(folder), True)
+    folder = Path(name)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model {name!r} is neither a local folder nor a built-in model ({', '.join(BUILTIN_MODELS)}); "
+            "Flock loads local Hugging Face folders only"
+        )
+    return ResolvedModel(folder, ModelConfig.from_folder(folder), False)
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = config.torch_dtype or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (choose from auto, {', '.join(DTYPES)})")
+    dtype = DTYPES[name]
+    if dtype is torch.float16 and device.type == "cpu":
+        return torch.bfloat16  # float16 matmuls are very slow on CPUs
+    return dtype
+
+
+def build_model(
+    resolved: ResolvedModel,
+    backend: AttentionBackend,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int,
+) -> LlamaForCausalLM:
+    if load_format == "auto":
+        load_format = "dummy" if resolved.builtin else "safetensors"
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported (auto, safetensors, dummy)")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(resolved.config, backend, max_positions, dtype)
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.finish_init(max_positions, dtype, device)
+    with torch.no_grad():
+        if load_format == "dummy":
+            init_dummy(model, seed)
+        else:
+            load_safetensors(model, resolved.folder)
+    return model.eval()
+
+
+def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 0) -> Path:
+    """Save a model (built-in or a folder, dummy weights for built-ins) as a plain Hugging Face folder."""
+    from flock.attention.torch_paged import TorchPagedBackend
+
+    resolved = resolve_model(name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = resolved.config
+    torch_dtype = resolve_dtype(dtype, c, torch.device("cpu"))
+    backend = TorchPagedBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window)
+    model = build_model(resolved, backend, "auto", torch_dtype, torch.device("cpu"), 1, seed)
+    save_safetensors(model, out)
+    config = json.loads((resolved.folder / "config.json").read_text())
+    config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (resolved.folder / f).exists() and resolved.folder.resolve() != out.resolve():
+            shutil.copy(resolved.folder / f, out / f)
+    return out

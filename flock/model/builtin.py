@@ -1,0 +1,93 @@
+"""Built-in models: Llama configs with a tokenizer shipped in the package, materialised as Hugging Face
+folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy")."""
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer
+
+ASSETS = Path(__file__).parent / "assets"
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+
+# A plain chat format for models that ship no template of their own.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _llama(hidden, layers, heads, kv_heads, intermediate, vocab, max_len=4096, tied=False) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 0,  # <s> in the shipped tokenizer
+        "eos_token_id": 1,  # </s>
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+
+
+BUILTIN_MODELS: dict[str, dict] = {
+    # demo and tests: 7.3M parameters, the shipped 8,192-token tokenizer
+    "flock/tiny": _llama(256, 4, 4, 2, 768, 8192),
+    # the speed peers' shapes (shared/notes/peers.md): vocab 32,000, bf16
+    "flock/bench-tiny": _llama(256, 4, 4, 4, 688, 32000) | {"torch_dtype": "bfloat16"},
+    "flock/bench-mid": _llama(1024, 8, 16, 4, 2816, 32000) | {"torch_dtype": "bfloat16"},
+}
+
+
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLOCK_CACHE", Path.home() / ".cache" / "flock"))
+
+
+def materialize(name: str) -> Path:
+    """Write the built-in model's config and tokenizer into the cache and return that folder."""
+    config = BUILTIN_MODELS[name]
+    folder = cache_root() / "models" / name.replace("/", "--")
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(folder / "config.json", json.dumps(config, indent=2))
+    write_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The shipped BPE tokenizer, padded with reserved tokens up to the model's vocabulary."""
+    tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    extra = vocab_size - tok.get_vocab_size()
+    if extra < 0:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the built-in tokenizer's {tok.get_vocab_size()}")
+    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(extra)])
+    _write_if_changed(folder / "tokenizer.json", tok.to_str())
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "add_bos_token": False,
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_if_changed(folder / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)

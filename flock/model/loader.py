@@ -1,0 +1,105 @@
+"""Weights in and out of Hugging Face folders: safetensors (single or sharded) and random ("dummy")."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flock.model.llama import LlamaForCausalLM
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class TensorSlot:
+    """Where one Hugging Face tensor lives in our model: a parameter, or a row range of a fused one."""
+
+    param: torch.nn.Parameter
+    offset: int
+    rows: int
+
+
+def hf_tensor_slots(model: LlamaForCausalLM) -> dict[str, TensorSlot]:
+    """Map every Hugging Face tensor name of the architecture to its place in `model`."""
+    slots = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        module_name, _, kind = name.rpartition(".")
+        fused = module_name.rsplit(".", 1)[-1]
+        if fused not in model.packed_modules:
+            slots[hf_name] = TensorSlot(param, 0, param.shape[0])
+            continue
+        offset = 0
+        for part, rows in zip(model.packed_modules[fused], _fused_rows(model, fused)):
+            slots[hf_name.replace(f".{fused}.", f".{part}.")] = TensorSlot(param, offset, rows)
+            offset += rows
+    return slots
+
+
+def _fused_rows(model: LlamaForCausalLM, fused: str) -> list[int]:
+    c = model.config
+    if fused == "qkv_proj":
+        kv = c.num_key_value_heads * c.head_dim
+        return [c.num_attention_heads * c.head_dim, kv, kv]
+    return [c.intermediate_size, c.intermediate_size]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
+    files = safetensors_files(folder)
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (use load_format='dummy' for random weights)")
+    slots = hf_tensor_slots(model)
+    loaded = set()
+    for file in files:
+        if not file.exists():
+            raise FileNotFoundError(f"{folder}: shard {file.name} named in the index is missing")
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (model.config.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                slot = slots.get(name)
+                if slot is None:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
+                _copy_into(slot, f.get_tensor(name), name, file.name)
+                loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise ValueError(f"{folder}: missing tensor {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+
+def _copy_into(slot: TensorSlot, tensor: torch.Tensor, name: str, file: str) -> None:
+    target = slot.param.data[slot.offset : slot.offset + slot.rows]
+    if tensor.shape != target.shape:
+        raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights, reproducible from the seed whatever the dtype (drawn in float32, then cast)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = torch.ones(param.shape)
+        else:
+            values = torch.randn(param.shape, generator=gen) * 0.02
+        param.data.copy_(values)
+
+
+def save_safetensors(model: LlamaForCausalLM, folder: Path, dtype: torch.dtype | None = None) -> None:
+    """Write the weights under Hugging Face names (fused tensors split back), loadable by any engine."""
+    tensors = {}
+    for name, slot in hf_tensor_slots(model).items():
+        t = slot.param.data[slot.offset : slot.offset + slot.rows]
+        tensors[name] = t.to(dtype or t.dtype).contiguous().clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

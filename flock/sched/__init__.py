@@ -1,0 +1,10 @@
+from flock.sched.base import Scheduler, StepPlan
+from flock.sched.fcfs import FCFSScheduler
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler}
+
+
+def make_scheduler(name: str, config, kv) -> Scheduler:
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; available: {sorted(SCHEDULERS)}")
+    return SCHEDULERS[name](config, kv)

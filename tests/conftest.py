@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from flock.model.builtin import write_tokenizer  # noqa: E402
+
+VOCAB = 8192
+
+HF_CONFIGS = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+    ),
+    "llama3": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=256, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, sliding_window=12,
+    ),
+}
+
+
+def make_hf_model(kind: str, folder, seed: int = 0, **save_kwargs):
+    """A random-weight transformers model saved as a Hugging Face folder with the built-in tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(HF_CONFIGS[kind])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+            else:  # norms and biases
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder, **save_kwargs)
+    write_tokenizer(folder, VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: make_hf_model(kind, root / kind) for kind in HF_CONFIGS}

@@ -1,0 +1,126 @@
+"""The central invariant: scheduling never changes results. Greedy tokens equal transformers `generate`."""
+
+import random
+
+import pytest
+import torch
+
+from flock import LLM, SamplingParams
+
+MAX_NEW = 8
+
+
+def shared_prefix_prompts(seed: int, vocab: int = 8192) -> list[list[int]]:
+    """Mixed lengths; groups sharing prefixes (some block-aligned, some not); a duplicate prompt."""
+    rng = random.Random(seed)
+    base = [rng.randrange(vocab) for _ in range(37)]
+    prompts = [base[:n] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))] for n in (0, 8, 16, 21, 37, 37)]
+    prompts += [[rng.randrange(vocab) for _ in range(n)] for n in (1, 2, 5, 30)]
+    prompts.append(list(prompts[3]))
+    rng.shuffle(prompts)
+    return prompts
+
+
+def hf_greedy(folder, prompts, dtype=torch.float64) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(hf_folders):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            prompts = shared_prefix_prompts(seed=len(kind))
+            cache[kind] = prompts, hf_greedy(hf_folders[kind], prompts)
+        return cache[kind]
+
+    return get
+
+
+def flock_greedy(folder, prompts, **config) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(folder), dtype="float64", **config)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def assert_no_leak(llm: LLM) -> None:
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(c == 0 for c in pool.ref_count)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching):
+    prompts, expected = references(kind)
+    got, llm = flock_greedy(hf_folders[kind], prompts, enable_prefix_caching=prefix_caching, block_size=8)
+    assert got == expected
+    assert_no_leak(llm)
+    stats = llm.stats()
+    if prefix_caching:
+        assert stats["saving_rate"] > 0.2
+    else:
+        assert stats["saving_rate"] == 0.0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 4096])
+def test_chunk_sizes(hf_folders, references, chunk):
+    prompts, expected = references("llama")
+    got, llm = flock_greedy(hf_folders["llama"], prompts, max_num_batched_tokens=chunk, block_size=4)
+    assert got == expected
+    assert llm.stats()["max_tokens_per_step"] <= chunk
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_under_small_kv_budget(hf_folders, references, prefix_caching):
+    prompts, expected = references("qwen2")
+    got, llm = flock_greedy(hf_folders["qwen2"], prompts, block_size=4, num_kv_blocks=16,
+                            enable_prefix_caching=prefix_caching, max_num_batched_tokens=32)
+    assert got == expected
+    assert llm.stats()["preemptions"] > 0
+    assert_no_leak(llm)
+
+
+def test_max_num_seqs_and_single_prompt(hf_folders, references):
+    prompts, expected = references("mistral")
+    got, _ = flock_greedy(hf_folders["mistral"], prompts, max_num_seqs=2, block_size=16)
+    assert got == expected
+    got, _ = flock_greedy(hf_folders["mistral"], prompts[:1])
+    assert got == expected[:1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_float32_logits_match_transformers(hf_folders, kind):
+    from transformers import AutoModelForCausalLM
+
+    prompt = shared_prefix_prompts(seed=1)[0] * 3
+    ref = AutoModelForCausalLM.from_pretrained(hf_folders[kind], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0]
+    llm = LLM(str(hf_folders[kind]), dtype="float32", block_size=8, max_num_batched_tokens=10)
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    logits = []
+    with torch.inference_mode():
+        while engine.scheduler.waiting or engine.scheduler.running:
+            plan = engine.scheduler.schedule()
+            input_ids, positions, layout, _ = engine.runner._prepare(plan)
+            hidden = engine.runner.model(input_ids, positions, engine.runner.backend.build_metadata(layout))
+            logits.append(engine.runner.model.compute_logits(hidden))
+            engine._postprocess(plan, [0] * len(plan.sampling()))
+    got = torch.cat(logits)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
