@@ -33,7 +33,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        texts, token_ids = zip(*(self._tokenize(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
+        texts, token_ids = zip(*(self.encode_prompt(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             try:
                 self.engine.check_request(ids, p)
@@ -74,14 +74,14 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
 
-    def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"], index)
+                return self.encode_prompt(prompt["prompt"], index)
             raise ValueError(f"request {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list):
             return None, list(prompt)

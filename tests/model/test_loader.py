@@ -1,0 +1,97 @@
+"""Hugging Face folders in and out: sharded safetensors, clear errors, built-in models saved for others."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flock import LLM, SamplingParams
+from flock.model import save_model
+from flock.model.config import ModelConfig
+from tests.conftest import make_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [100, 200, 300]}]
+
+
+def greedy(folder, **kw) -> list[list[int]]:
+    llm = LLM(str(folder), dtype="float64", **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_sharded_folder_loads_the_same_weights(tmp_path, hf_folders):
+    sharded = make_hf_model("llama", tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert greedy(sharded) == greedy(hf_folders["llama"])
+
+
+def _rewrite(folder, edit) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = make_hf_model("llama", tmp_path / "m")
+    _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"):
+        LLM(str(folder))
+
+
+def test_mismatched_tensor_is_named(tmp_path):
+    folder = make_hf_model("qwen2", tmp_path / "m")
+
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
+
+    _rewrite(folder, shrink)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(95, 64\), expected \(96, 64\)"):
+        LLM(str(folder))
+
+
+def test_unexpected_tensor_and_no_weights(tmp_path):
+    folder = make_hf_model("llama", tmp_path / "m")
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+        LLM(str(folder))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        LLM(str(folder))
+    assert greedy(folder, load_format="dummy")  # random weights from the config still work
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="neither a local folder nor a built-in model"):
+        LLM("no/such-model")
+
+
+def test_builtin_saved_as_hf_folder_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = save_model("flock/tiny", tmp_path / "tiny", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    builtin = LLM("flock/tiny", dtype="float64")
+    assert builtin.get_tokenizer().encode("hello world") == tok.encode("hello world")
+    ids = torch.tensor([PROMPTS[0]["prompt_token_ids"]])
+    expected = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    got = builtin.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected
+    assert greedy(out) == greedy("flock/tiny")  # the saved folder loads back with the same weights
+
+
+def test_config_variants():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    c = ModelConfig.from_dict(base | {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0},
+                                      "eos_token_id": [1, 2]})
+    assert c.num_key_value_heads == 2 and c.head_dim == 4 and c.rope_theta == 5e5
+    assert c.rope_scaling["rope_type"] == "linear" and c.eos_token_id == [1, 2]
+    c = ModelConfig.from_dict(base | {"model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert c.attention_bias and not c.o_proj_bias and c.rope_theta == 1e6 and c.rope_scaling is None
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelConfig.from_dict(base | {"model_type": "gpt2"})

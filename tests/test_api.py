@@ -1,0 +1,102 @@
+"""The offline API: vLLM-like inputs and outputs, bad input rejected up front, nothing lost or leaked."""
+
+import pytest
+
+from flock import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("flock/tiny", block_size=8, max_model_len=128)
+
+
+def assert_clean(llm: LLM) -> None:
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.ref_count)
+    assert not llm.engine.has_unfinished()
+
+
+def test_string_and_token_prompts_in_input_order(llm):
+    tok = llm.get_tokenizer()
+    prompts = ["The cache is paged.", {"prompt_token_ids": tok.encode("def f(x):")}, "Hello"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["The cache is paged.", None, "Hello"]
+    assert outs[1].prompt_token_ids == tok.encode("def f(x):")
+    for o in outs:
+        assert len(o.outputs[0].token_ids) == 5 and o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+    single = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt is empty"),
+        ("", SamplingParams(), "prompt is empty"),
+        ({"prompt_token_ids": [5] * 129}, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [1, 2, 99999]}, SamplingParams(), r"prompt_token_ids\[2\]"),
+        ({"prompt_token_ids": [1, -1]}, SamplingParams(), "outside the vocabulary"),
+        ("ok", SamplingParams(max_tokens=0), "max_tokens"),
+        ("ok", SamplingParams(max_tokens=-3), "max_tokens"),
+        ("ok", SamplingParams(top_p=0.0), "top_p"),
+        ("ok", SamplingParams(top_p=1.5), "top_p"),
+        ("ok", SamplingParams(temperature=-1), "temperature"),
+        ({"text": "no prompt field"}, SamplingParams(), "'prompt' or 'prompt_token_ids'"),
+    ],
+)
+def test_bad_request_is_named_before_any_work(llm, prompt, params, message):
+    good = SamplingParams(temperature=0, max_tokens=3)
+    added = llm.engine._next_id
+    with pytest.raises(ValueError, match=message) as err:
+        llm.generate(["fine", prompt, "also fine"], [good, params, good], use_tqdm=False)
+    assert "request 1" in str(err.value)
+    assert llm.engine._next_id == added  # no request was queued
+    assert_clean(llm)
+    outs = llm.generate(["fine", "also fine"], good, use_tqdm=False)  # the engine is unharmed
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    assert_clean(llm)
+
+
+def test_unknown_engine_argument():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM("flock/tiny", max_num_seq=4)
+
+
+def test_stop_token_ids_and_strings(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = llm.generate("Once upon a time", greedy, use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    stop_str = base.text[len(base.text) // 2 :][:3]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                          stop=[stop_str]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+    assert stop_str not in out.text and base.text.startswith(out.text)
+    assert_clean(llm)
+
+
+def test_seed_is_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True)
+    alone = llm.generate("The cache", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(["x y z", "The cache", "another prompt here"], [other, seeded, other], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    different = llm.generate("The cache", SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10,
+                                                        ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_stats_keys(llm):
+    llm.generate(["a b c d e f g h i j k", "a b c d e f g h i j k l"], SamplingParams(max_tokens=2), use_tqdm=False)
+    s = llm.stats()
+    for key in ("logical_prefill_tokens", "computed_prefill_tokens", "saving_rate", "steps", "mean_tokens_per_step",
+                "schedule_seconds", "model_seconds", "peak_kv_blocks", "prompt_tokens_per_s",
+                "generated_tokens_per_s", "total_tokens_per_s"):
+        assert key in s
+    assert s["num_requests"] == 2 and s["generated_tokens"] == 4
+    assert 0 < s["saving_rate"] < 1  # the second prompt reuses the first one's full block
