@@ -4,10 +4,10 @@ from flock.attention.torch_paged import TorchPagedBackend
 BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedBackend}
 
 
-def make_backend(name: str, config, device) -> AttentionBackend:
+def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     """`config` is a ModelConfig. "auto" picks the best backend available for the device."""
     if name == "auto":
         name = "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window)
+    return BACKENDS[name](config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window, dtype)

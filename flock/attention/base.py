@@ -36,7 +36,8 @@ class AttentionBackend:
 
     name = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype):
+        self.dtype = dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -1,5 +1,6 @@
 """Per-request paged attention in PyTorch: decode tokens batched into one padded call, prefill chunks one
-call each (causal against their cached context)."""
+call each (causal against their cached context). KV is gathered by whole blocks, and every call passes
+4-D tensors, which keeps PyTorch on its fused CPU kernel instead of the slow reference path."""
 
 from dataclasses import dataclass
 
@@ -14,15 +15,16 @@ from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 class PrefillChunk:
     start: int  # token offset in the step
     end: int
-    slots: torch.Tensor | None  # context slots, None when the chunk is the whole context
-    mask: torch.Tensor | None  # [q, ctx] bool, None means plain causal
+    blocks: torch.Tensor | None  # context blocks; None when the chunk is its whole context (no cache read)
+    context_len: int
+    mask: torch.Tensor | None  # [q, ctx] additive; None means plain causal
 
 
 @dataclass
 class TorchPagedMetadata(AttentionMetadata):
-    decode_tokens: torch.Tensor | None  # [B] token offsets of decode queries
-    decode_slots: torch.Tensor | None  # [B, L] context slots, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, None when no padding is needed
+    decode_tokens: torch.Tensor | None  # [B] token offsets of single-token queries
+    decode_blocks: torch.Tensor | None  # [B * W] block tables padded to W blocks, flattened
+    decode_mask: torch.Tensor | None  # [B, 1, 1, W * block_size] additive
     prefills: list[PrefillChunk]
 
 
@@ -34,64 +36,70 @@ class TorchPagedBackend(AttentionBackend):
         qlens = layout.query_lens
         decode_ids = np.flatnonzero(qlens == 1)
         prefills = [self._prefill_chunk(layout, int(i)) for i in np.flatnonzero(qlens > 1)]
-        decode_tokens = decode_slots = decode_mask = None
+        meta = TorchPagedMetadata(layout.slot_mapping, None, None, None, prefills)
         if len(decode_ids):
-            decode_tokens = torch.from_numpy(layout.query_start[decode_ids]).to(self.device)
-            decode_slots, decode_mask = self._decode_slots(layout, decode_ids)
-        return TorchPagedMetadata(layout.slot_mapping, decode_tokens, decode_slots, decode_mask, prefills)
+            meta.decode_tokens = torch.from_numpy(layout.query_start[decode_ids]).to(self.device)
+            meta.decode_blocks, meta.decode_mask = self._decode_blocks(layout, decode_ids)
+        return meta
 
-    def _decode_slots(self, layout: StepLayout, ids: np.ndarray):
+    def _decode_blocks(self, layout: StepLayout, ids: np.ndarray):
+        bs = layout.block_size
         lens = layout.seq_lens[ids]
-        width = int(lens.max())
-        slots = np.zeros((len(ids), width), dtype=np.int64)
+        width = int(-(-lens.max() // bs))
+        blocks = np.zeros((len(ids), width), dtype=np.int64)
         for row, i in enumerate(ids):
-            slots[row, : lens[row]] = layout.context_slots(int(i))
-        cols = np.arange(width)
+            table = layout.block_tables[i][: -(-int(lens[row]) // bs)]
+            blocks[row, : len(table)] = table
+        cols = np.arange(width * bs)
         valid = cols[None, :] < lens[:, None]
         if self.sliding_window is not None:
             valid &= cols[None, :] >= (lens - self.sliding_window)[:, None]
-        mask = None if valid.all() else torch.from_numpy(valid)[:, None, None, :].to(self.device)
-        return torch.from_numpy(slots).to(self.device), mask
+        return torch.from_numpy(blocks.reshape(-1)).to(self.device), self._additive(valid)[:, None, None, :]
 
     def _prefill_chunk(self, layout: StepLayout, i: int) -> PrefillChunk:
         start, end = int(layout.query_start[i]), int(layout.query_start[i + 1])
         n, ctx = end - start, int(layout.seq_lens[i])
         if ctx == n and self.sliding_window is None:
-            return PrefillChunk(start, end, None, None)
+            return PrefillChunk(start, end, None, ctx, None)
         q_pos = np.arange(ctx - n, ctx)[:, None]
         k_pos = np.arange(ctx)[None, :]
-        mask = k_pos <= q_pos
+        valid = k_pos <= q_pos
         if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        slots = torch.from_numpy(layout.context_slots(i)).to(self.device)
-        return PrefillChunk(start, end, slots, torch.from_numpy(mask).to(self.device))
+            valid &= k_pos > q_pos - self.sliding_window
+        blocks = layout.block_tables[i][: -(-ctx // layout.block_size)]
+        return PrefillChunk(start, end, torch.from_numpy(blocks).to(self.device), ctx, self._additive(valid))
+
+    def _additive(self, valid: np.ndarray) -> torch.Tensor:
+        mask = torch.zeros(valid.shape, dtype=self.dtype)
+        return mask.masked_fill_(torch.from_numpy(~valid), float("-inf")).to(self.device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchPagedMetadata) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
-        for chunk in meta.prefills:
-            qc = q[chunk.start : chunk.end]
-            if chunk.slots is None:
-                kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        for c in meta.prefills:
+            qc = q[c.start : c.end]
+            if c.blocks is None:
+                kc, vc = k[c.start : c.end], v[c.start : c.end]
             else:
-                kc, vc = k_flat[chunk.slots], v_flat[chunk.slots]
-            out[chunk.start : chunk.end] = self._attend(qc, kc, vc, chunk.mask, causal=chunk.mask is None)
+                kc = _gather(k_cache, c.blocks)[: c.context_len]
+                vc = _gather(v_cache, c.blocks)[: c.context_len]
+            # [n, H, D] -> [1, H, n, D]
+            o = self._sdpa(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], c.mask)
+            out[c.start : c.end] = o[0].transpose(0, 1)
         if meta.decode_tokens is not None:
+            b = len(meta.decode_tokens)
             qd = q[meta.decode_tokens].unsqueeze(2)  # [B, H, 1, D]
-            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            out[meta.decode_tokens] = o.squeeze(2)
+            kd = _gather(k_cache, meta.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vd = _gather(v_cache, meta.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            out[meta.decode_tokens] = self._sdpa(qd, kd, vd, meta.decode_mask).squeeze(2)
         return out
 
-    def _attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        # [n, H, D] x [ctx, KVH, D] -> [n, H, D]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+    def _sdpa(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
         )
-        return o.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D]."""
+    return cache.index_select(0, blocks).flatten(0, 1)

@@ -25,7 +25,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, c, self.device)
         self.block_size = config.block_size
-        self.backend = make_backend(config.attention, c, self.device)
+        self.backend = make_backend(config.attention, c, self.device, self.dtype)
         self.model = build_model(
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed
         )

@@ -91,7 +91,7 @@ def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 
     out.mkdir(parents=True, exist_ok=True)
     c = resolved.config
     torch_dtype = resolve_dtype(dtype, c, torch.device("cpu"))
-    backend = TorchPagedBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window)
+    backend = TorchPagedBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, torch_dtype)
     model = build_model(resolved, backend, "auto", torch_dtype, torch.device("cpu"), 1, seed)
     save_safetensors(model, out)
     config = json.loads((resolved.folder / "config.json").read_text())

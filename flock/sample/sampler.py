@@ -22,8 +22,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
-        if min(top_k) < logits.shape[-1]:
+        vocab = logits.shape[-1]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        if min(top_k) < vocab:
             k = torch.tensor(top_k, device=logits.device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,0 +1,244 @@
+"""KVCacheManager: block tables over the shared pool, prefix caching, all-or-nothing allocation."""
+
+import pytest
+
+from flock.kv.hashing import chained_hashes
+from flock.kv.manager import KVCacheManager
+from flock.request import Request
+from flock.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_req(rid: int, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(temperature=0.0))
+
+
+def prefill(kv: KVCacheManager, req: Request) -> list[int]:
+    """Admit `req` the way the scheduler does (cached prefix, then the rest in one chunk) and mark it computed."""
+    cached = kv.cached_prefix(req)
+    n = req.num_tokens - len(cached) * kv.block_size
+    assert kv.allocate(req, n, cached)
+    req.num_computed_tokens += n
+    return cached
+
+
+def assert_pool_consistent(kv: KVCacheManager, live: list[Request]) -> None:
+    pool = kv.pool
+    for b in range(pool.num_blocks):
+        owners = sum(r.block_table.count(b) for r in live)
+        assert pool.ref_count[b] == owners, f"block {b}: ref {pool.ref_count[b]}, held by {owners}"
+        assert (b in pool.free) == (owners == 0)
+    for h, b in pool.cached.items():
+        assert pool.block_hash[b] == h
+
+
+def assert_all_free(kv: KVCacheManager) -> None:
+    pool = kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert all(c == 0 for c in pool.ref_count)
+
+
+def test_blocks_needed_and_capacity():
+    kv = KVCacheManager(10, BS, True)
+    assert kv.capacity_tokens == 40
+    assert [kv.blocks_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_allocate_gives_enough_blocks_and_grows_one_token_at_a_time():
+    kv = KVCacheManager(8, BS, True)
+    req = make_req(0, list(range(6)))
+    assert kv.cached_prefix(req) == []
+    assert kv.allocate(req, 6)
+    assert len(req.block_table) == 2
+    assert len(set(req.block_table)) == 2
+    req.num_computed_tokens = 6
+    for step in range(5):  # decode: 6 -> 11 tokens of KV
+        req.token_ids.append(100 + step)
+        assert kv.allocate(req, 1)
+        req.num_computed_tokens += 1
+        assert len(req.block_table) == kv.blocks_needed(req.num_computed_tokens)
+    assert len(req.block_table) == 3
+    assert_pool_consistent(kv, [req])
+    kv.free(req)
+    assert req.block_table == []
+    assert_all_free(kv)
+
+
+def test_block_hashes_match_chained_hashes():
+    kv = KVCacheManager(8, BS, True)
+    prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
+    req = make_req(0, prompt)
+    prefill(kv, req)
+    assert req.block_hashes == chained_hashes(prompt, BS)
+    assert req.num_registered_blocks == 3
+    # the three full blocks are in the index, the partial fourth is not
+    for i in range(3):
+        assert kv.pool.lookup(req.block_hashes[i], tuple(prompt[i * BS : (i + 1) * BS])) == req.block_table[i]
+    assert kv.pool.block_hash[req.block_table[3]] is None
+
+
+@pytest.mark.parametrize("extra", [1, 3])
+def test_second_request_with_same_prompt_gets_cached_prefix(extra):
+    kv = KVCacheManager(16, BS, True)
+    prompt = list(range(3 * BS + extra))  # 3 full blocks + a partial one
+    a, b = make_req(0, prompt), make_req(1, prompt)
+    assert prefill(kv, a) == []
+    cached = kv.cached_prefix(b)
+    assert cached == a.block_table[:3]
+    free_before = kv.pool.num_free
+    assert kv.allocate(b, b.num_tokens - 3 * BS, cached)
+    assert b.num_computed_tokens == 3 * BS
+    assert b.block_table[:3] == a.block_table[:3]
+    assert b.block_table[3] != a.block_table[3]
+    assert kv.pool.num_free == free_before - 1  # only the partial block is new
+    assert all(kv.pool.ref_count[x] == 2 for x in a.block_table[:3])
+    assert_pool_consistent(kv, [a, b])
+    kv.free(a)
+    kv.free(b)
+    assert_all_free(kv)
+
+
+def test_block_aligned_fully_cached_prompt_still_leaves_one_token_to_compute():
+    kv = KVCacheManager(16, BS, True)
+    prompt = list(range(3 * BS))  # exactly 3 blocks
+    a, b = make_req(0, prompt), make_req(1, prompt)
+    prefill(kv, a)
+    cached = kv.cached_prefix(b)
+    assert len(cached) == 2  # never the whole prompt: the last token must be computed to sample
+    assert cached == a.block_table[:2]
+    n = b.num_tokens - len(cached) * BS
+    assert n == BS
+    assert kv.allocate(b, n, cached)
+    assert b.num_computed_tokens == 2 * BS
+    assert len(b.block_table) == 3 and b.block_table[2] != a.block_table[2]
+    assert_pool_consistent(kv, [a, b])
+
+
+def test_single_token_and_sub_block_prompts_are_never_cached():
+    kv = KVCacheManager(8, BS, True)
+    for prompt in ([7], [1, 2, 3], [1, 2, 3, 4]):
+        a, b = make_req(0, prompt), make_req(1, prompt)
+        prefill(kv, a)
+        assert kv.cached_prefix(b) == []
+        kv.free(a)
+
+
+def test_prefix_hit_stops_at_the_first_differing_block():
+    kv = KVCacheManager(16, BS, True)
+    base = list(range(20))
+    a = make_req(0, base)
+    prefill(kv, a)
+    other = base[:9] + [999] + base[10:]  # differs in block 2
+    b = make_req(1, other)
+    assert kv.cached_prefix(b) == a.block_table[:2]
+    # same block content, different earlier block: no hit at all
+    c = make_req(2, [555] + base[1:])
+    assert kv.cached_prefix(c) == []
+
+
+def test_cached_prefix_survives_free_and_revives_free_blocks():
+    kv = KVCacheManager(6, BS, True)
+    prompt = list(range(3 * BS + 1))
+    a = make_req(0, prompt)
+    prefill(kv, a)
+    table = list(a.block_table)
+    kv.free(a)
+    assert_all_free(kv)
+    b = make_req(1, prompt)
+    cached = kv.cached_prefix(b)
+    assert cached == table[:3]
+    assert kv.allocate(b, 1, cached)
+    assert kv.pool.num_free == 6 - 4
+    assert all(x not in kv.pool.free for x in b.block_table)
+    assert_pool_consistent(kv, [b])
+
+
+def test_allocate_failure_changes_nothing():
+    kv = KVCacheManager(4, BS, True)
+    a = make_req(0, list(range(3 * BS)))
+    prefill(kv, a)  # 3 of 4 blocks
+    b = make_req(1, list(range(100, 100 + 2 * BS)))
+    ref_before, free_before = list(kv.pool.ref_count), list(kv.pool.free)
+    assert not kv.allocate(b, 2 * BS)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert kv.pool.ref_count == ref_before and list(kv.pool.free) == free_before
+    # a running request that cannot grow is left untouched too
+    kv2 = KVCacheManager(2, BS, True)
+    r = make_req(2, list(range(2 * BS)))
+    prefill(kv2, r)
+    r.token_ids.append(1)
+    table = list(r.block_table)
+    assert not kv2.allocate(r, 1)
+    assert r.block_table == table and r.num_computed_tokens == 2 * BS
+    assert kv2.pool.num_free == 0
+
+
+def test_allocate_failure_with_a_cached_prefix_changes_nothing():
+    """The hit blocks sit in the free queue: reviving them costs free blocks too."""
+    kv = KVCacheManager(4, BS, True)
+    prompt = list(range(3 * BS + 2))
+    a = make_req(0, prompt)
+    prefill(kv, a)  # all 4 blocks
+    kv.free(a)
+    filler = make_req(1, [9] * 2)
+    assert kv.allocate(filler, 2)  # takes the head of the LRU: a's tail block (the partial one)
+    b = make_req(2, prompt)
+    cached = kv.cached_prefix(b)
+    assert len(cached) == 3
+    free_before, ref_before = list(kv.pool.free), list(kv.pool.ref_count)
+    assert kv.pool.num_free == 3
+    # 3 revived + 1 new > 3 free
+    assert not kv.allocate(b, b.num_tokens - 3 * BS, cached)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert list(kv.pool.free) == free_before and kv.pool.ref_count == ref_before
+    assert kv.cached_prefix(b) == cached  # nothing was evicted
+    kv.free(filler)
+    assert kv.allocate(b, b.num_tokens - 3 * BS, cached)
+    assert b.num_computed_tokens == 3 * BS
+    assert_pool_consistent(kv, [b])
+
+
+def test_prefix_caching_disabled_caches_nothing():
+    kv = KVCacheManager(16, BS, False)
+    prompt = list(range(3 * BS + 1))
+    a, b = make_req(0, prompt), make_req(1, prompt)
+    prefill(kv, a)
+    assert kv.pool.cached == {}
+    assert kv.cached_prefix(b) == []
+    prefill(kv, b)
+    assert set(a.block_table).isdisjoint(b.block_table)
+    kv.free(a)
+    assert kv.cached_prefix(b) == []
+    kv.free(b)
+    assert kv.pool.cached == {}
+    assert_all_free(kv)
+
+
+def test_free_returns_blocks_tail_first():
+    kv = KVCacheManager(8, BS, True)
+    a = make_req(0, list(range(3 * BS)))
+    prefill(kv, a)
+    table = list(a.block_table)
+    kv.free(a)
+    assert list(kv.pool.free)[-3:] == table[::-1]  # prefix block at the tail: evicted last
+
+
+def test_many_requests_sharing_prefixes_leak_nothing():
+    kv = KVCacheManager(32, BS, True)
+    base = list(range(1000, 1000 + 4 * BS))
+    reqs = []
+    for i, cut in enumerate((0, 3, 4, 8, 11, 16, 16)):
+        r = make_req(i, base[:cut] + [i] * (2 + i))
+        prefill(kv, r)
+        for t in range(3):  # a few decode steps
+            r.token_ids.append(t)
+            assert kv.allocate(r, 1)
+            r.num_computed_tokens += 1
+        reqs.append(r)
+        assert_pool_consistent(kv, reqs)
+    assert reqs[-1].block_table[:4] == reqs[-2].block_table[:4]
+    for r in reqs[::2] + reqs[1::2]:
+        kv.free(r)
+        assert r.block_table == [] and r.num_registered_blocks == 0
+    assert_all_free(kv)
