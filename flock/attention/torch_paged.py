@@ -31,6 +31,10 @@ class TorchPagedMetadata(AttentionMetadata):
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._buffers: list[torch.Tensor | None] = [None, None]  # K and V gather workspaces
+
     def build_metadata(self, layout: StepLayout) -> TorchPagedMetadata:
         self.device = layout.slot_mapping.device
         qlens = layout.query_lens
@@ -81,25 +85,34 @@ class TorchPagedBackend(AttentionBackend):
             if c.blocks is None:
                 kc, vc = k[c.start : c.end], v[c.start : c.end]
             else:
-                kc = _gather(k_cache, c.blocks)[: c.context_len]
-                vc = _gather(v_cache, c.blocks)[: c.context_len]
+                kc = self._gather(k_cache, c.blocks, 0)[: c.context_len]
+                vc = self._gather(v_cache, c.blocks, 1)[: c.context_len]
             # [n, H, D] -> [1, H, n, D]
             o = self._sdpa(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], c.mask)
             out[c.start : c.end] = o[0].transpose(0, 1)
         if meta.decode_tokens is not None:
             b = len(meta.decode_tokens)
-            qd = q[meta.decode_tokens].unsqueeze(2)  # [B, H, 1, D]
-            kd = _gather(k_cache, meta.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vd = _gather(v_cache, meta.decode_blocks).view(b, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            out[meta.decode_tokens] = self._sdpa(qd, kd, vd, meta.decode_mask).squeeze(2)
+            # the query heads sharing a KV head become that head's query rows: no KV expansion for GQA
+            qd = q[meta.decode_tokens].view(b, self.num_kv_heads, -1, self.head_dim)
+            kd = self._gather(k_cache, meta.decode_blocks, 0).view(b, -1, *k.shape[1:]).transpose(1, 2)
+            vd = self._gather(v_cache, meta.decode_blocks, 1).view(b, -1, *v.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            out[meta.decode_tokens] = o.view(b, self.num_heads, self.head_dim)
         return out
 
     def _sdpa(self, q, k, v, mask):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        gqa = self.num_heads != self.num_kv_heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
 
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
+        """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D].
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D]."""
-    return cache.index_select(0, blocks).flatten(0, 1)
+        Copies into a reused buffer: fresh multi-MB tensors every layer cost page faults on CPUs."""
+        n = len(blocks)
+        buf = self._buffers[slot]
+        if buf is None or buf.shape[0] < n or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty((max(n, 1) * 5 // 4, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._buffers[slot] = buf
+        out = buf[:n]
+        torch.index_select(cache, 0, blocks, out=out)
+        return out.flatten(0, 1)

@@ -1,6 +1,7 @@
 import logging
 import time
 
+import numpy as np
 import torch
 
 from flock.config import EngineConfig
@@ -47,9 +48,12 @@ class LLMEngine:
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
         vocab = self.model_config.vocab_size
-        for position, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab})")
+        ids = np.asarray(prompt_token_ids)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if ids.dtype.kind in "iu" and ids.ndim == 1 else None
+        if bad is None or len(bad):
+            position = next(i for i, t in enumerate(prompt_token_ids) if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab)
+            t = prompt_token_ids[position]
+            raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.check_request(prompt_token_ids, params)
