@@ -61,11 +61,16 @@ def assert_no_leak(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
 
 
+BACKENDS = ["torch", "torch-cascade"]
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching):
+def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
-    got, llm = flock_greedy(hf_folders[kind], prompts, enable_prefix_caching=prefix_caching, block_size=8)
+    got, llm = flock_greedy(hf_folders[kind], prompts, enable_prefix_caching=prefix_caching, block_size=8,
+                            attention=attention)
     assert got == expected
     assert_no_leak(llm)
     stats = llm.stats()
@@ -75,20 +80,23 @@ def test_greedy_matches_transformers(hf_folders, references, kind, prefix_cachin
         assert stats["saving_rate"] == 0.0
 
 
+@pytest.mark.parametrize("attention", BACKENDS)
 @pytest.mark.parametrize("chunk", [1, 3, 16, 4096])
-def test_chunk_sizes(hf_folders, references, chunk):
+def test_chunk_sizes(hf_folders, references, chunk, attention):
     prompts, expected = references("llama")
-    got, llm = flock_greedy(hf_folders["llama"], prompts, max_num_batched_tokens=chunk, block_size=4)
+    got, llm = flock_greedy(hf_folders["llama"], prompts, max_num_batched_tokens=chunk, block_size=4,
+                            attention=attention)
     assert got == expected
     assert llm.stats()["max_tokens_per_step"] <= chunk
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("attention", BACKENDS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_preemption_under_small_kv_budget(hf_folders, references, prefix_caching):
+def test_preemption_under_small_kv_budget(hf_folders, references, prefix_caching, attention):
     prompts, expected = references("qwen2")
     got, llm = flock_greedy(hf_folders["qwen2"], prompts, block_size=4, num_kv_blocks=16,
-                            enable_prefix_caching=prefix_caching, max_num_batched_tokens=32)
+                            enable_prefix_caching=prefix_caching, max_num_batched_tokens=32, attention=attention)
     assert got == expected
     assert llm.stats()["preemptions"] > 0
     assert_no_leak(llm)

@@ -1,0 +1,122 @@
+"""Every attention backend equals plain per-request attention on random paged layouts."""
+
+import numpy as np
+import pytest
+import torch
+
+from flock.attention import make_backend
+from flock.attention.base import StepLayout
+from flock.attention.sharing import find_prefix_groups
+from flock.model.config import ModelConfig
+
+BS = 4
+HEAD_DIM = 8
+
+
+def config(heads: int, kv_heads: int, window=None) -> ModelConfig:
+    return ModelConfig("llama", 100, heads * HEAD_DIM, 16, 1, heads, kv_heads, HEAD_DIM, sliding_window=window)
+
+
+def random_layout(rng: np.random.Generator, groups: list[tuple[int, int]], singles: int, num_blocks: int = 400):
+    """groups: (members, shared prefix blocks). Each request gets its own tail, a computed length past the
+    prefix and a query of 1 token (decode) or a chunk. Physical blocks are shuffled."""
+    free = list(rng.permutation(num_blocks))
+    tables, starts, qlens = [], [], []
+    for members, prefix_blocks in groups + [(1, 0)] * singles:
+        prefix = [free.pop() for _ in range(prefix_blocks)]
+        for _ in range(members):
+            start = prefix_blocks * BS + int(rng.integers(0, 9))
+            qlen = 1 if rng.random() < 0.6 else int(rng.integers(2, 11))
+            own = -(-(start + qlen) // BS) - prefix_blocks
+            tables.append(np.array(prefix + [free.pop() for _ in range(own)], dtype=np.int64))
+            starts.append(start)
+            qlens.append(qlen)
+    order = rng.permutation(len(tables))
+    tables = [tables[i] for i in order]
+    starts, qlens = np.array(starts)[order], np.array(qlens)[order]
+    query_start = np.concatenate([[0], np.cumsum(qlens)])
+    slots = np.concatenate([t[np.arange(s, s + q) // BS] * BS + np.arange(s, s + q) % BS
+                            for t, s, q in zip(tables, starts, qlens)])
+    return StepLayout(query_start, starts + qlens, tables, BS, torch.from_numpy(slots))
+
+
+def reference(q, k_cache, v_cache, layout: StepLayout, kv_heads: int, window=None):
+    """Per-request attention, one token at a time, in float64."""
+    out = torch.empty_like(q, dtype=torch.float64)
+    g = q.shape[1] // kv_heads
+    for i in range(len(layout.seq_lens)):
+        ctx = layout.context_slots(i)
+        keys = k_cache.view(-1, kv_heads, HEAD_DIM)[torch.from_numpy(ctx)].double().repeat_interleave(g, 1)
+        vals = v_cache.view(-1, kv_heads, HEAD_DIM)[torch.from_numpy(ctx)].double().repeat_interleave(g, 1)
+        first = int(layout.seq_lens[i] - layout.query_lens[i])
+        for j, t in enumerate(range(layout.query_start[i], layout.query_start[i + 1])):
+            pos = first + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,khd->hk", q[t].double(), keys[lo : pos + 1]) * HEAD_DIM**-0.5
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[lo : pos + 1])
+    return out
+
+
+def run_backend(name, cfg, layout, q, k, v, k_cache, v_cache):
+    backend = make_backend(name, cfg, torch.device("cpu"), q.dtype)
+    meta = backend.build_metadata(layout)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    return backend.forward(q, k, v, kc, vc, meta), meta, kc, vc
+
+
+LAYOUTS = {
+    "several groups": ([(4, 3), (3, 5), (2, 2)], 2),
+    "one big group": ([(9, 6)], 0),
+    "group of one": ([(1, 4)], 1),
+    "no sharing": ([], 5),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-cascade"])
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_backend_equals_per_request_attention(backend, layout_name, heads, kv_heads, dtype, tol):
+    rng = np.random.default_rng(abs(hash((backend, layout_name, heads))) % 2**32)
+    layout = random_layout(rng, *LAYOUTS[layout_name])
+    torch.manual_seed(0)
+    n_tokens = int(layout.query_start[-1])
+    q = torch.randn(n_tokens, heads, HEAD_DIM, dtype=dtype)
+    k = torch.randn(n_tokens, kv_heads, HEAD_DIM, dtype=dtype)
+    v = torch.randn(n_tokens, kv_heads, HEAD_DIM, dtype=dtype)
+    k_cache = torch.randn(400, BS, kv_heads, HEAD_DIM, dtype=dtype)
+    v_cache = torch.randn(400, BS, kv_heads, HEAD_DIM, dtype=dtype)
+    out, meta, kc, vc = run_backend(backend, config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
+    expected = reference(q, kc, vc, layout, kv_heads)
+    assert (out.double() - expected).abs().max().item() <= tol
+    if backend == "torch-cascade":
+        sharing = layout_name in ("several groups", "one big group")
+        assert bool(meta.groups) == sharing
+
+
+def test_sliding_window_disables_sharing_but_stays_exact():
+    rng = np.random.default_rng(3)
+    layout = random_layout(rng, [(4, 5)], 1)
+    n = int(layout.query_start[-1])
+    q, k, v = torch.randn(n, 4, HEAD_DIM), torch.randn(n, 2, HEAD_DIM), torch.randn(n, 2, HEAD_DIM)
+    caches = torch.randn(400, BS, 2, HEAD_DIM), torch.randn(400, BS, 2, HEAD_DIM)
+    for name in ("torch", "torch-cascade"):
+        out, meta, kc, vc = run_backend(name, config(4, 2, window=7), layout, q, k, v, *caches)
+        assert (out.double() - reference(q, kc, vc, layout, 2, window=7)).abs().max() <= 1e-5
+
+
+def test_groups_maximise_saved_prefix_reads():
+    t = lambda *b: np.array(b)  # noqa: E731
+    # A, B share 6 blocks; C, D share 6 others; all four share block 1 only
+    tables = [t(1, 2, 3, 4, 5, 6, 7), t(1, 2, 3, 4, 5, 6, 8), t(1, 9, 10, 11, 12, 13, 14), t(1, 9, 10, 11, 12, 13, 15)]
+    usable = np.array([7, 7, 7, 7])
+    groups = find_prefix_groups(tables, usable, min_blocks=1)
+    assert sorted((sorted(g.members), g.num_blocks) for g in groups) == [([0, 1], 6), ([2, 3], 6)]
+    # all four sharing 5 blocks beats two pairs sharing 6: 3*5 > 2*6
+    tables = [t(1, 2, 3, 4, 5, 6, 7), t(1, 2, 3, 4, 5, 6, 8), t(1, 2, 3, 4, 5, 9), t(1, 2, 3, 4, 5, 9)]
+    groups = find_prefix_groups(tables, np.array([7, 7, 6, 6]), min_blocks=1)
+    assert [(sorted(g.members), g.num_blocks) for g in groups] == [([0, 1, 2, 3], 5)]
+    # usable blocks cap the depth (a block computed in this step is not a shared prefix yet)
+    groups = find_prefix_groups(tables[:2], np.array([7, 3]), min_blocks=2)
+    assert [(sorted(g.members), g.num_blocks) for g in groups] == [([0, 1], 3)]
+    assert find_prefix_groups(tables[:2], np.array([7, 1]), min_blocks=2) == []
