@@ -110,10 +110,10 @@ def warmup_prompts(args: argparse.Namespace) -> list[list[int]]:
     return [random_tokens(rng, args.prefix + args.distinct) for _ in range(4)]
 
 
-def run_flock(folder: Path, w: Workload, caching: bool, args: argparse.Namespace) -> Result:
+def run_flock(folder: Path, w: Workload, caching: bool, attention: str, args: argparse.Namespace) -> Result:
     from flock import LLM, SamplingParams
 
-    llm = LLM(str(folder), dtype="bfloat16", enable_prefix_caching=caching,
+    llm = LLM(str(folder), dtype="bfloat16", enable_prefix_caching=caching, attention=attention,
               max_num_batched_tokens=args.max_batched_tokens, block_size=16)
     llm.generate([{"prompt_token_ids": p} for p in warmup_prompts(args)],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -125,7 +125,8 @@ def run_flock(folder: Path, w: Workload, caching: bool, args: argparse.Namespace
     gc.collect()
     extra = {k: s[k] for k in ("schedule_seconds", "model_seconds", "steps", "preemptions", "peak_kv_blocks")}
     extra["others_cpu"] = others.fraction
-    return Result("Flock FCFS", caching, s["wall_seconds"], s["logical_prefill_tokens"], s["generated_tokens"],
+    return Result(f"Flock FCFS, {attention} attention", caching, s["wall_seconds"], s["logical_prefill_tokens"],
+                  s["generated_tokens"],
                   s["saving_rate"], outputs=[o.outputs[0].token_ids for o in outs], extra=extra)
 
 
@@ -284,7 +285,10 @@ def bench_model(shape: str, vllm: Path | str | None, args: argparse.Namespace) -
     with_hf = not args.skip_hf and (args.hf or shape == "tiny")
     check_load("Flock and HF" if with_hf else "Flock")
     for w in workloads:
-        by_workload[w.name] += [run_flock(folder, w, True, args), run_flock(folder, w, False, args)]
+        # without prefix caching no blocks are shared, and the cascade backend is the per-request one
+        by_workload[w.name] += [run_flock(folder, w, True, "torch-cascade", args),
+                                run_flock(folder, w, True, "torch", args),
+                                run_flock(folder, w, False, "torch", args)]
         if with_hf:
             by_workload[w.name].append(run_hf(folder, w))
     for caching in (True, False) if vllm else ():

@@ -66,8 +66,6 @@ class TorchCascadeBackend(TorchPagedBackend):
 
 def merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Combine two attention results over disjoint key sets ([n, H, D] outputs, [n, H] LSEs)."""
-    m = torch.maximum(lse_a, lse_b)
-    w_a = torch.exp(lse_a - m)[..., None]
-    w_b = torch.exp(lse_b - m)[..., None]
-    acc = w_a.dtype
-    return ((o_a.to(acc) * w_a + o_b.to(acc) * w_b) / (w_a + w_b)).to(o_a.dtype)
+    # w_a / (w_a + w_b) with w = exp(lse - max) is sigmoid(lse_a - lse_b)
+    weight = torch.sigmoid(lse_a - lse_b)[..., None]
+    return torch.lerp(o_b.to(weight.dtype), o_a.to(weight.dtype), weight).to(o_a.dtype)

@@ -21,7 +21,8 @@ class PrefillChunk:
     end: int
     blocks: torch.Tensor | None  # context blocks from the offset on; None: attend to the chunk itself
     context_len: int  # tokens attended to (from the offset)
-    mask: torch.Tensor | None  # [q, ctx] additive; None means plain causal
+    mask: torch.Tensor | None  # [g * q, ctx] additive (rows repeated per query head of a KV head); None: causal
+    offset: int = 0  # where the attended context begins (> 0: the rest is attended elsewhere, LSE needed)
 
 
 @dataclass
@@ -80,7 +81,8 @@ class TorchPagedBackend(AttentionBackend):
             valid &= k_pos > q_pos - self.sliding_window
         bs = layout.block_size
         blocks = torch.from_numpy(layout.block_tables[i][offset // bs : -(-ctx // bs)]).to(self.device)
-        return PrefillChunk(start, end, blocks, ctx - offset, self._additive(valid))
+        grouped_rows = np.tile(valid, (self.num_heads // self.num_kv_heads, 1))  # see grouped_attention
+        return PrefillChunk(start, end, blocks, ctx - offset, self._additive(grouped_rows), offset)
 
     def _additive(self, valid: np.ndarray) -> torch.Tensor:
         mask = torch.zeros(valid.shape, dtype=self.dtype)
@@ -95,7 +97,7 @@ class TorchPagedBackend(AttentionBackend):
         out = torch.empty_like(q)
         for c in meta.prefills:
             qc = q[c.start : c.end]
-            if c.blocks is None and lse is None:
+            if c.blocks is None:  # the chunk is its whole context: plain causal attention
                 kc, vc = k[c.start : c.end], v[c.start : c.end]
                 o = F.scaled_dot_product_attention(
                     qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
@@ -103,15 +105,11 @@ class TorchPagedBackend(AttentionBackend):
                 )
                 out[c.start : c.end] = o[0].transpose(0, 1)
                 continue
-            if c.blocks is None:
-                kc, vc, mask = k[c.start : c.end], v[c.start : c.end], self._causal(c.end - c.start)
-            else:
-                kc = self._gather(k_cache, c.blocks, 0)[: c.context_len]
-                vc = self._gather(v_cache, c.blocks, 1)[: c.context_len]
-                mask = c.mask
-            o, chunk_lse = self.grouped_attention(qc, kc, vc, mask, want_lse=lse is not None)
-            out[c.start : c.end] = o
-            if lse is not None:
+            kc = self._gather(k_cache, c.blocks, 0)[: c.context_len]
+            vc = self._gather(v_cache, c.blocks, 1)[: c.context_len]
+            want_lse = lse is not None and c.offset > 0
+            out[c.start : c.end], chunk_lse = self.grouped_attention(qc, kc, vc, c.mask, want_lse)
+            if want_lse:
                 lse[c.start : c.end] = chunk_lse
         if meta.decode_tokens is not None:
             b = len(meta.decode_tokens)
@@ -126,20 +124,16 @@ class TorchPagedBackend(AttentionBackend):
         return out
 
     def grouped_attention(self, q, k, v, mask, want_lse: bool):
-        """q [n, H, D] over k, v [ctx, KVH, D]; each KV head's query heads stacked as rows of one matrix.
-        `mask` is [n, ctx] or None (no mask). Returns [n, H, D] and, if asked, the LSE [n, H]."""
+        """q [n, H, D] over k, v [ctx, KVH, D]; each KV head's g query heads stacked as g * n rows of one
+        matrix (head-major), so `mask`, if any, is [g * n, ctx]. Returns [n, H, D] and, if asked, the LSE
+        [n, H]."""
         n, g = q.shape[0], self.num_heads // self.num_kv_heads
         qg = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3).reshape(1, self.num_kv_heads, g * n, -1)
-        if mask is not None and g > 1:
-            mask = mask.repeat(g, 1)
         o, lse = sdpa(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, self.scale, want_lse)
         o = o.view(self.num_kv_heads, g, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, self.num_heads, -1)
         if lse is not None:
             lse = lse.view(self.num_kv_heads, g, n).permute(2, 0, 1).reshape(n, self.num_heads)
         return o, lse
-
-    def _causal(self, n: int) -> torch.Tensor:
-        return self._additive(np.tri(n, dtype=bool))
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
         """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D].
