@@ -1,14 +1,23 @@
+import importlib.util
+
 from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.torch_paged import TorchPagedBackend
+from flock.attention.triton_cascade import TritonCascadeBackend  # imports triton only when used
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedBackend, "torch-cascade": TorchCascadeBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchPagedBackend,
+    "torch-cascade": TorchCascadeBackend,
+    "triton": TritonCascadeBackend,
+}
 
 
 def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     """`config` is a ModelConfig. "auto" picks the best backend available for the device."""
     if name == "auto":
-        name = "torch-cascade"  # equals "torch" when no two requests share prefix blocks
+        # torch-cascade equals torch when no two requests share prefix blocks
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch-cascade"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.sliding_window, dtype)
+    c = config
+    return BACKENDS[name](c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, dtype)
