@@ -23,11 +23,16 @@ new one. Degree 1 means no sharing. Physical blocks are shuffled over the pool. 
     the cascade saves reads, not FLOPs), so the time bound is max(bytes / bandwidth, FLOPs / peak), with the
     peak of a large matmul in that dtype measured at start.
   * correctness: the two outputs are compared once per cell (max abs difference).
-  * other load: CPU time other processes used during the cell's timed calls, in cores (from /proc/stat less
-    this process's own CPU time). On a shared machine a busy neighbour stalls torch's threads at every
-    parallel op, and the cascade, with many small ops per group, suffers far more than per-request: cells
-    with other load above 0.2 cores are measured again (--retries) and flagged if still noisy. Before each cell the script waits (up to --wait-quiet s,
-    60 s in all) for a quiet second; `--threads 1` is robust to one busy neighbour on two cores.
+  * other load: CPU time other processes used while the cell's metadata and forward calls were timed, in
+    cores (from /proc/stat, less this process's own CPU time). On a shared machine a busy neighbour stalls
+    torch's threads at every parallel op, and the cascade, with many small ops per group, suffers far more
+    than per-request (10x slower, seen here). Cells with other load above 0.2 cores are measured again
+    (--retries) and flagged if still noisy. Before each cell the script waits (up to --wait-quiet s, 40 s in
+    all) for a quiet half second; `--threads 1` is robust to one busy neighbour on two cores.
+  * profile: for the goal cell (degree 16, prefix 2048), a cProfile of the cascade forward and the time of
+    the bare attention kernel on contiguous prefixes (no gather, tail or merge).
+
+matplotlib (for the plot) is not a dependency of flock: `pip install matplotlib`; without it the plot is skipped.
 
 Outputs: a markdown table per dtype, bench/out/attention_decode.json and bench/out/attention_decode.png.
 """
@@ -71,7 +76,7 @@ def parse_args():
     p.add_argument("--prefixes", help="prefix lengths in tokens, multiples of the block size "
                    "(default 512,2048,8192; --quick 512,2048)")
     p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per backend after the correctness call")
     p.add_argument("--repeats", type=int, default=15, help="at most this many timed runs per backend and cell")
     p.add_argument("--min-repeats", type=int, default=3)
     p.add_argument("--cell-budget", type=float, default=3.0,
@@ -84,7 +89,7 @@ def parse_args():
     p.add_argument("--retries", type=int, default=1,
                    help="measure a cell again (keeping the quieter) when other processes used > 0.2 cores")
     p.add_argument("--wait-quiet", type=float, default=5.0,
-                   help="before each cell wait up to this long for a second with no other load (60 s in all)")
+                   help="before each cell wait up to this long for a quiet half second (40 s in all)")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile of the goal cell's cascade path")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
@@ -137,7 +142,7 @@ class CpuMonitor:
     def other(a, b) -> float:
         return max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / max(b[2] - a[2], 1e-9))
 
-    def wait_quiet(self, max_s: float, threshold: float = 0.15, budget: float = 60.0) -> float:
+    def wait_quiet(self, max_s: float, threshold: float = 0.15, budget: float = 40.0) -> float:
         """Wait until a 1 s window shows less than `threshold` cores of other load; returns the last reading."""
         start = time.perf_counter()
         while True:
@@ -260,7 +265,6 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
     max_diff = (outs["torch"].float() - outs["torch-cascade"].float()).abs().max().item()
     del outs
 
-    meta_t = {n: median_time(lambda n=n: backends[n].build_metadata(layout), 9) for n in names}
 
     def step(n):
         flush()
@@ -275,6 +279,7 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
     def measure():
         before = mon.wait_quiet(args.wait_quiet)
         cpu0 = mon.sample()
+        meta_t = {n: median_time(lambda n=n: backends[n].build_metadata(layout), 9) for n in names}
         times = {n: [] for n in names}
         spent = 0.0
         while len(times[names[0]]) < args.repeats:
@@ -283,15 +288,15 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
                 spent += times[n][-1]
             if len(times[names[0]]) >= args.min_repeats and spent >= args.cell_budget:
                 break
-        return mon.other(cpu0, mon.sample()), before, times
+        return mon.other(cpu0, mon.sample()), before, times, meta_t
 
-    other_load, before_quiet, times = measure()
+    other_load, before_quiet, times, meta_t = measure()
     tries = 1
     while other_load > NOISY and tries <= args.retries:  # a busy neighbour: measure again, keep the quieter
         tries += 1
         again = measure()
         if again[0] < other_load:
-            other_load, before_quiet, times = again
+            other_load, before_quiet, times, meta_t = again
 
     el = torch.finfo(dtype).bits // 8
     seq_len = prefix + args.tail + 1
@@ -419,6 +424,10 @@ def plot(args, rows: list[dict], bw: float, path: Path) -> None:
                 continue
             xs = [c["degree"] for c in cells]
             line, = ax.plot(xs, [c["speedup"] for c in cells], "o-", label=f"prefix {prefix}")
+            noisy = [c for c in cells if c["other_load_cores"] > NOISY]
+            if noisy:
+                ax.plot([c["degree"] for c in noisy], [c["speedup"] for c in noisy], "o", ms=11, mfc="none",
+                        color="red", label=f"busy neighbour (> {NOISY} cores) during the cell")
             ax.plot(xs, [c["per_request"]["kv_bytes"] / c["cascade"]["kv_bytes"] for c in cells], ":",
                     color=line.get_color(), lw=1, label=f"prefix {prefix}: KV bytes ratio (ideal)")
             ax2.plot(xs, [100 * c["cascade"]["GBps"] / bw for c in cells], "o-", color=line.get_color(),
@@ -435,7 +444,11 @@ def plot(args, rows: list[dict], bw: float, path: Path) -> None:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        h, lab = ax.get_legend_handles_labels()  # the "busy neighbour" entry may come from any prefix
+        seen = {}
+        for hh, ll in zip(h, lab):
+            seen.setdefault(ll, hh)
+        ax.legend(seen.values(), seen.keys(), fontsize=7)
         ax2.axhline(100, color="black", lw=0.6)
         ax2.axhline(100 / GOAL["bw_factor"], color="grey", ls=":", lw=1)
         ax2.text(args.degrees[0], 100 / GOAL["bw_factor"], " within 2x of the bandwidth bound", fontsize=7,
@@ -445,7 +458,7 @@ def plot(args, rows: list[dict], bw: float, path: Path) -> None:
                 title=f"{d}: KV bytes needed / time")
         ax2.set_xticks(args.degrees, [str(x) for x in args.degrees])
         ax2.grid(alpha=0.3, which="both")
-        ax2.legend(fontsize=6, ncol=2, loc="upper right")
+        ax2.legend(fontsize=6, ncol=2, loc="upper right", framealpha=0.6)
     fig.suptitle(f"head_dim {args.head_dim}, {args.heads} q heads / {args.kv_heads} KV heads, block {args.block_size},"
                  f" tail {args.tail}, {torch.get_num_threads()} threads, caches "
                  + ("flushed" if args.flush_mib else "NOT flushed") + " before each call", fontsize=10)
@@ -466,17 +479,20 @@ def main():
     load_start = load_average()
     print(f"load average at start: {load_start}  (cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()},"
           f" torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()})")
-    bwinfo = measure_bandwidth(args.bw_gib)
-    bw = bwinfo["limit_GBps"]
-    print(f"memory bandwidth ({args.bw_gib:g} GiB fp32): read (sum) {bwinfo['read_sum_GBps']:.1f} GB/s, "
-          f"copy (read+write) {bwinfo['copy_rw_GBps']:.1f} GB/s -> limit {bw:.1f} GB/s", flush=True)
-    gflops = {d: measure_matmul(DTYPES[d]) for d in args.dtypes}
-    print("matmul peak (2048^3): " + ", ".join(f"{d} {x:.0f} GFLOP/s" for d, x in gflops.items()), flush=True)
-    flush = Flusher(args.flush_mib)
     mon = CpuMonitor()
-    quiet = mon.wait_quiet(0)
+    quiet = mon.wait_quiet(args.wait_quiet)
     print(f"other load now: {quiet:.2f} cores" + ("  -- the machine is busy: 2-thread times will be inflated, the "
           "cascade's most; consider --threads 1" if quiet > NOISY else ""), flush=True)
+    cpu0 = mon.sample()
+    bwinfo = measure_bandwidth(args.bw_gib)
+    bw = bwinfo["limit_GBps"]
+    gflops = {d: measure_matmul(DTYPES[d]) for d in args.dtypes}
+    bwinfo["other_load_cores"] = probe_load = mon.other(cpu0, mon.sample())
+    print(f"memory bandwidth ({args.bw_gib:g} GiB fp32): read (sum) {bwinfo['read_sum_GBps']:.1f} GB/s, "
+          f"copy (read+write) {bwinfo['copy_rw_GBps']:.1f} GB/s -> limit {bw:.1f} GB/s; matmul peak (2048^3): "
+          + ", ".join(f"{d} {x:.0f} GFLOP/s" for d, x in gflops.items()) + f"; other load {probe_load:.2f} cores"
+          + (" (NOISY: the limits are underestimated)" if probe_load > NOISY else ""), flush=True)
+    flush = Flusher(args.flush_mib)
 
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
@@ -550,14 +566,18 @@ def main():
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "load_average_start": load_start, "load_average_end": load_end,
                     "other_load_at_start_cores": quiet, "waited_for_quiet_s": mon.waited},
-        "bandwidth": bwinfo, "matmul_GFLOPs": gflops, "tolerance": TOLERANCE, "goal": GOAL, "goal_verdicts": verdicts, "cells": rows,
+        "bandwidth": bwinfo, "matmul_GFLOPs": gflops, "tolerance": TOLERANCE, "goal": GOAL, "goal_verdicts": verdicts,
+        "cells": rows,
         "profiles": profiles, "peak_rss_gib": peak_rss_gib(), "wall_s": time.time() - t_start,
     }
     (args.out / "attention_decode.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out / 'attention_decode.json'}")
     if not args.no_plot:
-        plot(args, rows, bw, args.out / "attention_decode.png")
-        print(f"wrote {args.out / 'attention_decode.png'}")
+        try:
+            plot(args, rows, bw, args.out / "attention_decode.png")
+            print(f"wrote {args.out / 'attention_decode.png'}")
+        except ImportError:
+            print("no plot: matplotlib is missing (pip install matplotlib)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The `flock` command: `flock run` a JSONL batch, `flock save-model` a built-in model as a HF folder."""
+"""The `flock` command: `flock run` a JSONL batch, `flock analyze` its prefix sharing, `flock workload` writes a
+synthetic batch, `flock save-model` saves a built-in model as a HF folder."""
 
 import argparse
 import json
@@ -24,7 +25,31 @@ def main(argv: list[str] | None = None) -> int:
     save.add_argument("--dtype", default="auto")
     save.add_argument("--seed", type=int, default=0)
 
+    analyze = sub.add_parser("analyze", help="plan the prefix sharing of a JSONL batch (BatchLLM) and report it")
+    analyze.add_argument("input", help="JSONL: OpenAI Batch lines, {'prompt': ...}, {'messages': [...]} or {'prompt_token_ids': [...]}")
+    analyze.add_argument("--model", default="flock/tiny", help="whose tokenizer turns text into token ids")
+    analyze.add_argument("--method", default="batchllm", choices=["batchllm", "optimal", "none"],
+                         help="first-level plan: BatchLLM Algorithm 1, the exact optimum, or the raw tree")
+    analyze.add_argument("--json", action="store_true", help="print one JSON object")
+    analyze.add_argument("--plot", metavar="PATH", help="draw group sizes and prefix lengths (needs matplotlib)")
+
+    from flock.workloads import WORKLOADS
+
+    workload = sub.add_parser("workload", help="write a synthetic token-id workload as JSONL")
+    workload.add_argument("kind", choices=list(WORKLOADS))
+    workload.add_argument("-o", "--output", required=True)
+    workload.add_argument("--scale", type=float, default=1.0, help="multiply every length (0.1: 2000/200 -> 200/20)")
+    workload.add_argument("--seed", type=int, default=0)
+    workload.add_argument("--vocab-size", type=int, default=8000, help="token ids in [100, VOCAB_SIZE)")
+    workload.add_argument("--sharing-degree", type=int, help="micro-*: prompts per group (default 16)")
+
     args = parser.parse_args(argv)
+    if args.command == "analyze":
+        from flock.analyze import analyze_file
+
+        return analyze_file(args)
+    if args.command == "workload":
+        return write_workload(args)
     if args.command == "save-model":
         from flock.model import save_model
 
@@ -98,6 +123,25 @@ def run_batch(args) -> int:
     print(format_stats(llm.stats()))
     print(f"{len(outputs)} done, {len(errors)} failed" + (f"; results in {args.output}" if args.output else ""))
     return 1 if errors else 0
+
+
+def write_workload(args) -> int:
+    from flock.workloads import make_workload, write_jsonl
+
+    kw = {"scale": args.scale, "seed": args.seed, "vocab_size": args.vocab_size}
+    if args.sharing_degree is not None:
+        if not args.kind.startswith("micro-"):
+            print("error: --sharing-degree applies to micro-* workloads only", file=sys.stderr)
+            return 2
+        kw["sharing_degree"] = args.sharing_degree
+    try:
+        prompts = make_workload(args.kind, **kw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_jsonl(prompts, args.output)
+    print(f"wrote {len(prompts)} prompts ({sum(map(len, prompts))} tokens) to {args.output}")
+    return 0
 
 
 def format_stats(s: dict) -> str:

@@ -28,6 +28,7 @@ class Request:
         self.stop_text: str | None = None
         self.num_preemptions = 0
         self.generator = None  # torch.Generator of a seeded request
+        self.samples = True  # False for a scheduler's prefix-only pseudo-request: computes KV, never samples
 
     @property
     def num_prompt_tokens(self) -> int:

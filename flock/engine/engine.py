@@ -90,7 +90,7 @@ class LLMEngine:
         for req, n in plan.scheduled:
             complete = req.num_computed_tokens + n == req.num_tokens
             req.num_computed_tokens += n
-            if not complete:
+            if not complete or not req.samples:
                 continue
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens

@@ -81,7 +81,7 @@ class ModelRunner:
             tables.append(table)
             query_start[i + 1] = query_start[i] + n
             seq_lens[i] = start + n
-            if start + n == req.num_tokens:
+            if req.samples and start + n == req.num_tokens:
                 sample_rows.append(int(query_start[i + 1]) - 1)
         to = dict(device=self.device)
         layout = StepLayout(

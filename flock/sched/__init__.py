@@ -1,7 +1,8 @@
 from flock.sched.base import Scheduler, StepPlan
+from flock.sched.batchllm import BatchLLMScheduler
 from flock.sched.fcfs import FCFSScheduler
 
-SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler}
+SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler, "batchllm": BatchLLMScheduler}
 
 
 def make_scheduler(name: str, config, kv) -> Scheduler:

@@ -19,7 +19,7 @@ class StepPlan:
 
     def sampling(self) -> list[Request]:
         """Requests whose whole context is computed by this step: each gets a new token."""
-        return [req for req, n in self.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        return [req for req, n in self.scheduled if req.samples and req.num_computed_tokens + n == req.num_tokens]
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

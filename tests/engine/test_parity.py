@@ -132,3 +132,13 @@ def test_float32_logits_match_transformers(hf_folders, kind):
     got = torch.cat(logits)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("num_kv_blocks", [None, 24])
+def test_batchllm_scheduler_matches_transformers(hf_folders, references, attention, num_kv_blocks):
+    prompts, expected = references("llama")
+    got, llm = flock_greedy(hf_folders["llama"], prompts, scheduler="batchllm", block_size=4,
+                            num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24, attention=attention)
+    assert got == expected
+    assert_no_leak(llm)

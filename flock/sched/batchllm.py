@@ -1,0 +1,239 @@
+"""BatchLLM's group scheduler: the batch is planned globally into prefix-sharing groups (flock.prefix), and a
+group is the unit of admission. A group's shared prefix is prefilled once by a prefix-only pseudo-request
+whose blocks stay pinned until the group's last member finishes; the members then start from those blocks.
+
+Each step fills three queues in order, under a token budget and a KV-memory bound (no cap on requests):
+decode tokens; prefill chunks of members of groups whose prefix is done; prefix chunks of the next groups.
+When decode growth runs out of blocks, the newest group gives way (recompute): its newest members first,
+its pinned prefix only once none of its members runs; a group that alone exceeds the KV cache gives up its
+own newest members and admits them again later.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flock.prefix import plan_prefixes
+from flock.request import Request, RequestStatus
+from flock.sampling_params import SamplingParams
+from flock.sched.base import Scheduler, StepPlan
+
+
+@dataclass
+class Group:
+    prefix_len: int  # shared tokens, whole blocks only
+    waiting: deque[Request]  # members not admitted (or preempted)
+    admitted: list[Request] = field(default_factory=list)
+    prefix: Request | None = None  # pseudo-request pinning the shared blocks while the group is active
+    unfinished: int = 0
+
+    @property
+    def prefix_done(self) -> bool:
+        return self.prefix is None or self.prefix.num_computed_tokens == self.prefix.num_tokens
+
+
+class BatchLLMScheduler(Scheduler):
+    name = "batchllm"
+    kv_bound = 0.9  # M_threshold: new prefill chunks keep KV use under this fraction of the pool
+
+    def __init__(self, config, kv):
+        super().__init__(config, kv)
+        self.unplanned: list[Request] = []
+        self.pending: deque[Group] = deque()
+        self.active: list[Group] = []
+        self.group_of: dict[int, Group] = {}
+        self._pseudo_ids = 0
+
+    def add(self, req: Request) -> None:
+        self.unplanned.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.unplanned or self.pending or self.active)
+
+    # -- planning ----------------------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        plan = plan_prefixes([r.prompt_token_ids for r in self.unplanned])
+        bs = self.kv.block_size
+        groups = []
+        for g in plan.groups:
+            members = [self.unplanned[i] for i in g.indices]
+            # whole blocks only, and every member keeps at least one token of its own to compute
+            shortest = min(m.num_prompt_tokens for m in members)
+            shared = min(g.prefix_len, shortest - 1) // bs * bs if len(members) > 1 else 0
+            group = Group(shared, deque(members), unfinished=len(members))
+            groups.append((g.computed_tokens, group))
+            for m in members:
+                self.group_of[m.request_id] = group
+        groups.sort(key=lambda x: x[0])  # R_group = 1 / (L_prefix + sum L_distinct), largest first
+        self.pending.extend(g for _, g in groups)
+        self.unplanned = []
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        if self.unplanned:
+            self._plan()
+        plan = self._fill()
+        if not plan and self.active:
+            # pinned prefixes left no room for any member: only now give up the newest idle group's prefix
+            idle = [g for g in self.active if not g.admitted]
+            if idle:
+                self._preempt_group(idle[-1], plan)
+                plan.scheduled = self._fill().scheduled
+        return plan
+
+    def _fill(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._decode(plan, self.config.max_num_batched_tokens)
+        for g in list(self.active):
+            if g.prefix_done:
+                budget = self._members(g, plan, budget)
+        for g in self.active:
+            if not g.prefix_done:
+                budget = self._prefix(g, plan, budget)
+        # a new group starts once every active group has admitted all its members (no two groups can then
+        # wait on each other's pinned prefixes)
+        while budget > 0 and self.pending and not any(g.waiting for g in self.active):
+            g = self.pending.popleft()
+            self.active.append(g)
+            if g.prefix_len:
+                g.prefix = self._pseudo_request(g)
+            budget = self._members(g, plan, budget) if g.prefix_done else self._prefix(g, plan, budget)
+            if not g.admitted and (g.prefix is None or not g.prefix.block_table):
+                self.active.pop()  # nothing fitted: try again next step
+                self.pending.appendleft(g)
+                g.prefix = None
+                break
+        return plan
+
+    def _decode(self, plan: StepPlan, budget: int) -> int:
+        for g in list(self.active):
+            for req in list(g.admitted):
+                if budget == 0 or req.num_tokens - req.num_computed_tokens != 1 or req not in g.admitted:
+                    continue
+                while not self.kv.allocate(req, 1):
+                    if not self._make_room(g, req, plan):
+                        break
+                if req in g.admitted:
+                    plan.scheduled.append((req, 1))
+                    budget -= 1
+        return budget
+
+    def _members(self, g: Group, plan: StepPlan, budget: int) -> int:
+        scheduled = {r.request_id for r, _ in plan.scheduled}
+        for req in g.admitted:  # unfinished prefills (chunked, or recomputing after preemption)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.request_id in scheduled or n <= 1 and req.num_output_tokens or n == 0:
+                continue
+            needed = self.kv.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
+            if not self._fits(plan, needed) or not self.kv.allocate(req, n):
+                return budget
+            plan.scheduled.append((req, n))
+            budget -= n
+        while g.waiting and budget > 0:
+            req = g.waiting[0]
+            cached = self._shared_blocks(g, req)
+            n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
+            needed = self.kv.blocks_needed(len(cached) * self.kv.block_size + n) - len(cached)
+            if not self._fits(plan, needed) or not self.kv.allocate(req, n, cached):
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = len(cached) * self.kv.block_size
+            g.waiting.popleft()
+            g.admitted.append(req)
+            req.status = RequestStatus.RUNNING
+            plan.scheduled.append((req, n))
+            budget -= n
+        return budget
+
+    def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
+        p = g.prefix
+        n = min(p.num_tokens - p.num_computed_tokens, budget)
+        needed = self.kv.blocks_needed(p.num_computed_tokens + n) - len(p.block_table)
+        if n > 0 and self._fits(plan, needed) and self.kv.allocate(p, n):
+            plan.scheduled.append((p, n))
+            budget -= n
+        return budget
+
+    def _shared_blocks(self, g: Group, req: Request) -> list[int]:
+        if self.kv.enable_prefix_caching:  # the group prefix, and any sharing deeper in the tree
+            return self.kv.cached_prefix(req)
+        return [] if g.prefix is None else g.prefix.block_table[: g.prefix_len // self.kv.block_size]
+
+    def _fits(self, plan: StepPlan, blocks: int) -> bool:
+        """The KV bound, waived when the step is still empty (so a huge group can always make progress)."""
+        if blocks > self.kv.pool.num_free:
+            return False
+        return not plan.scheduled or self.kv.pool.num_used + blocks <= self.kv_bound * self.kv.pool.num_blocks
+
+    def _pseudo_request(self, g: Group) -> Request:
+        self._pseudo_ids -= 1
+        ids = g.waiting[0].prompt_token_ids[: g.prefix_len]
+        p = Request(self._pseudo_ids, ids, SamplingParams(max_tokens=1))
+        p.samples = False
+        p.status = RequestStatus.RUNNING
+        return p
+
+    # -- preemption and finishing ------------------------------------------------------------------------------
+    def _make_room(self, g: Group, keep: Request, plan: StepPlan) -> bool:
+        """Free blocks for `keep` (of group g), newest first: the members of newer groups (nothing of theirs
+        is scheduled yet: decode runs oldest group first), then g's own newest members not scheduled in this
+        step (`keep` itself last). Pinned prefixes stay. False when `keep` itself was preempted."""
+        for newer in reversed(self.active[self.active.index(g) + 1 :]):
+            if newer.admitted:
+                self._preempt_member(newer, newer.admitted[-1], plan)
+                return True
+        scheduled = {r.request_id for r, _ in plan.scheduled}
+        victims = [m for m in g.admitted if m.request_id not in scheduled]
+        victim = next((m for m in reversed(victims) if m is not keep), keep)
+        self._preempt_member(g, victim, plan)
+        return victim is not keep
+
+    def _preempt_member(self, g: Group, req: Request, plan: StepPlan) -> None:
+        plan.preempted.append(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        g.admitted.remove(req)
+        g.waiting.appendleft(req)
+
+    def _preempt_group(self, g: Group, plan: StepPlan) -> None:
+        for req in reversed(list(g.admitted)):
+            self._preempt_member(g, req, plan)
+        if g.prefix is not None:
+            plan.preempted.append(g.prefix)
+            self.kv.free(g.prefix)
+            g.prefix = None
+        self.active.remove(g)
+        self.pending.appendleft(g)
+
+    def finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        g = self.group_of.pop(req.request_id)
+        g.admitted.remove(req)
+        self.kv.free(req)
+        self._member_done(g)
+
+    def abort(self, req: Request) -> None:
+        g = self.group_of.pop(req.request_id, None)
+        if g is None:  # not planned yet
+            self.unplanned.remove(req)
+        elif req in g.admitted:
+            g.admitted.remove(req)
+        else:
+            g.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        if g is not None:
+            self._member_done(g)
+
+    def _member_done(self, g: Group) -> None:
+        g.unfinished -= 1
+        if g.unfinished:
+            return
+        if g.prefix is not None:  # the pinned prefix goes the moment the last member is done
+            self.kv.free(g.prefix)
+        if g in self.active:
+            self.active.remove(g)
+        elif g in self.pending:
+            self.pending.remove(g)

@@ -1,0 +1,116 @@
+"""BatchLLM's group scheduler: same tokens as FCFS, every shared token computed once, nothing leaked."""
+
+import random
+
+import pytest
+
+from flock import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def groups_workload(seed: int, groups: int, per_group: int, prefix: int, distinct: int, singles: int = 0):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        head = [rng.randrange(100, 8000) for _ in range(prefix)]
+        prompts += [head + [rng.randrange(100, 8000) for _ in range(distinct)] for _ in range(per_group)]
+    prompts += [[rng.randrange(100, 8000) for _ in range(prefix + distinct)] for _ in range(singles)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run(prompts, **config):
+    llm = LLM("flock/tiny", dtype="float32", block_size=8, **config)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.ref_count), "KV blocks leaked"
+    assert not llm.engine.has_unfinished()
+    return [o.outputs[0].token_ids for o in outs], llm.stats()
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    rng = random.Random(5)
+    prompts = groups_workload(1, groups=3, per_group=5, prefix=44, distinct=9, singles=3)
+    prompts += [p[: rng.randrange(20, len(p))] + [7, 8] for p in prompts[:4]]  # deeper / partial sharing
+    prompts.append(list(prompts[0]))  # a duplicate
+    rng.shuffle(prompts)
+    return prompts, run(prompts, scheduler="fcfs")[0]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("budget", [16, 4096])
+def test_same_tokens_as_fcfs_in_input_order(mixed, caching, budget):
+    prompts, expected = mixed
+    got, _ = run(prompts, scheduler="batchllm", enable_prefix_caching=caching, max_num_batched_tokens=budget)
+    assert got == expected
+
+
+def test_saving_reaches_the_bound_on_the_papers_shape():
+    # BatchLLM's 2000/200 sharing-degree-16 shape scaled by 1/10: 1 - (200 + 16 * 20) / (16 * 220) = 85.2%
+    prompts = groups_workload(2, groups=1, per_group=16, prefix=200, distinct=20)
+    for caching in (True, False):
+        _, stats = run(prompts, scheduler="batchllm", enable_prefix_caching=caching)
+        assert stats["computed_prefill_tokens"] == 200 + 16 * 20
+        assert stats["saving_rate"] == pytest.approx(1 - (200 + 16 * 20) / (16 * 220))
+        assert round(stats["saving_rate"], 3) == 0.852
+
+
+def test_small_kv_budget_never_recomputes_a_prefix():
+    prompts = groups_workload(3, groups=4, per_group=6, prefix=64, distinct=8, singles=2)
+    bound = 4 * 64 + 4 * 6 * 8 + 2 * 72
+    _, roomy = run(prompts, scheduler="batchllm")
+    assert roomy["computed_prefill_tokens"] == bound
+    llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", num_kv_blocks=16,
+              max_num_batched_tokens=64)
+    computed = {}  # prefix tokens computed, per pseudo-request prompt
+    sched = llm.engine.scheduler
+    schedule = sched.schedule
+
+    def spy():
+        plan = schedule()
+        for req, n in plan.scheduled:
+            if not req.samples:
+                key = tuple(req.prompt_token_ids)
+                computed[key] = computed.get(key, 0) + n
+        return plan
+
+    sched.schedule = spy
+    llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    tight = llm.stats()
+    assert tight["preemptions"] > 0 and tight["peak_kv_blocks"] <= 16
+    assert len(computed) == 4 and all(n == 64 for n in computed.values())  # each prefix computed once
+    _, fcfs = run(prompts, scheduler="fcfs", num_kv_blocks=16, max_num_batched_tokens=64)
+    assert fcfs["computed_prefill_tokens"] > bound  # FCFS's LRU cache loses prefixes under this budget
+
+
+def test_a_group_larger_than_the_kv_cache_still_runs(mixed):
+    prompts = groups_workload(4, groups=1, per_group=12, prefix=40, distinct=24)
+    expected, _ = run(prompts, scheduler="fcfs")
+    # 14 blocks of 8 tokens: the prefix (5 blocks) plus about two members at a time
+    got, stats = run(prompts, scheduler="batchllm", num_kv_blocks=14, max_num_batched_tokens=32)
+    assert got == expected
+    assert stats["peak_kv_blocks"] <= 14
+
+
+def test_pinned_prefix_is_released_when_the_group_finishes():
+    prompts = groups_workload(6, groups=2, per_group=3, prefix=32, distinct=4)
+    llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", enable_prefix_caching=False)
+    engine = llm.engine
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    sched = engine.scheduler
+    seen_pinned = False
+    while engine.has_unfinished():
+        engine.step()
+        for g in sched.active:
+            if g.prefix is not None and g.prefix.block_table:
+                seen_pinned = True
+                assert all(engine.kv.pool.ref_count[b] >= 1 for b in g.prefix.block_table)
+        held = sum(len(r.block_table) for r in reqs if not r.is_finished)
+        pinned = sum(len(g.prefix.block_table) for g in sched.active if g.prefix is not None)
+        assert engine.kv.pool.num_used == held + pinned - sum(  # shared blocks are counted once
+            len(g.prefix.block_table[: g.prefix_len // 8]) * len([m for m in g.admitted if m.block_table])
+            for g in sched.active if g.prefix is not None)
+    assert seen_pinned
+    assert engine.kv.pool.num_used == 0 and not sched.active
