@@ -146,9 +146,11 @@ class BatchLLMScheduler(Scheduler):
 
     def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
         p = g.prefix
-        n = min(p.num_tokens - p.num_computed_tokens, budget)
-        needed = self.kv.blocks_needed(p.num_computed_tokens + n) - len(p.block_table)
-        if n > 0 and self._fits(plan, needed) and self.kv.allocate(p, n):
+        cached = self.kv.cached_prefix(p) if not p.block_table else []  # sharing above this group's level
+        computed = p.num_computed_tokens + len(cached) * self.kv.block_size
+        n = min(p.num_tokens - computed, budget)
+        needed = self.kv.blocks_needed(computed + n) - len(p.block_table) - len(cached)
+        if n > 0 and self._fits(plan, needed) and self.kv.allocate(p, n, cached):
             plan.scheduled.append((p, n))
             budget -= n
         return budget

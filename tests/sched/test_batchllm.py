@@ -114,3 +114,15 @@ def test_pinned_prefix_is_released_when_the_group_finishes():
             for g in sched.active if g.prefix is not None)
     assert seen_pinned
     assert engine.kv.pool.num_used == 0 and not sched.active
+
+
+def test_sharing_below_the_first_level_reaches_the_multi_level_bound():
+    # system prompt (16) -> 2 documents (32 each) -> 3 questions each (8): every trie edge computed once
+    rng = random.Random(9)
+    tokens = lambda n: [rng.randrange(100, 8000) for _ in range(n)]  # noqa: E731
+    system = tokens(16)
+    prompts = [system + doc + tokens(8) for doc in (tokens(32), tokens(32)) for _ in range(3)]
+    rng.shuffle(prompts)
+    _, stats = run(prompts, scheduler="batchllm")
+    assert stats["computed_prefill_tokens"] == 16 + 2 * 32 + 6 * 8
+    assert stats["saving_rate"] == pytest.approx(1 - 128 / 336)
