@@ -89,9 +89,9 @@ class BatchLLMScheduler(Scheduler):
         for g in self.active:
             if not g.prefix_done:
                 budget = self._prefix(g, plan, budget)
-        # a new group starts once every active group has admitted all its members (no two groups can then
-        # wait on each other's pinned prefixes)
-        while budget > 0 and self.pending and not any(g.waiting for g in self.active):
+        # next groups start while the budget lasts and their prefix chunks keep KV use under the bound; if
+        # pinned prefixes ever leave no room for any member, `schedule` gives the newest idle one up
+        while budget > 0 and self.pending and (plan.scheduled or not any(g.waiting for g in self.active)):
             g = self.pending.popleft()
             self.active.append(g)
             if g.prefix_len:
