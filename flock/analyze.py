@@ -114,6 +114,10 @@ def format_plan(plan, bad_lines: int = 0) -> str:
         ("saving rate: multi-level bound", f"{s['saving_rate_bound']:.1%}"),
         ("planning time", f"{s['plan_seconds'] * 1e3:.1f} ms ({s['num_tree_nodes']} tree nodes)"),
     ]
+    return key_value_table(rows)
+
+
+def key_value_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

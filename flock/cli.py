@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from flock.analyze import key_value_table
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flock", description="Flock: a prefix-aware LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,8 +158,7 @@ def format_stats(s: dict) -> str:
         ("KV blocks (peak / total)", f"{s['peak_kv_blocks']} / {s['num_kv_blocks']}"),
         ("tok/s (prompt / generated / total)", f"{s['prompt_tokens_per_s']:.0f} / {s['generated_tokens_per_s']:.0f} / {s['total_tokens_per_s']:.0f}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return key_value_table(rows)
 
 
 if __name__ == "__main__":
