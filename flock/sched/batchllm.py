@@ -77,7 +77,8 @@ class BatchLLMScheduler(Scheduler):
             idle = [g for g in self.active if not g.admitted]
             if idle:
                 self._preempt_group(idle[-1], plan)
-                plan.scheduled = self._fill().scheduled
+                retry = self._fill()
+                plan.scheduled, plan.preempted = retry.scheduled, plan.preempted + retry.preempted
         return plan
 
     def _fill(self) -> StepPlan:
