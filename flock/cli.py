@@ -64,7 +64,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="flock/tiny")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto")
-    p.add_argument("--scheduler", default="fcfs")
+    p.add_argument("--scheduler", default="batchllm", help="offline jobs default to BatchLLM group scheduling")
     p.add_argument("--attention", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
