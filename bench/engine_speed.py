@@ -302,7 +302,7 @@ def bench_model(shape: str, vllm: Path | str | None, args: argparse.Namespace) -
         print(f"\n### {shape} ({MODELS[shape]}), {w.name} workload: {len(w.prompts)} prompts, "
               f"{w.prompt_tokens:,} prompt tokens, {w.gen} generated each, best saving rate {w.bound:.1%}\n")
         print(table(results, w))
-        print(f"\nspeed vs vLLM = vLLM's wall s / this wall s (> 1: faster); vLLM reference: "
+        print("\nspeed vs vLLM = vLLM's wall s / this wall s (> 1: faster); vLLM reference: "
               + ("prefix caching on" if w.name == "shared" else "same on/off condition (off for HF)"))
         print(agreement(results))
         starts = {r.label: f"{r.extra['startup_s']:.0f} s" for r in results if "startup_s" in r.extra}

@@ -11,7 +11,6 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 

@@ -5,6 +5,8 @@ from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.torch_paged import TorchPagedBackend
 from flock.attention.triton_cascade import TritonCascadeBackend  # imports triton only when used
 
+__all__ = ["AttentionBackend", "AttentionMetadata", "StepLayout", "BACKENDS", "make_backend"]
+
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchPagedBackend,
     "torch-cascade": TorchCascadeBackend,

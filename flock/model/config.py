@@ -27,7 +27,6 @@ class ModelConfig:
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -61,7 +60,6 @@ class ModelConfig:
             sliding_window=d.get("sliding_window") if use_window else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            bos_token_id=d.get("bos_token_id"),
         )
 
     @classmethod

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flock.prefix.tree import Node, PrefixTree, TokenTable, build_tree
+from flock.prefix.tree import Node, TokenTable, build_tree
 
 __all__ = ["Group", "Plan", "plan_prefixes", "enlarge_first_level", "optimal_first_level", "METHODS"]
 

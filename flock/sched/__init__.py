@@ -2,6 +2,8 @@ from flock.sched.base import Scheduler, StepPlan
 from flock.sched.batchllm import BatchLLMScheduler
 from flock.sched.fcfs import FCFSScheduler
 
+__all__ = ["Scheduler", "StepPlan", "SCHEDULERS", "make_scheduler"]
+
 SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler, "batchllm": BatchLLMScheduler}
 
 
