@@ -29,6 +29,8 @@ class Request:
         self.num_preemptions = 0
         self.generator = None  # torch.Generator of a seeded request
         self.samples = True  # False for a scheduler's prefix-only pseudo-request: computes KV, never samples
+        self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
+        self.finish_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -82,11 +82,13 @@ class LLMEngine:
         tokens = self.runner.run(plan)
         t2 = time.perf_counter()
         self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
+        self.scheduler.observe(plan, t2 - t1)
         return self._postprocess(plan, tokens.tolist())
 
     def _postprocess(self, plan, tokens: list[int]) -> list[Request]:
         finished = []
         sampled = iter(tokens)
+        now = time.monotonic()
         for req, n in plan.scheduled:
             complete = req.num_computed_tokens + n == req.num_tokens
             req.num_computed_tokens += n
@@ -94,9 +96,11 @@ class LLMEngine:
                 continue
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens
+                req.first_token_time = now
             req.token_ids.append(next(sampled))
             self.stats.generated_tokens += 1
             if self._check_stop(req):
+                req.finish_time = now
                 self.scheduler.finish(req)
                 finished.append(req)
         return finished

@@ -45,6 +45,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         raise NotImplementedError
 
+    def observe(self, plan: StepPlan, model_seconds: float) -> None:
+        """Feedback after the model ran `plan`, for policies that learn from measured speed."""
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
