@@ -1,0 +1,258 @@
+"""OpenAI request bodies -> Flock requests, Flock results -> OpenAI response bodies.
+
+Shared by `flock run` (OpenAI Batch lines) and `flock serve` (HTTP), so both accept and reject the same
+things. Fields Flock cannot honour are rejected with a clear error instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from flock.sampling_params import SamplingParams
+
+# A ChatML-style template for tokenizers that ship none.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "skip_special_tokens"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "presence_penalty",
+                                     "frequency_penalty", "logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+
+
+class APIError(ValueError):
+    """An OpenAI-style error: HTTP status, message, and the parameter at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+        self.code = code or ("invalid_value" if status == 400 else None)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    """One parsed completion or chat request, ready for the engine."""
+
+    kind: str  # "completion" | "chat"
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = 16) -> GenerationRequest:
+    """Check and convert a /v1/completions (kind="completion") or /v1/chat/completions (kind="chat") body.
+    Raises APIError naming the bad parameter. `default_max_tokens` applies when the body sets none."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    _check_unsupported(body)
+    if kind == "completion":
+        prompt, ids = _completion_prompt(body, tokenizer)
+    else:
+        prompt, ids = None, encode_messages(tokenizer, _messages(body))
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, None) or {}
+    if options and not stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    return GenerationRequest(kind, ids, _sampling_params(body, kind, default_max_tokens), prompt=prompt,
+                             model=_typed(body, "model", str, None), stream=stream,
+                             include_usage=bool(options.get("include_usage", False)))
+
+
+def _check_unsupported(body: dict) -> None:
+    if _typed(body, "n", int, 1) != 1:
+        raise APIError("only n=1 is supported", param="n")
+    if _typed(body, "best_of", int, 1) != 1:
+        raise APIError("only best_of=1 is supported", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0.0:
+            raise APIError(f"{name} is not supported (must be 0)", param=name)
+    for name in ("logprobs", "top_logprobs", "echo", "suffix"):
+        if body.get(name) not in (None, False, 0):
+            raise APIError(f"{name} is not supported", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def _completion_prompt(body: dict, tokenizer) -> tuple[str | None, list[int]]:
+    if "prompt" not in body:
+        raise APIError("'prompt' is required", param="prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise APIError("prompt is empty", param="prompt")
+        return p, tokenizer.encode(p, add_special_tokens=True)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return None, list(p)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise APIError("one prompt per request: send a list of prompts as separate requests", param="prompt")
+    raise APIError("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        out.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def _content_text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template (a ChatML fallback when it has none)."""
+    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    try:
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, add_generation_prompt=True)
+    except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
+        raise APIError(f"chat template failed: {e}", param="messages") from None
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> SamplingParams:
+    max_tokens = _typed(body, "max_tokens", int, None)
+    if kind == "chat":
+        max_tokens = _typed(body, "max_completion_tokens", int, max_tokens)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise APIError("stop must be a string or a list of strings", param="stop")
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_typed(body, "top_k", int, -1),
+        seed=_typed(body, "seed", int, None),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        stop=stop,
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        ignore_eos=_typed(body, "ignore_eos", bool, False),
+        skip_special_tokens=_typed(body, "skip_special_tokens", bool, True),
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split()[0]) from None
+    return params
+
+
+def _typed(body: dict, name: str, kind: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise APIError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise APIError(f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name) or []
+    if not isinstance(value, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in value):
+        raise APIError(f"{name} must be a list of integers", param=name)
+    return value
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def response_body(kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
+                  usage_: dict, created: int | None = None) -> dict:
+    """A complete (non-streaming) completion or chat.completion object."""
+    created = created or int(time.time())
+    if kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage_}
+
+
+def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
+               first: bool = False, usage_: dict | None = None) -> dict:
+    """One streamed chunk. With `usage_` it is the final usage-only chunk (empty choices), as OpenAI sends it."""
+    if usage_ is not None:
+        choices = []
+    elif kind == "completion":
+        choices = [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+        choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+class TextStream:
+    """Turns the growing output text into deltas that are safe to send: an incomplete UTF-8 character
+    (decoded as U+FFFD) and a possible start of a stop string are held back until the request finishes."""
+
+    def __init__(self, stop: list[str]):
+        self.sent = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def delta(self, text: str, finished: bool) -> str:
+        end = len(text)
+        if not finished:
+            end -= self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : end], end
+        return out

@@ -1,0 +1,78 @@
+import pytest
+
+from flock.api.protocol import APIError, TextStream, chunk_body, encode_messages, parse_request, response_body
+from flock.model import resolve_model
+from flock.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("flock/tiny").folder)
+
+
+def test_completion_body(tok):
+    r = parse_request("completion", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0,
+                                     "stop": "x", "seed": 3}, tok)
+    assert r.prompt == "hello" and r.prompt_token_ids == tok.encode("hello", add_special_tokens=True)
+    assert (r.params.max_tokens, r.params.temperature, r.params.stop, r.params.seed) == (5, 0.0, ["x"], 3)
+    assert parse_request("completion", {"prompt": [[5, 6, 7]]}, tok).prompt_token_ids == [5, 6, 7]
+    assert parse_request("completion", {"prompt": "a"}, tok).params.max_tokens == 16
+
+
+def test_chat_body_uses_template(tok):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    r = parse_request("chat", {"messages": msgs, "max_completion_tokens": 4, "stream": True,
+                               "stream_options": {"include_usage": True}}, tok, default_max_tokens=None)
+    assert r.prompt_token_ids == encode_messages(tok, [{"role": "system", "content": "be brief"},
+                                                       {"role": "user", "content": "hi"}])
+    assert r.params.max_tokens == 4 and r.stream and r.include_usage
+
+
+def test_fallback_template_when_tokenizer_has_none(tok):
+    saved = tok.chat_template
+    tok.chat_template = None
+    try:
+        ids = encode_messages(tok, [{"role": "user", "content": "hi"}])
+    finally:
+        tok.chat_template = saved
+    assert "<|im_start|>assistant" in tok.decode(ids)
+
+
+@pytest.mark.parametrize("kind,body,param", [
+    ("completion", {}, "prompt"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"prompt": "a", "temperature": "hot"}, "temperature"),
+    ("completion", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("completion", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("completion", {"prompt": "a", "n": 2}, "n"),
+    ("completion", {"prompt": "a", "logprobs": 3}, "logprobs"),
+    ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
+    ("completion", {"prompt": "a", "stop": [1]}, "stop"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"content": "x"}]}, "messages[0]"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_bodies_name_the_parameter(tok, kind, body, param):
+    with pytest.raises(APIError) as e:
+        parse_request(kind, body, tok)
+    assert e.value.param == param and e.value.status == 400
+    assert e.value.body()["error"]["message"]
+
+
+def test_response_shapes():
+    u = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert response_body("completion", "id", "m", "ab", "stop", u)["choices"][0]["text"] == "ab"
+    assert response_body("chat", "id", "m", "ab", "length", u)["choices"][0]["message"]["content"] == "ab"
+    assert chunk_body("chat", "id", "m", "a", None, 0, first=True)["choices"][0]["delta"]["role"] == "assistant"
+    assert chunk_body("chat", "id", "m", "", None, 0, usage_=u)["choices"] == []
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    s = TextStream(stop=["END"])
+    assert s.delta("abcE", False) == "ab"
+    assert s.delta("abcEN\ufffd", False) == "cE"
+    assert s.delta("abcENDx", True) == "NDx"
+    plain = TextStream(stop=[])
+    assert plain.delta("a\ufffd", False) == "a" and plain.delta("a\u00e9", True) == "\u00e9"
