@@ -18,7 +18,8 @@ class EngineConfig:
     max_model_len: int | None = None
     num_kv_blocks: int | None = None  # KV budget in blocks ...
     kv_cache_memory_bytes: int | None = None  # ... or in bytes (default: up to 2 GiB)
-    scheduler: str = "fcfs"
+    scheduler: str = "fcfs"  # fcfs | batchllm | lpm | dfs-weight | feather
+    feather_policy: str = "static"  # static | ucb | qlearning
     attention: str = "auto"
 
     @classmethod

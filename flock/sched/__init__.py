@@ -1,10 +1,14 @@
 from flock.sched.base import Scheduler, StepPlan
 from flock.sched.batchllm import BatchLLMScheduler
 from flock.sched.fcfs import FCFSScheduler
+from flock.sched.feather import FeatherScheduler
+from flock.sched.lpm import DFSWeightScheduler, LPMScheduler
 
 __all__ = ["Scheduler", "StepPlan", "SCHEDULERS", "make_scheduler"]
 
-SCHEDULERS: dict[str, type[Scheduler]] = {"fcfs": FCFSScheduler, "batchllm": BatchLLMScheduler}
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    s.name: s for s in (FCFSScheduler, BatchLLMScheduler, LPMScheduler, DFSWeightScheduler, FeatherScheduler)
+}
 
 
 def make_scheduler(name: str, config, kv) -> Scheduler:

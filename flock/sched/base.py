@@ -38,6 +38,9 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # prefix-matching work of prefix-aware admission (counted and timed alike for every policy)
+        self.match_ops = 0
+        self.match_seconds = 0.0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

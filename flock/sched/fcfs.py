@@ -1,11 +1,16 @@
+from collections.abc import Iterable
+
+from flock.request import Request, RequestStatus
 from flock.sched.base import Scheduler, StepPlan
-from flock.request import RequestStatus
 
 
 class FCFSScheduler(Scheduler):
     """vLLM v1's policy: running requests first (decode or next prefill chunk), then admit waiting requests
     in arrival order while the token budget, `max_num_seqs` and the KV pool allow. When the pool runs out,
-    the most recently admitted request is preempted."""
+    the most recently admitted request is preempted.
+
+    Online prefix-aware policies (LPM, DFS-weight, Feather) subclass it and change only the admission order.
+    """
 
     name = "fcfs"
 
@@ -31,16 +36,37 @@ class FCFSScheduler(Scheduler):
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            cached = self.kv.cached_prefix(req)
-            n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
-            if not self.kv.allocate(req, n, cached):
+        for req in self.admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = len(cached) * self.kv.block_size
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            n = self.try_admit(req, budget)
+            if n is None:
+                break
             plan.scheduled.append((req, n))
             budget -= n
+
+    def admission_order(self) -> Iterable[Request]:
+        """Waiting requests in the order they should be admitted; consumed lazily, stops at the first misfit."""
+        while self.waiting:
+            yield self.waiting[0]
+
+    def try_admit(self, req: Request, budget: int) -> int | None:
+        """Move `req` from waiting to running with KV for its first chunk; the chunk's size, or None if it
+        does not fit in the KV pool (nothing changes then)."""
+        cached = self.kv.cached_prefix(req)
+        n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
+        if not self.kv.allocate(req, n, cached):
+            return None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = len(cached) * self.kv.block_size
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.on_admit(req)
+        return n
+
+    def on_admit(self, req: Request) -> None:
+        """Hook for subclasses that track the running batch."""

@@ -142,3 +142,15 @@ def test_batchllm_scheduler_matches_transformers(hf_folders, references, attenti
                             num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24, attention=attention)
     assert got == expected
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("scheduler", ["lpm", "dfs-weight", "feather", "feather:ucb", "feather:qlearning"])
+@pytest.mark.parametrize("num_kv_blocks", [None, 24])
+def test_online_schedulers_match_transformers(hf_folders, references, scheduler, num_kv_blocks):
+    name, _, policy = scheduler.partition(":")
+    prompts, expected = references("llama")
+    got, llm = flock_greedy(hf_folders["llama"], prompts, scheduler=name, feather_policy=policy or "static",
+                            block_size=4, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24, max_num_seqs=4,
+                            attention="torch-cascade")
+    assert got == expected
+    assert_no_leak(llm)

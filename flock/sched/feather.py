@@ -1,0 +1,127 @@
+"""Feather: prefix-homogeneous continuous batching for online traffic.
+
+Admission takes the Chunked Hash Tree's best candidate: the waiting request with the fewest chunks missing
+from the running batch (O(log W) per pick instead of matching every waiting request). When that candidate
+would lower the batch's shared-prefix depth, a batching policy decides to add it or to stop admitting and
+let the homogeneous batch run. Rules that keep it safe:
+- a candidate that shares nothing with the batch is replaced by the oldest waiting request, so traffic
+  without sharing is admitted exactly as FCFS would;
+- the oldest request is taken first once it has waited `max_wait_rounds` admissions (no starvation);
+- an empty batch always admits.
+"""
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flock.kv.hashing import chained_hashes
+from flock.prefix.cht import ChunkedHashTree
+from flock.request import Request
+from flock.sched.base import StepPlan
+from flock.sched.fcfs import FCFSScheduler
+from flock.sched.policies import BatchState, make_policy
+
+
+@dataclass
+class Decision:
+    state: BatchState
+    add: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+
+class FeatherScheduler(FCFSScheduler):
+    name = "feather"
+    max_wait_rounds = 256
+    reward_steps = 4  # a decision is rewarded with the decode throughput of the steps that follow it
+
+    def __init__(self, config, kv):
+        super().__init__(config, kv)
+        self.cht = ChunkedHashTree()
+        self.policy = make_policy(config.feather_policy)
+        self.admissions = 0
+        self.mark: dict[Request, int] = {}  # admissions counted when the request arrived
+        self.open: list[Decision] = []
+        self.throughput_avg: float | None = None
+        self.decisions = self.stops = 0
+
+    # -- the CHT follows every move between waiting and running ----------------------------------------------
+    def add(self, req: Request) -> None:
+        super().add(req)
+        req.block_hashes = chained_hashes(req.prompt_token_ids, self.kv.block_size)  # the KV manager reuses them
+        self.mark[req] = self.admissions
+        self._timed(self.cht.insert, req, tuple(req.block_hashes))
+
+    def on_admit(self, req: Request) -> None:
+        self.admissions += 1
+        self._timed(self.cht.add_to_batch, req)
+
+    def finish(self, req: Request) -> None:
+        super().finish(req)
+        self._timed(self.cht.remove_from_batch, req)
+        del self.mark[req]
+
+    def preempt(self, req: Request) -> None:
+        self._timed(self.cht.remove_from_batch, req)
+        super().preempt(req)
+        self._timed(self.cht.insert, req, tuple(req.block_hashes[: req.num_prompt_tokens // self.kv.block_size]))
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self._timed(self.cht.remove_from_batch, req)
+        else:
+            self._timed(self.cht.discard, req)
+        super().abort(req)
+        self.mark.pop(req, None)
+
+    # -- admission -------------------------------------------------------------------------------------------
+    def admission_order(self) -> Iterable[Request]:
+        while self.waiting:
+            req = self._candidate()
+            if self.running and not self._policy_admits(req):
+                return
+            yield req
+
+    def _candidate(self) -> Request:
+        oldest = self.waiting[0]
+        if self.admissions - self.mark[oldest] >= self.max_wait_rounds:
+            return oldest
+        best = self._timed(self.cht.best)
+        shares_nothing = self.cht.misses(best) == best.num_prompt_tokens // self.kv.block_size
+        return oldest if shares_nothing else best
+
+    def _policy_admits(self, req: Request) -> bool:
+        t0 = time.perf_counter()
+        depth = self.cht.tip_if_added(req)
+        delta = self.cht.tip() - depth
+        state = BatchState(len(self.running), delta, self.cht.num_waiting_sharing(req, max(depth, 1)) if delta else 0)
+        self.match_seconds += time.perf_counter() - t0
+        if delta == 0:
+            return True
+        add = self.policy.decide(state)
+        self.decisions += 1
+        self.stops += not add
+        self.open.append(Decision(state, add))
+        return add
+
+    # -- learning from measured speed ------------------------------------------------------------------------
+    def observe(self, plan: StepPlan, model_seconds: float) -> None:
+        tokens = len(plan.sampling())
+        if tokens == 0 or model_seconds <= 0:
+            return
+        rate = tokens / model_seconds
+        self.throughput_avg = rate if self.throughput_avg is None else 0.95 * self.throughput_avg + 0.05 * rate
+        for d in self.open:
+            d.tokens, d.seconds, d.steps = d.tokens + tokens, d.seconds + model_seconds, d.steps + 1
+        while self.open and self.open[0].steps >= self.reward_steps:
+            d = self.open.pop(0)
+            next_state = self.open[0].state if self.open else None
+            self.policy.learn(d.state, d.add, d.tokens / d.seconds / self.throughput_avg, next_state)
+
+    def _timed(self, fn, *args):
+        t0, ops0 = time.perf_counter(), self.cht.ops
+        out = fn(*args)
+        self.match_seconds += time.perf_counter() - t0
+        self.match_ops += self.cht.ops - ops0
+        return out

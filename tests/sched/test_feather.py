@@ -1,0 +1,137 @@
+"""Feather: same tokens as FCFS, homogeneous batches from interleaved traffic, FCFS order without sharing,
+bounded waiting under adversarial traffic, and policies that learn from rewards."""
+
+import random
+
+import pytest
+
+from flock import LLM, SamplingParams
+from flock.sched.policies import ADD, STOP, BatchState, QLearningPolicy, StaticPolicy, UCBPolicy
+from tests.sched.test_batchllm import groups_workload
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+POLICIES = ["static", "ucb", "qlearning"]
+
+
+def make_llm(scheduler="feather", policy="static", **config):
+    return LLM("flock/tiny", dtype="float32", block_size=8, scheduler=scheduler, feather_policy=policy, **config)
+
+
+def generate(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.ref_count), "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_kv_blocks", [None, 40])
+def test_same_tokens_as_fcfs(policy, num_kv_blocks):
+    prompts = groups_workload(3, groups=4, per_group=6, prefix=40, distinct=7, singles=4)
+    kw = {"num_kv_blocks": num_kv_blocks, "max_num_seqs": 6, "max_num_batched_tokens": 64}
+    expected = generate(make_llm("fcfs", **kw), prompts)
+    llm = make_llm(policy=policy, **kw)
+    assert generate(llm, prompts) == expected
+    assert not llm.engine.scheduler.cht.num_active and not llm.engine.scheduler.cht.num_waiting
+
+
+def run_online(llm, arrivals: list[list[list[int]]], groups: list[int]) -> list[set[int]]:
+    """Add arrivals[i] before step i; return the prefix groups of the running batch at every step."""
+    engine, group_of, composition = llm.engine, {}, []
+    i = 0
+    while i < len(arrivals) or engine.has_unfinished():
+        for p in arrivals[i] if i < len(arrivals) else []:
+            group_of[engine.add_request(p, GREEDY).request_id] = groups.pop(0)
+        if engine.has_unfinished():
+            engine.step()
+            composition.append({group_of[r.request_id] for r in engine.scheduler.running})
+        i += 1
+    return composition
+
+
+def test_interleaved_groups_run_as_homogeneous_batches():
+    rng = random.Random(0)
+    heads = [[rng.randrange(100, 8000) for _ in range(64)] for _ in range(4)]
+    groups = [i % 4 for i in range(32)]
+    prompts = [heads[g] + [rng.randrange(100, 8000) for _ in range(5)] for g in groups]
+    mixed = {}
+    for name in ("fcfs", "feather"):
+        composition = run_online(make_llm(name, max_num_seqs=8), [prompts], list(groups))
+        mixed[name] = sum(len(c) for c in composition) / len(composition)
+    assert mixed["feather"] < 1.5 < 3.0 < mixed["fcfs"]
+
+
+def record_admissions(llm) -> list[tuple[int, int]]:
+    """(request id, admissions it waited) for every admission, in order."""
+    sched, log = llm.engine.scheduler, []
+    original = sched.on_admit
+
+    def on_admit(req):
+        log.append((req.request_id, sched.admissions - sched.mark[req] if hasattr(sched, "mark") else 0))
+        original(req)
+
+    sched.on_admit = on_admit
+    return log
+
+
+def test_without_sharing_admits_in_fcfs_order():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 8000) for _ in range(rng.randrange(3, 60))] for _ in range(20)]
+    orders = {}
+    for name in ("fcfs", "feather"):
+        llm = make_llm(name, max_num_seqs=3)
+        log = record_admissions(llm)
+        generate(llm, prompts)
+        orders[name] = [rid for rid, _ in log]
+    assert orders["feather"] == orders["fcfs"]
+
+
+def adversarial_trace(seed: int):
+    """Two requests with a shared head arriving one step apart (so the batch never empties), then a lone
+    unrelated request, then a flood sharing the head, one per step (faster than the engine serves them)."""
+    rng = random.Random(seed)
+    head = [rng.randrange(100, 8000) for _ in range(48)]
+    member = lambda: head + [rng.randrange(100, 8000)]  # noqa: E731
+    arrivals = [[member()], [member()], [[rng.randrange(100, 8000) for _ in range(40)]]]
+    arrivals += [[member()] for _ in range(30)]
+    return arrivals, [0, 0, 1] + [0] * 30
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_starvation_under_adversarial_traffic(policy):
+    """The CHT always prefers the flood (it shares the batch's prefix); only the waiting bound lets the lone
+    request in. Without the bound it would wait for the whole flood."""
+    waited = {}
+    for bound in (6, 10**9):
+        llm = make_llm(policy=policy, max_num_seqs=2)
+        llm.engine.scheduler.max_wait_rounds = bound
+        log = record_admissions(llm)
+        arrivals, groups = adversarial_trace(2)
+        run_online(llm, arrivals, groups)
+        assert len(log) == 33 and not llm.engine.has_unfinished()
+        waited[bound] = dict(log)[2]
+    assert waited[6] <= 6 + 1
+    assert waited[10**9] >= 25
+
+
+def test_static_policy_stops_only_for_a_deep_loss_with_peers_waiting():
+    p = StaticPolicy(min_batch=16, min_delta=8, min_peers=4)
+    assert p.decide(BatchState(size=32, delta=20, sharing=10)) is STOP
+    assert p.decide(BatchState(size=8, delta=20, sharing=10)) is ADD
+    assert p.decide(BatchState(size=32, delta=2, sharing=10)) is ADD
+    assert p.decide(BatchState(size=32, delta=20, sharing=0)) is ADD
+
+
+@pytest.mark.parametrize("cls", [UCBPolicy, QLearningPolicy])
+def test_learning_policies_follow_rewards(cls):
+    """Start from the safe default, then learn that stopping pays in this state and adding does not."""
+    policy = cls(warmup=4)
+    state = BatchState(size=32, delta=20, sharing=10)
+    calm = BatchState(size=2, delta=1, sharing=0)
+    assert policy.decide(state) is STOP and policy.decide(calm) is ADD  # heuristic during warm-up
+    for _ in range(300):
+        action = policy.decide(calm)
+        policy.learn(calm, action, 1.5 if action is STOP else 0.5, calm)
+    if isinstance(policy, QLearningPolicy):
+        policy.epsilon = 0.0
+    assert policy.decide(calm) is STOP
