@@ -21,6 +21,9 @@ class RunStats:
     wall_seconds: float = 0.0
     peak_kv_blocks: int = 0
     num_kv_blocks: int = 0
+    step_tokens: int = 0
+    max_step_tokens: int = 0
+    trace_steps: bool = True  # keep tokens_per_step (off in a long-running server)
     tokens_per_step: list[int] = field(default_factory=list)
 
     def add_request(self, req: Request) -> None:
@@ -33,7 +36,10 @@ class RunStats:
         self.model_seconds += model_s
         self.preemptions += len(plan.preempted)
         self.peak_kv_blocks = max(self.peak_kv_blocks, kv_used)
-        self.tokens_per_step.append(plan.num_tokens)
+        self.step_tokens += plan.num_tokens
+        self.max_step_tokens = max(self.max_step_tokens, plan.num_tokens)
+        if self.trace_steps:
+            self.tokens_per_step.append(plan.num_tokens)
         for req, n in plan.scheduled:
             start, prompt = req.num_computed_tokens, req.num_prompt_tokens
             in_prompt = max(0, min(start + n, prompt) - start)
@@ -53,8 +59,8 @@ class RunStats:
             "computed_decode_tokens": self.computed_decode_tokens,
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
-            "mean_tokens_per_step": sum(self.tokens_per_step) / steps,
-            "max_tokens_per_step": max(self.tokens_per_step, default=0),
+            "mean_tokens_per_step": self.step_tokens / steps,
+            "max_tokens_per_step": self.max_step_tokens,
             "preemptions": self.preemptions,
             "schedule_seconds": self.schedule_seconds,
             "model_seconds": self.model_seconds,

@@ -1,6 +1,7 @@
 import pytest
 
-from flock.api.protocol import APIError, TextStream, chunk_body, encode_messages, parse_request, response_body
+from flock.api.protocol import APIError, chunk_body, encode_messages, parse_request, response_body
+from flock.engine.text_stream import TextStream
 from flock.model import resolve_model
 from flock.tokenizer import load_tokenizer
 

@@ -1,0 +1,95 @@
+"""The FastAPI app of `flock serve`: routes, API-key check, OpenAI-style errors, metrics."""
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from flock.api.metrics import StatusCounter
+from flock.api.protocol import APIError
+from flock.api.server_generate import ServerContext, generate
+
+V1_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
+
+    app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(_v1_router(ctx), dependencies=[Depends(_auth(ctx.api_key))] if ctx.api_key else [])
+
+    @app.get("/health")
+    async def health():
+        return _health(ctx)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(StatusCounter, metrics=ctx.metrics, paths=V1_PATHS)
+    return app
+
+
+def _v1_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    created = int(time.time())
+
+    @router.get("/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "flock",
+                 "max_model_len": ctx.engine.max_model_len} for name in ctx.model_names]
+        return {"object": "list", "data": data}
+
+    @router.post("/completions")
+    async def completions(raw: Request):
+        return await generate("completion", raw, ctx)
+
+    @router.post("/chat/completions")
+    async def chat_completions(raw: Request):
+        return await generate("chat", raw, ctx)
+
+    return router
+
+
+def _auth(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(raw: Request) -> None:
+        given = raw.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
+                           code="invalid_api_key")
+
+    return check
+
+
+def _health(ctx: ServerContext) -> JSONResponse:
+    engine = ctx.engine
+    body = {"status": "ok" if engine.is_running else "error"} | asdict(engine.state)
+    body["num_waiting"] = engine.num_waiting
+    return JSONResponse(body, status_code=200 if engine.is_running else 503)
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    headers = {"retry-after": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    return await _api_error(request, APIError(str(e.detail), status=e.status_code, type="invalid_request_error"))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    # Starlette re-raises after sending this, so uvicorn logs the traceback
+    return JSONResponse(APIError("internal server error", status=500, type="server_error").body(), status_code=500)

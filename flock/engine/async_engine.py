@@ -1,0 +1,303 @@
+"""The engine in its own thread, driven from asyncio: submit requests, stream their outputs, abort them.
+
+The LLMEngine is built and stepped only in the engine thread. asyncio talks to it through a command queue
+(closures run in the engine thread) and gets outputs back with `loop.call_soon_threadsafe`, batched per step.
+torch releases the GIL inside model steps, so the event loop stays responsive while the engine works.
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+
+from flock.engine.text_stream import TextStream
+from flock.config import EngineConfig
+from flock.engine.engine import LLMEngine
+from flock.request import Request, RequestStatus
+from flock.sampling_params import SamplingParams
+from flock.tokenizer import load_tokenizer
+
+log = logging.getLogger("flock")
+
+_STOP = object()
+
+
+class QueueFull(RuntimeError):
+    """More than `max_waiting` requests would wait for admission."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (shut down or crashed)."""
+
+
+@dataclass
+class StreamOutput:
+    """One event of a request: the text produced since the previous event, and how it ended."""
+
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """A snapshot published by the engine thread after every step; read from any thread."""
+
+    num_added: int = 0  # submissions the engine thread has taken so far
+    num_waiting: int = 0
+    num_running: int = 0
+    num_active: int = 0  # requests with a live output stream
+    kv_blocks_used: int = 0  # blocks held only by the prefix cache count as free
+    kv_blocks_total: int = 0
+    saving_rate: float = 0.0
+    steps: int = 0
+
+
+class RequestStream:
+    """The asyncio side of one request: its outputs in order, the last one finished."""
+
+    def __init__(self, key: int, engine: "AsyncEngine"):
+        self.key = key
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[StreamOutput] = asyncio.Queue()
+        self.created = time.monotonic()
+        self.finished = False
+        self._engine = engine
+        self._aborted = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        self.finished = out.finished
+        return out
+
+    def abort(self) -> None:
+        """Cancel the request and free its KV blocks; its stream then ends with finish_reason "abort"."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._engine.abort(self.key)
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    stream: RequestStream
+    text: TextStream
+    num_sent: int = 0  # output tokens already reported
+
+    def output(self, text: str, finish_reason: str | None, error: str | None = None) -> StreamOutput:
+        r = self.req
+        return StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
+
+
+class AsyncEngine:
+    """`LLMEngine` behind a thread: `add_request` from asyncio, iterate the returned stream, abort it."""
+
+    def __init__(self, config: EngineConfig, max_waiting: int = 1024):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be positive, got {max_waiting}")
+        self.config = config
+        self.max_waiting = max_waiting
+        self.state = EngineState()
+        self.tokenizer = None  # the asyncio side's own copy: tokenizers are not shared across threads
+        self.max_model_len = 0
+        self._engine: LLMEngine | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._keys = itertools.count()
+        self._num_submitted = 0  # written by the asyncio side only
+        self._num_added = 0  # written by the engine thread only
+        self._tracked: dict[int, _Tracked] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="flock-engine", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # ---- any thread -------------------------------------------------------------------------------------
+
+    def start(self) -> "AsyncEngine":
+        """Build the engine in its thread (loads the model); raise what building it raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left and stop the engine thread."""
+        self._closed = True
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission, submissions the engine thread has not taken yet included."""
+        state = self.state
+        return self._num_submitted - state.num_added + state.num_waiting
+
+    # ---- asyncio side -----------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Submit a request. Raises ValueError for a bad one, QueueFull, or EngineDead; never blocks."""
+        if not self.is_running:
+            raise EngineDead("the engine is not running")
+        self._engine.check_request(prompt_token_ids, params)  # reads only immutable limits: safe here
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"too many requests waiting (max_waiting={self.max_waiting}); retry later")
+        stream = RequestStream(next(self._keys), self)
+        self._num_submitted += 1
+        self._commands.put(partial(self._add, stream, list(prompt_token_ids), params))
+        return stream
+
+    def abort(self, key: int) -> None:
+        self._commands.put(partial(self._abort, key))
+
+    # ---- engine thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = LLMEngine(self.config)
+            self._engine.stats.trace_steps = False  # a server runs for ever
+            self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path)
+            self.max_model_len = self._engine.max_model_len
+            self._publish()
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._loop()
+        except BaseException:
+            log.critical("the engine thread crashed", exc_info=True)
+        finally:
+            self._closed = True
+            self._serve_commands(block=False)  # late submissions get their abort below
+            self._fail_all("abort")
+            self._publish()
+
+    def _loop(self) -> None:
+        engine = self._engine
+        while self._serve_commands(block=not engine.has_unfinished()):
+            if engine.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _serve_commands(self, block: bool) -> bool:
+        """Run queued submissions and aborts; False once shutdown is asked for."""
+        try:
+            cmd = self._commands.get(block=block)
+            while True:
+                if cmd is _STOP:
+                    return False
+                cmd()
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._num_added += 1
+        try:
+            req = self._engine.add_request(prompt_token_ids, params)
+        except Exception as e:  # checked on submission, so this is a bug: fail this request only
+            log.exception("adding a request failed")
+            self._send([(stream, StreamOutput("", len(prompt_token_ids), 0, finish_reason="error", error=str(e)))])
+            return
+        self._tracked[stream.key] = _Tracked(req, stream, TextStream(params.stop))
+
+    def _abort(self, key: int) -> None:
+        self._fail(key, "abort")
+
+    def _step(self) -> None:
+        try:
+            self._engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing the requests it was running")
+            self._fail_step(f"engine step failed: {e!r}")
+        # RunStats keeps one entry per step; a server steps forever
+        self._emit()
+
+    def _emit(self) -> None:
+        outputs = []
+        for key, t in list(self._tracked.items()):
+            req = t.req
+            if req.num_output_tokens == t.num_sent and not req.is_finished:
+                continue
+            t.num_sent = req.num_output_tokens
+            text = t.text.delta(self._engine.decode(req), req.is_finished)
+            outputs.append((t.stream, t.output(text, req.finish_reason)))
+            if req.is_finished:
+                del self._tracked[key]
+        self._send(outputs)
+
+    def _fail_step(self, error: str) -> None:
+        """After a failed step the requests it touched are in an unknown state: abort them all. If none was
+        running (the scheduler itself failed), fail everything so the loop cannot fail forever."""
+        touched = [k for k, t in self._tracked.items() if t.req.status is not RequestStatus.WAITING]
+        for key in touched or list(self._tracked):
+            self._fail(key, "error", error)
+
+    def _fail_all(self, reason: str) -> None:
+        for key in list(self._tracked):
+            self._fail(key, reason)
+
+    def _fail(self, key: int, reason: str, error: str | None = None) -> None:
+        t = self._tracked.pop(key, None)
+        if t is None:
+            return
+        try:
+            self._engine.abort(t.req)
+        except Exception:
+            log.exception("aborting request %d failed", t.req.request_id)
+        self._send([(t.stream, t.output("", reason, error))])
+
+    def _publish(self) -> None:
+        e = self._engine
+        s = e.stats
+        logical = s.logical_prefill_tokens
+        self.state = EngineState(
+            num_added=self._num_added,
+            num_waiting=len(e.scheduler.waiting),
+            num_running=len(e.scheduler.running),
+            num_active=len(self._tracked),
+            kv_blocks_used=e.kv.pool.num_used,
+            kv_blocks_total=e.kv.pool.num_blocks,
+            saving_rate=1 - s.computed_prefill_tokens / logical if logical else 0.0,
+            steps=s.steps,
+        )
+
+    @staticmethod
+    def _send(outputs: list[tuple[RequestStream, StreamOutput]]) -> None:
+        by_loop = defaultdict(list)
+        for stream, out in outputs:
+            by_loop[stream.loop].append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                pass
+
+
+def _deliver(items: list[tuple[RequestStream, StreamOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)

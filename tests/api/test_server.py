@@ -1,0 +1,207 @@
+"""A live `flock serve` (flock/tiny, subprocess on a free loopback port) driven by the official openai client
+and by httpx."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flock import LLM, SamplingParams
+from flock.api.protocol import encode_messages
+from flock.api.server_process import ServerProcess
+
+MODEL = "tiny-served"
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+# the test process and the server share the CPUs; one torch thread keeps steps fast when they are busy
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+SYSTEM = "You are a terse assistant. Answer in one short sentence, and never repeat the question. "
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY,
+                       "--num-kv-blocks", "1024", "--max-model-len", "512", env=ONE_THREAD) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def metrics(server) -> dict[str, float]:
+    """Samples by name and labels, e.g. {'flock_requests_finished_total{reason=abort}': 3.0}."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(server)
+        if h["num_running"] == h["num_waiting"] == h["num_active"] == h["kv_blocks_used"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"the server did not drain: {h}"
+        time.sleep(0.1)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = health(server)
+    assert h["status"] == "ok" and h["kv_blocks_total"] == 1024
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="The cache is paged.", max_tokens=8, **GREEDY)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason == "length" and isinstance(r.choices[0].text, str) and r.choices[0].text
+    assert (r.usage.completion_tokens, r.usage.total_tokens) == (8, r.usage.prompt_tokens + 8)
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": SYSTEM},
+                                                              {"role": "user", "content": "Why page the cache?"}],
+                                       max_tokens=6, **GREEDY)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content and r.usage.completion_tokens == 6
+
+
+def test_stream_completion_equals_whole(client):
+    kw = dict(model=MODEL, prompt="Streams arrive in pieces", max_tokens=10, **GREEDY)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_chat_equals_whole(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=7, **GREEDY)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    plain = list(client.chat.completions.create(stream=True, **kw))  # no include_usage: no usage chunk
+    assert all(c.choices and c.usage is None for c in plain)
+
+
+@pytest.mark.parametrize("kw,param", [({"n": 2}, "n"), ({"temperature": -1}, "temperature"),
+                                      ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5] * 600}, "prompt"),
+                                      ({"extra_body": {"bogus": 1}}, "bogus")])
+def test_bad_request_names_the_parameter(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**({"model": MODEL, "prompt": "x"} | kw))
+    assert e.value.status_code == 400 and e.value.param == param and e.value.message
+
+
+def test_invalid_json_and_unknown_model(server, client):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.param == "model"
+
+
+def test_api_key(server):
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert e.value.code == "invalid_api_key"
+    for path in ("/v1/models", "/v1/completions"):
+        r = httpx.request("GET" if path.endswith("models") else "POST", server.url + path, json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open without a key
+
+
+def test_greedy_equals_offline_llm(client):
+    llm = LLM("flock/tiny", num_kv_blocks=256)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Prefix sharing saves work because", SYSTEM + "What is a block table?"]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        expected = out.outputs[0]
+        assert expected.text == tok.decode(expected.token_ids)
+        ids = tok.encode(prompt, add_special_tokens=True)
+        for p in (prompt, ids):  # as text and as the engine tokenizer's token ids
+            r = client.completions.create(model=MODEL, prompt=p, max_tokens=12, **GREEDY)
+            assert r.choices[0].text == expected.text
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(expected.token_ids))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And a block pool?"}]
+    expected = llm.generate({"prompt_token_ids": encode_messages(tok, messages)}, params, use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
+    assert r.choices[0].message.content == expected.outputs[0].text
+
+
+def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
+    aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
+
+    async def one(http: httpx.AsyncClient, i: int):
+        leaves = i % 5 == 0
+        body = {"model": MODEL, "prompt": SYSTEM + f"Question number {i}?", "stream": True, "temperature": 0,
+                "ignore_eos": True, "max_tokens": 1000 if leaves else 8}
+        chunks = 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return chunks
+                chunks += 1
+                if leaves and chunks == 1 + i % 2:
+                    return "left"  # closing the unread response drops the connection
+        raise AssertionError("the stream ended without [DONE]")
+
+    async def burst():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60, limits=limits) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(200)))
+
+    results = asyncio.run(burst())
+    assert results.count("left") == 40
+    assert all(isinstance(n, int) and 1 <= n <= 8 for i, n in enumerate(results) if i % 5)
+    h = wait_idle(server)
+    assert h["status"] == "ok" and h["kv_blocks_total"] == 1024
+    assert metrics(server)["flock_requests_finished_total{reason=abort}"] - aborted_before == 40
+    r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3
+
+
+def test_whole_request_is_aborted_when_its_client_leaves(server):
+    aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
+    body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 5000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.5))
+    wait_idle(server)
+    assert metrics(server)["flock_requests_finished_total{reason=abort}"] - aborted_before == 1
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", n=3)
+    m = metrics(server)
+    assert m["flock_http_requests_total{endpoint=/v1/completions,status=200}"] >= 1
+    assert m["flock_http_requests_total{endpoint=/v1/completions,status=400}"] >= 1
+    assert m["flock_prompt_tokens_total"] > 0 and m["flock_generation_tokens_total"] >= 2
+    assert m["flock_time_to_first_token_seconds_count"] >= 1
+    assert m["flock_kv_blocks_total"] == 1024 and m["flock_kv_blocks_used"] == 0
+    assert m["flock_num_requests_waiting"] == m["flock_num_requests_running"] == 0
+    assert 0 <= m["flock_prefix_saving_rate"] < 1

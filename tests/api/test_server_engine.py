@@ -1,0 +1,128 @@
+"""AsyncEngine in-process: streaming, abort, and a failing step (fails its requests, the server keeps going),
+also through the app with httpx's ASGI transport."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from flock.api.metrics import Metrics
+from flock.api.server_app import build_app
+from flock.api.server_generate import ServerContext
+from flock.config import EngineConfig
+from flock.engine.async_engine import AsyncEngine
+from flock.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = AsyncEngine(EngineConfig.from_kwargs("flock/tiny", num_kv_blocks=128)).start()
+    yield e
+    e.shutdown()
+    assert not e.is_running
+
+
+@pytest.fixture
+def failing_steps(engine, monkeypatch):
+    """Make the next `n` model steps raise."""
+    runner = engine._engine.runner  # patched while the engine thread is idle
+    real, left = runner.run, [0]
+
+    def run(plan):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected failure")
+        return real(plan)
+
+    monkeypatch.setattr(runner, "run", run)
+    return left
+
+
+def ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=True)
+
+
+def wait_idle(engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (s := engine.state).num_running or s.num_waiting or s.num_active or s.kv_blocks_used:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.01)
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+async def collect_one(engine, prompt, params):
+    return await collect(engine.add_request(ids(engine, prompt), params))
+
+
+def test_stream_outputs_add_up(engine):
+    outs = asyncio.run(collect_one(engine, "hello there", GREEDY))
+    assert outs[-1].finish_reason == "length" and all(not o.finished for o in outs[:-1])
+    assert [o.num_output_tokens for o in outs] == sorted({o.num_output_tokens for o in outs})
+    assert outs[-1].num_output_tokens == 6 and outs[-1].num_prompt_tokens == len(ids(engine, "hello there"))
+    wait_idle(engine)
+
+
+
+def test_abort_frees_the_request(engine):
+    async def go():
+        stream = engine.add_request(ids(engine, "a long one"), SamplingParams(max_tokens=5000, ignore_eos=True))
+        first = await anext(stream)
+        stream.abort()
+        return first, await collect(stream)
+
+    first, rest = asyncio.run(go())
+    assert first.num_output_tokens >= 1 and rest[-1].finish_reason == "abort"
+    wait_idle(engine)
+
+
+def test_bad_request_is_rejected_before_submission(engine):
+    async def go():
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.add_request([5] * (engine.max_model_len + 1), GREEDY)
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.add_request([10**9], GREEDY)
+
+    asyncio.run(go())
+    assert engine.state.num_active == 0
+
+
+def test_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, failing_steps):
+    failing_steps[0] = 1
+
+    async def go():
+        streams = [engine.add_request(ids(engine, f"prompt {i}"), GREEDY) for i in range(3)]
+        return [(await collect(s))[-1] for s in streams]
+
+    ends = asyncio.run(go())
+    errors = [e for e in ends if e.finish_reason == "error"]
+    assert errors and "injected failure" in errors[0].error
+    assert all(e.finish_reason in ("error", "length") for e in ends)
+    wait_idle(engine)
+    assert asyncio.run(collect_one(engine, "after the failure", GREEDY))[-1].finish_reason == "length"
+
+
+def test_failing_step_gives_500_whole_and_an_error_event_streamed(engine, failing_steps):
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            failing_steps[0] = 1
+            whole = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            failing_steps[0] = 1
+            streamed = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+            ok = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            return whole, streamed, ok
+
+    whole, streamed, ok = asyncio.run(go())
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    wait_idle(engine)

@@ -1,0 +1,67 @@
+"""A live `flock serve` with a one-request batch and a one-request waiting queue: 429s, graceful shutdown."""
+
+import asyncio
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from flock.api.server_process import ServerProcess
+
+# the test process and the server share the CPUs; one torch thread keeps steps fast when they are busy
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+LONG = dict(model="flock/tiny", temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--num-kv-blocks", "256",
+                       "--shutdown-timeout", "120", env=ONE_THREAD) as s:
+        yield s
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def test_full_waiting_queue_gets_429(server):
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(client.completions.create(prompt=f"burst {i}", max_tokens=48, **LONG)
+                                          for i in range(12)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    results = asyncio.run(burst())
+    done = [r for r in results if isinstance(r, openai.types.Completion)]
+    limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(done) + len(limited) == 12, [r for r in results if isinstance(r, Exception)][:1]
+    assert done and limited
+    assert all(r.usage.completion_tokens == 48 for r in done)
+    assert limited[0].status_code == 429 and limited[0].code == "rate_limit_exceeded"
+    assert limited[0].response.headers["retry-after"] == "1"
+    deadline = time.monotonic() + 30
+    while (h := health(server))["num_running"] or h["num_waiting"] or h["kv_blocks_used"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.completions.create, prompt="a long answer", max_tokens=80, **LONG)
+        deadline = time.monotonic() + 30
+        while health(server)["num_running"] == 0:
+            assert time.monotonic() < deadline and not pending.done()
+            time.sleep(0.02)
+        # SIGTERM: stop accepting, let the request finish, shut the engine down, exit with the signal
+        assert server.stop(timeout=150) in (0, -signal.SIGTERM)
+        r = pending.result(timeout=30)
+    assert "Application shutdown complete" in server.logs()
+    assert r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=2)
