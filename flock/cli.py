@@ -1,25 +1,20 @@
-"""The `flock` command: `flock run` a JSONL batch, `flock analyze` its prefix sharing, `flock workload` writes a
-synthetic batch, `flock save-model` saves a built-in model as a HF folder."""
+"""The `flock` command: `flock run` an OpenAI Batch JSONL job (resumable), `flock serve` the OpenAI API,
+`flock analyze` a batch's prefix sharing, `flock workload` writes a synthetic batch, `flock save-model` saves a
+built-in model as a Hugging Face folder."""
 
 import argparse
-import json
 import sys
 
-from flock.analyze import key_value_table
+from flock.api.server import add_serve_parser, serve_main
+from flock.engine.args import add_engine_args, engine_kwargs
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flock", description="Flock: a prefix-aware LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate for every line of a JSONL batch")
-    run.add_argument("input", help="JSONL: {'prompt': ...} or {'prompt_token_ids': [...]} lines")
-    run.add_argument("-o", "--output", help="output JSONL (default: print a summary only)")
-    _engine_args(run)
-    run.add_argument("--max-tokens", type=int, default=32)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=-1)
-    run.add_argument("--show", type=int, default=3, help="print this many completions")
+    _add_run(sub)
+    add_serve_parser(sub)
 
     save = sub.add_parser("save-model", help="save a model (e.g. flock/tiny) as a Hugging Face folder")
     save.add_argument("model")
@@ -46,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     workload.add_argument("--sharing-degree", type=int, help="micro-*: prompts per group (default 16)")
 
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return run_batch(args)
+    if args.command == "serve":
+        return serve_main(args)
     if args.command == "analyze":
         from flock.analyze import analyze_file
 
@@ -57,74 +56,34 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"saved {args.model} to {save_model(args.model, args.output, args.dtype, args.seed)}")
         return 0
-    return run_batch(args)
+    parser.error(f"unknown command {args.command}")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="flock/tiny")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--scheduler", default="batchllm", help="offline jobs default to BatchLLM group scheduling")
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def read_prompts(path: str) -> tuple[list[tuple[int, dict]], list[str]]:
-    """(line number, prompt) for each good line, and an error message for each bad one."""
-    good, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append(f"{path}:{number}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & item.keys()):
-                errors.append(f"{path}:{number}: needs a 'prompt' or 'prompt_token_ids' field")
-                continue
-            good.append((number, item))
-    return good, errors
+def _add_run(sub) -> None:
+    run = sub.add_parser("run", help="run an OpenAI Batch (or plain prompt) JSONL job; resumable after a crash")
+    run.add_argument("input", help="JSONL (or gzipped): OpenAI Batch lines, or plain lines with 'prompt', "
+                                   "'prompt_token_ids' or 'messages' and any sampling fields")
+    run.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL, appended as requests finish")
+    run.add_argument("--errors", metavar="PATH", help="error records (default: <output stem>.errors.jsonl)")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
+    mode.add_argument("--overwrite", action="store_true", help="delete OUTPUT and the error file and start again")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, a one-line summary")
+    add_engine_args(run, scheduler="batchllm")
+    defaults = run.add_argument_group("sampling defaults for lines that set none (else OpenAI's: temperature 1, "
+                                      "max_tokens 16 for completions, none for chat)")
+    defaults.add_argument("--max-tokens", type=int)
+    defaults.add_argument("--temperature", type=float)
+    defaults.add_argument("--top-p", type=float)
+    defaults.add_argument("--top-k", type=int)
 
 
 def run_batch(args) -> int:
-    from flock import LLM, SamplingParams
+    from flock.api.batch import JobConfig, run_job
 
-    engine_keys = ("dtype", "load_format", "scheduler", "attention", "block_size", "max_num_seqs",
-                   "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "seed")
-    llm = LLM(args.model, **{k: getattr(args, k) for k in engine_keys})
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
-    items, errors = read_prompts(args.input)
-    prompts, numbers = [], []
-    for number, item in items:
-        try:
-            ids = llm.encode_prompt(item, number)[1]
-            llm.engine.check_request(ids, params)
-        except (ValueError, TypeError) as e:
-            errors.append(f"{args.input}:{number}: {e}")
-            continue
-        prompts.append(item)
-        numbers.append(number)
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    outputs = llm.generate(prompts, params)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            for number, out in zip(numbers, outputs):
-                c = out.outputs[0]
-                f.write(json.dumps({"line": number, "text": c.text, "token_ids": c.token_ids,
-                                    "finish_reason": c.finish_reason}) + "\n")
-    for out in outputs[: args.show]:
-        print(f"--- {out.prompt!r:.70}\n    -> {out.outputs[0].text!r:.200}")
-    print(format_stats(llm.stats()))
-    print(f"{len(outputs)} done, {len(errors)} failed" + (f"; results in {args.output}" if args.output else ""))
-    return 1 if errors else 0
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+    return run_job(JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet,
+                             args.max_tokens, sampling, {"model": args.model, **engine_kwargs(args)}))
 
 
 def write_workload(args) -> int:
@@ -144,21 +103,6 @@ def write_workload(args) -> int:
     write_jsonl(prompts, args.output)
     print(f"wrote {len(prompts)} prompts ({sum(map(len, prompts))} tokens) to {args.output}")
     return 0
-
-
-def format_stats(s: dict) -> str:
-    rows = [
-        ("requests", f"{s['num_requests']}"),
-        ("prefill tokens (logical / computed)", f"{s['logical_prefill_tokens']} / {s['computed_prefill_tokens']}"),
-        ("saving rate", f"{s['saving_rate']:.1%}"),
-        ("generated tokens", f"{s['generated_tokens']}"),
-        ("steps (mean / max tokens per step)", f"{s['steps']} ({s['mean_tokens_per_step']:.1f} / {s['max_tokens_per_step']})"),
-        ("preemptions", f"{s['preemptions']}"),
-        ("time: wall / model / scheduling", f"{s['wall_seconds']:.2f} s / {s['model_seconds']:.2f} s / {s['schedule_seconds'] * 1e3:.1f} ms"),
-        ("KV blocks (peak / total)", f"{s['peak_kv_blocks']} / {s['num_kv_blocks']}"),
-        ("tok/s (prompt / generated / total)", f"{s['prompt_tokens_per_s']:.0f} / {s['generated_tokens_per_s']:.0f} / {s['total_tokens_per_s']:.0f}"),
-    ]
-    return key_value_table(rows)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,9 @@ import argparse
 import logging
 import sys
 
-from flock.sched import SCHEDULERS
+from flock.engine.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("flock")
-
-ENGINE_KEYS = ("dtype", "load_format", "device", "seed", "scheduler", "attention", "block_size", "max_num_seqs",
-               "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
-               "enable_prefix_caching", "tokenizer")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,27 +21,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="flock/tiny", help="built-in model name or local Hugging Face folder")
     p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
-    p.add_argument("--scheduler", default="fcfs", choices=sorted(SCHEDULERS))
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--tokenizer")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_engine_args(p, scheduler="feather")
     p.add_argument("--shutdown-timeout", type=int, default=30,
                    help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before cancelling them")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -63,7 +45,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig.from_kwargs(args.model, **{k: getattr(args, k) for k in ENGINE_KEYS})
+        config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting).start()
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

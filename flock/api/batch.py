@@ -1,0 +1,240 @@
+"""`flock run`: an OpenAI Batch job through the engine, resumable after any crash.
+
+Every line becomes an engine request (bodies are checked by `flock.api.protocol`, as the server checks
+them); results are appended to the output as their requests finish (see `batch_output`). A resumed job
+reads the output back, skips the custom_ids already there and runs the rest; bad lines go to the error
+file once, however often the job is resumed.
+
+Sampling defaults for a line that sets none: the CLI flags when given, else OpenAI's (temperature 1,
+max_tokens 16 for completions; a chat runs until EOS or max_model_len).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from flock.analyze import key_value_table
+from flock.api.batch_input import BatchLine, LineError, read_lines
+from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
+from flock.api.protocol import APIError, new_id, parse_request, response_body, usage
+from flock.config import EngineConfig
+from flock.engine.engine import LLMEngine
+from flock.request import Request
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
+
+
+@dataclass
+class JobConfig:
+    input: str
+    output: str
+    errors: str | None = None  # default: <output stem>.errors.jsonl beside the output
+    resume: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+    max_tokens: int | None = None  # for lines that set none
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, ... for lines that set none
+    engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output)
+
+    @property
+    def errors_path(self) -> Path:
+        out = self.output_path
+        return Path(self.errors) if self.errors else out.with_name(f"{out.stem}.errors.jsonl")
+
+
+@dataclass
+class JobCounts:
+    succeeded: int = 0  # written by this run
+    failed: int = 0  # bad lines, reported now or by an earlier run
+    skipped: int = 0  # already in the output
+    new_errors: int = 0
+
+
+def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
+    """Run (or resume) the job; 0 when every line succeeded, 1 when some failed, 2 when it could not start.
+    `engine` (idle) is built from `cfg.engine` when not given."""
+    try:
+        _check_paths(cfg)
+        _check_defaults(cfg)
+        done, reported = _prepare_files(cfg)
+        engine = engine if engine is not None else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
+    except (CorruptFileError, OSError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    job = BatchJob(cfg, engine, done, reported)
+    try:
+        job.submit_all()
+        job.generate()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {job.counts.succeeded} results saved in {cfg.output}; "
+              "run the same command with --resume to finish", file=sys.stderr)
+        return 130
+    except (OSError, EOFError) as e:  # unreadable input (a truncated .gz), a full disk
+        print(f"error: {e}; the results so far are saved, fix it and run again with --resume", file=sys.stderr)
+        return 2
+    finally:
+        job.close()
+    job.report()
+    return 1 if job.counts.failed else 0
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    inp, out, err = Path(cfg.input), cfg.output_path, cfg.errors_path
+    if not inp.is_file():
+        raise FileNotFoundError(f"cannot read {inp}: no such file")
+    if len({inp.resolve(), out.resolve(), err.resolve()}) < 3:
+        raise ValueError("the input, output and error files must be three different files")
+    existing = [str(p) for p in (out, err) if p.exists()]
+    if existing and not (cfg.resume or cfg.overwrite):
+        raise ValueError(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: "
+                         "pass --resume to finish that job, or --overwrite to start again")
+
+
+def _check_defaults(cfg: JobConfig) -> None:
+    try:
+        parse_request("completion", cfg.sampling | {"prompt": [0]}, None, cfg.max_tokens)
+    except APIError as e:
+        raise ValueError(f"bad default for --{(e.param or '').replace('_', '-')}: {e.message}") from None
+
+
+def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
+    """(custom_ids already in the output, input lines already in the error file)."""
+    out, err = cfg.output_path, cfg.errors_path
+    if cfg.overwrite:
+        out.unlink(missing_ok=True)
+        err.unlink(missing_ok=True)
+    done = {r["custom_id"] for r in load_records(out)} if out.exists() else set()
+    errors = load_records(err) if err.exists() else []
+    return done, {r["error"]["line"] for r in errors if isinstance(r.get("error"), dict) and "line" in r["error"]}
+
+
+class BatchJob:
+    def __init__(self, cfg: JobConfig, engine: LLMEngine, done: set[str], reported: set[int]):
+        self.cfg, self.engine = cfg, engine
+        self.done, self.reported = done, reported
+        self.output = JsonlAppender(cfg.output_path)
+        self.errors = JsonlAppender(cfg.errors_path)
+        self.running: dict[int, tuple[str, str]] = {}  # engine request id -> (custom_id, kind)
+        self.counts = JobCounts()
+        engine.reset_stats()
+
+    def submit_all(self) -> None:
+        first_line: dict[str, int] = {}
+        for line in read_lines(self.cfg.input):
+            try:
+                if isinstance(line, LineError):
+                    raise line
+                if line.custom_id in first_line:
+                    why = f"duplicate custom_id {line.custom_id!r} (first on line {first_line[line.custom_id]})"
+                    raise LineError(line.number, why, line.custom_id, "duplicate_custom_id", "custom_id")
+                first_line[line.custom_id] = line.number
+                if line.custom_id in self.done:
+                    self.counts.skipped += 1
+                else:
+                    self._submit(line)
+            except LineError as e:
+                self._fail(e)
+        self.errors.sync()
+
+    def _submit(self, line: BatchLine) -> None:
+        default_max = self.cfg.max_tokens
+        if default_max is None and line.kind == "completion":
+            default_max = COMPLETION_MAX_TOKENS
+        try:
+            parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max)
+            if parsed.stream:
+                raise APIError("stream is not supported in a batch job", param="stream")
+            self.engine.check_request(parsed.prompt_token_ids, parsed.params)
+        except APIError as e:
+            raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
+        except ValueError as e:
+            raise LineError(line.number, str(e), line.custom_id) from None
+        req = self.engine.add_request(parsed.prompt_token_ids, parsed.params)
+        self.running[req.request_id] = (line.custom_id, line.kind)
+
+    def _fail(self, e: LineError) -> None:
+        self.counts.failed += 1
+        if e.number in self.reported:
+            return
+        self.errors.write(error_record(e.custom_id, e.number, e.message, e.code, e.param))
+        self.counts.new_errors += 1
+        if not self.cfg.quiet and self.counts.new_errors <= SHOWN_ERRORS:
+            print(f"error: {self.cfg.input}:{e.number}: {e.message}", file=sys.stderr)
+
+    def generate(self) -> None:
+        engine, skipped = self.engine, self.counts.skipped
+        self.output.open()  # even with nothing to run: the file marks the job as started
+        bar = tqdm(total=len(self.running) + skipped, initial=skipped, desc="flock run", unit="req",
+                   disable=True if self.cfg.quiet else None)
+        start = shown = time.perf_counter()
+        try:
+            while engine.has_unfinished():
+                finished = engine.step()
+                for req in finished:
+                    self._write(req)
+                self.output.tick()
+                now = time.perf_counter()
+                if finished:
+                    bar.update(len(finished))
+                if now - shown > 0.5:
+                    bar.set_postfix_str(self._progress(now - start), refresh=False)
+                    shown = now
+        finally:
+            engine.stats.wall_seconds = time.perf_counter() - start
+            bar.set_postfix_str(self._progress(engine.stats.wall_seconds), refresh=False)
+            bar.close()
+
+    def _progress(self, elapsed: float) -> str:
+        s = self.engine.stats
+        saving = 1 - s.computed_prefill_tokens / s.logical_prefill_tokens if s.logical_prefill_tokens else 0.0
+        return f"{s.generated_tokens / max(elapsed, 1e-9):.0f} tok/s out, saving {saving:.0%}"
+
+    def _write(self, req: Request) -> None:
+        custom_id, kind = self.running.pop(req.request_id)
+        request_id = new_id(kind)
+        body = response_body(kind, request_id, self.engine.config.model, self.engine.decode(req), req.finish_reason,
+                             usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+        self.output.write(result_record(custom_id, request_id, body))
+        self.counts.succeeded += 1
+
+    def close(self) -> None:
+        self.output.close()
+        self.errors.close()
+
+    def report(self) -> None:
+        c, cfg = self.counts, self.cfg
+        if c.failed:
+            print(f"{c.failed} line(s) failed ({c.new_errors} newly reported); see {cfg.errors_path}", file=sys.stderr)
+        line = f"{c.succeeded} succeeded, {c.failed} failed, {c.skipped} skipped (done before); results in {cfg.output}"
+        print(line if cfg.quiet else self._table())
+
+    def _table(self) -> str:
+        c, s = self.counts, self.engine.stats.as_dict()
+        rows = [
+            ("requests: succeeded / failed / skipped", f"{c.succeeded} / {c.failed} / {c.skipped} (done before)"),
+            ("prefill tokens (logical / computed)", f"{s['logical_prefill_tokens']} / {s['computed_prefill_tokens']}"),
+            ("saving rate", f"{s['saving_rate']:.1%}"),
+            ("generated tokens", f"{s['generated_tokens']}"),
+            ("steps (mean / max tokens per step)",
+             f"{s['steps']} ({s['mean_tokens_per_step']:.1f} / {s['max_tokens_per_step']})"),
+            ("preemptions", f"{s['preemptions']}"),
+            ("tok/s (prompt / generated / total)",
+             f"{s['prompt_tokens_per_s']:.0f} / {s['generated_tokens_per_s']:.0f} / {s['total_tokens_per_s']:.0f}"),
+            ("time: wall / model / scheduling",
+             f"{s['wall_seconds']:.2f} s / {s['model_seconds']:.2f} s / {s['schedule_seconds'] * 1e3:.1f} ms"),
+            ("KV blocks (peak / total)", f"{s['peak_kv_blocks']} / {s['num_kv_blocks']}"),
+            ("output", self.cfg.output),
+        ]
+        if c.failed:
+            rows.append(("errors", str(self.cfg.errors_path)))
+        return key_value_table(rows)

@@ -1,0 +1,137 @@
+"""Batch jobs in process: bad lines become error records (once), input formats, defaults, resume."""
+
+import gzip
+import json
+
+import pytest
+
+from flock.api.batch import JobConfig, run_job
+from flock.api.protocol import encode_messages
+from flock.config import EngineConfig
+from flock.engine.engine import LLMEngine
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig.from_kwargs(model="flock/tiny", max_model_len=MAX_LEN, attention="torch",
+                                              block_size=8, kv_cache_memory_bytes=64 << 20))
+
+
+def batch(cid, body, url="/v1/completions", **extra):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body} | extra)
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(engine, tmp_path, inp, **kw) -> int:
+    return run_job(JobConfig(str(inp), str(tmp_path / "out.jsonl"), quiet=True, **kw), engine)
+
+
+def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = [
+        batch("good-1", {"prompt": "The cache is paged.", "max_tokens": 3}),  # 1
+        "{not json",  # 2
+        "[1, 2]",  # 3
+        batch("good-2", chat, "/v1/chat/completions"),  # 4
+        batch("bad-url", {"prompt": "x"}, "/v1/embeddings"),  # 5
+        batch("bad-method", {"prompt": "x"}, method="GET"),  # 6
+        batch("bad-extra", {"prompt": "x"}, extra=1),  # 7
+        batch("bad-field", {"prompt": "x", "foo": 1}),  # 8
+        batch("bad-param", {"prompt": "x", "max_tokens": 0}),  # 9
+        "",  # 10
+        batch("bad-long", {"prompt": [5] * (MAX_LEN + 1)}),  # 11
+        batch("bad-vocab", {"prompt": [5, 99999]}),  # 12
+        batch("good-1", {"prompt": "again"}),  # 13
+        json.dumps({"prompt": "hi", "max_tokens": 2}),  # 14
+        json.dumps({"text": "no prompt"}),  # 15
+        batch("bad-stream", {"prompt": "x", "stream": True}),  # 16
+        batch(7, {"prompt": "x"}),  # 17
+        json.dumps({"prompt_token_ids": [-1, 5]}),  # 18
+        json.dumps(chat),  # 19
+    ]
+    inp = tmp_path / "mixed.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 1
+    out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    assert sorted(r["custom_id"] for r in records(out)) == ["good-1", "good-2", "line-14", "line-19"]
+    errors = {r["error"]["line"]: r for r in records(err)}
+    expected = {2: None, 3: None, 5: "bad-url", 6: "bad-method", 7: "bad-extra", 8: "bad-field", 9: "bad-param",
+                11: "bad-long", 12: "bad-vocab", 13: "good-1", 15: "line-15", 16: "bad-stream", 17: None,
+                18: "line-18"}
+    assert len(records(err)) == len(expected)
+    assert {n: r["custom_id"] for n, r in errors.items()} == expected
+    for n, r in errors.items():
+        assert r["response"] is None and r["id"].startswith("batch_req_")
+        assert r["error"]["message"].startswith(f"line {n}: ")
+    assert errors[2]["error"]["code"] == "invalid_json" and errors[13]["error"]["code"] == "duplicate_custom_id"
+    assert (errors[8]["error"]["param"], errors[9]["error"]["param"]) == ("foo", "max_tokens")
+    assert "max_model_len" in errors[11]["error"]["message"] and "vocabulary" in errors[12]["error"]["message"]
+    _, stderr = capsys.readouterr()
+    assert f"14 line(s) failed (14 newly reported); see {err}" in stderr
+
+    before = out.read_bytes(), err.read_bytes()
+    assert run(engine, tmp_path, inp, resume=True) == 1
+    assert (out.read_bytes(), err.read_bytes()) == before
+    stdout, stderr = capsys.readouterr()
+    assert "0 succeeded, 14 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
+
+
+def test_gzip_plain_lines_chat_and_defaults(engine, tmp_path):
+    tok = engine.tokenizer
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    lines = [
+        {"prompt": "a b c", "max_tokens": 2, "ignore_eos": True},
+        {"prompt_token_ids": [5, 6, 7], "ignore_eos": True},  # --max-tokens default
+        {"messages": msgs, "max_tokens": 3, "ignore_eos": True},
+        {"prompt": "x", "custom_id": "mine", "temperature": 0.5, "seed": 1, "max_tokens": 2},
+    ]
+    inp = tmp_path / "in.jsonl.gz"
+    with gzip.open(inp, "wt") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+    assert run(engine, tmp_path, inp, max_tokens=5, sampling={"temperature": 0.0}) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    assert sorted(got) == ["line-1", "line-2", "line-3", "mine"]
+    assert [got[c]["usage"]["completion_tokens"] for c in ("line-1", "line-2", "line-3")] == [2, 5, 3]
+    assert got["line-1"]["usage"]["prompt_tokens"] == len(tok.encode("a b c", add_special_tokens=True))
+    assert got["line-2"]["usage"]["prompt_tokens"] == 3
+    chat = got["line-3"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["usage"]["prompt_tokens"] == len(encode_messages(tok, msgs))
+    assert got["line-1"]["object"] == "text_completion" and got["line-1"]["model"] == "flock/tiny"
+    for body in got.values():
+        assert body["id"].startswith(("cmpl-", "chatcmpl-"))
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_openai_defaults_without_flags(engine, tmp_path):
+    """No CLI default: a completion gets 16 tokens, a chat runs to max_model_len."""
+    msgs = [{"role": "user", "content": "a long question " * 9}]
+    inp = tmp_path / "in.jsonl"
+    greedy = {"ignore_eos": True, "temperature": 0}
+    inp.write_text(batch("c", {"prompt": "hi"} | greedy) + "\n"
+                   + batch("m", {"messages": msgs} | greedy, "/v1/chat/completions") + "\n")
+    assert run(engine, tmp_path, inp, overwrite=True) == 0
+    got = {r["custom_id"]: r["response"]["body"]["usage"] for r in records(tmp_path / "out.jsonl")}
+    assert got["c"]["completion_tokens"] == 16
+    assert got["m"]["prompt_tokens"] == len(encode_messages(engine.tokenizer, msgs))
+    assert got["m"]["total_tokens"] == MAX_LEN
+
+
+def test_existing_output_needs_resume_or_overwrite(engine, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi", "max_tokens": 1}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    assert run(engine, tmp_path, inp) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_text() == ""
+    (tmp_path / "out.errors.jsonl").write_text("")
+    out.unlink()
+    assert run(engine, tmp_path, inp) == 2  # the error file alone marks a started job too
+    assert run(engine, tmp_path, inp, overwrite=True) == 0
+    assert [r["custom_id"] for r in records(out)] == ["line-1"] and not (tmp_path / "out.errors.jsonl").exists()
