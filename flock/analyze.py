@@ -14,75 +14,24 @@ import sys
 __all__ = ["read_batch", "analyze_file", "format_plan", "plot_plan"]
 
 
-def _is_ids(x) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
-
-
-def _classify(item) -> tuple[str, object]:
-    """('ids' | 'text' | 'messages', payload) or raise ValueError with the reason."""
-    if not isinstance(item, dict):
-        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
-    if "prompt_token_ids" in item:
-        if not _is_ids(item["prompt_token_ids"]):
-            raise ValueError("'prompt_token_ids' must be a list of non-negative integers")
-        return "ids", item["prompt_token_ids"]
-    body = item.get("body", item)
-    if not isinstance(body, dict):
-        raise ValueError("'body' must be a JSON object")
-    if "prompt" in body:
-        p = body["prompt"]
-        if isinstance(p, str):
-            return "text", p
-        if _is_ids(p):
-            return "ids", p
-        raise ValueError("'prompt' must be a string or a list of token ids")
-    if "messages" in body:
-        m = body["messages"]
-        if not (isinstance(m, list) and m and all(isinstance(x, dict) and "role" in x for x in m)):
-            raise ValueError("'messages' must be a non-empty list of {'role', 'content'} objects")
-        return "messages", m
-    raise ValueError("needs 'prompt', 'messages' or 'prompt_token_ids' (directly or in 'body')")
-
-
 def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[list[int]], list[str], int]:
-    """(line numbers, token ids, error messages, number of non-blank lines) of a JSONL batch.
-    The tokenizer is loaded only when some line holds text or messages."""
-    numbers, kinds, errors = [], [], []
-    nonblank = 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            nonblank += 1
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append((number, f"not valid JSON ({e.msg})"))
-                continue
-            try:
-                kinds.append(_classify(item))
-                numbers.append(number)
-            except ValueError as e:
-                errors.append((number, str(e)))
-    ids: list = [p if k == "ids" else None for k, p in kinds]
-    if any(k != "ids" for k, _ in kinds):
-        tok = _tokenizer(model)
-        text_at = [i for i, (k, _) in enumerate(kinds) if k == "text"]
-        if text_at:
-            encoded = tok([kinds[i][1] for i in text_at], add_special_tokens=True)["input_ids"]
-            for i, e in zip(text_at, encoded):
-                ids[i] = list(e)
-        for i, (k, messages) in enumerate(kinds):
-            if k != "messages":
-                continue
-            try:
-                out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-                ids[i] = list(out["input_ids"] if hasattr(out, "keys") else out)
-            except Exception as e:  # a template can reject any message list; report the line, go on
-                errors.append((numbers[i], f"chat template failed ({type(e).__name__}: {e})"))
-    keep = [i for i, x in enumerate(ids) if x is not None]
-    messages = [f"{path}:{number}: {why}" for number, why in sorted(errors)]
-    return [numbers[i] for i in keep], [ids[i] for i in keep], messages, nonblank
+    """(line numbers, token ids, error messages, number of non-blank lines) of a batch: the lines `flock run`
+    would accept, read and checked the same way (flock.api.batch_input, flock.api.protocol)."""
+    from flock.api.batch_input import LineError, read_lines
+    from flock.api.protocol import APIError, parse_request
+
+    tokenizer = _tokenizer(model)
+    numbers, ids, errors = [], [], []
+    for line in read_lines(path):
+        if isinstance(line, LineError):
+            errors.append(f"{path}:{line.number}: {line.message}")
+            continue
+        try:
+            ids.append(parse_request(line.kind, line.body, tokenizer).prompt_token_ids)
+            numbers.append(line.number)
+        except APIError as e:
+            errors.append(f"{path}:{line.number}: {e.message}")
+    return numbers, ids, errors, len(numbers) + len(errors)
 
 
 def _tokenizer(model: str):
