@@ -4,8 +4,9 @@ Admission takes the Chunked Hash Tree's best candidate: the waiting request with
 from the running batch (O(log W) per pick instead of matching every waiting request). When that candidate
 would lower the batch's shared-prefix depth, a batching policy decides to add it or to stop admitting and
 let the homogeneous batch run. Rules that keep it safe:
-- a candidate that shares nothing with the batch is replaced by the oldest waiting request, so traffic
-  without sharing is admitted exactly as FCFS would;
+- a candidate that shares nothing with the batch starts a new group: the oldest member of the largest
+  waiting group (by first chunk, as DFS-weight's heaviest subtree), or the oldest waiting request when no two
+  share a first chunk, so traffic without sharing is admitted exactly as FCFS would;
 - the oldest request is taken first once it has waited `max_wait_rounds` admissions (no starvation);
 - an empty batch always admits.
 """
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 
 from flock.kv.hashing import chained_hashes
 from flock.prefix.cht import ChunkedHashTree
-from flock.request import Request
+from flock.request import Request, RequestStatus
 from flock.sched.base import StepPlan
 from flock.sched.fcfs import FCFSScheduler
 from flock.sched.policies import BatchState, make_policy
+from flock.sched.waiting_groups import WaitingGroups
 
 
 @dataclass
@@ -39,6 +41,7 @@ class FeatherScheduler(FCFSScheduler):
     def __init__(self, config, kv):
         super().__init__(config, kv)
         self.cht = ChunkedHashTree()
+        self.groups = WaitingGroups()
         self.policy = make_policy(config.feather_policy)
         self.admissions = 0
         self.mark: dict[Request, int] = {}  # admissions counted when the request arrived
@@ -51,11 +54,12 @@ class FeatherScheduler(FCFSScheduler):
         super().add(req)
         req.block_hashes = chained_hashes(req.prompt_token_ids, self.kv.block_size)  # the KV manager reuses them
         self.mark[req] = self.admissions
-        self._timed(self.cht.insert, req, tuple(req.block_hashes))
+        self._wait(req)
 
     def on_admit(self, req: Request) -> None:
         self.admissions += 1
         self._timed(self.cht.add_to_batch, req)
+        self._leave_group(req)
 
     def finish(self, req: Request) -> None:
         super().finish(req)
@@ -65,17 +69,41 @@ class FeatherScheduler(FCFSScheduler):
     def preempt(self, req: Request) -> None:
         self._timed(self.cht.remove_from_batch, req)
         super().preempt(req)
-        self._timed(self.cht.insert, req, tuple(req.block_hashes[: req.num_prompt_tokens // self.kv.block_size]))
+        self._wait(req)
 
     def abort(self, req: Request) -> None:
         if req in self.running:
             self._timed(self.cht.remove_from_batch, req)
         else:
             self._timed(self.cht.discard, req)
+            self._leave_group(req)
         super().abort(req)
         self.mark.pop(req, None)
 
     # -- admission -------------------------------------------------------------------------------------------
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        self.reserved = sum(self._growth(r) for r in self.running)
+        super()._admit(plan, budget)
+
+    def try_admit(self, req: Request, budget: int) -> int | None:
+        """Admit only if the pool keeps room for every admitted request's remaining decode blocks (known from
+        max_tokens), so a batch runs to completion instead of being preempted and recomputed."""
+        cached = self.kv.cached_prefix(req)
+        need = self.kv.blocks_needed(req.num_prompt_tokens + (req.params.max_tokens or 0)) - len(cached)
+        if self.running and need + self.reserved > self.kv.pool.num_free:
+            return None
+        n = super().try_admit(req, budget)
+        if n is not None:
+            self.reserved += self._growth(req)
+        return n
+
+    def _growth(self, req: Request) -> int:
+        """Blocks the request still needs to reach max_tokens (0 when it has no limit)."""
+        if req.params.max_tokens is None:
+            return 0
+        total = req.num_prompt_tokens + req.params.max_tokens
+        return max(0, self.kv.blocks_needed(total) - len(req.block_table))
+
     def admission_order(self) -> Iterable[Request]:
         while self.waiting:
             req = self._candidate()
@@ -88,8 +116,24 @@ class FeatherScheduler(FCFSScheduler):
         if self.admissions - self.mark[oldest] >= self.max_wait_rounds:
             return oldest
         best = self._timed(self.cht.best)
-        shares_nothing = self.cht.misses(best) == best.num_prompt_tokens // self.kv.block_size
-        return oldest if shares_nothing else best
+        if self.cht.misses(best) < self._chunks(best):
+            return best
+        return self._timed(self.groups.oldest_of_largest, self._is_waiting) or oldest
+
+    def _wait(self, req: Request) -> None:
+        self._timed(self.cht.insert, req, tuple(req.block_hashes[: self._chunks(req)]))
+        if self._chunks(req):  # a prompt shorter than a chunk shares nothing worth grouping
+            self._timed(self.groups.add, req.block_hashes[0], req)
+
+    def _leave_group(self, req: Request) -> None:
+        if self._chunks(req):
+            self._timed(self.groups.remove, req.block_hashes[0])
+
+    def _chunks(self, req: Request) -> int:
+        return req.num_prompt_tokens // self.kv.block_size
+
+    def _is_waiting(self, req: Request) -> bool:
+        return req.status is RequestStatus.WAITING
 
     def _policy_admits(self, req: Request) -> bool:
         t0 = time.perf_counter()
