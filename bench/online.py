@@ -27,8 +27,9 @@ Columns: req/s and out tok/s = finished requests / generated tokens over the wal
 finish); TTFT = first token - arrival in the trace; TPOT = (finish - first token) / (output tokens - 1);
 groups/step = mean distinct prefix groups among the running requests after each step (an unshared request is
 its own group); batch = mean running requests; queue max = most arrived requests not running; saving = 1 -
-computed / logical prompt tokens; sched % = scheduling time / wall. Results: a table per workload, throughput
-ratios vs fcfs, bench/out/online.json and bench/out/online_groups.png (groups per step over time, groups8).
+computed / logical prompt tokens; sched % = scheduling time / wall; match % = the scheduler's
+prefix-matching time (CHT, cache lookups, radix tree) / model step time. Results: a table per workload,
+throughput ratios vs fcfs, bench/out/online.json and bench/out/online_groups.png (groups per step over time, groups8).
 """
 
 import argparse
@@ -133,6 +134,8 @@ def metrics(result: ReplayResult, num_requests: int) -> dict:
         "max_queue": max((x.waiting for x in result.steps), default=0),
         "saving_rate": s["saving_rate"], "preemptions": s["preemptions"],
         "schedule_fraction": s["schedule_seconds"] / result.wall_s, "steps": s["steps"],
+        "match_fraction": s["match_seconds"] / s["model_seconds"] if s["model_seconds"] else float("nan"),
+        "match_ops": s["match_ops"],
         "computed_prefill_tokens": s["computed_prefill_tokens"], "peak_kv_blocks": s["peak_kv_blocks"],
         "num_kv_blocks": s["num_kv_blocks"],
     }
@@ -146,7 +149,7 @@ def baseline(rows: list[dict], row: dict) -> dict | None:
 
 def table(rows: list[dict]) -> str:
     head = ["scheduler", "attention", "req/s", "vs fcfs", "out tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 ms",
-            "groups/step", "batch", "queue max", "saving", "preempt.", "sched %", "others' CPU"]
+            "groups/step", "batch", "queue max", "saving", "preempt.", "sched %", "match %", "others' CPU"]
     lines = ["| " + " | ".join(head) + " |", "|---|---" + "|--:" * (len(head) - 2) + "|"]
     for r in rows:
         if r["error"]:
@@ -160,7 +163,7 @@ def table(rows: list[dict]) -> str:
             f"{m['output_tokens_per_s']:,.0f} | {m['ttft_p50_s']:.2f} / {m['ttft_p99_s']:.2f} | "
             f"{1e3 * m['tpot_p50_s']:.0f} / {1e3 * m['tpot_p99_s']:.0f} | {m['mean_groups_per_step']:.2f} | "
             f"{m['mean_batch']:.0f} | {m['max_queue']} | {m['saving_rate']:.1%} | {m['preemptions']} | "
-            f"{m['schedule_fraction']:.1%} | {r['others_cpu']:.0%} |")
+            f"{m['schedule_fraction']:.1%} | {m['match_fraction']:.2%} | {r['others_cpu']:.0%} |")
     return "\n".join(lines)
 
 

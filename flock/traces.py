@@ -176,7 +176,7 @@ class ReplayResult:
     requests: list[RequestRecord]
     steps: list[StepRecord]
     wall_s: float
-    stats: dict  # engine.stats.as_dict() over the replay
+    stats: dict  # engine.stats.as_dict() over the replay, plus the scheduler's match_seconds / match_ops
 
     def to_dict(self) -> dict:
         return {"wall_s": self.wall_s, "stats": self.stats, "requests": [asdict(r) for r in self.requests],
@@ -196,6 +196,7 @@ def replay(engine, trace: list[TraceRequest], *, time_limit_s: float | None = No
     otherwise sleep until the next arrival. Greedy, ignore_eos. Resets the engine's stats. With `time_limit_s`,
     requests still unfinished then are aborted and left out of the records."""
     engine.reset_stats()
+    engine.scheduler.match_seconds, engine.scheduler.match_ops = 0.0, 0
     group_of: dict[int, int] = {}
     added: list[tuple[Request, TraceRequest]] = []
     live: list[Request] = []
@@ -229,7 +230,9 @@ def replay(engine, trace: list[TraceRequest], *, time_limit_s: float | None = No
         engine.abort(req)
     engine.stats.wall_seconds = wall
     records = [_record(req, tr, start) for req, tr in added if req.finish_time is not None]
-    return ReplayResult(records, steps, wall, engine.stats.as_dict())
+    stats = engine.stats.as_dict() | {"match_seconds": engine.scheduler.match_seconds,
+                                      "match_ops": engine.scheduler.match_ops}
+    return ReplayResult(records, steps, wall, stats)
 
 
 def _record(req: Request, tr: TraceRequest, start: float) -> RequestRecord:
