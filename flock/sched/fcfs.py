@@ -36,8 +36,10 @@ class FCFSScheduler(Scheduler):
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        for req in self.admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        order = iter(self.admission_order())
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = next(order, None)
+            if req is None:
                 break
             n = self.try_admit(req, budget)
             if n is None:
@@ -50,10 +52,12 @@ class FCFSScheduler(Scheduler):
         while self.waiting:
             yield self.waiting[0]
 
-    def try_admit(self, req: Request, budget: int) -> int | None:
-        """Move `req` from waiting to running with KV for its first chunk; the chunk's size, or None if it
-        does not fit in the KV pool (nothing changes then)."""
-        cached = self.kv.cached_prefix(req)
+    def try_admit(self, req: Request, budget: int, cached: list[int] | None = None) -> int | None:
+        """Move `req` from waiting to running with KV for its first chunk (after its `cached` prefix blocks,
+        looked up if not given); the chunk's size, or None if it does not fit in the KV pool (nothing changes
+        then)."""
+        if cached is None:
+            cached = self.kv.cached_prefix(req)
         n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
         if not self.kv.allocate(req, n, cached):
             return None

@@ -44,6 +44,7 @@ class FeatherScheduler(FCFSScheduler):
         self.groups = WaitingGroups()
         self.policy = make_policy(config.feather_policy)
         self.admissions = 0
+        self.reserved = 0  # decode blocks the running batch still needs, set at each admission round
         self.mark: dict[Request, int] = {}  # admissions counted when the request arrived
         self.open: list[Decision] = []
         self.throughput_avg: float | None = None
@@ -85,14 +86,14 @@ class FeatherScheduler(FCFSScheduler):
         self.reserved = sum(self._growth(r) for r in self.running)
         super()._admit(plan, budget)
 
-    def try_admit(self, req: Request, budget: int) -> int | None:
+    def try_admit(self, req: Request, budget: int, cached: list[int] | None = None) -> int | None:
         """Admit only if the pool keeps room for every admitted request's remaining decode blocks (known from
         max_tokens), so a batch runs to completion instead of being preempted and recomputed."""
         cached = self.kv.cached_prefix(req)
         need = self.kv.blocks_needed(req.num_prompt_tokens + (req.params.max_tokens or 0)) - len(cached)
         if self.running and need + self.reserved > self.kv.pool.num_free:
             return None
-        n = super().try_admit(req, budget)
+        n = super().try_admit(req, budget, cached)
         if n is not None:
             self.reserved += self._growth(req)
         return n
