@@ -1,3 +1,4 @@
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,6 +51,14 @@ class Scheduler:
 
     def observe(self, plan: StepPlan, model_seconds: float) -> None:
         """Feedback after the model ran `plan`, for policies that learn from measured speed."""
+
+    def _timed(self, counter, fn, *args):
+        """Run fn(*args) as prefix-matching work: add its time, and the `ops` it adds to `counter`."""
+        t0, ops0 = time.perf_counter(), counter.ops
+        out = fn(*args)
+        self.match_seconds += time.perf_counter() - t0
+        self.match_ops += counter.ops - ops0
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

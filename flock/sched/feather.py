@@ -51,7 +51,6 @@ class FeatherScheduler(FCFSScheduler):
         self.mark: dict[Request, int] = {}  # admissions counted when the request arrived
         self.open: list[Decision] = []
         self.throughput_avg: float | None = None
-        self.decisions = self.stops = 0
 
     # -- the CHT follows every move between waiting and running ----------------------------------------------
     def add(self, req: Request) -> None:
@@ -62,24 +61,24 @@ class FeatherScheduler(FCFSScheduler):
 
     def on_admit(self, req: Request) -> None:
         self.admissions += 1
-        self._timed(self.cht.add_to_batch, req)
+        self._timed(self.cht, self.cht.add_to_batch, req)
         self._leave_group(req)
 
     def finish(self, req: Request) -> None:
         super().finish(req)
-        self._timed(self.cht.remove_from_batch, req)
+        self._timed(self.cht, self.cht.remove_from_batch, req)
         del self.mark[req]
 
     def preempt(self, req: Request) -> None:
-        self._timed(self.cht.remove_from_batch, req)
+        self._timed(self.cht, self.cht.remove_from_batch, req)
         super().preempt(req)
         self._wait(req)
 
     def abort(self, req: Request) -> None:
         if req in self.running:
-            self._timed(self.cht.remove_from_batch, req)
+            self._timed(self.cht, self.cht.remove_from_batch, req)
         else:
-            self._timed(self.cht.discard, req)
+            self._timed(self.cht, self.cht.discard, req)
             self._leave_group(req)
         super().abort(req)
         self.mark.pop(req, None)
@@ -120,19 +119,19 @@ class FeatherScheduler(FCFSScheduler):
         oldest = self.waiting[0]
         if self.admissions - self.mark[oldest] >= self.max_wait_rounds:
             return oldest
-        best = self._timed(self.cht.best)
+        best = self._timed(self.cht, self.cht.best)
         if self.cht.misses(best) < self._chunks(best):
             return best
-        return self._timed(self.groups.oldest_of_largest, self._is_waiting) or oldest
+        return self._timed(self.cht, self.groups.oldest_of_largest, self._is_waiting) or oldest
 
     def _wait(self, req: Request) -> None:
-        self._timed(self.cht.insert, req, tuple(req.block_hashes[: self._chunks(req)]))
+        self._timed(self.cht, self.cht.insert, req, tuple(req.block_hashes[: self._chunks(req)]))
         if self._chunks(req):  # a prompt shorter than a chunk shares nothing worth grouping
-            self._timed(self.groups.add, req.block_hashes[0], req)
+            self._timed(self.cht, self.groups.add, req.block_hashes[0], req)
 
     def _leave_group(self, req: Request) -> None:
         if self._chunks(req):
-            self._timed(self.groups.remove, req.block_hashes[0])
+            self._timed(self.cht, self.groups.remove, req.block_hashes[0])
 
     def _chunks(self, req: Request) -> int:
         return req.num_prompt_tokens // self.kv.block_size
@@ -149,8 +148,6 @@ class FeatherScheduler(FCFSScheduler):
         if delta == 0:
             return True
         add = self.policy.decide(state)
-        self.decisions += 1
-        self.stops += not add
         self.open.append(Decision(state, add))
         return add
 
@@ -167,10 +164,3 @@ class FeatherScheduler(FCFSScheduler):
             d = self.open.pop(0)
             next_state = self.open[0].state if self.open else None
             self.policy.learn(d.state, d.add, d.tokens / d.seconds / self.throughput_avg, next_state)
-
-    def _timed(self, fn, *args):
-        t0, ops0 = time.perf_counter(), self.cht.ops
-        out = fn(*args)
-        self.match_seconds += time.perf_counter() - t0
-        self.match_ops += self.cht.ops - ops0
-        return out

@@ -41,26 +41,19 @@ class DFSWeightScheduler(FCFSScheduler):
 
     def add(self, req: Request) -> None:
         super().add(req)
-        self._timed(self.tree.insert, req, req.prompt_token_ids)
+        self._timed(self.tree, self.tree.insert, req, req.prompt_token_ids)
 
     def preempt(self, req: Request) -> None:
         super().preempt(req)
-        self._timed(self.tree.insert, req, req.prompt_token_ids)
+        self._timed(self.tree, self.tree.insert, req, req.prompt_token_ids)
 
     def on_admit(self, req: Request) -> None:
-        self._timed(self.tree.remove, req)
+        self._timed(self.tree, self.tree.remove, req)
 
     def abort(self, req: Request) -> None:
         if req in self.waiting:
-            self._timed(self.tree.remove, req)
+            self._timed(self.tree, self.tree.remove, req)
         super().abort(req)
 
     def admission_order(self) -> Iterable[Request]:
-        return self._timed(self.tree.dfs_order)
-
-    def _timed(self, fn, *args):
-        t0, ops0 = time.perf_counter(), self.tree.ops
-        out = fn(*args)
-        self.match_seconds += time.perf_counter() - t0
-        self.match_ops += self.tree.ops - ops0
-        return out
+        return self._timed(self.tree, self.tree.dfs_order)
