@@ -29,8 +29,8 @@ leaves the old (now too low) entry, which `best` re-pushes with the current valu
 
 Costs (D = nodes on the request's path, A = waiting requests whose coverage changes, which is 0 unless
 the batch enters or leaves a prefix some waiting request holds): insert O(D + log C + log W); add_to_batch
-O(D + A log W); remove_from_batch O(D + A) (+ lazy heap fixes in `best`); discard, tip_if_added and
-num_waiting_sharing O(D); best amortised O(log W); misses, tip O(1). Nothing loops over a request's chunks.
+O(D + A log W); remove_from_batch O(D + A) (+ lazy heap fixes in `best`); discard, tip_if_added, shared_depth
+and num_waiting_sharing O(D); best amortised O(log W); misses, tip O(1). Nothing loops over a request's chunks.
 
 A request shorter than one chunk has no hashes and ends at the root: it never misses (it fits in any
 batch) and, once active, pins the tip at 0. Hashes are assumed distinct within a request (a repeat would
@@ -87,10 +87,11 @@ class ChunkedHashTree:
         """Whether `key` is waiting. O(1)."""
         return key in self._seq
 
-    def insert(self, key, hashes: Sequence[int]) -> None:
+    def insert(self, key, hashes: Sequence[int], rank: int | None = None) -> None:
         """Add a waiting request. O(D + log C + log W): one child lookup and one probe per node on its path
         (its last hash against the node's), a binary search on the one run it leaves midway (split in O(1)),
-        and a heap push. Its misses come from the walk (deepest node with count > 0)."""
+        and a heap push. Its misses come from the walk (deepest node with count > 0). `rank` orders ties
+        (default: after every key inserted so far); pass a key's old `rank(key)` to put it back in place."""
         if key in self._node:
             raise ValueError(f"duplicate key {key!r}")
         hashes = tuple(hashes)
@@ -138,8 +139,9 @@ class ChunkedHashTree:
         node.nend += 1
         node.waiting.add(key)
         self._node[key] = node
-        self._seq[key] = seq = self._next_seq
-        self._next_seq += 1
+        if rank is None:
+            rank, self._next_seq = self._next_seq, self._next_seq + 1
+        self._seq[key] = seq = rank
         self._misses[key] = misses = n - covered
         self.ops += ops + 4
         self._push(misses, seq, key)
@@ -176,6 +178,10 @@ class ChunkedHashTree:
                 return key
             self.ops += 1
         return None
+
+    def rank(self, key) -> int:
+        """Tie-break order of a waiting request (its insertion number). O(1)."""
+        return self._seq[key]
 
     def misses(self, key) -> int:
         """Current miss count of a waiting request. O(1)."""
@@ -258,6 +264,15 @@ class ChunkedHashTree:
         if n == 0:
             return node.depth
         while node.count != n:
+            node = node.parent
+            self.ops += 1
+        return node.depth
+
+    def shared_depth(self, key) -> int:
+        """Chunks of waiting request `key`'s prompt that another request, waiting or active, holds too: the
+        depth of the deepest node on its path that another request passes through. O(D)."""
+        node = self._node[key]
+        while node.wait < 2 and node.count == 0 and node is not self._root:
             node = node.parent
             self.ops += 1
         return node.depth

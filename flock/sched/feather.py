@@ -1,13 +1,22 @@
 """Feather: prefix-homogeneous continuous batching for online traffic.
 
 Admission takes the Chunked Hash Tree's best candidate: the waiting request with the fewest chunks missing
-from the running batch (O(log W) per pick instead of matching every waiting request). When that candidate
-would lower the batch's shared-prefix depth, a batching policy decides to add it or to stop admitting and
-let the homogeneous batch run. Rules that keep it safe:
-- a candidate that shares nothing with the batch starts a new group: the oldest member of the largest
-  waiting group (by first chunk, as DFS-weight's heaviest subtree), or the oldest waiting request when no two
-  share a first chunk, so traffic without sharing is admitted exactly as FCFS would;
-- the oldest request is taken first once it has waited `max_wait_rounds` admissions (no starvation);
+from the running batch (O(log W) per pick instead of matching every waiting request). The batch is kept on
+one prefix group, its focus: the prefix that the request opening it shares with other requests.
+- While focus members wait, a candidate of another group (it shares a prefix with some other request) is
+  parked: taken out of the CHT until the focus has no member waiting, then put back in its old place among
+  ties. So the batch does not keep feeding every group it once held: under a KV budget each resident group
+  costs its whole prefix, and a moderate homogeneous batch beats a larger mixed one.
+- Once no focus member waits, the oldest waiting request opens the next group (groups are served oldest
+  first), and the batching policy decides: add it (the next group starts while the last one finishes) or
+  stop and let the batch run. State: batch size, delta (chunks of the focus prefix it does not share: the
+  depth the batch's shared prefix would lose) and its waiting peers.
+Rules that keep it safe:
+- a request that shares no prefix with any other (a loner) is never parked and opens no group: traffic
+  without sharing is admitted exactly as FCFS would;
+- the oldest request is admitted first, without the policy, once it has been passed over for
+  `max_wait_rounds` admissions or twice the number of requests it found waiting, whichever is more (FCFS
+  would admit those first): no starvation, and a burst is not turned back into FCFS order;
 - an empty batch always admits;
 - admission keeps `reserve_fraction` of the running batch's remaining decode blocks free, so a batch is
   rarely preempted and recomputed (1.0 never preempts but keeps batches small; 0.5 measured best here).
@@ -19,11 +28,10 @@ from dataclasses import dataclass
 
 from flock.kv.hashing import chained_hashes
 from flock.prefix.cht import ChunkedHashTree
-from flock.request import Request, RequestStatus
+from flock.request import Request
 from flock.sched.base import StepPlan
 from flock.sched.fcfs import FCFSScheduler
 from flock.sched.policies import BatchState, make_policy
-from flock.sched.waiting_groups import WaitingGroups
 
 
 @dataclass
@@ -37,18 +45,21 @@ class Decision:
 
 class FeatherScheduler(FCFSScheduler):
     name = "feather"
-    max_wait_rounds = 256
+    max_wait_rounds = 1024  # admissions a request may always be passed over for
+    queue_factor = 2  # ... or this many times the requests waiting when it arrived, if more
     reserve_fraction = 0.5  # share of the batch's remaining decode blocks kept free at admission
     reward_steps = 4  # a decision is rewarded with the decode throughput of the steps that follow it
 
     def __init__(self, config, kv):
         super().__init__(config, kv)
         self.cht = ChunkedHashTree()
-        self.groups = WaitingGroups()
         self.policy = make_policy(config.feather_policy)
         self.admissions = 0
         self.reserved = 0  # decode blocks the running batch still needs, set at each admission round
-        self.mark: dict[Request, int] = {}  # admissions counted when the request arrived
+        self.deadline: dict[Request, int] = {}  # admission count after which the request goes first
+        self.focus: tuple[int, ...] | None = None  # chunk hashes of the focus group's prefix
+        self.focus_waiting = 0  # its waiting members
+        self.parked: dict[Request, int] = {}  # other groups' requests kept out of the CHT -> their CHT rank
         self.open: list[Decision] = []
         self.throughput_avg: float | None = None
 
@@ -56,18 +67,19 @@ class FeatherScheduler(FCFSScheduler):
     def add(self, req: Request) -> None:
         super().add(req)
         req.block_hashes = chained_hashes(req.prompt_token_ids, self.kv.block_size)  # the KV manager reuses them
-        self.mark[req] = self.admissions
+        patience = max(self.max_wait_rounds, self.queue_factor * (len(self.waiting) - 1))
+        self.deadline[req] = self.admissions + patience
         self._wait(req)
 
     def on_admit(self, req: Request) -> None:
         self.admissions += 1
         self._timed(self.cht, self.cht.add_to_batch, req)
-        self._leave_group(req)
+        self._stop_waiting(req)
 
     def finish(self, req: Request) -> None:
         super().finish(req)
         self._timed(self.cht, self.cht.remove_from_batch, req)
-        del self.mark[req]
+        del self.deadline[req]
 
     def preempt(self, req: Request) -> None:
         self._timed(self.cht, self.cht.remove_from_batch, req)
@@ -79,9 +91,10 @@ class FeatherScheduler(FCFSScheduler):
             self._timed(self.cht, self.cht.remove_from_batch, req)
         else:
             self._timed(self.cht, self.cht.discard, req)
-            self._leave_group(req)
+            self._stop_waiting(req)
+            self.parked.pop(req, None)
         super().abort(req)
-        self.mark.pop(req, None)
+        self.deadline.pop(req, None)
 
     # -- admission -------------------------------------------------------------------------------------------
     def _admit(self, plan: StepPlan, budget: int) -> None:
@@ -110,43 +123,88 @@ class FeatherScheduler(FCFSScheduler):
 
     def admission_order(self) -> Iterable[Request]:
         while self.waiting:
+            switching = not self.running or self.focus is None or self.focus_waiting == 0
+            if switching and self.parked:
+                self._unpark()
+            oldest = self.waiting[0]
+            if self.admissions >= self.deadline[oldest]:  # overdue: goes first
+                self._unpark(oldest)
+                yield oldest
+                continue
+            if switching:
+                req = oldest
+                depth = self._timed(self.cht, self.cht.shared_depth, req)
+                if self.running and self.focus is not None and depth and not self._policy_admits(req, depth):
+                    return
+                self._set_focus(req, depth)
+                yield req
+                continue
             req = self._candidate()
-            if self.running and not self._policy_admits(req):
+            if req in self.parked:  # the fallback found nothing better than a parked request
                 return
+            if not self._in_focus(req) and self._timed(self.cht, self.cht.shared_depth, req):
+                self._park(req)  # another group while the focus still has members waiting
+                continue
             yield req
 
     def _candidate(self) -> Request:
-        oldest = self.waiting[0]
-        if self.admissions - self.mark[oldest] >= self.max_wait_rounds:
-            return oldest
         best = self._timed(self.cht, self.cht.best)
-        if self.cht.misses(best) < self._chunks(best):
+        if best is not None and self.cht.misses(best) < self._chunks(best):
             return best
-        return self._timed(self.cht, self.groups.oldest_of_largest, self._is_waiting) or oldest
+        return self.waiting[0]
+
+    # -- the focus group ---------------------------------------------------------------------------------
+    def _set_focus(self, req: Request, depth: int) -> None:
+        """Focus on the group of waiting request `req`: the `depth` chunks it shares with other waiting requests
+        (a loner, depth 0, keeps the current focus)."""
+        if depth:
+            self.focus = tuple(req.block_hashes[:depth])
+            self.focus_waiting = self.cht.num_waiting_sharing(req, depth) + 1
+
+    def _park(self, req: Request) -> None:
+        self.parked[req] = self.cht.rank(req)
+        self._timed(self.cht, self.cht.discard, req)
+
+    def _unpark(self, req: Request | None = None) -> None:
+        """Put `req` (default: every parked request) back into the CHT, in its old place among ties."""
+        for r in [req] if req is not None else list(self.parked):
+            if r in self.parked:
+                self._timed(self.cht, self.cht.insert, r, self._prompt_hashes(r), self.parked.pop(r))
+
+    def _in_focus(self, req: Request) -> bool:
+        d = len(self.focus)
+        return self._chunks(req) >= d and req.block_hashes[d - 1] == self.focus[-1]
+
+    def _focus_depth_lost(self, req: Request) -> int:
+        """Chunks of the focus prefix that `req` does not share (chained hashes: binary search)."""
+        lo, hi = 0, min(len(self.focus), self._chunks(req))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if req.block_hashes[mid - 1] == self.focus[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return len(self.focus) - lo
 
     def _wait(self, req: Request) -> None:
-        self._timed(self.cht, self.cht.insert, req, tuple(req.block_hashes[: self._chunks(req)]))
-        if self._chunks(req):  # a prompt shorter than a chunk shares nothing worth grouping
-            self._timed(self.cht, self.groups.add, req.block_hashes[0], req)
+        self._timed(self.cht, self.cht.insert, req, self._prompt_hashes(req))
+        if self.focus is not None and self._in_focus(req):
+            self.focus_waiting += 1
 
-    def _leave_group(self, req: Request) -> None:
-        if self._chunks(req):
-            self._timed(self.cht, self.groups.remove, req.block_hashes[0])
+    def _stop_waiting(self, req: Request) -> None:
+        if self.focus is not None and self._in_focus(req):
+            self.focus_waiting -= 1
+
+    def _prompt_hashes(self, req: Request) -> tuple[int, ...]:
+        return tuple(req.block_hashes[: self._chunks(req)])
 
     def _chunks(self, req: Request) -> int:
         return req.num_prompt_tokens // self.kv.block_size
 
-    def _is_waiting(self, req: Request) -> bool:
-        return req.status is RequestStatus.WAITING
-
-    def _policy_admits(self, req: Request) -> bool:
+    def _policy_admits(self, req: Request, depth: int) -> bool:
         t0 = time.perf_counter()
-        depth = self.cht.tip_if_added(req)
-        delta = self.cht.tip() - depth
-        state = BatchState(len(self.running), delta, self.cht.num_waiting_sharing(req, max(depth, 1)) if delta else 0)
+        state = BatchState(len(self.running), self._focus_depth_lost(req), self.cht.num_waiting_sharing(req, depth))
         self.match_seconds += time.perf_counter() - t0
-        if delta == 0:
-            return True
         add = self.policy.decide(state)
         self.open.append(Decision(state, add))
         return add

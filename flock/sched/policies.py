@@ -30,7 +30,7 @@ class StaticPolicy:
 
     name = "static"
 
-    def __init__(self, min_batch: int = 16, min_delta: int = 8, min_peers: int = 4):
+    def __init__(self, min_batch: int = 64, min_delta: int = 8, min_peers: int = 4):
         self.min_batch, self.min_delta, self.min_peers = min_batch, min_delta, min_peers
 
     def decide(self, s: BatchState) -> bool:

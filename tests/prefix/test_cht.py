@@ -58,6 +58,8 @@ def check(cht: ChunkedHashTree, waiting: dict, active: dict) -> None:
             want = 0 if depth == 0 or depth > len(t) // BS else sum(
                 1 for o, u in waiting.items() if o != k and len(u) >= depth * BS and u[: depth * BS] == t[: depth * BS])
             assert cht.num_waiting_sharing(k, depth) == want
+        others = [u for o, u in [*waiting.items(), *active.items()] if o != k]
+        assert cht.shared_depth(k) == max((common_chunks([t, u]) for u in others), default=0)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -249,3 +251,18 @@ def test_decision_ops_do_not_scale_with_chunks():
     short, long = steady_ops(10), steady_ops(1000)
     assert long < 1.5 * short + 20, (short, long)
     assert long < 100  # vs > 4 * 1000 for a per-chunk pass
+
+
+def test_put_back_with_its_rank_keeps_the_fifo_place():
+    cht = ChunkedHashTree()
+    for key in "abc":
+        cht.insert(key, chained_hashes([1, 2, 3, 4, ord(key)] * 2, BS))
+    rank = cht.rank("a")
+    cht.discard("a")
+    assert cht.best() == "b"
+    cht.insert("a", chained_hashes([1, 2, 3, 4, ord("a")] * 2, BS), rank)
+    order = []
+    while (key := cht.best()) is not None:
+        order.append(key)
+        cht.add_to_batch(key)
+    assert order == ["a", "b", "c"]

@@ -63,14 +63,19 @@ def test_interleaved_groups_run_as_homogeneous_batches():
 
 def record_admissions(llm) -> list[tuple[int, int]]:
     """(request id, admissions it waited) for every admission, in order."""
-    sched, log = llm.engine.scheduler, []
-    original = sched.on_admit
+    sched, log, arrived = llm.engine.scheduler, [], {}
+    original_add, original_admit = sched.add, sched.on_admit
+    admissions = lambda: len(log)  # noqa: E731
+
+    def add(req):
+        arrived.setdefault(req.request_id, admissions())
+        original_add(req)
 
     def on_admit(req):
-        log.append((req.request_id, sched.admissions - sched.mark[req] if hasattr(sched, "mark") else 0))
-        original(req)
+        log.append((req.request_id, admissions() - arrived[req.request_id]))
+        original_admit(req)
 
-    sched.on_admit = on_admit
+    sched.add, sched.on_admit = add, on_admit
     return log
 
 
@@ -88,12 +93,13 @@ def test_without_sharing_admits_in_fcfs_order():
 
 def adversarial_trace(seed: int):
     """Two requests with a shared head arriving one step apart (so the batch never empties), then a lone
-    unrelated request, then a flood sharing the head, one per step (faster than the engine serves them)."""
+    unrelated request, then a flood sharing the head, two per step (faster than the engine serves them, so
+    the batch's group always has members waiting)."""
     rng = random.Random(seed)
     head = [rng.randrange(100, 8000) for _ in range(48)]
     member = lambda: head + [rng.randrange(100, 8000)]  # noqa: E731
     arrivals = [[member()], [member()], [[rng.randrange(100, 8000) for _ in range(40)]]]
-    arrivals += [[member()] for _ in range(30)]
+    arrivals += [[member(), member()] for _ in range(15)]
     return arrivals, [0, 0, 1] + [0] * 30
 
 
@@ -115,18 +121,18 @@ def test_no_starvation_under_adversarial_traffic(policy):
 
 
 def test_static_policy_stops_only_for_a_deep_loss_with_peers_waiting():
-    p = StaticPolicy(min_batch=16, min_delta=8, min_peers=4)
-    assert p.decide(BatchState(size=32, delta=20, sharing=10)) is STOP
+    p = StaticPolicy()
+    assert p.decide(BatchState(size=100, delta=20, sharing=10)) is STOP
     assert p.decide(BatchState(size=8, delta=20, sharing=10)) is ADD
-    assert p.decide(BatchState(size=32, delta=2, sharing=10)) is ADD
-    assert p.decide(BatchState(size=32, delta=20, sharing=0)) is ADD
+    assert p.decide(BatchState(size=100, delta=2, sharing=10)) is ADD
+    assert p.decide(BatchState(size=100, delta=20, sharing=0)) is ADD
 
 
 @pytest.mark.parametrize("cls", [UCBPolicy, QLearningPolicy])
 def test_learning_policies_follow_rewards(cls):
     """Start from the safe default, then learn that stopping pays in this state and adding does not."""
     policy = cls(warmup=4)
-    state = BatchState(size=32, delta=20, sharing=10)
+    state = BatchState(size=100, delta=20, sharing=10)
     calm = BatchState(size=2, delta=1, sharing=0)
     assert policy.decide(state) is STOP and policy.decide(calm) is ADD  # heuristic during warm-up
     for _ in range(300):
