@@ -3,7 +3,8 @@
     python bench/online.py                                   # 4 workloads x fcfs,batchllm (~8 min)
     python bench/online.py --quick                           # a ~40 s smoke run
     python bench/online.py --workloads groups8 --schedulers fcfs,lpm,feather,feather:ucb --attention torch-cascade,torch
-    python bench/online.py --workloads groups8 --num-kv-blocks 600   # KV pressure: the 8 prefixes need 512 blocks
+    python bench/online.py --workloads groups8 --num-kv-blocks 600 --load 4   # KV pressure: the 8 prefixes need 512
+                                                                              # blocks; 4x capacity keeps it saturated
     python bench/online.py --engine-arg max_num_batched_tokens=1024 --threads 1   # 1 thread: a shared machine
 
 Workloads (flock/traces.py): groups8 (the Feather paper's experiment: 8 prefix groups of ~1,024 tokens, ~32-token
@@ -16,7 +17,9 @@ Rate: by default (--rate auto) each workload's rate is --load (2) x the engine's
 first: the first --probe-requests of a same-shaped trace (another seed) all at once through fcfs with the first
 attention backend and the same KV budget; capacity = requests / wall s. Above capacity the queue builds up
 during the whole arrival phase, so scheduling has something to decide (the probe's short run under-rates
-the engine a little: its prefixes are computed for fewer requests). The chosen rates are printed.
+the engine a little: its prefixes are computed for fewer requests). The chosen rates are printed. A scheduler
+cannot finish faster than the arrivals come, so throughput ratios are capped near --load: compare
+throughput at --load 4 (saturated), latency at the default 2.
 
 Each (workload, scheduler, attention) runs a fresh engine (warmed up on unrelated prompts) on the same trace:
 add every request whose arrival time has passed, step while there is work, else sleep until the next arrival

@@ -29,8 +29,8 @@ leaves the old (now too low) entry, which `best` re-pushes with the current valu
 
 Costs (D = nodes on the request's path, A = waiting requests whose coverage changes, which is 0 unless
 the batch enters or leaves a prefix some waiting request holds): insert O(D + log C + log W); add_to_batch
-O(D + A log W); remove_from_batch O(D + A) (+ lazy heap fixes in `best`); discard, tip_if_added, shared_depth
-and num_waiting_sharing O(D); best amortised O(log W); misses, tip O(1). Nothing loops over a request's chunks.
+O(D + A log W); remove_from_batch O(D + A) (+ lazy heap fixes in `best`); discard, shared_depth and
+num_waiting_sharing O(D); best amortised O(log W); misses, rank, tip O(1). Nothing loops over a request's chunks.
 
 A request shorter than one chunk has no hashes and ends at the root: it never misses (it fits in any
 batch) and, once active, pins the tip at 0. Hashes are assumed distinct within a request (a repeat would
@@ -255,18 +255,6 @@ class ChunkedHashTree:
     def tip(self) -> int:
         """Leading chunks common to all active requests; 0 for an empty batch. O(1)."""
         return self._tip
-
-    def tip_if_added(self, key) -> int:
-        """The tip after adding waiting request `key` (its chunk count if the batch is empty): the depth of
-        the deepest node on its path through which every active request passes. O(D)."""
-        node = self._node[key]
-        n = len(self._active)
-        if n == 0:
-            return node.depth
-        while node.count != n:
-            node = node.parent
-            self.ops += 1
-        return node.depth
 
     def shared_depth(self, key) -> int:
         """Chunks of waiting request `key`'s prompt that another request, waiting or active, holds too: the

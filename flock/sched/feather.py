@@ -10,7 +10,7 @@ one prefix group, its focus: the prefix that the request opening it shares with 
 - Once no focus member waits, the oldest waiting request opens the next group (groups are served oldest
   first), and the batching policy decides: add it (the next group starts while the last one finishes) or
   stop and let the batch run. State: batch size, delta (chunks of the focus prefix it does not share: the
-  depth the batch's shared prefix would lose) and its waiting peers.
+  depth the batch's shared prefix would lose), its waiting peers and the share of the KV pool in use.
 Rules that keep it safe:
 - a request that shares no prefix with any other (a loner) is never parked and opens no group: traffic
   without sharing is admitted exactly as FCFS would;
@@ -155,8 +155,8 @@ class FeatherScheduler(FCFSScheduler):
 
     # -- the focus group ---------------------------------------------------------------------------------
     def _set_focus(self, req: Request, depth: int) -> None:
-        """Focus on the group of waiting request `req`: the `depth` chunks it shares with other waiting requests
-        (a loner, depth 0, keeps the current focus)."""
+        """Focus on the group of waiting request `req`: the `depth` chunks it shares with other requests (a
+        loner, depth 0, keeps the current focus)."""
         if depth:
             self.focus = tuple(req.block_hashes[:depth])
             self.focus_waiting = self.cht.num_waiting_sharing(req, depth) + 1
@@ -203,7 +203,9 @@ class FeatherScheduler(FCFSScheduler):
 
     def _policy_admits(self, req: Request, depth: int) -> bool:
         t0 = time.perf_counter()
-        state = BatchState(len(self.running), self._focus_depth_lost(req), self.cht.num_waiting_sharing(req, depth))
+        pool = self.kv.pool
+        state = BatchState(len(self.running), self._focus_depth_lost(req), self.cht.num_waiting_sharing(req, depth),
+                           pool.num_used / pool.num_blocks)
         self.match_seconds += time.perf_counter() - t0
         add = self.policy.decide(state)
         self.open.append(Decision(state, add))

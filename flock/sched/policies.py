@@ -1,7 +1,8 @@
 """Feather's batching policies: at an admission point, add the best candidate or stop and let the batch run.
 
-State: batch size, delta (shared-prefix depth in chunks the batch would lose by adding the candidate) and
-sharing (waiting requests that share the candidate's prefix at the new depth). Reward: the engine's measured
+State: batch size, delta (shared-prefix depth in chunks the batch would lose by adding the candidate),
+sharing (waiting requests that share the candidate's prefix at the new depth) and the share of the KV pool
+in use (a new group's prefix competes for it). Reward: the engine's measured
 decode throughput after the decision, divided by its running average (so rewards are near 1 for any model).
 Learning policies act like the static heuristic until they have seen `warmup` decisions (the safe default).
 """
@@ -18,23 +19,27 @@ class BatchState:
     size: int
     delta: int
     sharing: int
+    kv_used: float = 1.0  # fraction of the KV pool held by running requests
 
-    def context(self) -> tuple[int, int, int]:
-        """Coarse buckets (powers of two), so a table learns from few visits."""
-        return (min(self.size.bit_length(), 8), min(self.delta.bit_length(), 7), min(self.sharing.bit_length(), 5))
+    def context(self) -> tuple[int, int, int, int]:
+        """Coarse buckets (powers of two, KV use in quarters), so a table learns from few visits."""
+        return (min(self.size.bit_length(), 8), min(self.delta.bit_length(), 7), min(self.sharing.bit_length(), 5),
+                min(int(self.kv_used * 4), 3))
 
 
 class StaticPolicy:
-    """Stop only when the batch is already large, the candidate would break a deep shared prefix, and the
-    candidate has enough waiting peers to form a homogeneous batch of its own later."""
+    """Stop only when the batch is already large, the candidate would break a deep shared prefix, the
+    candidate has enough waiting peers to form a homogeneous batch of its own later, and the KV pool is
+    under pressure (with room to spare, a second group costs compute but takes no memory from the first)."""
 
     name = "static"
 
-    def __init__(self, min_batch: int = 64, min_delta: int = 8, min_peers: int = 4):
-        self.min_batch, self.min_delta, self.min_peers = min_batch, min_delta, min_peers
+    def __init__(self, min_batch: int = 64, min_delta: int = 8, min_peers: int = 4, min_kv_used: float = 0.5):
+        self.min_batch, self.min_delta, self.min_peers, self.min_kv_used = min_batch, min_delta, min_peers, min_kv_used
 
     def decide(self, s: BatchState) -> bool:
-        return not (s.size >= self.min_batch and s.delta >= self.min_delta and s.sharing >= self.min_peers)
+        return not (s.size >= self.min_batch and s.delta >= self.min_delta and s.sharing >= self.min_peers
+                    and s.kv_used >= self.min_kv_used)
 
     def learn(self, s: BatchState, action: bool, reward: float, next_s: BatchState | None) -> None:
         pass

@@ -53,7 +53,6 @@ def check(cht: ChunkedHashTree, waiting: dict, active: dict) -> None:
     assert cht.best() == (min(misses, key=misses.get) if waiting else None)  # min() keeps the first: FIFO
     assert cht.tip() == common_chunks(list(active.values()))
     for k, t in waiting.items():
-        assert cht.tip_if_added(k) == common_chunks([*active.values(), t])
         for depth in range(len(t) // BS + 2):
             want = 0 if depth == 0 or depth > len(t) // BS else sum(
                 1 for o, u in waiting.items() if o != k and len(u) >= depth * BS and u[: depth * BS] == t[: depth * BS])
@@ -122,11 +121,11 @@ def test_errors_and_short_prompts():
     cht.insert("short", [])  # shorter than a chunk: no hashes, never misses
     cht.insert("long", chained_hashes(list(range(12)), BS))
     assert cht.misses("short") == 0 and cht.misses("long") == 3 and cht.best() == "short"
-    assert cht.tip_if_added("long") == 3 and cht.tip_if_added("short") == 0
+    assert cht.shared_depth("long") == 0 and cht.shared_depth("short") == 0
     with pytest.raises(ValueError):
         cht.insert("long", [])
     cht.add_to_batch("long")
-    assert cht.tip() == 3 and cht.tip_if_added("short") == 0
+    assert cht.tip() == 3 and cht.shared_depth("short") == 0
     with pytest.raises(KeyError):
         cht.add_to_batch("long")
     with pytest.raises(KeyError):

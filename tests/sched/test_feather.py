@@ -61,6 +61,26 @@ def test_interleaved_groups_run_as_homogeneous_batches():
     assert mixed["feather"] < 1.5 < 3.0 < mixed["fcfs"]
 
 
+def test_parked_requests_are_put_back_or_aborted_cleanly():
+    rng = random.Random(3)
+    heads = [[rng.randrange(100, 8000) for _ in range(32)] for _ in range(2)]
+    llm = make_llm(max_num_seqs=2)
+    engine, sched = llm.engine, llm.engine.scheduler
+    reqs = [engine.add_request(heads[i % 2] + [rng.randrange(100, 8000) for _ in range(3)], GREEDY) for i in range(6)]
+    engine.step()
+    for req in reqs[3:5]:
+        sched._park(req)
+    assert reqs[3] not in sched.cht and reqs[4] not in sched.cht
+    engine.abort(reqs[3])
+    assert reqs[3] not in sched.parked
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(r.output_token_ids) for r in reqs] == [6, 6, 6, 0, 6, 6]
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks and not sched.parked
+    assert not sched.cht.num_active and not sched.cht.num_waiting
+
+
 def record_admissions(llm) -> list[tuple[int, int]]:
     """(request id, admissions it waited) for every admission, in order."""
     sched, log, arrived = llm.engine.scheduler, [], {}
@@ -120,12 +140,13 @@ def test_no_starvation_under_adversarial_traffic(policy):
     assert waited[10**9] >= 25
 
 
-def test_static_policy_stops_only_for_a_deep_loss_with_peers_waiting():
+def test_static_policy_stops_only_for_a_deep_loss_with_peers_waiting_under_kv_pressure():
     p = StaticPolicy()
     assert p.decide(BatchState(size=100, delta=20, sharing=10)) is STOP
     assert p.decide(BatchState(size=8, delta=20, sharing=10)) is ADD
     assert p.decide(BatchState(size=100, delta=2, sharing=10)) is ADD
     assert p.decide(BatchState(size=100, delta=20, sharing=0)) is ADD
+    assert p.decide(BatchState(size=100, delta=20, sharing=10, kv_used=0.2)) is ADD
 
 
 @pytest.mark.parametrize("cls", [UCBPolicy, QLearningPolicy])
