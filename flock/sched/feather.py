@@ -7,8 +7,9 @@ one prefix group, its focus: the prefix that the request opening it shares with 
   parked: taken out of the CHT until the focus has no member waiting, then put back in its old place among
   ties. So the batch does not keep feeding every group it once held: under a KV budget each resident group
   costs its whole prefix, and a moderate homogeneous batch beats a larger mixed one.
-- Once no focus member waits, the oldest waiting request opens the next group (groups are served oldest
-  first), and the batching policy decides: add it (the next group starts while the last one finishes) or
+- Once no focus member waits, or the focus has had `focus_quantum` admissions (a popular prefix with a
+  steady stream would otherwise hold the batch for ever), the oldest waiting request opens the next group
+  (groups are served oldest first; if it is a focus member, the focus simply renews), and the batching policy decides: add it (the next group starts while the last one finishes) or
   stop and let the batch run. State: batch size, delta (chunks of the focus prefix it does not share: the
   depth the batch's shared prefix would lose), its waiting peers and the share of the KV pool in use.
 Rules that keep it safe:
@@ -47,6 +48,7 @@ class FeatherScheduler(FCFSScheduler):
     name = "feather"
     max_wait_rounds = 1024  # admissions a request may always be passed over for
     queue_factor = 2  # ... or this many times the requests waiting when it arrived, if more
+    focus_quantum = 256  # admissions after which a focus that never runs dry gives way at the next switch check
     reserve_fraction = 0.5  # share of the batch's remaining decode blocks kept free at admission
     reward_steps = 4  # a decision is rewarded with the decode throughput of the steps that follow it
 
@@ -59,6 +61,7 @@ class FeatherScheduler(FCFSScheduler):
         self.deadline: dict[Request, int] = {}  # admission count after which the request goes first
         self.focus: tuple[int, ...] | None = None  # chunk hashes of the focus group's prefix
         self.focus_waiting = 0  # its waiting members
+        self.focus_since = 0  # admission count when it was set
         self.parked: dict[Request, int] = {}  # other groups' requests kept out of the CHT -> their CHT rank
         self.open: list[Decision] = []
         self.throughput_avg: float | None = None
@@ -123,7 +126,8 @@ class FeatherScheduler(FCFSScheduler):
 
     def admission_order(self) -> Iterable[Request]:
         while self.waiting:
-            switching = not self.running or self.focus is None or self.focus_waiting == 0
+            switching = (not self.running or self.focus is None or self.focus_waiting == 0
+                         or self.admissions - self.focus_since >= self.focus_quantum)
             if switching and self.parked:
                 self._unpark()
             oldest = self.waiting[0]
@@ -160,6 +164,7 @@ class FeatherScheduler(FCFSScheduler):
         if depth:
             self.focus = tuple(req.block_hashes[:depth])
             self.focus_waiting = self.cht.num_waiting_sharing(req, depth) + 1
+            self.focus_since = self.admissions
 
     def _park(self, req: Request) -> None:
         self.parked[req] = self.cht.rank(req)

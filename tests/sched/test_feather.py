@@ -140,6 +140,26 @@ def test_no_starvation_under_adversarial_traffic(policy):
     assert waited[10**9] >= 25
 
 
+def test_a_popular_prefix_gives_way_after_the_focus_quantum():
+    """A steady flood of one group never lets the focus run dry; a small second group (two requests, so it
+    is parked, not a loner) gets its turn once the focus has had its quantum of admissions."""
+    rng = random.Random(4)
+    heads = [[rng.randrange(100, 8000) for _ in range(48)] for _ in range(2)]
+    member = lambda g: heads[g] + [rng.randrange(100, 8000)]  # noqa: E731
+    waited = {}
+    for quantum in (4, 10**9):
+        llm = make_llm(max_num_seqs=2)
+        sched = llm.engine.scheduler
+        sched.focus_quantum, sched.max_wait_rounds = quantum, 10**9
+        log = record_admissions(llm)
+        arrivals = [[member(0)], [member(0)], [member(1), member(1)]] + [[member(0), member(0)] for _ in range(15)]
+        run_online(llm, arrivals, [0, 0, 1, 1] + [0] * 30)
+        assert len(log) == 34 and not llm.engine.has_unfinished()
+        waited[quantum] = dict(log)[2]
+    assert waited[4] <= 4 + 4
+    assert waited[10**9] >= 25
+
+
 def test_static_policy_stops_only_for_a_deep_loss_with_peers_waiting_under_kv_pressure():
     p = StaticPolicy()
     assert p.decide(BatchState(size=100, delta=20, sharing=10)) is STOP
