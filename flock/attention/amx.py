@@ -1,0 +1,155 @@
+"""Prefix-sharing (cascade) attention for bf16 on x86 CPUs with AMX: one fused C kernel per layer.
+
+The kernel (`csrc/cascade_amx.c`) takes the step's segments (`segments.py`: each group's stacked queries
+against its shared prefix, each request's queries against the rest of its context) and runs them on all
+threads of PyTorch's OpenMP pool: matrix products on AMX tiles, softmax in fp32 with AVX-512, KV read from
+the paged blocks in place, then merges each grouped token's two partials. It is compiled with gcc on first
+use and cached (FLOCK_CACHE_DIR, default ~/.cache/flock).
+
+Where the kernel is not used, the backend is TorchCascadeBackend, exactly: another dtype or device, a
+sliding window, a head_dim that is not a multiple of 32 (or above 256), or a CPU without AMX / no gcc
+(`kernel_unavailable()` says why).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flock.attention.base import AttentionMetadata, StepLayout, write_kv
+from flock.attention.cascade import TorchCascadeBackend
+from flock.attention.segments import build_segments
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_amx.c"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+GCC_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+             "-mamx-tile", "-mamx-bf16", "-mfma"]
+SEG_FIELDS = 6
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+        ("kv_stride_b", ctypes.c_int64), ("kv_stride_s", ctypes.c_int64), ("kv_stride_h", ctypes.c_int64),
+        ("segs", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p), ("num_segs", ctypes.c_int32), ("num_partial", ctypes.c_int32),
+        ("out", ctypes.c_void_p), ("out_stride_t", ctypes.c_int64), ("out_stride_h", ctypes.c_int64),
+        ("o_part", ctypes.c_void_p), ("lse_part", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
+    ]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _compile() -> Path:
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join(GCC_FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock")) / "kernels"
+    lib = cache / f"cascade_amx-{tag}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = Path(tmp) / lib.name
+            subprocess.run(["gcc", *GCC_FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
+                           capture_output=True, text=True)
+            os.replace(built, lib)  # atomic: concurrent builders each install a whole library
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    try:
+        lib = ctypes.CDLL(str(_compile()))  # after torch: it binds to torch's OpenMP runtime (libgomp.so.1)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        return None, f"could not build the AMX kernel: {detail.strip()[:500]}"
+    if lib.flock_amx_init() != 0:
+        return None, "the kernel refused AMX tile state (Linux >= 5.16 is needed)"
+    lib.flock_amx_cascade.argtypes = [ctypes.POINTER(_Args)]
+    return lib, None
+
+
+def kernel_unavailable() -> str | None:
+    """Why the AMX kernel cannot run here, or None when it can."""
+    return _load()[1]
+
+
+@dataclass
+class AmxMetadata(AttentionMetadata):
+    segs: torch.Tensor  # [S, SEG_FIELDS] int32, longest first
+    tokens: torch.Tensor  # int32 step index of every entry
+    positions: torch.Tensor  # int32 position of every entry
+    tables: torch.Tensor  # int32 block tables, concatenated
+    num_partial: int
+    block_size: int
+
+
+class AmxCascadeBackend(TorchCascadeBackend):
+    name = "amx"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        return (device.type == "cpu" and self.dtype == torch.bfloat16 and self.sliding_window is None
+                and self.head_dim % 32 == 0 and self.head_dim <= 256 and kernel_unavailable() is None)
+
+    def build_metadata(self, layout: StepLayout):
+        if not self.uses_kernel(layout.slot_mapping.device):
+            return super().build_metadata(layout)
+        s = build_segments(layout, self.num_heads // self.num_kv_heads, self.min_prefix_blocks)
+        segs = np.stack([s.begin, s.rows, s.table, s.kv_start, s.kv_end, s.kind], axis=1)
+        work = (s.kv_end - s.kv_start) * s.rows
+        segs = segs[np.argsort(-work, kind="stable")]  # longest first: dynamic scheduling balances the tail
+        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        return AmxMetadata(layout.slot_mapping, as_i32(segs), as_i32(s.tokens), as_i32(s.positions),
+                           as_i32(s.tables), s.num_partial, layout.block_size)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+        if not isinstance(meta, AmxMetadata):
+            return super().forward(q, k, v, k_cache, v_cache, meta)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("the AMX kernel needs K and V caches of one layout with contiguous heads")
+        out = torch.empty(q.shape, dtype=q.dtype)
+        o_part, lse_part = self._partial_buffers(2 * meta.num_partial)
+        args = _Args(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1),
+            *k_cache.stride()[:3], meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(),
+            meta.tables.data_ptr(), len(meta.segs), meta.num_partial, out.data_ptr(), out.stride(0), out.stride(1),
+            o_part.data_ptr(), lse_part.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
+            meta.block_size, self.scale,
+        )
+        code = _load()[0].flock_amx_cascade(ctypes.byref(args))
+        if code != 0:
+            raise RuntimeError(f"AMX cascade kernel failed ({code})")
+        return out
+
+    def _partial_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 partial outputs and LSEs, reused across layers and steps (fresh MBs each layer fault pages)."""
+        if self._partials is None or self._partials[1].shape[0] < rows:
+            n = max(rows, 1) * 5 // 4 + 1
+            self._partials = (torch.empty((n, self.num_heads, self.head_dim)), torch.empty((n, self.num_heads)))
+        return self._partials
