@@ -1,4 +1,5 @@
-"""Decode attention per step: per-request paged attention ("torch") vs prefix-sharing cascade ("torch-cascade").
+"""Decode attention per step: per-request paged attention ("torch") vs prefix-sharing cascade ("torch-cascade")
+and, for bf16 on CPUs with AMX, the fused prefix-sharing kernel ("amx", flock/attention/csrc/cascade_amx.c).
 
     python bench/attention_decode.py            # full grid, both dtypes (a few minutes on 2 cores)
     python bench/attention_decode.py --quick    # smoke: fewer cells, fewer repeats
@@ -22,7 +23,9 @@ new one. Degree 1 means no sharing. Physical blocks are shuffled over the pool. 
   * roofline: both backends do the same arithmetic (4 * head_dim FLOPs per query head per context token;
     the cascade saves reads, not FLOPs), so the time bound is max(bytes / bandwidth, FLOPs / peak), with the
     peak of a large matmul in that dtype measured at start.
-  * correctness: the two outputs are compared once per cell (max abs difference).
+  * amx: where it runs (bf16, AMX), timed alternately with the other two and reported in its own columns
+    (same KV bytes as the cascade); the goal verdict is given for both cascade implementations.
+  * correctness: the outputs are compared with per-request attention once per cell (max abs difference).
   * other load: CPU time other processes used while the cell's metadata and forward calls were timed, in
     cores (from /proc/stat, less this process's own CPU time). On a shared machine a busy neighbour stalls
     torch's threads at every parallel op, and the cascade, with many small ops per group, suffers far more
@@ -54,6 +57,7 @@ import numpy as np
 import torch
 
 from flock.attention import make_backend
+from flock.attention.amx import kernel_unavailable
 from flock.attention.base import StepLayout
 from flock.model.config import ModelConfig
 
@@ -243,6 +247,10 @@ def attention_flops(args, tokens: int) -> int:
     return args.heads * tokens * 4 * args.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
 
 
+def fused_runs(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and kernel_unavailable() is None
+
+
 def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, rng, flush, mon) -> dict:
     dtype = DTYPES[dtype_name]
     cfg = model_config(args)
@@ -251,7 +259,7 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
     q = torch.randn(r, args.heads, args.head_dim).to(dtype)
     k = torch.randn(r, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(r, args.kv_heads, args.head_dim).to(dtype)
-    names = ("torch", "torch-cascade")
+    names = ("torch", "torch-cascade") + (("amx",) if fused_runs(dtype) else ())
     backends = {n: make_backend(n, cfg, torch.device("cpu"), dtype) for n in names}
     # One gather workspace for both, as in an engine that runs one backend: two would hold 2 x 2.7 GB at fp32,
     # prefix 8192, degree 1. They run one after the other, so sharing it changes no timing.
@@ -262,7 +270,8 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
 
     # correctness, once per cell: both write the same new K/V to the same slots, so sharing the cache is safe
     outs = {n: backends[n].forward(q, k, v, k_cache, v_cache, metas[n]) for n in names}
-    max_diff = (outs["torch"].float() - outs["torch-cascade"].float()).abs().max().item()
+    diffs = {n: (outs["torch"].float() - outs[n].float()).abs().max().item() for n in names[1:]}
+    max_diff = diffs["torch-cascade"]
     del outs
 
 
@@ -306,11 +315,18 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
            "repeats": len(times[names[0]]), "flops": attention_flops(args, r * seq_len),
            "other_load_cores": other_load, "other_load_before_cores": before_quiet, "tries": tries,
            "max_abs_diff": max_diff, "agree": max_diff <= TOLERANCE[dtype_name]}
-    for n, key, b in (("torch", "per_request", bytes_pr), ("torch-cascade", "cascade", bytes_cc)):
+    for n, key, b in (("torch", "per_request", bytes_pr), ("torch-cascade", "cascade", bytes_cc),
+                      ("amx", "fused", bytes_cc)):
+        if n not in names:
+            continue
         t = statistics.median(times[n])
         res[key] = {"forward_s": t, "forward_min_s": min(times[n]), "metadata_s": meta_t[n], "kv_bytes": b,
                     "GBps": b / t / 1e9}
     res["speedup"] = res["per_request"]["forward_s"] / res["cascade"]["forward_s"]
+    if "fused" in res:
+        res["fused"]["speedup"] = res["per_request"]["forward_s"] / res["fused"]["forward_s"]
+        res["fused"]["max_abs_diff"] = diffs["amx"]
+        res["fused"]["agree"] = diffs["amx"] <= TOLERANCE[dtype_name]
     del backends, metas
     gc.collect()
     return res
@@ -375,15 +391,22 @@ def table(args, rows: list[dict], bw: float, gflops: float) -> str:
     head = ["degree", "prefix", "groups", "per-req ms", "cascade ms", "speed-up", "per-req MB", "cascade MB",
             "per-req GB/s (% BW)", "cascade GB/s (% BW)", "cascade / BW bound", "cascade / roofline",
             "metadata ms, per-req / cascade", "max abs diff", "other load"]
+    fused = any("fused" in c for c in rows)
+    if fused:
+        head[5:5] = ["amx ms", "amx speed-up", "amx GB/s (% BW)", "amx / BW bound", "amx / roofline"]
     out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for c in rows:
         pr, cc = c["per_request"], c["cascade"]
         bound = cc["kv_bytes"] / (bw * 1e9)
+        roof = max(bound, c["flops"] / (gflops * 1e9))
+        fu = c.get("fused")
+        amx = [ms(fu["forward_s"]), f"{fu['speedup']:.2f}x", f"{fu['GBps']:.1f} ({100 * fu['GBps'] / bw:.0f}%)",
+               f"{fu['forward_s'] / bound:.1f}x", f"{fu['forward_s'] / roof:.1f}x"] if fu else ["-"] * 5
         out.append("| " + " | ".join([
             str(c["degree"]), str(c["prefix"]), str(c["groups"]), ms(pr["forward_s"]), ms(cc["forward_s"]),
-            f"{c['speedup']:.2f}x", f"{pr['kv_bytes'] / 1e6:.1f}", f"{cc['kv_bytes'] / 1e6:.1f}",
+            *(amx if fused else []), f"{c['speedup']:.2f}x", f"{pr['kv_bytes'] / 1e6:.1f}", f"{cc['kv_bytes'] / 1e6:.1f}",
             f"{pr['GBps']:.1f} ({100 * pr['GBps'] / bw:.0f}%)", f"{cc['GBps']:.1f} ({100 * cc['GBps'] / bw:.0f}%)",
-            f"{cc['forward_s'] / bound:.1f}x", f"{cc['forward_s'] / max(bound, c['flops'] / (gflops * 1e9)):.1f}x",
+            f"{cc['forward_s'] / bound:.1f}x", f"{cc['forward_s'] / roof:.1f}x",
             f"{ms(pr['metadata_s'])} / {ms(cc['metadata_s'])}",
             f"{c['max_abs_diff']:.1e}" + ("" if c["agree"] else " (MISMATCH)"),
             f"{c['other_load_cores']:.2f}" + (" (!)" if c["other_load_cores"] > NOISY else ""),
@@ -396,14 +419,18 @@ def goal_verdict(rows: list[dict], bw: float, gflops: dict) -> list[dict]:
     for c in rows:
         if c["degree"] != GOAL["degree"] or c["prefix"] != GOAL["prefix"]:
             continue
-        cc = c["cascade"]
-        bound = cc["kv_bytes"] / (bw * 1e9)
-        ratio = cc["forward_s"] / bound
-        verdicts.append({"dtype": c["dtype"], "speedup": c["speedup"], "speedup_ok": c["speedup"] >= GOAL["speedup"],
-                         "bound_s": bound, "cascade_s": cc["forward_s"], "time_over_bound": ratio,
-                         "compute_bound_s": c["flops"] / (gflops[c["dtype"]] * 1e9),
-                         "bw_ok": ratio <= GOAL["bw_factor"], "met": c["speedup"] >= GOAL["speedup"]
-                         and ratio <= GOAL["bw_factor"]})
+        for key, backend in (("cascade", "torch-cascade"), ("fused", "amx")):
+            if key not in c:
+                continue
+            cc = c[key]
+            speedup = c["per_request"]["forward_s"] / cc["forward_s"]
+            bound = cc["kv_bytes"] / (bw * 1e9)
+            ratio = cc["forward_s"] / bound
+            verdicts.append({"dtype": c["dtype"], "backend": backend, "speedup": speedup,
+                             "speedup_ok": speedup >= GOAL["speedup"], "bound_s": bound, "cascade_s": cc["forward_s"],
+                             "time_over_bound": ratio, "compute_bound_s": c["flops"] / (gflops[c["dtype"]] * 1e9),
+                             "bw_ok": ratio <= GOAL["bw_factor"],
+                             "met": speedup >= GOAL["speedup"] and ratio <= GOAL["bw_factor"]})
     return verdicts
 
 
@@ -434,6 +461,13 @@ def plot(args, rows: list[dict], bw: float, path: Path) -> None:
                      label=f"cascade, prefix {prefix}")
             ax2.plot(xs, [100 * c["per_request"]["GBps"] / bw for c in cells], "x--", color=line.get_color(),
                      alpha=0.6, label=f"per-request, prefix {prefix}")
+            fused = [c for c in cells if "fused" in c]
+            if fused:
+                fx = [c["degree"] for c in fused]
+                ax.plot(fx, [c["fused"]["speedup"] for c in fused], "s--", color=line.get_color(),
+                        label=f"amx kernel, prefix {prefix}")
+                ax2.plot(fx, [100 * c["fused"]["GBps"] / bw for c in fused], "s-.", color=line.get_color(),
+                         label=f"amx kernel, prefix {prefix}")
         ax.axhline(1.0, color="black", lw=0.6)
         ax.plot([GOAL["degree"]], [GOAL["speedup"]], "k*", ms=11, ls="none",
                 label=f"goal: >= {GOAL['speedup']:.0f}x at degree {GOAL['degree']}, prefix {GOAL['prefix']}")
@@ -510,7 +544,9 @@ def main():
                 rows.append(c)
                 print(f"  {dtype_name} prefix {prefix:5d} degree {degree:2d}: per-request "
                       f"{ms(c['per_request']['forward_s'])} ms, cascade {ms(c['cascade']['forward_s'])} ms, "
-                      f"{c['speedup']:.2f}x, {c['repeats']} repeats, max diff {c['max_abs_diff']:.1e}, other load "
+                      f"{c['speedup']:.2f}x"
+                      + (f", amx {ms(c['fused']['forward_s'])} ms, {c['fused']['speedup']:.2f}x" if "fused" in c else "")
+                      + f", {c['repeats']} repeats, max diff {c['max_abs_diff']:.1e}, other load "
                       f"{c['other_load_cores']:.2f} cores" + (" (NOISY)" if c["other_load_cores"] > NOISY else "")
                       + ("" if c["agree"] else "  MISMATCH"), flush=True)
             if prefix == GOAL["prefix"] and GOAL["degree"] in args.degrees and not args.no_profile:
@@ -536,8 +572,9 @@ def main():
     verdicts = goal_verdict(rows, bw, gflops)
     print()
     for v in verdicts:
-        print(f"goal ({v['dtype']}, degree {GOAL['degree']}, prefix {GOAL['prefix']}): speed-up {v['speedup']:.2f}x "
-              f"(need >= {GOAL['speedup']:.0f}x: {'yes' if v['speedup_ok'] else 'NO'}); cascade "
+        print(f"goal ({v['dtype']}, {v['backend']}, degree {GOAL['degree']}, prefix {GOAL['prefix']}): "
+              f"speed-up {v['speedup']:.2f}x "
+              f"(need >= {GOAL['speedup']:.0f}x: {'yes' if v['speedup_ok'] else 'NO'}); "
               f"{ms(v['cascade_s'])} ms vs bandwidth-bound {ms(v['bound_s'])} ms = {v['time_over_bound']:.2f}x "
               f"(need <= {GOAL['bw_factor']:.0f}x: {'yes' if v['bw_ok'] else 'NO'}) -> "
               f"{'MET' if v['met'] else 'NOT MET'}; arithmetic alone takes >= {ms(v['compute_bound_s'])} ms at the "
@@ -553,7 +590,7 @@ def main():
     if noisy:
         print(f"\nWARNING: {len(noisy)} of {len(rows)} cells ran while other processes used > {NOISY} cores "
               "(column 'other load'); their times, the cascade's most, are inflated. Rerun on a quiet machine.")
-    mismatches = [c for c in rows if not c["agree"]]
+    mismatches = [c for c in rows if not c["agree"] or not c.get("fused", {}).get("agree", True)]
     if mismatches:
         print(f"\nWARNING: {len(mismatches)} cells where cascade and per-request outputs differ beyond tolerance")
 
