@@ -55,8 +55,8 @@ typedef struct {
 } Args;
 
 typedef struct {  // per-thread scratch, 64-byte aligned; a query tile j is head j / tiles_per_head
-    bf16 k[CHUNK * SPAN];                       // the chunk's K rows: [position][head][dim] (AMX A tiles)
-    bf16 vv[(CHUNK / 32) * (SPAN / 16) * 512];  // V tiles per head: [token32][dim16] -> 16 position pairs x 16
+    bf16 k[2][CHUNK * SPAN];                    // a chunk's K rows: [head][position][dim] (AMX A tiles)
+    bf16 vv[2][(CHUNK / 32) * (SPAN / 16) * 512];  // V tiles per head: [token32][dim16] -> 16 position pairs x 16
     bf16 qt[TILES * 512];                       // Q^T tiles: [tile][dim32] -> 16 dim pairs x 16 rows
     bf16 pa[2][(CHUNK / 32) * 512];             // P tiles: [token32] -> 16 rows x 16 position pairs
     float s[2][CHUNK * 16];                     // S^T of a query tile: a position per row, 16 rows
@@ -64,13 +64,18 @@ typedef struct {  // per-thread scratch, 64-byte aligned; a query tile j is head
     float m[TILES * 16], l[TILES * 16];         // running max (raw score units) and sum of weights
     int32_t limit[TILES * 16];                  // last visible key position of each row
     int32_t min_limit[TILES];
-    int64_t offset[2][CHUNK];                   // cache offsets of this chunk's and the next chunk's rows
-} Scratch;
+    int64_t offset[2][CHUNK];                   // cache offsets of a chunk's rows (first head of the unit)
+} Scratch;  // [2]: the chunk being attended and the next one, loaded meanwhile
 
 typedef struct {  // one unit: a segment and KV heads [h0, h0 + hb)
     const int32_t *seg;
     int h0, hb, tiles_per_head;
 } Unit;
+
+typedef struct {  // a chunk of KV positions [start, start + n) in scratch buffer `buf`
+    int32_t start;
+    int n, buf;
+} Chunk;
 
 static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
 
@@ -78,8 +83,6 @@ int flock_amx_init(void) {
     // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
     return (int)syscall(SYS_arch_prctl, 0x1023, 18);
 }
-
-int flock_amx_max_head_dim(void) { return MAX_D; }
 
 static void configure_tiles(void) {
     TileConfig cfg;
@@ -143,50 +146,52 @@ static void row_offsets(const Args *a, int64_t *off, int32_t table, int32_t star
     }
 }
 
-static void prefetch_rows(const Args *a, const Unit *u, const int64_t *off, int n) {
-    const int lines = (a->head_dim * 2 + 63) / 64;
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < u->hb; h++)
-            for (int i = 0; i < lines; i++) {
-                int64_t at = off[t] + h * a->kv_stride_h;
-                _mm_prefetch((const char *)(a->k_cache + at) + 64 * i, _MM_HINT_T1);
-                _mm_prefetch((const char *)(a->v_cache + at) + 64 * i, _MM_HINT_T1);
-            }
+static inline bf16 *k_rows(Scratch *w, int buf, int D, int h) { return w->k[buf] + h * CHUNK * D; }
+static inline bf16 *v_tiles(Scratch *w, int buf, int D, int h) {
+    return w->vv[buf] + h * (CHUNK / 32) * (D / 16) * 512;
 }
 
-static inline bf16 *v_tiles(Scratch *w, int D, int h) { return w->vv + h * (CHUNK / 32) * (D / 16) * 512; }
+static inline int chunk_pairs(const Chunk *c) { return (c->n + 31) / 32 * 16; }
 
-// K rows of positions [start, start + n) of the unit's heads copied contiguous, V into pairs of positions
-// (zeros past n); the next chunk's rows (up to `end`) are prefetched meanwhile.
-static void load_chunk(const Args *a, Scratch *w, const Unit *u, int32_t start, int n, int32_t end, int cur) {
-    const int D = a->head_dim, hb = u->hb, dv = D / 16, n32 = (n + 31) / 32;
-    const int64_t *off = w->offset[cur], sh = a->kv_stride_h;
-    int next = end - (start + n) < CHUNK ? end - (start + n) : CHUNK;
-    if (next > 0) {
-        row_offsets(a, w->offset[!cur], u->seg[SEG_TABLE], start + n, next, u->h0);
-        prefetch_rows(a, u, w->offset[!cur], next);
-    }
-    if (sh == D)
-        for (int t = 0; t < n; t++) memcpy(w->k + t * hb * D, a->k_cache + off[t], hb * D * sizeof(bf16));
-    else
-        for (int t = 0; t < n; t++)
-            for (int h = 0; h < hb; h++) memcpy(w->k + (t * hb + h) * D, a->k_cache + off[t] + h * sh, D * sizeof(bf16));
+// Pairs of positions [from, to) of chunk c: K rows copied head-major (one head's rows contiguous: a 2^k
+// stride between them would alias in L1), V rows interleaved in pairs; past c->n V is zeros (K rows there are
+// never used: those scores are masked).
+static void load_pairs(const Args *a, Scratch *w, const Unit *u, const Chunk *c, int from, int to) {
+    const int D = a->head_dim, dv = D / 16, n = c->n;
+    const int64_t *off = w->offset[c->buf], sh = a->kv_stride_h;
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int pr = 0; pr < n32 * 16; pr++) {
-        int t0 = 2 * pr, t1 = 2 * pr + 1;
-        for (int h = 0; h < hb; h++) {
+    for (int pr = from; pr < to; pr++) {
+        const int t0 = 2 * pr, t1 = t0 + 1;
+        for (int h = 0; h < u->hb; h++) {
             const bf16 *r0 = t0 < n ? a->v_cache + off[t0] + h * sh : ZERO_ROW;
             const bf16 *r1 = t1 < n ? a->v_cache + off[t1] + h * sh : ZERO_ROW;
-            bf16 *dst = v_tiles(w, D, h) + (pr / 16) * dv * 512 + (pr % 16) * 32;
-            for (int c = 0; c < dv; c++) {
+            bf16 *k = k_rows(w, c->buf, D, h);
+            if (t0 < n) memcpy(k + t0 * D, a->k_cache + off[t0] + h * sh, D * sizeof(bf16));
+            if (t1 < n) memcpy(k + t1 * D, a->k_cache + off[t1] + h * sh, D * sizeof(bf16));
+            bf16 *dst = v_tiles(w, c->buf, D, h) + (pr / 16) * dv * 512 + (pr % 16) * 32;
+            for (int i = 0; i < dv; i++) {
                 __m512i both = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(r0 + 16 * c))),
-                    _mm256_loadu_si256((const void *)(r1 + 16 * c)), 1);
-                _mm512_store_si512(dst + c * 512, _mm512_permutexvar_epi16(interleave, both));
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(r0 + 16 * i))),
+                    _mm256_loadu_si256((const void *)(r1 + 16 * i)), 1);
+                _mm512_store_si512(dst + i * 512, _mm512_permutexvar_epi16(interleave, both));
             }
         }
     }
+}
+
+static void prefetch_pairs(const Args *a, Scratch *w, const Unit *u, const Chunk *c, int from, int to) {
+    const int lines = (a->head_dim * 2 + 63) / 64;
+    const int64_t *off = w->offset[c->buf];
+    for (int t = 2 * from; t < 2 * to && t < c->n; t++)
+        for (int h = 0; h < u->hb; h++) {
+            const char *kr = (const char *)(a->k_cache + off[t] + h * a->kv_stride_h);
+            const char *vr = (const char *)(a->v_cache + off[t] + h * a->kv_stride_h);
+            for (int i = 0; i < lines; i++) {
+                _mm_prefetch(kr + 64 * i, _MM_HINT_T0);
+                _mm_prefetch(vr + 64 * i, _MM_HINT_T0);
+            }
+        }
 }
 
 // Query rows [row0, row0 + 16) of the segment, for head h0 + j / tiles_per_head, into query tile j,
@@ -237,14 +242,14 @@ static inline void load_q_tile(int k, const bf16 *src) {
 
 // S^T = K Q^T for the chunk's positions, two 16-position tiles at a time; Q^T stays in tmm4..7 (head_dim
 // <= 128) or is reloaded per dim step.
-static void scores(Scratch *w, float *out, int j, int h, int hb, int D, int n16) {
-    const int dk = D / 32, resident = dk <= 4, stride = hb * D * sizeof(bf16);
+static void scores(Scratch *w, const bf16 *k_head, float *out, int j, int D, int n16) {
+    const int dk = D / 32, resident = dk <= 4, stride = D * sizeof(bf16);
     const bf16 *qt = w->qt + j * dk * 512;
     if (resident)
         for (int k = 0; k < dk; k++) load_q_tile(k, qt + k * 512);
     for (int u = 0; u < n16; u += 2) {
         const int two = u + 1 < n16;
-        const bf16 *k0 = w->k + (u * 16 * hb + h) * D;
+        const bf16 *k0 = k_head + u * 16 * D;
         _tile_zero(0);
         _tile_zero(1);
         for (int k = 0; k < dk; k++) {
@@ -256,7 +261,7 @@ static void scores(Scratch *w, float *out, int j, int h, int hb, int D, int n16)
             _tile_loadd(2, k0 + 32 * k, stride);
             DOT_Q(0, 2, b);
             if (two) {
-                _tile_loadd(3, k0 + 16 * hb * D + 32 * k, stride);
+                _tile_loadd(3, k0 + 16 * D + 32 * k, stride);
                 DOT_Q(1, 3, b);
             }
         }
@@ -373,19 +378,26 @@ static void softmax(const Args *a, Scratch *w, float *sc, bf16 *pa, int qi, int3
     _mm512_storeu_ps(w->l + qi * 16, _mm512_add_ps(_mm512_loadu_ps(w->l + qi * 16), _mm512_add_ps(sum0, sum1)));
 }
 
-// All query tiles of the unit against the loaded chunk, software-pipelined so that AMX results are not read
+// All query tiles of the unit against chunk `cur`, software-pipelined so that AMX results are not read
 // back (nor AVX-512 results loaded into tiles) right after they are written: scores of tile j + 1 and P V of
-// tile j - 1 around the softmax of tile j.
-static void attend_chunk(const Args *a, Scratch *w, const Unit *u, int32_t start, int n) {
-    const int D = a->head_dim, n16 = (n + 15) / 16, n32 = (n + 31) / 32;
+// tile j - 1 around the softmax of tile j. Meanwhile chunk `next` is loaded, one part per tile (prefetched a
+// tile ahead), so that its memory reads overlap the arithmetic.
+static void attend_chunk(const Args *a, Scratch *w, const Unit *u, const Chunk *cur, const Chunk *next) {
+    const int D = a->head_dim, n16 = (cur->n + 15) / 16, n32 = (cur->n + 31) / 32, b = cur->buf;
     const int tiles = u->hb * u->tiles_per_head, tph = u->tiles_per_head;
-    scores(w, w->s[0], 0, 0, u->hb, D, n16);
+    const int pairs = next->n > 0 ? chunk_pairs(next) : 0;
+#define PART(j) ((j) * pairs / tiles)
+    prefetch_pairs(a, w, u, next, 0, PART(1));
+    scores(w, k_rows(w, b, D, 0), w->s[0], 0, D, n16);
     for (int j = 0; j < tiles; j++) {
-        if (j + 1 < tiles) scores(w, w->s[(j + 1) & 1], j + 1, (j + 1) / tph, u->hb, D, n16);
-        softmax(a, w, w->s[j & 1], w->pa[j & 1], j, start, n);
-        if (j > 0) values(v_tiles(w, D, (j - 1) / tph), w->pa[(j - 1) & 1], w->o + (j - 1) * 16 * D, D, n32);
+        if (j + 1 < tiles) scores(w, k_rows(w, b, D, (j + 1) / tph), w->s[(j + 1) & 1], j + 1, D, n16);
+        softmax(a, w, w->s[j & 1], w->pa[j & 1], j, cur->start, cur->n);
+        if (j > 0) values(v_tiles(w, b, D, (j - 1) / tph), w->pa[(j - 1) & 1], w->o + (j - 1) * 16 * D, D, n32);
+        if (j + 2 <= tiles) prefetch_pairs(a, w, u, next, PART(j + 1), PART(j + 2));
+        load_pairs(a, w, u, next, PART(j), PART(j + 1));
     }
-    values(v_tiles(w, D, (tiles - 1) / tph), w->pa[(tiles - 1) & 1], w->o + (tiles - 1) * 16 * D, D, n32);
+#undef PART
+    values(v_tiles(w, b, D, (tiles - 1) / tph), w->pa[(tiles - 1) & 1], w->o + (tiles - 1) * 16 * D, D, n32);
 }
 
 static inline void store_bf16(bf16 *dst, const float *src, float mul, int D) {
@@ -433,13 +445,15 @@ static void run_unit(const Args *a, Scratch *w, Unit *u) {
             w->l[i] = 0.0f;
         }
         memset(w->o, 0, sizeof(float) * tiles * 16 * D);
-        int cur = 0;
-        row_offsets(a, w->offset[cur], seg[SEG_TABLE], seg[SEG_KV_START],
-                    kv_end - seg[SEG_KV_START] < CHUNK ? kv_end - seg[SEG_KV_START] : CHUNK, u->h0);
-        for (int32_t start = seg[SEG_KV_START]; start < kv_end; start += CHUNK, cur = !cur) {
-            int n = kv_end - start < CHUNK ? kv_end - start : CHUNK;
-            load_chunk(a, w, u, start, n, kv_end, cur);
-            attend_chunk(a, w, u, start, n);
+        Chunk cur = {seg[SEG_KV_START], kv_end - seg[SEG_KV_START] < CHUNK ? kv_end - seg[SEG_KV_START] : CHUNK, 0};
+        row_offsets(a, w->offset[0], seg[SEG_TABLE], cur.start, cur.n, u->h0);
+        load_pairs(a, w, u, &cur, 0, chunk_pairs(&cur));
+        while (cur.n > 0) {
+            int32_t start = cur.start + cur.n;
+            Chunk next = {start, kv_end - start < CHUNK ? kv_end - start : CHUNK, !cur.buf};
+            if (next.n > 0) row_offsets(a, w->offset[next.buf], seg[SEG_TABLE], next.start, next.n, u->h0);
+            attend_chunk(a, w, u, &cur, &next);
+            cur = next;
         }
         finish_rows(a, w, u, row0, nrows);
     }
