@@ -286,6 +286,10 @@ def bench_model(shape: str, vllm: Path | str | None, args: argparse.Namespace) -
     check_load("Flock and HF" if with_hf else "Flock")
     for w in workloads:
         # without prefix caching no blocks are shared, and the cascade backend is the per-request one
+        from flock.attention.amx import kernel_unavailable
+
+        if kernel_unavailable() is None:  # the fused bf16 kernel (the default here) where the CPU has AMX
+            by_workload[w.name].append(run_flock(folder, w, True, "amx", args))
         by_workload[w.name] += [run_flock(folder, w, True, "torch-cascade", args),
                                 run_flock(folder, w, True, "torch", args),
                                 run_flock(folder, w, False, "torch", args)]

@@ -16,6 +16,7 @@
 // PREFIX and PARTIAL rows write a normalised fp32 partial and its log-sum-exp; a last pass merges each
 // grouped token's two partials.
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,9 +68,9 @@ typedef struct {  // per-thread scratch, 64-byte aligned; a query tile j is head
     int64_t offset[2][CHUNK];                   // cache offsets of a chunk's rows (first head of the unit)
 } Scratch;  // [2]: the chunk being attended and the next one, loaded meanwhile
 
-typedef struct {  // one unit: a segment and KV heads [h0, h0 + hb)
+typedef struct {  // one unit: a segment's rows [row0, row0 + ROW_TILES * 16) and KV heads [h0, h0 + hb)
     const int32_t *seg;
-    int h0, hb, tiles_per_head;
+    int row0, h0, hb, tiles_per_head;
 } Unit;
 
 typedef struct {  // a chunk of KV positions [start, start + n) in scratch buffer `buf`
@@ -429,34 +430,32 @@ static void finish_rows(const Args *a, Scratch *w, const Unit *u, int row0, int 
 static void run_unit(const Args *a, Scratch *w, Unit *u) {
     const int G = a->num_heads / a->num_kv_heads, D = a->head_dim;
     const int32_t *seg = u->seg;
-    const int rows = seg[SEG_ROWS];
-    for (int row0 = 0; row0 < rows; row0 += ROW_TILES * 16) {
-        int nrows = rows - row0 < ROW_TILES * 16 ? rows - row0 : ROW_TILES * 16;
-        u->tiles_per_head = (nrows + 15) / 16;
-        const int tiles = u->hb * u->tiles_per_head;
-        int32_t kv_end = seg[SEG_KV_END];
-        if (seg[SEG_KIND] != PREFIX) {  // nothing past the block's last query position
-            int32_t last = a->positions[seg[SEG_BEGIN] + (row0 + nrows - 1) / G] + 1;
-            if (last < kv_end) kv_end = last;
-        }
-        for (int j = 0; j < tiles; j++) load_queries(a, w, u, row0 + 16 * (j % u->tiles_per_head), j);
-        for (int i = 0; i < tiles * 16; i++) {
-            w->m[i] = -INFINITY;
-            w->l[i] = 0.0f;
-        }
-        memset(w->o, 0, sizeof(float) * tiles * 16 * D);
-        Chunk cur = {seg[SEG_KV_START], kv_end - seg[SEG_KV_START] < CHUNK ? kv_end - seg[SEG_KV_START] : CHUNK, 0};
-        row_offsets(a, w->offset[0], seg[SEG_TABLE], cur.start, cur.n, u->h0);
-        load_pairs(a, w, u, &cur, 0, chunk_pairs(&cur));
-        while (cur.n > 0) {
-            int32_t start = cur.start + cur.n;
-            Chunk next = {start, kv_end - start < CHUNK ? kv_end - start : CHUNK, !cur.buf};
-            if (next.n > 0) row_offsets(a, w->offset[next.buf], seg[SEG_TABLE], next.start, next.n, u->h0);
-            attend_chunk(a, w, u, &cur, &next);
-            cur = next;
-        }
-        finish_rows(a, w, u, row0, nrows);
+    const int row0 = u->row0, rows_left = seg[SEG_ROWS] - row0;
+    const int nrows = rows_left < ROW_TILES * 16 ? rows_left : ROW_TILES * 16;
+    u->tiles_per_head = (nrows + 15) / 16;
+    const int tiles = u->hb * u->tiles_per_head;
+    int32_t kv_end = seg[SEG_KV_END];
+    if (seg[SEG_KIND] != PREFIX) {  // nothing past the block's last query position
+        int32_t last = a->positions[seg[SEG_BEGIN] + (row0 + nrows - 1) / G] + 1;
+        if (last < kv_end) kv_end = last;
     }
+    for (int j = 0; j < tiles; j++) load_queries(a, w, u, row0 + 16 * (j % u->tiles_per_head), j);
+    for (int i = 0; i < tiles * 16; i++) {
+        w->m[i] = -INFINITY;
+        w->l[i] = 0.0f;
+    }
+    memset(w->o, 0, sizeof(float) * tiles * 16 * D);
+    Chunk cur = {seg[SEG_KV_START], kv_end - seg[SEG_KV_START] < CHUNK ? kv_end - seg[SEG_KV_START] : CHUNK, 0};
+    row_offsets(a, w->offset[0], seg[SEG_TABLE], cur.start, cur.n, u->h0);
+    load_pairs(a, w, u, &cur, 0, chunk_pairs(&cur));
+    while (cur.n > 0) {
+        int32_t start = cur.start + cur.n;
+        Chunk next = {start, kv_end - start < CHUNK ? kv_end - start : CHUNK, !cur.buf};
+        if (next.n > 0) row_offsets(a, w->offset[next.buf], seg[SEG_TABLE], next.start, next.n, u->h0);
+        attend_chunk(a, w, u, &cur, &next);
+        cur = next;
+    }
+    finish_rows(a, w, u, row0, nrows);
 }
 
 static void merge_partials(const Args *a, int32_t e) {
@@ -474,6 +473,23 @@ static void merge_partials(const Args *a, int32_t e) {
     }
 }
 
+static inline int row_blocks(const int32_t *seg) { return (seg[SEG_ROWS] + ROW_TILES * 16 - 1) / (ROW_TILES * 16); }
+
+// KV heads per unit: as many as fit in SPAN (contiguous reads), fewer when the heaviest unit would hold more
+// than half a thread's share of the work (one long group would otherwise keep one thread busy alone).
+static int heads_per_unit(const Args *a, int threads) {
+    int hb = SPAN / a->head_dim < a->num_kv_heads ? SPAN / a->head_dim : a->num_kv_heads;
+    double total = 0, heaviest = 0;
+    for (int i = 0; i < a->num_segs; i++) {
+        const int32_t *seg = a->segs + i * SEG_FIELDS;
+        double work = (double)seg[SEG_ROWS] * (seg[SEG_KV_END] - seg[SEG_KV_START] + 64);
+        total += work;
+        heaviest = work / row_blocks(seg) > heaviest ? work / row_blocks(seg) : heaviest;
+    }
+    while (hb > 1 && heaviest * hb / a->num_kv_heads > total / (2 * threads)) hb = (hb + 1) / 2;
+    return hb;
+}
+
 static Scratch *thread_scratch(void) {
     static __thread Scratch *w = NULL;
     if (w == NULL) w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
@@ -483,8 +499,18 @@ static Scratch *thread_scratch(void) {
 // Returns 0, or -1 for a head_dim this kernel does not take, -2 when out of memory.
 int flock_amx_cascade(const Args *a) {
     if (a->head_dim % 32 || a->head_dim > MAX_D) return -1;
-    const int hb_max = SPAN / a->head_dim < a->num_kv_heads ? SPAN / a->head_dim : a->num_kv_heads;
-    const int runs = (a->num_kv_heads + hb_max - 1) / hb_max, units = a->num_segs * runs;
+    const int hb = heads_per_unit(a, omp_get_max_threads()), runs = (a->num_kv_heads + hb - 1) / hb;
+    int units = 0;
+    for (int i = 0; i < a->num_segs; i++) units += row_blocks(a->segs + i * SEG_FIELDS) * runs;
+    Unit *unit = malloc(sizeof(Unit) * (units > 0 ? units : 1));
+    if (unit == NULL) return -2;
+    for (int i = 0, n = 0; i < a->num_segs; i++)  // segments come heaviest first: so do the units
+        for (int b = 0; b < row_blocks(a->segs + i * SEG_FIELDS); b++)
+            for (int r = 0; r < runs; r++, n++) {
+                int h0 = r * hb;
+                unit[n] = (Unit){a->segs + i * SEG_FIELDS, b * ROW_TILES * 16, h0,
+                                 a->num_kv_heads - h0 < hb ? a->num_kv_heads - h0 : hb, 0};
+            }
     int failed = 0;
 #pragma omp parallel
     {
@@ -497,14 +523,11 @@ int flock_amx_cascade(const Args *a) {
         }
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++)
-            if (w != NULL) {
-                Unit unit = {a->segs + (u / runs) * SEG_FIELDS, (u % runs) * hb_max, 0, 0};
-                unit.hb = a->num_kv_heads - unit.h0 < hb_max ? a->num_kv_heads - unit.h0 : hb_max;
-                run_unit(a, w, &unit);
-            }
+            if (w != NULL) run_unit(a, w, &unit[u]);
 #pragma omp for schedule(static)
         for (int e = 0; e < a->num_partial; e++) merge_partials(a, e);
         _tile_release();
     }
+    free(unit);
     return failed ? -2 : 0;
 }
