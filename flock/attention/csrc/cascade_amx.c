@@ -306,16 +306,50 @@ static void values(const bf16 *vv, const bf16 *pa, float *o, int D, int n32) {
     }
 }
 
-// The running max only moves when a row's new max exceeds it by more than 2^RESCALE_LOG2 in weight: weights
-// then stay below 2^RESCALE_LOG2 (safe in fp32 and bf16), and O is rescaled in memory only on such rare steps.
-#define RESCALE_LOG2 8.0f
+#define RESCALE_LOG2 8.0f  // see softmax()
+
+// Weights P = 2^(S c - mc) of one query tile, rounded to bf16 and transposed into A tiles (`pa`); adds the
+// rows' sums of the rounded weights (what P V uses, so that O / l is exact) to `sum` and returns the rows'
+// score maxima over the chunk.
+static __m512 weights(const float *sc, bf16 *pa, int n, __m512 cc, __m512 mc, __m512 *sum) {
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+    __m512 mx0 = neg_inf, mx1 = neg_inf, acc = *sum;
+    for (int t32 = 0; t32 < (n + 31) / 32; t32++) {
+        const float *s = sc + 512 * t32;
+        const int valid = n - 32 * t32;  // positions of this step that exist (weight 0 past them)
+        __m512i x[16];
+        for (int p = 0; p < 16; p++) {
+            __m512 s0 = _mm512_load_ps(s + 32 * p), s1 = _mm512_load_ps(s + 32 * p + 16);
+            if (valid < 32) {
+                s0 = 2 * p < valid ? s0 : neg_inf;
+                s1 = 2 * p + 1 < valid ? s1 : neg_inf;
+            }
+            mx0 = _mm512_max_ps(mx0, s0);
+            mx1 = _mm512_max_ps(mx1, s1);
+            __m512 p0 = exp2_ps(_mm512_fmsub_ps(s0, cc, mc)), p1 = exp2_ps(_mm512_fmsub_ps(s1, cc, mc));
+            __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1] as bf16
+            x[p] = _mm512_permutexvar_epi16(interleave, (__m512i)pb);  // dword m: (P[m][t], P[m][t + 1])
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)x[p], ones);
+        }
+        transpose16x16_epi32(x);  // row m: its 16 position pairs
+        for (int m = 0; m < 16; m++) _mm512_store_si512(pa + t32 * 512 + 32 * m, x[m]);
+    }
+    *sum = acc;
+    return _mm512_max_ps(mx0, mx1);
+}
 
 // Online softmax of query tile qi's scores S^T (`sc`) down the positions (AVX-512, its 16 rows at once): P
-// rounded to bf16 and transposed into A tiles (`pa`); the row sums and, on a rescale, O updated.
+// in `pa`, the row sums and, on a rescale, O updated. The running max only moves when a row's new max
+// exceeds it by more than 2^RESCALE_LOG2 in weight: weights then stay below 2^RESCALE_LOG2 (safe in fp32 and
+// bf16), and most chunks take one pass with the max they found (a second pass when it moved).
 static void softmax(const Args *a, Scratch *w, float *sc, bf16 *pa, int qi, int32_t start, int n) {
-    const int D = a->head_dim, n32 = (n + 31) / 32;
+    const int D = a->head_dim;
     float *o = w->o + qi * 16 * D;
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), cc = _mm512_set1_ps(a->scale * LOG2E);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    const __m512 cc = _mm512_set1_ps(a->scale * LOG2E);
     if (start + n - 1 > w->min_limit[qi]) {  // causal: hide positions past each row's own
         const __m512i limit = _mm512_loadu_si512(w->limit + qi * 16);
         for (int t = 0; t < n; t++) {
@@ -323,60 +357,44 @@ static void softmax(const Args *a, Scratch *w, float *sc, bf16 *pa, int qi, int3
             _mm512_store_ps(sc + 16 * t, _mm512_mask_mov_ps(_mm512_load_ps(sc + 16 * t), hidden, neg_inf));
         }
     }
-    __m512 mx = neg_inf, my = neg_inf;
-    for (int t = 0; t + 1 < n; t += 2) {
-        mx = _mm512_max_ps(mx, _mm512_load_ps(sc + 16 * t));
-        my = _mm512_max_ps(my, _mm512_load_ps(sc + 16 * t + 16));
+    const __m512 m_old = _mm512_loadu_ps(w->m + qi * 16);
+    __m512 sum = _mm512_loadu_ps(w->l + qi * 16), mx;
+    if (_mm512_cmp_ps_mask(m_old, neg_inf, _CMP_EQ_OQ) == 0) {  // every row has a max: try it
+        __m512 tried = sum;
+        mx = weights(sc, pa, n, cc, _mm512_mul_ps(m_old, cc), &tried);
+        if (!_mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mx, m_old), cc), _mm512_set1_ps(RESCALE_LOG2),
+                                _CMP_GT_OQ)) {
+            _mm512_storeu_ps(w->l + qi * 16, tried);
+            return;
+        }
+    } else {
+        __m512 mx0 = neg_inf, mx1 = neg_inf;
+        for (int t = 0; t + 1 < n; t += 2) {
+            mx0 = _mm512_max_ps(mx0, _mm512_load_ps(sc + 16 * t));
+            mx1 = _mm512_max_ps(mx1, _mm512_load_ps(sc + 16 * t + 16));
+        }
+        if (n & 1) mx0 = _mm512_max_ps(mx0, _mm512_load_ps(sc + 16 * (n - 1)));
+        mx = _mm512_max_ps(mx0, mx1);
     }
-    if (n & 1) mx = _mm512_max_ps(mx, _mm512_load_ps(sc + 16 * (n - 1)));
-    mx = _mm512_max_ps(mx, my);
-    __m512 m_old = _mm512_loadu_ps(w->m + qi * 16), m_new = m_old;
     __mmask16 grow = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(mx, m_old), cc),
                                         _mm512_set1_ps(RESCALE_LOG2), _CMP_GT_OQ);
     grow |= _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_EQ_OQ);
+    const __m512 m_new = _mm512_mask_mov_ps(m_old, grow, mx);
+    _mm512_storeu_ps(w->m + qi * 16, m_new);
     // a row with nothing visible yet keeps max -inf; its weights use 0 in its place and are all exactly 0
-    const __m512 zero = _mm512_setzero_ps();
-    if (grow) {
-        m_new = _mm512_mask_mov_ps(m_old, grow, mx);
-        _mm512_storeu_ps(w->m + qi * 16, m_new);
-        __mmask16 none_old = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_EQ_OQ);
-        __m512 safe_new = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), zero);
-        __m512 alpha = _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(_mm512_mul_ps(m_old, cc), _mm512_mul_ps(safe_new, cc))),
-                                          none_old, zero);
-        _mm512_storeu_ps(w->l + qi * 16, _mm512_mul_ps(_mm512_loadu_ps(w->l + qi * 16), alpha));
-        float al[16];
-        _mm512_storeu_ps(al, alpha);
-        for (int i = 0; i < 16; i++) {
-            if (!((grow >> i) & 1)) continue;
-            __m512 ai = _mm512_set1_ps(al[i]);
-            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), ai));
-        }
+    const __m512 safe_new = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), zero);
+    const __m512 alpha = _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(_mm512_mul_ps(m_old, cc), _mm512_mul_ps(safe_new, cc))),
+                                            _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_EQ_OQ), zero);
+    float al[16];
+    _mm512_storeu_ps(al, alpha);
+    for (int i = 0; i < 16; i++) {
+        if (!((grow >> i) & 1)) continue;
+        __m512 ai = _mm512_set1_ps(al[i]);
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), ai));
     }
-    const __m512 mc = _mm512_mul_ps(_mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), zero), cc);
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 sum0 = zero, sum1 = zero;
-    for (int t32 = 0; t32 < n32; t32++) {
-        const float *s = sc + 512 * t32;
-        const int valid = n - 32 * t32;  // positions of this step that exist (weight 0 past them)
-        __m512i x[16];
-        for (int p = 0; p < 16; p++) {
-            __m512 p0 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * p), cc, mc));
-            __m512 p1 = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(s + 32 * p + 16), cc, mc));
-            if (valid < 32) {
-                p0 = 2 * p < valid ? p0 : zero;
-                p1 = 2 * p + 1 < valid ? p1 : zero;
-            }
-            __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1] as bf16
-            // sum the rounded weights that P V uses, so that O / l is exact
-            sum0 = _mm512_add_ps(sum0, _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)pb)));
-            sum1 = _mm512_add_ps(sum1, _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)pb, 1)));
-            x[p] = _mm512_permutexvar_epi16(interleave, (__m512i)pb);  // dword m: (P[m][t], P[m][t + 1])
-        }
-        transpose16x16_epi32(x);  // row m: its 16 position pairs
-        for (int m = 0; m < 16; m++) _mm512_store_si512(pa + t32 * 512 + 32 * m, x[m]);
-    }
-    _mm512_storeu_ps(w->l + qi * 16, _mm512_add_ps(_mm512_loadu_ps(w->l + qi * 16), _mm512_add_ps(sum0, sum1)));
+    sum = _mm512_mul_ps(_mm512_loadu_ps(w->l + qi * 16), alpha);
+    weights(sc, pa, n, cc, _mm512_mul_ps(safe_new, cc), &sum);
+    _mm512_storeu_ps(w->l + qi * 16, sum);
 }
 
 // All query tiles of the unit against chunk `cur`, software-pipelined so that AMX results are not read
