@@ -97,7 +97,7 @@ static void configure_tiles(void) {
 }
 
 static inline __m512 exp2_ps(__m512 t) {  // 2^t, relative error ~4e-5 (P is rounded to bf16 after); -inf: 0
-    t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^-150 rounds to 0
+    t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^-150 is 0 (flushed, with FTZ set in the threads)
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);  // [-0.5, 0.5]: Taylor series of 2^f to degree 4
     __m512 p = _mm512_set1_ps(9.6181291e-3f);
@@ -152,6 +152,10 @@ static inline bf16 *v_tiles(Scratch *w, int buf, int D, int h) {
     return w->vv[buf] + h * (CHUNK / 32) * (D / 16) * 512;
 }
 
+static inline void copy_row(bf16 *dst, const bf16 *src, int D) {  // D a multiple of 32; inlined, not memcpy
+    for (int d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, _mm512_loadu_si512(src + d));
+}
+
 static inline int chunk_pairs(const Chunk *c) { return (c->n + 31) / 32 * 16; }
 
 // Pairs of positions [from, to) of chunk c: K rows copied head-major (one head's rows contiguous: a 2^k
@@ -168,8 +172,8 @@ static void load_pairs(const Args *a, Scratch *w, const Unit *u, const Chunk *c,
             const bf16 *r0 = t0 < n ? a->v_cache + off[t0] + h * sh : ZERO_ROW;
             const bf16 *r1 = t1 < n ? a->v_cache + off[t1] + h * sh : ZERO_ROW;
             bf16 *k = k_rows(w, c->buf, D, h);
-            if (t0 < n) memcpy(k + t0 * D, a->k_cache + off[t0] + h * sh, D * sizeof(bf16));
-            if (t1 < n) memcpy(k + t1 * D, a->k_cache + off[t1] + h * sh, D * sizeof(bf16));
+            if (t0 < n) copy_row(k + t0 * D, a->k_cache + off[t0] + h * sh, D);
+            if (t1 < n) copy_row(k + t1 * D, a->k_cache + off[t1] + h * sh, D);
             bf16 *dst = v_tiles(w, c->buf, D, h) + (pr / 16) * dv * 512 + (pr % 16) * 32;
             for (int i = 0; i < dv; i++) {
                 __m512i both = _mm512_inserti64x4(
@@ -532,6 +536,9 @@ int flock_amx_cascade(const Args *a) {
     int failed = 0;
 #pragma omp parallel
     {
+        // flush denormals to zero (FTZ, DAZ): tiny weights would otherwise cost microcode assists
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
         Scratch *w = thread_scratch();
         if (w == NULL) {
 #pragma omp atomic write
@@ -545,6 +552,7 @@ int flock_amx_cascade(const Args *a) {
 #pragma omp for schedule(static)
         for (int e = 0; e < a->num_partial; e++) merge_partials(a, e);
         _tile_release();
+        _mm_setcsr(csr);
     }
     free(unit);
     return failed ? -2 : 0;
