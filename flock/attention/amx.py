@@ -79,7 +79,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"this CPU lacks {', '.join(missing)}"
     try:
         lib = ctypes.CDLL(str(_compile()))  # after torch: it binds to torch's OpenMP runtime (libgomp.so.1)
-    except (OSError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the AMX kernel: {detail.strip()[:500]}"
     if lib.flock_amx_init() != 0:

@@ -172,3 +172,26 @@ def test_every_attention_call_of_a_bf16_engine_run_is_exact(tmp_path, monkeypatc
     llm.generate([{"prompt_token_ids": p} for p in shared_prefix_prompts(seed=7)], params, use_tqdm=False)
     assert seen["calls"] > 0 and seen["grouped"] > 0 and seen["prefill"] > 0
     assert seen["excess"] <= 4e-3
+
+
+@pytest.mark.parametrize("broken", ["no AMX", "no compiler"])
+def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
+    from flock.attention import amx
+
+    if broken == "no AMX":
+        monkeypatch.setattr(amx, "_cpu_flags", lambda: {"avx512f"})
+    else:
+        monkeypatch.setattr(amx, "_cpu_flags", lambda: set(amx.CPU_FLAGS))
+        monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
+    amx._load.cache_clear()
+    try:
+        reason = kernel_unavailable()
+        assert reason and ("lacks" in reason if broken == "no AMX" else "could not build" in reason)
+        cfg = tb.config(4, 2)
+        cfg.head_dim = 64
+        assert type(make_backend("auto", cfg, torch.device("cpu"), torch.bfloat16)).__name__ == "TorchCascadeBackend"
+        layout = tb.random_layout(np.random.default_rng(1), [(3, 4)], 1)
+        assert not isinstance(AmxCascadeBackend(4, 2, 64, None, torch.bfloat16).build_metadata(layout), AmxMetadata)
+    finally:
+        amx._load.cache_clear()
