@@ -163,8 +163,10 @@ static inline int chunk_pairs(const Chunk *c) { return (c->n + 31) / 32 * 16; }
 static void load_pairs(const Args *a, Scratch *w, const Unit *u, const Chunk *c, int from, int to) {
     const int D = a->head_dim, dv = D / 16, n = c->n;
     const int64_t *off = w->offset[c->buf], sh = a->kv_stride_h;
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    // pairs of two rows' dims [32i, 32i + 16) and [32i + 16, 32i + 32): element 2j of r0, then of r1 (+32)
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int pr = from; pr < to; pr++) {
         const int t0 = 2 * pr, t1 = t0 + 1;
         for (int h = 0; h < u->hb; h++) {
@@ -174,11 +176,10 @@ static void load_pairs(const Args *a, Scratch *w, const Unit *u, const Chunk *c,
             if (t0 < n) copy_row(k + t0 * D, a->k_cache + off[t0] + h * sh, D);
             if (t1 < n) copy_row(k + t1 * D, a->k_cache + off[t1] + h * sh, D);
             bf16 *dst = v_tiles(w, c->buf, D, h) + (pr / 16) * dv * 512 + (pr % 16) * 32;
-            for (int i = 0; i < dv; i++) {
-                __m512i both = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(r0 + 16 * i))),
-                    _mm256_loadu_si256((const void *)(r1 + 16 * i)), 1);
-                _mm512_store_si512(dst + i * 512, _mm512_permutexvar_epi16(interleave, both));
+            for (int i = 0; i < dv; i += 2) {
+                __m512i a0 = _mm512_loadu_si512(r0 + 16 * i), a1 = _mm512_loadu_si512(r1 + 16 * i);
+                _mm512_store_si512(dst + i * 512, _mm512_permutex2var_epi16(a0, lo, a1));
+                _mm512_store_si512(dst + (i + 1) * 512, _mm512_permutex2var_epi16(a0, hi, a1));
             }
         }
     }
