@@ -7,14 +7,15 @@
 // Row r of a segment is query token (entry) SEG_BEGIN + r / G and query head kv_head * G + r % G, so the G
 // query heads sharing a KV head are matrix rows together (GQA without expanding K or V).
 //
-// A segment and a run of KV heads (SPAN / head_dim of them, so that each position's K and V rows are read as
-// one contiguous run) is one unit of work for a thread. It walks the KV positions in chunks of CHUNK, read
-// from the paged blocks: K rows copied contiguous (AMX A tiles), V rows interleaved in pairs of positions
-// (AMX's B layout). Then every 16-row query tile computes S^T = K Q^T (AMX; Q^T prepared once), an online
-// softmax in fp32 down the positions (AVX-512, 16 rows per vector), and O += P V (AMX, P rounded to bf16 as
-// in flash attention). Positions past the end or, causally, past a row's own position get weight zero.
-// PREFIX and PARTIAL rows write a normalised fp32 partial and its log-sum-exp; a last pass merges each
-// grouped token's two partials.
+// A block of up to ROW_TILES x 16 rows of a segment and a run of KV heads (up to SPAN / head_dim, so that
+// each position's K and V rows are read as one contiguous run; fewer when one unit would hold too large a share
+// of the work) is one unit of work for a thread of PyTorch's OpenMP pool. It walks the KV positions in chunks
+// of CHUNK, read from the paged blocks: K rows copied contiguous (AMX A tiles), V rows interleaved in pairs of
+// positions (AMX's B layout), the next chunk loaded while the current one is computed. Every 16-row query
+// tile computes S^T = K Q^T (AMX; Q^T prepared once), an online softmax in fp32 down the positions (AVX-512,
+// 16 rows per vector), and O += P V (AMX, P rounded to bf16 as in flash attention). Positions past the end
+// or, causally, past a row's own position get weight zero. PREFIX and PARTIAL rows write a normalised fp32
+// partial and its log-sum-exp; a last pass merges each grouped token's two partials.
 #include <immintrin.h>
 #include <omp.h>
 #include <math.h>
