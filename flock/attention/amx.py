@@ -93,6 +93,10 @@ def kernel_unavailable() -> str | None:
     return _load()[1]
 
 
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
 @dataclass
 class AmxMetadata(AttentionMetadata):
     segs: torch.Tensor  # [S, SEG_FIELDS] int32, longest first
@@ -121,9 +125,8 @@ class AmxCascadeBackend(TorchCascadeBackend):
         segs = np.stack([s.begin, s.rows, s.table, s.kv_start, s.kv_end, s.kind], axis=1)
         work = (s.kv_end - s.kv_start) * s.rows
         segs = segs[np.argsort(-work, kind="stable")]  # longest first: dynamic scheduling balances the tail
-        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
-        return AmxMetadata(layout.slot_mapping, as_i32(segs), as_i32(s.tokens), as_i32(s.positions),
-                           as_i32(s.tables), s.num_partial, layout.block_size)
+        return AmxMetadata(layout.slot_mapping, _int32(segs), _int32(s.tokens), _int32(s.positions),
+                           _int32(s.tables), s.num_partial, layout.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, AmxMetadata):
