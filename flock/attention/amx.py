@@ -31,7 +31,6 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_amx.c"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
 GCC_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
              "-mamx-tile", "-mamx-bf16", "-mfma"]
-SEG_FIELDS = 6
 
 
 class _Args(ctypes.Structure):
@@ -99,7 +98,7 @@ def _int32(a: np.ndarray) -> torch.Tensor:
 
 @dataclass
 class AmxMetadata(AttentionMetadata):
-    segs: torch.Tensor  # [S, SEG_FIELDS] int32, longest first
+    segs: torch.Tensor  # [S, 6] int32 (begin, rows, table, kv_start, kv_end, kind), heaviest first
     tokens: torch.Tensor  # int32 step index of every entry
     positions: torch.Tensor  # int32 position of every entry
     tables: torch.Tensor  # int32 block tables, concatenated
