@@ -326,7 +326,9 @@ static __m512 weights(const float *sc, bf16 *pa, int n, __m512 cc, __m512 mc, __
         const float *s = sc + 512 * t32;
         const int valid = n - 32 * t32;  // positions of this step that exist (weight 0 past them)
         __m512i x[16];
-        for (int p = 0; p < 16; p++) {
+        const int pairs = valid < 32 ? (valid + 1) / 2 : 16;
+        for (int p = pairs; p < 16; p++) x[p] = _mm512_setzero_si512();  // past the end: weight 0
+        for (int p = 0; p < pairs; p++) {
             __m512 s0 = _mm512_load_ps(s + 32 * p), s1 = _mm512_load_ps(s + 32 * p + 16);
             if (valid < 32) {
                 s0 = 2 * p < valid ? s0 : neg_inf;
