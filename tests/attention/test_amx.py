@@ -50,27 +50,10 @@ def long_layout(rng: np.random.Generator, bs: int) -> StepLayout:
     return StepLayout(np.concatenate([[0], np.cumsum(qlens)]), starts + qlens, tables, bs, torch.from_numpy(slots))
 
 
-def inputs(layout: StepLayout, heads: int, kv_heads: int, seed: int, num_blocks: int = 2000):
-    """bf16 q, k, v as views of one fused projection (strided like a model's), and random caches."""
-    gen = torch.Generator().manual_seed(seed)
-    n = int(layout.query_start[-1])
-    qkv = torch.randn(n, heads + 2 * kv_heads, tb.HEAD_DIM, generator=gen).bfloat16()
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-    caches = [torch.randn(num_blocks, tb.BS, kv_heads, tb.HEAD_DIM, generator=gen).bfloat16() for _ in range(2)]
-    return q, k, v, *caches
-
-
 def half_ulp_excess(out: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest error beyond half a bf16 unit in the last place of the exact value (the output rounding)."""
     exponent = torch.frexp(expected.abs().clamp_min(1e-30))[1]
     return ((out.double() - expected).abs() - torch.ldexp(torch.ones_like(expected), exponent - 9)).max().item()
-
-
-def run(name: str, heads: int, kv_heads: int, layout, q, k, v, k_cache, v_cache):
-    backend = make_backend(name, tb.config(heads, kv_heads), torch.device("cpu"), q.dtype)
-    meta = backend.build_metadata(layout)
-    kc, vc = k_cache.clone(), v_cache.clone()
-    return backend.forward(q, k, v, kc, vc, meta), meta, kc, vc
 
 
 @needs_kernel
@@ -80,14 +63,14 @@ def test_bf16_equals_per_request_attention(shape, layout_name, heads, kv_heads):
     bs, _ = shape
     rng = np.random.default_rng(len(layout_name) * 7 + heads)
     layout = long_layout(rng, bs) if layout_name == "long" else tb.random_layout(rng, *tb.LAYOUTS[layout_name])
-    q, k, v, k_cache, v_cache = inputs(layout, heads, kv_heads, seed=heads)
-    out, meta, kc, vc = run("amx", heads, kv_heads, layout, q, k, v, k_cache, v_cache)
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, heads, kv_heads, torch.bfloat16, heads, 2000)
+    out, meta, kc, vc = tb.run_backend("amx", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
     assert isinstance(meta, AmxMetadata), "the kernel path was not taken"
     assert (meta.num_partial > 0) == (layout_name in ("several groups", "one big group", "long"))
     expected = tb.reference(q, kc, vc, layout, kv_heads)
     # the only rounding beyond the output's: P in bf16 before P V, as in PyTorch's bf16 kernel (same bound)
     assert half_ulp_excess(out, expected) <= 4e-3
-    torch_out = run("torch", heads, kv_heads, layout, q, k, v, k_cache, v_cache)[0]
+    torch_out = tb.run_backend("torch", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)[0]
     assert half_ulp_excess(out, expected) <= half_ulp_excess(torch_out, expected) + 2e-3
 
 
@@ -100,8 +83,8 @@ def test_one_unit_covers_several_heads_and_wide_rows(monkeypatch):
     rng = np.random.default_rng(5)
     layout = tb.random_layout(rng, [(9, 6), (3, 4)], 2)
     for heads, kv_heads in [(32, 16), (16, 2)]:
-        q, k, v, k_cache, v_cache = inputs(layout, heads, kv_heads, seed=1, num_blocks=400)
-        out, meta, kc, vc = run("amx", heads, kv_heads, layout, q, k, v, k_cache, v_cache)
+        q, k, v, k_cache, v_cache = tb.fused_inputs(layout, heads, kv_heads, torch.bfloat16, seed=1)
+        out, meta, kc, vc = tb.run_backend("amx", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
         assert isinstance(meta, AmxMetadata)
         assert half_ulp_excess(out, tb.reference(q, kc, vc, layout, kv_heads)) <= 4e-3
 
@@ -111,7 +94,7 @@ def test_one_unit_covers_several_heads_and_wide_rows(monkeypatch):
 def test_falls_back_to_torch_cascade(monkeypatch, dtype, window, head_dim):
     monkeypatch.setattr(tb, "HEAD_DIM", head_dim)
     layout = tb.random_layout(np.random.default_rng(3), [(4, 5)], 1)
-    q, k, v, k_cache, v_cache = (t.to(dtype) for t in inputs(layout, 4, 2, seed=0, num_blocks=400))
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, 4, 2, dtype)
     backend = AmxCascadeBackend(4, 2, head_dim, window, dtype)
     meta = backend.build_metadata(layout)
     assert isinstance(meta, CascadeMetadata) and not isinstance(meta, AmxMetadata)

@@ -57,6 +57,17 @@ def reference(q, k_cache, v_cache, layout: StepLayout, kv_heads: int, window=Non
     return out
 
 
+def fused_inputs(layout: StepLayout, heads: int, kv_heads: int, dtype, seed: int = 0, num_blocks: int = 400):
+    """q, k, v as views of one fused projection (strided like a model's), and random caches."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(layout.query_start[-1])
+    qkv = torch.randn(n, heads + 2 * kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    caches = [torch.randn(num_blocks, BS, kv_heads, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
+              for _ in range(2)]
+    return q, k, v, *caches
+
+
 def run_backend(name, cfg, layout, q, k, v, k_cache, v_cache):
     backend = make_backend(name, cfg, torch.device("cpu"), q.dtype)
     meta = backend.build_metadata(layout)

@@ -37,17 +37,6 @@ def shape(request, monkeypatch):
     return bs, head_dim
 
 
-def make_inputs(layout, heads, kv_heads, dtype, seed=0):
-    """q, k, v as views of one fused projection (strided like a model's), and random caches."""
-    gen = torch.Generator().manual_seed(seed)
-    n = int(layout.query_start[-1])
-    qkv = torch.randn(n, heads + 2 * kv_heads, tb.HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-    caches = [torch.randn(400, tb.BS, kv_heads, tb.HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-              for _ in range(2)]
-    return q, k, v, *caches
-
-
 def run_triton(heads, kv_heads, layout, q, k, v, k_cache, v_cache, window=None):
     backend = TritonCascadeBackend(heads, kv_heads, tb.HEAD_DIM, window, q.dtype)
     layout.slot_mapping = layout.slot_mapping.to(DEVICE)
@@ -60,7 +49,7 @@ def run_triton(heads, kv_heads, layout, q, k, v, k_cache, v_cache, window=None):
 
 def check(layout_name, heads, kv_heads, dtype, seed, kernel=True):
     layout = tb.random_layout(np.random.default_rng(seed), *tb.LAYOUTS[layout_name])
-    q, k, v, k_cache, v_cache = make_inputs(layout, heads, kv_heads, dtype, seed)
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, heads, kv_heads, dtype, seed)
     out, meta, kc, vc = run_triton(heads, kv_heads, layout, q, k, v, k_cache, v_cache)
     assert isinstance(meta, TritonCascadeMetadata) == kernel, "the kernel path was (not) taken"
     if kernel:
@@ -86,7 +75,7 @@ def test_other_dtypes(shape, dtype):
 
 def test_sliding_window_falls_back_to_torch_cascade():
     layout = tb.random_layout(np.random.default_rng(3), [(4, 5)], 1)
-    q, k, v, k_cache, v_cache = make_inputs(layout, 4, 2, torch.float32)
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, 4, 2, torch.float32)
     out, meta, kc, vc = run_triton(4, 2, layout, q, k, v, k_cache, v_cache, window=7)
     assert not isinstance(meta, TritonCascadeMetadata)
     assert (out.double() - tb.reference(q, kc, vc, layout, 2, window=7)).abs().max() <= 1e-5
