@@ -13,10 +13,7 @@ sliding window, a head_dim that is not a multiple of 32 (or above 256), or a CPU
 
 import ctypes
 import functools
-import hashlib
-import os
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +23,11 @@ import torch
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.segments import build_segments
+from flock.native import build, cpu_flags
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_amx.c"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
-GCC_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+GCC_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
              "-mamx-tile", "-mamx-bf16", "-mfma"]
 
 
@@ -47,37 +45,13 @@ class _Args(ctypes.Structure):
     ]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def _compile() -> Path:
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(GCC_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock")) / "kernels"
-    lib = cache / f"cascade_amx-{tag}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / lib.name
-            subprocess.run(["gcc", *GCC_FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
-                           capture_output=True, text=True)
-            os.replace(built, lib)  # atomic: concurrent builders each install a whole library
-    return lib
-
-
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
     try:
-        lib = ctypes.CDLL(str(_compile()))  # after torch: it binds to torch's OpenMP runtime (libgomp.so.1)
+        lib = ctypes.CDLL(str(build(SOURCE, GCC_FLAGS)))  # after torch: it binds to torch's OpenMP runtime (libgomp.so.1)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the AMX kernel: {detail.strip()[:500]}"

@@ -162,9 +162,9 @@ def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
     from flock.attention import amx
 
     if broken == "no AMX":
-        monkeypatch.setattr(amx, "_cpu_flags", lambda: {"avx512f"})
+        monkeypatch.setattr(amx, "cpu_flags", lambda: {"avx512f"})
     else:
-        monkeypatch.setattr(amx, "_cpu_flags", lambda: set(amx.CPU_FLAGS))
+        monkeypatch.setattr(amx, "cpu_flags", lambda: set(amx.CPU_FLAGS))
         monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
         monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
     amx._load.cache_clear()
