@@ -63,6 +63,9 @@ class EngineState:
     kv_blocks_total: int = 0
     saving_rate: float = 0.0
     steps: int = 0
+    step_tokens: int = 0  # tokens computed by all steps
+    model_seconds: float = 0.0  # forward passes and sampling
+    busy_seconds: float = 0.0  # the engine thread's time in steps: scheduling, model, outputs
 
 
 class RequestStream:
@@ -123,6 +126,7 @@ class AsyncEngine:
         self._num_submitted = 0  # written by the asyncio side only
         self._num_added = 0  # written by the engine thread only
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
+        self._busy_seconds = 0.0  # engine thread only
         self._thread = threading.Thread(target=self._run, name="flock-engine", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -229,13 +233,14 @@ class AsyncEngine:
         self._fail(key, "abort")
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._engine.step()
         except Exception as e:
             log.exception("engine step failed; failing the requests it was running")
             self._fail_step(f"engine step failed: {e!r}")
-        # RunStats keeps one entry per step; a server steps forever
         self._emit()
+        self._busy_seconds += time.perf_counter() - t0
 
     def _emit(self) -> None:
         outputs = []
@@ -284,6 +289,9 @@ class AsyncEngine:
             kv_blocks_total=e.kv.pool.num_blocks,
             saving_rate=1 - s.computed_prefill_tokens / logical if logical else 0.0,
             steps=s.steps,
+            step_tokens=s.step_tokens,
+            model_seconds=s.model_seconds,
+            busy_seconds=self._busy_seconds,
         )
 
     @staticmethod
