@@ -78,6 +78,25 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log: str) -> No
     raise RuntimeError(f"server not ready within {timeout} s, see {log}")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and all its descendants (threads, and children it has reaped, included)."""
+    total = 0.0
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in stat[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += tree_cpu_seconds(int(child))
+    except (OSError, IndexError):  # it ended meanwhile
+        pass
+    return total
+
+
+def machine_busy_seconds() -> float:
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
 def start_server(name: str, args: argparse.Namespace):
     if name == "flock":
         server = ServerProcess("--model", args.model, *shlex.split(args.flock_args), ready_timeout=args.ready_timeout)
@@ -107,7 +126,12 @@ def measure(name: str, run: int, args: argparse.Namespace) -> dict:
             cmd = [str(args.vllm_python), str(BENCH / "_vllm_serve_client.py"), result.name,
                    *client_args(server.url, args)]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            busy0, server0, t0, own0 = machine_busy_seconds(), tree_cpu_seconds(server.proc.pid), time.perf_counter(), os.times()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.client_timeout)
+            wall, own1 = time.perf_counter() - t0, os.times()
+            server_cpu = tree_cpu_seconds(server.proc.pid) - server0
+            client_cpu = sum(own1[:4]) - sum(own0[:4])
+            others = machine_busy_seconds() - busy0 - server_cpu - client_cpu
             if proc.returncode:
                 raise RuntimeError(f"client exited with {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
             data = json.loads(Path(result.name).read_text())
@@ -115,10 +139,12 @@ def measure(name: str, run: int, args: argparse.Namespace) -> dict:
             data["server_health"] = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    data |= {"server": name, "run": run, "ready_s": ready_s, "load": load}
+    data |= {"server": name, "run": run, "ready_s": ready_s, "load": load, "server_cpu_s": server_cpu,
+             "client_cpu_s": client_cpu, "others_cpu": max(0.0, others) / (wall * (os.cpu_count() or 1))}
     print(f"{name} run {run}: {data['completed']}/{args.num_prompts} ok, {data['request_throughput']:.2f} req/s, "
           f"TTFT {data['mean_ttft_ms']:.0f} ms, TPOT {data['mean_tpot_ms']:.0f} ms (ready after {ready_s:.0f} s; "
-          f"{load})", flush=True)
+          f"CPU s: server {server_cpu:.0f}, client {client_cpu:.0f} (start-up included), others "
+          f"{data['others_cpu']:.0%} of the machine; before: {load})", flush=True)
     if name == "flock":
         print("  " + engine_note(data), flush=True)
     return data
@@ -129,14 +155,14 @@ def engine_note(data: dict) -> str:
     h = data["server_health"]
     return (f"engine: {h['steps']} steps, {h['step_tokens'] / max(h['steps'], 1):.0f} tokens per step, "
             f"model {h['model_seconds']:.1f} s + scheduling and outputs {h['busy_seconds'] - h['model_seconds']:.1f} s "
-            f"= busy {h['busy_seconds']:.1f} s of the client's {data['duration']:.1f} s (warm-up request included)")
+            f"= busy {h['busy_seconds']:.1f} s of the client's {data['duration']:.1f} s")
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     vllm = [r for r in rows if r["server"] == "vllm"]
     ref = {m: sum(r[m] for r in vllm) / len(vllm) for m in METRICS} if vllm else None
     head = ["server", "run", "ok", "req/s", "vs vLLM", "TTFT mean / p99 ms", "TPOT mean / p99 ms",
-            "TTFT vs vLLM", "TPOT vs vLLM", "ready s"]
+            "TTFT vs vLLM", "TPOT vs vLLM", "ready s", "others' CPU"]
     lines = [f"{cpu_model()}, {os.cpu_count()} CPUs; {args.model}; {args.num_prefixes} prefixes x ({args.prefix_len} + "
              f"{args.suffix_len}) tokens, {args.output_len} out, {args.num_prompts} prompts at once; "
              f"flock serve {args.flock_args}",
@@ -147,7 +173,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         tpot = f"{r['mean_tpot_ms'] / ref['mean_tpot_ms']:.2f}" if ref else "-"
         lines.append(f"| {r['server']} | {r['run']} | {r['completed']}/{args.num_prompts} | "
                      f"{r['request_throughput']:.2f} | {speed} | {r['mean_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
-                     f"{r['mean_tpot_ms']:,.0f} / {r['p99_tpot_ms']:,.0f} | {ttft} | {tpot} | {r['ready_s']:.0f} |")
+                     f"{r['mean_tpot_ms']:,.0f} / {r['p99_tpot_ms']:,.0f} | {ttft} | {tpot} | {r['ready_s']:.0f} | {r['others_cpu']:.0%} |")
     return "\n".join(lines)
 
 

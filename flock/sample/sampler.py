@@ -25,8 +25,9 @@ class Sampler:
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps[:, None]
+        if any(p.temperature != 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
+            temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+            logits = logits / temps[:, None]
         vocab = logits.shape[-1]
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         if min(top_k) < vocab:
