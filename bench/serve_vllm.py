@@ -153,7 +153,7 @@ def measure(name: str, run: int, args: argparse.Namespace) -> dict:
 def engine_note(data: dict) -> str:
     """Where Flock's online time went: its engine's steps against the client's measured duration."""
     h = data["server_health"]
-    return (f"engine: {h['steps']} steps, {h['step_tokens'] / max(h['steps'], 1):.0f} tokens per step, "
+    return (f"engine ({h['attention']} attention): {h['steps']} steps, {h['step_tokens'] / max(h['steps'], 1):.0f} tokens per step, "
             f"model {h['model_seconds']:.1f} s + scheduling and outputs {h['busy_seconds'] - h['model_seconds']:.1f} s "
             f"= busy {h['busy_seconds']:.1f} s of the client's {data['duration']:.1f} s")
 

@@ -59,8 +59,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     try:
         ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key)
-        log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s", args.model,
-                 engine.state.kv_blocks_total, engine.max_model_len, config.scheduler)
+        log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
+                 engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         server = uvicorn.Server(uvicorn.Config(
             build_app(ctx), host=args.host, port=args.port, log_level=args.log_level,
             access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout))

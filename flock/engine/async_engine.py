@@ -55,6 +55,7 @@ class StreamOutput:
 class EngineState:
     """A snapshot published by the engine thread after every step; read from any thread."""
 
+    attention: str = ""  # the attention backend (and its ISA path, if it has one)
     num_added: int = 0  # submissions the engine thread has taken so far
     num_waiting: int = 0
     num_running: int = 0
@@ -127,6 +128,7 @@ class AsyncEngine:
         self._num_added = 0  # written by the engine thread only
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
         self._busy_seconds = 0.0  # engine thread only
+        self._attention = ""
         self._thread = threading.Thread(target=self._run, name="flock-engine", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -184,6 +186,8 @@ class AsyncEngine:
             self._engine.stats.trace_steps = False  # a server runs for ever
             self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path)
             self.max_model_len = self._engine.max_model_len
+            backend = self._engine.runner.backend
+            self._attention = backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")
             self._publish()
         except BaseException as e:
             self._error = e
@@ -281,6 +285,7 @@ class AsyncEngine:
         s = e.stats
         logical = s.logical_prefill_tokens
         self.state = EngineState(
+            attention=self._attention,
             num_added=self._num_added,
             num_waiting=len(e.scheduler.waiting),
             num_running=len(e.scheduler.running),
