@@ -97,6 +97,19 @@ def machine_busy_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
+def matmul_gflops(seconds: float = 1.0) -> float:
+    """This machine's bf16 matmul speed right now (2048-wide, torch's threads): its speed drifts between runs."""
+    import torch
+
+    a, b = torch.randn(2, 2048, 2048, dtype=torch.bfloat16)
+    a @ b
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 2048**3 * n / (time.perf_counter() - t0) / 1e9
+
+
 def start_server(name: str, args: argparse.Namespace):
     if name == "flock":
         server = ServerProcess("--model", args.model, *shlex.split(args.flock_args), ready_timeout=args.ready_timeout)
@@ -116,35 +129,42 @@ def client_args(url: str, args: argparse.Namespace) -> list[str]:
             "--disable-tqdm"]
 
 
+def run_client(server, args: argparse.Namespace) -> dict:
+    """vLLM's client against `server`; its results, plus the CPU seconds of the server (its process tree),
+    of the client (start-up included) and the share of the machine that other processes took meanwhile."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        cmd = [str(args.vllm_python), str(BENCH / "_vllm_serve_client.py"), result.name,
+               *client_args(server.url, args)]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        busy0, server0, own0, t0 = machine_busy_seconds(), tree_cpu_seconds(server.proc.pid), os.times(), time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.client_timeout)
+        if proc.returncode:
+            raise RuntimeError(f"client exited with {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        data = json.loads(Path(result.name).read_text())
+    data["server_cpu_s"] = tree_cpu_seconds(server.proc.pid) - server0
+    data["client_cpu_s"] = sum(os.times()[:4]) - sum(own0[:4])
+    others = machine_busy_seconds() - busy0 - data["server_cpu_s"] - data["client_cpu_s"]
+    data["others_cpu"] = max(0.0, others) / ((time.time() - t0) * (os.cpu_count() or 1))
+    return data
+
+
 def measure(name: str, run: int, args: argparse.Namespace) -> dict:
-    load = es.load_note(args.wait_quiet)
+    load, gflops = es.load_note(args.wait_quiet), matmul_gflops()
     t0 = time.perf_counter()
     server = start_server(name, args)
     ready_s = time.perf_counter() - t0
     try:
-        with tempfile.NamedTemporaryFile(suffix=".json") as result:
-            cmd = [str(args.vllm_python), str(BENCH / "_vllm_serve_client.py"), result.name,
-                   *client_args(server.url, args)]
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            busy0, server0, t0, own0 = machine_busy_seconds(), tree_cpu_seconds(server.proc.pid), time.perf_counter(), os.times()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.client_timeout)
-            wall, own1 = time.perf_counter() - t0, os.times()
-            server_cpu = tree_cpu_seconds(server.proc.pid) - server0
-            client_cpu = sum(own1[:4]) - sum(own0[:4])
-            others = machine_busy_seconds() - busy0 - server_cpu - client_cpu
-            if proc.returncode:
-                raise RuntimeError(f"client exited with {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-            data = json.loads(Path(result.name).read_text())
+        data = run_client(server, args)
         if name == "flock":
             data["server_health"] = httpx.get(f"{server.url}/health", timeout=10).json()
     finally:
         server.stop()
-    data |= {"server": name, "run": run, "ready_s": ready_s, "load": load, "server_cpu_s": server_cpu,
-             "client_cpu_s": client_cpu, "others_cpu": max(0.0, others) / (wall * (os.cpu_count() or 1))}
+    data |= {"server": name, "run": run, "ready_s": ready_s, "load": load, "matmul_gflops": gflops}
     print(f"{name} run {run}: {data['completed']}/{args.num_prompts} ok, {data['request_throughput']:.2f} req/s, "
           f"TTFT {data['mean_ttft_ms']:.0f} ms, TPOT {data['mean_tpot_ms']:.0f} ms (ready after {ready_s:.0f} s; "
-          f"CPU s: server {server_cpu:.0f}, client {client_cpu:.0f} (start-up included), others "
-          f"{data['others_cpu']:.0%} of the machine; before: {load})", flush=True)
+          f"CPU s: server {data['server_cpu_s']:.0f}, client {data['client_cpu_s']:.0f} (start-up included), "
+          f"others {data['others_cpu']:.0%} of the machine; before: {load}, bf16 matmul {gflops:.0f} GFLOP/s)",
+          flush=True)
     if name == "flock":
         print("  " + engine_note(data), flush=True)
     return data
@@ -153,27 +173,31 @@ def measure(name: str, run: int, args: argparse.Namespace) -> dict:
 def engine_note(data: dict) -> str:
     """Where Flock's online time went: its engine's steps against the client's measured duration."""
     h = data["server_health"]
-    return (f"engine ({h['attention']} attention): {h['steps']} steps, {h['step_tokens'] / max(h['steps'], 1):.0f} tokens per step, "
-            f"model {h['model_seconds']:.1f} s + scheduling and outputs {h['busy_seconds'] - h['model_seconds']:.1f} s "
-            f"= busy {h['busy_seconds']:.1f} s of the client's {data['duration']:.1f} s")
+    return (f"engine ({h['attention']} attention): {h['steps']} steps, "
+            f"{h['step_tokens'] / max(h['steps'], 1):.0f} tokens per step, model {h['model_seconds']:.1f} s + "
+            f"scheduling and outputs {h['busy_seconds'] - h['model_seconds']:.1f} s = busy {h['busy_seconds']:.1f} s "
+            f"of the client's {data['duration']:.1f} s")
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     vllm = [r for r in rows if r["server"] == "vllm"]
     ref = {m: sum(r[m] for r in vllm) / len(vllm) for m in METRICS} if vllm else None
     head = ["server", "run", "ok", "req/s", "vs vLLM", "TTFT mean / p99 ms", "TPOT mean / p99 ms",
-            "TTFT vs vLLM", "TPOT vs vLLM", "ready s", "others' CPU"]
-    lines = [f"{cpu_model()}, {os.cpu_count()} CPUs; {args.model}; {args.num_prefixes} prefixes x ({args.prefix_len} + "
-             f"{args.suffix_len}) tokens, {args.output_len} out, {args.num_prompts} prompts at once; "
-             f"flock serve {args.flock_args}",
+            "TTFT vs vLLM", "TPOT vs vLLM", "ready s", "others' CPU", "bf16 GFLOP/s"]
+    lines = [f"{cpu_model()}, {os.cpu_count()} CPUs; {args.model}; {args.num_prefixes} prefixes x "
+             f"({args.prefix_len} + {args.suffix_len}) tokens, {args.output_len} out, {args.num_prompts} prompts "
+             f"at once; flock serve {args.flock_args}",
              "| " + " | ".join(head) + " |", "|---|--:" + "|--:" * (len(head) - 2) + "|"]
+    ratio = lambda r, m, unit="": f"{r[m] / ref[m]:.2f}{unit}" if ref else "-"
     for r in rows:
-        speed = f"{r['request_throughput'] / ref['request_throughput']:.2f}x" if ref else "-"
-        ttft = f"{r['mean_ttft_ms'] / ref['mean_ttft_ms']:.2f}" if ref else "-"
-        tpot = f"{r['mean_tpot_ms'] / ref['mean_tpot_ms']:.2f}" if ref else "-"
-        lines.append(f"| {r['server']} | {r['run']} | {r['completed']}/{args.num_prompts} | "
-                     f"{r['request_throughput']:.2f} | {speed} | {r['mean_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
-                     f"{r['mean_tpot_ms']:,.0f} / {r['p99_tpot_ms']:,.0f} | {ttft} | {tpot} | {r['ready_s']:.0f} | {r['others_cpu']:.0%} |")
+        name = f"flock ({r['server_health']['attention']})" if r["server"] == "flock" else "vllm"
+        cells = [name, r["run"], f"{r['completed']}/{args.num_prompts}", f"{r['request_throughput']:.2f}",
+                 ratio(r, "request_throughput", "x"),
+                 f"{r['mean_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f}",
+                 f"{r['mean_tpot_ms']:,.0f} / {r['p99_tpot_ms']:,.0f}",
+                 ratio(r, "mean_ttft_ms"), ratio(r, "mean_tpot_ms"), f"{r['ready_s']:.0f}",
+                 f"{r['others_cpu']:.0%}", f"{r['matmul_gflops']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
