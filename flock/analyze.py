@@ -38,7 +38,7 @@ def _tokenizer(model: str):
     from flock.model import resolve_model
     from flock.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model(model).folder)
+    return load_tokenizer(resolve_model(model).tokenizer_path)
 
 
 def format_plan(plan, bad_lines: int = 0) -> str:
