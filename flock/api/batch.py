@@ -41,6 +41,7 @@ class JobConfig:
     max_tokens: int | None = None  # for lines that set none
     sampling: dict = field(default_factory=dict)  # temperature, top_p, ... for lines that set none
     engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
+    strict: bool = False  # a failed line makes the exit status 1
 
     @property
     def output_path(self) -> Path:
@@ -61,8 +62,9 @@ class JobCounts:
 
 
 def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
-    """Run (or resume) the job; 0 when every line succeeded, 1 when some failed, 2 when it could not start.
-    `engine` (idle) is built from `cfg.engine` when not given."""
+    """Run (or resume) the job. 0 when it ran to the end, as OpenAI's Batch API completes a batch with failed
+    lines (they are counted in the summary and written to the error file), 1 instead when some failed and
+    `cfg.strict`, 2 when it could not start. `engine` (idle) is built from `cfg.engine` when not given."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
@@ -85,7 +87,7 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
     finally:
         job.close()
     job.report()
-    return 1 if job.counts.failed else 0
+    return 1 if cfg.strict and job.counts.failed else 0
 
 
 def _check_paths(cfg: JobConfig) -> None:

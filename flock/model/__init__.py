@@ -40,21 +40,25 @@ class ResolvedModel:
         return self.gguf.path if self.gguf else self.folder
 
 
-def resolve_model(name: str) -> ResolvedModel:
-    """A built-in name, a Hugging Face folder, a GGUF file or a folder holding one GGUF."""
+def locate_model(name: str) -> Path:
+    """The Hugging Face folder or GGUF file a model name stands for: a built-in name, a folder, a GGUF file or a
+    folder holding one GGUF."""
     if is_builtin(name):
-        folder = materialize(name)
-        return ResolvedModel(folder, ModelConfig.from_folder(folder), True)
+        return materialize(name)
     path = WHEEL_MODELS[name].path(name) if name in WHEEL_MODELS else Path(name)
-    gguf_file = find_gguf(path)
-    if gguf_file is not None:
-        ckpt = read_gguf(gguf_file)
-        return ResolvedModel(ckpt.path.parent, ModelConfig.from_dict(ckpt.config), False, ckpt)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {name!r} is not a local folder, a GGUF file or a built-in model "
-            f"({', '.join([*BUILTIN_MODELS, *WHEEL_MODELS])})"
-        )
+    if not path.exists():
+        raise FileNotFoundError(f"model {name!r} is not a local folder, a GGUF file or a built-in model "
+                                f"({', '.join([*BUILTIN_MODELS, *WHEEL_MODELS])})")
+    return find_gguf(path) or path
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    path = locate_model(name)
+    if is_builtin(name):
+        return ResolvedModel(path, ModelConfig.from_folder(path), True)
+    if path.is_file():
+        ckpt = read_gguf(path)
+        return ResolvedModel(path.parent, ModelConfig.from_dict(ckpt.config), False, ckpt)
     return ResolvedModel(path, ModelConfig.from_folder(path), False)
 
 

@@ -56,7 +56,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     ]
     inp = tmp_path / "mixed.jsonl"
     inp.write_text("\n".join(lines) + "\n")
-    assert run(engine, tmp_path, inp) == 1
+    assert run(engine, tmp_path, inp) == 0  # a completed batch, failed lines and all (as OpenAI's Batch API)
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
     assert sorted(r["custom_id"] for r in records(out)) == ["good-1", "good-2", "line-14", "line-19"]
     errors = {r["error"]["line"]: r for r in records(err)}
@@ -75,7 +75,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     assert f"14 line(s) failed (14 newly reported); see {err}" in stderr
 
     before = out.read_bytes(), err.read_bytes()
-    assert run(engine, tmp_path, inp, resume=True) == 1
+    assert run(engine, tmp_path, inp, resume=True, strict=True) == 1  # --strict: any failed line is fatal
     assert (out.read_bytes(), err.read_bytes()) == before
     stdout, stderr = capsys.readouterr()
     assert "0 succeeded, 14 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
