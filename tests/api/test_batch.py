@@ -135,3 +135,15 @@ def test_existing_output_needs_resume_or_overwrite(engine, tmp_path, capsys):
     assert run(engine, tmp_path, inp) == 2  # the error file alone marks a started job too
     assert run(engine, tmp_path, inp, overwrite=True) == 0
     assert [r["custom_id"] for r in records(out)] == ["line-1"] and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"question {i}", "max_tokens": 3,
+                                       "temperature": 0}) + "\n" for i in range(20)))
+    assert run_job(JobConfig(str(inp), str(tmp_path / "out.jsonl")), engine) == 0
+    out = capsys.readouterr().out
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records(tmp_path / "out.jsonl")}
+    shown = out.split("answers (8 of 20, all in ")[1].splitlines()[1:]
+    assert [line.split()[0] for line in shown] == ["q0", "q2", "q5", "q7", "q10", "q12", "q15", "q17"]
+    assert all(" ".join(answers[line.split()[0]].split()) in line for line in shown)
