@@ -1,25 +1,31 @@
-"""GGUF checkpoints (the llama.cpp / Ollama format): config, tokenizer and weights, dequantized at load.
+"""GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, dequantized at load (the
+tokenizer: flock/tokenizer.py).
 
 The file is read with the `gguf` package (llama.cpp's reader) and converted the way `transformers` converts
-it: its config-key mapping, its tokenizer conversion and its un-permutation of llama.cpp's q/k rows.
+it: its config-key mapping, its tensor-name table and its un-permutation of llama.cpp's q/k rows.
 """
 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_SCALING_TYPES = ("none", "linear")
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
 
 
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path
-    reader: "object"  # gguf.GGUFReader
+    reader: "GGUFReader"
     config: dict  # as a Hugging Face config.json would hold it
 
     @property
@@ -74,9 +80,13 @@ def hf_config(reader, path: str) -> dict:
                          f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral and Qwen2 models)")
     tensors = {t.name for t in reader.tensors}
     config = {"architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"], "model_type": arch}
-    for key, name in GGUF_CONFIG_MAPPING[arch].items():
-        if name and f"{arch}.{key}" in reader.fields:
-            config[name] = _field(reader, f"{arch}.{key}")
+    mapping = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_MAPPING[arch].items() if name}
+    for name, key in mapping.items():
+        if key in reader.fields:
+            config[name] = _field(reader, key)
+    missing = [mapping[name] for name in REQUIRED if name not in config]
+    if missing or "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"{path}: the metadata has no {(missing or ['tokenizer.ggml.tokens'])[0]}")
     config.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     config["tie_word_embeddings"] = "output.weight" not in tensors  # llama.cpp drops a tied output matrix
     config["attention_bias"] = "blk.0.attn_q.bias" in tensors

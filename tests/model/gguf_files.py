@@ -18,15 +18,15 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, arch: str | None = None, name: str = "tiny",
-               tokenizer: bool = True, tensor_types: dict[str, Q] | None = None) -> Path:
+def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
+               metadata: dict[str, str | float] | None = None) -> Path:
     """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
-    `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted."""
+    `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys."""
     config = json.loads((folder / "config.json").read_text())
-    arch = arch or config["model_type"]
+    arch = config["model_type"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
+    writer.add_name("tiny")
     writer.add_block_count(layers)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -36,8 +36,9 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, arch: str | None = No
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    if tokenizer:
-        _add_tokenizer(writer, folder)
+    _add_tokenizer(writer, folder)
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     for hf_name, w in load_file(str(folder / "model.safetensors")).items():
         module, _, kind = hf_name.rpartition(".")

@@ -129,11 +129,22 @@ def test_bad_files_give_clear_errors(hf_folders, tmp_path):
             LLM(str(cut))
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
         LLM(str(write_metadata_only(tmp_path / "gpt2.gguf", "gpt2")))
+    with pytest.raises(ValueError, match="bare.gguf: the metadata has no llama.embedding_length"):
+        LLM(str(write_metadata_only(tmp_path / "bare.gguf", "llama")))
     odd = write_gguf(hf_folders["llama"], tmp_path / "odd.gguf", tensor_types={"blk.1.ffn_up.weight": Q.Q8_1})
     with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' is stored as Q8_1, a quant type the gguf package cannot"):
         LLM(str(odd))
     with pytest.raises(ValueError, match=r"holds 2 GGUF files \(good.gguf, odd.gguf\); name one of them"):
         LLM(str(_two_ggufs(tmp_path)))
+
+
+def test_rope_scaling_linear_or_a_clear_error(hf_folders, tmp_path):
+    linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    config = resolve_model(str(write_gguf(hf_folders["llama"], tmp_path / "linear.gguf", metadata=linear))).config
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    yarn = write_gguf(hf_folders["llama"], tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="yarn.gguf: rope scaling of type 'yarn' is not supported"):
+        LLM(str(yarn))
 
 
 def _two_ggufs(tmp_path):
