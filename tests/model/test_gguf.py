@@ -113,7 +113,9 @@ def test_save_model_writes_a_folder_transformers_loads(hf_folders, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     assert greedy_ids(ref, prompts) == greedy_ids(hf_from_gguf(gguf_file), prompts)
     assert flock_greedy(out, prompts)[0] == flock_greedy(gguf_file, prompts)[0]
-    assert load_tokenizer(out).encode("the cache") == load_tokenizer(gguf_file).encode("the cache")
+    gguf_tokenizer = LLM(str(out), tokenizer=str(gguf_file), load_format="dummy").get_tokenizer()
+    assert gguf_tokenizer.name_or_path == str(gguf_file.resolve())
+    assert load_tokenizer(out).encode("the cache") == gguf_tokenizer.encode("the cache")
 
 
 def test_bad_files_give_clear_errors(hf_folders, tmp_path):
