@@ -109,12 +109,7 @@ class ClusterEngine:
             raise
         self.info: EngineInfo = self.slots[0].info
         self.tokenizer = self.info.tokenizer
-        self.prompts: list[np.ndarray] = []
-        self.params: list[SamplingParams] = []
-        self.undispatched: list[int] = []
-        self.logical_tokens = 0
-        self.partition: Partition | None = None  # the first one, for the summary
-        self.stats = RunStats()
+        self.reset_stats()
 
     # -- the engine interface of a batch job ----------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -150,7 +145,17 @@ class ClusterEngine:
         return finished.text
 
     def reset_stats(self) -> None:
+        """A new job (the engine must be idle): requests, partition and statistics start again."""
+        self.prompts: list[np.ndarray] = []
+        self.params: list[SamplingParams] = []
+        self.undispatched: list[int] = []
+        self.logical_tokens = 0
+        self.partition: Partition | None = None  # the job's first, for the summary
         self.stats = RunStats()
+        for slot in self.slots:
+            slot.stats, slot.retired, slot.done = RunStats(), [], 0
+            if slot.alive:
+                slot.actor.reset_stats.remote()
 
     def summary_rows(self) -> list[tuple[str, str]]:
         alive = sum(s.alive for s in self.slots)

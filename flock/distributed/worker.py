@@ -69,8 +69,12 @@ class EngineWorker:
         if threads:
             torch.set_num_threads(threads)
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
-        self.engine.stats.trace_steps = False
         self.keys: dict[int, int] = {}  # engine request id -> driver key
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+        self.engine.stats.trace_steps = False
 
     def info(self) -> EngineInfo:
         e = self.engine
