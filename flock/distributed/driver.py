@@ -118,7 +118,7 @@ class ClusterEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Submitted:
         self.check_request(prompt_token_ids, params)
         key = len(self.prompts)
-        self.prompts.append(np.asarray(prompt_token_ids, dtype=np.int64))
+        self.prompts.append(np.asarray(prompt_token_ids, dtype=np.int32))
         self.params.append(params)
         self.undispatched.append(key)
         self.logical_tokens += len(prompt_token_ids)
@@ -162,8 +162,9 @@ class ClusterEngine:
         rows = [("workers", f"{len(self.slots)} Ray actors ({alive} alive), {self.info.threads} torch thread(s) each")]
         if self.partition is not None:
             p = self.partition
-            rows.append(("partition (planned)", f"max / mean computed tokens {p.balance:.3f}, {p.split_groups} group(s) "
-                                                f"cut, {p.repeated_prefix_tokens} prefix tokens repeated"))
+            rows.append(("partition (planned)", f"max / mean work {p.balance:.3f} (prompt tokens computed + max_tokens), "
+                                                f"{p.split_groups} group(s) cut, {p.repeated_prefix_tokens} prefix "
+                                                "tokens repeated"))
         for s in self.slots:
             t = RunStats()
             t.set_total(s.all_stats())
