@@ -76,14 +76,14 @@ def _add_run(sub) -> None:
     defaults.add_argument("--temperature", type=float)
     defaults.add_argument("--top-p", type=float)
     defaults.add_argument("--top-k", type=int)
-    ray = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
-    ray.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
+    cluster = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
+    cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
                                                               "sharded by prefix group")
-    ray.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
-    ray.add_argument("--worker-cpus", type=float, default=1.0, metavar="C", help="CPUs per worker (fractions allowed)")
-    ray.add_argument("--worker-gpus", type=float, default=0.0, metavar="G", help="GPUs per worker")
-    ray.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
-    ray.add_argument("--max-worker-restarts", type=int, default=1, metavar="R",
+    cluster.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
+    cluster.add_argument("--worker-cpus", type=float, default=1.0, metavar="C", help="CPUs per worker (fractions allowed)")
+    cluster.add_argument("--worker-gpus", type=float, default=0.0, metavar="G", help="GPUs per worker")
+    cluster.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
+    cluster.add_argument("--max-worker-restarts", type=int, default=1, metavar="R",
                      help="restarts of a lost worker before its requests go to the others (default 1)")
 
 
