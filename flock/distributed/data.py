@@ -107,7 +107,7 @@ class _Tokenize:
         self.tokenizer = load_tokenizer(engine.tokenizer or resolve_model(engine.model).folder)
 
     def __call__(self, row: dict) -> dict:
-        sampling = {k: v for k, v in (row.get("sampling_params") or {}).items() if v is not None}
+        sampling = {k: _plain(v) for k, v in (row.get("sampling_params") or {}).items() if v is not None}
         if row.get("messages") is not None:
             kind, body, default_max = "chat", {"messages": list(row["messages"])}, None
         else:
@@ -147,6 +147,11 @@ class _Replica:
             num_generated_tokens=[r.num_output_tokens for r in requests],
             finish_reason=[r.finish_reason for r in requests],
         )
+
+
+def _plain(value):
+    """A numpy scalar or array from a Ray Data row as the Python value the request checks expect."""
+    return value.item() if isinstance(value, np.generic) else value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _short(row: dict) -> str:
