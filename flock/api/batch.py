@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,10 @@ from flock.request import Request
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or go on (e.g. every Ray worker died): the job stops; what is written stays."""
 
 
 @dataclass
@@ -60,15 +65,17 @@ class JobCounts:
     new_errors: int = 0
 
 
-def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
+def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Callable[[], LLMEngine] | None = None) -> int:
     """Run (or resume) the job; 0 when every line succeeded, 1 when some failed, 2 when it could not start.
-    `engine` (idle) is built from `cfg.engine` when not given."""
+    `engine` (idle) is built by `build_engine` once the files are checked, by default from `cfg.engine`
+    (`flock.distributed.driver.ClusterEngine` is another engine with the same interface)."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
         done, reported = _prepare_files(cfg)
-        engine = engine if engine is not None else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
-    except (CorruptFileError, OSError, ValueError, TypeError) as e:
+        if engine is None:
+            engine = build_engine() if build_engine else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
+    except (CorruptFileError, OSError, ValueError, TypeError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job = BatchJob(cfg, engine, done, reported)
@@ -79,7 +86,7 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
         print(f"\ninterrupted: {job.counts.succeeded} results saved in {cfg.output}; "
               "run the same command with --resume to finish", file=sys.stderr)
         return 130
-    except (OSError, EOFError) as e:  # unreadable input (a truncated .gz), a full disk
+    except (OSError, EOFError, EngineError) as e:  # unreadable input (a truncated .gz), a full disk, workers lost
         print(f"error: {e}; the results so far are saved, fix it and run again with --resume", file=sys.stderr)
         return 2
     finally:
@@ -237,4 +244,5 @@ class BatchJob:
         ]
         if c.failed:
             rows.append(("errors", str(self.cfg.errors_path)))
+        rows += getattr(self.engine, "summary_rows", list)()  # a ClusterEngine: one line per worker
         return key_value_table(rows)
