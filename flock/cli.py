@@ -79,14 +79,38 @@ def _add_run(sub) -> None:
     defaults.add_argument("--temperature", type=float)
     defaults.add_argument("--top-p", type=float)
     defaults.add_argument("--top-k", type=int)
+    cluster = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
+    cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
+                                                              "sharded by prefix group")
+    cluster.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
+    cluster.add_argument("--worker-cpus", type=float, default=1.0, metavar="C", help="CPUs per worker (fractions allowed)")
+    cluster.add_argument("--worker-gpus", type=float, default=0.0, metavar="G", help="GPUs per worker")
+    cluster.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
+    cluster.add_argument("--max-worker-restarts", type=int, default=1, metavar="R",
+                     help="restarts of a lost worker before its requests go to the others (default 1)")
+
+
+RAY_FLAGS = ("ray_address", "worker_threads")
 
 
 def run_batch(args) -> int:
     from flock.api.batch import JobConfig, run_job
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
-    return run_job(JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet,
-                             args.max_tokens, sampling, {"model": args.model, **engine_kwargs(args)}, args.strict))
+    cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
+                    sampling, {"model": args.model, **engine_kwargs(args)}, args.strict)
+    if args.workers is None:
+        if any(getattr(args, k) is not None for k in RAY_FLAGS):
+            print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)
+            return 2
+        return run_job(cfg)
+    try:
+        from flock.distributed.driver import ClusterConfig, run_cluster_job
+    except ImportError as e:
+        print(f"error: --workers needs Ray ({e}): pip install 'flock-llm[ray]'", file=sys.stderr)
+        return 2
+    return run_cluster_job(cfg, ClusterConfig(args.workers, args.ray_address, args.worker_cpus, args.worker_gpus,
+                                              args.worker_threads, args.max_worker_restarts))
 
 
 def write_workload(args) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,10 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
 SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
 ANSWER_WIDTH = 100
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or go on (e.g. every Ray worker died): the job stops; what is written stays."""
 
 
 @dataclass
@@ -63,16 +68,19 @@ class JobCounts:
     new_errors: int = 0
 
 
-def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
+def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Callable[[], LLMEngine] | None = None) -> int:
     """Run (or resume) the job. 0 when it ran to the end, as OpenAI's Batch API completes a batch with failed
     lines (they are counted in the summary and written to the error file), 1 instead when some failed and
-    `cfg.strict`, 2 when it could not start. `engine` (idle) is built from `cfg.engine` when not given."""
+    `cfg.strict`, 2 when it could not start. `engine` (idle) is built by `build_engine` once the files are
+    checked, by default from `cfg.engine` (`flock.distributed.driver.ClusterEngine` is another engine with the
+    same interface)."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
         done, reported = _prepare_files(cfg)
-        engine = engine if engine is not None else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
-    except (CorruptFileError, OSError, ValueError, TypeError) as e:
+        if engine is None:
+            engine = build_engine() if build_engine else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
+    except (CorruptFileError, OSError, ValueError, TypeError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job = BatchJob(cfg, engine, done, reported)
@@ -83,7 +91,7 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
         print(f"\ninterrupted: {job.counts.succeeded} results saved in {cfg.output}; "
               "run the same command with --resume to finish", file=sys.stderr)
         return 130
-    except (OSError, EOFError) as e:  # unreadable input (a truncated .gz), a full disk
+    except (OSError, EOFError, EngineError) as e:  # unreadable input (a truncated .gz), a full disk, workers lost
         print(f"error: {e}; the results so far are saved, fix it and run again with --resume", file=sys.stderr)
         return 2
     finally:
@@ -247,6 +255,7 @@ class BatchJob:
         ]
         if c.failed:
             rows.append(("errors", str(self.cfg.errors_path)))
+        rows += getattr(self.engine, "summary_rows", list)()  # a ClusterEngine: one line per worker
         return key_value_table(rows)
 
     def _answers(self) -> str:
