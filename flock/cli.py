@@ -1,12 +1,12 @@
 """The `flock` command: `flock run` an OpenAI Batch JSONL job (resumable), `flock serve` the OpenAI API,
 `flock analyze` a batch's prefix sharing, `flock workload` writes a synthetic batch, `flock save-model` saves a
-built-in model as a Hugging Face folder."""
+built-in model or a GGUF file as a Hugging Face folder."""
 
 import argparse
 import sys
 
 from flock.api.server import add_serve_parser, serve_main
-from flock.engine.args import add_engine_args, engine_kwargs
+from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     add_serve_parser(sub)
 
-    save = sub.add_parser("save-model", help="save a model (e.g. flock/tiny) as a Hugging Face folder")
+    save = sub.add_parser("save-model", help="save a model (built-in, e.g. flock/smollm2, or a GGUF file) as a "
+                                             "Hugging Face folder that transformers and vLLM load")
     save.add_argument("model")
     save.add_argument("output")
     save.add_argument("--dtype", default="auto")
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     analyze = sub.add_parser("analyze", help="plan the prefix sharing of a JSONL batch (BatchLLM) and report it")
     analyze.add_argument("input", help="JSONL: OpenAI Batch lines, {'prompt': ...}, {'messages': [...]} or {'prompt_token_ids': [...]}")
-    analyze.add_argument("--model", default="flock/tiny", help="whose tokenizer turns text into token ids")
+    analyze.add_argument("--model", default=DEFAULT_MODEL, help="whose tokenizer turns text into token ids")
     analyze.add_argument("--method", default="batchllm", choices=["batchllm", "optimal", "none"],
                          help="first-level plan: BatchLLM Algorithm 1, the exact optimum, or the raw tree")
     analyze.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,6 +70,8 @@ def _add_run(sub) -> None:
     mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
     mode.add_argument("--overwrite", action="store_true", help="delete OUTPUT and the error file and start again")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, a one-line summary")
+    run.add_argument("--strict", action="store_true", help="exit with status 1 if any line failed (by default a "
+                                                           "job that ran to the end exits 0, failed lines or not)")
     add_engine_args(run, scheduler="batchllm")
     defaults = run.add_argument_group("sampling defaults for lines that set none (else OpenAI's: temperature 1, "
                                       "max_tokens 16 for completions, none for chat)")
@@ -95,7 +98,7 @@ def run_batch(args) -> int:
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
-                    sampling, {"model": args.model, **engine_kwargs(args)})
+                    sampling, {"model": args.model, **engine_kwargs(args)}, args.strict)
     if args.workers is None:
         if any(getattr(args, k) is not None for k in RAY_FLAGS):
             print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)

@@ -29,6 +29,8 @@ from flock.request import Request
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
+SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
+ANSWER_WIDTH = 100
 
 
 class EngineError(RuntimeError):
@@ -46,6 +48,7 @@ class JobConfig:
     max_tokens: int | None = None  # for lines that set none
     sampling: dict = field(default_factory=dict)  # temperature, top_p, ... for lines that set none
     engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
+    strict: bool = False  # a failed line makes the exit status 1
 
     @property
     def output_path(self) -> Path:
@@ -66,9 +69,11 @@ class JobCounts:
 
 
 def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Callable[[], LLMEngine] | None = None) -> int:
-    """Run (or resume) the job; 0 when every line succeeded, 1 when some failed, 2 when it could not start.
-    `engine` (idle) is built by `build_engine` once the files are checked, by default from `cfg.engine`
-    (`flock.distributed.driver.ClusterEngine` is another engine with the same interface)."""
+    """Run (or resume) the job. 0 when it ran to the end, as OpenAI's Batch API completes a batch with failed
+    lines (they are counted in the summary and written to the error file), 1 instead when some failed and
+    `cfg.strict`, 2 when it could not start. `engine` (idle) is built by `build_engine` once the files are
+    checked, by default from `cfg.engine` (`flock.distributed.driver.ClusterEngine` is another engine with the
+    same interface)."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
@@ -92,7 +97,7 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Calla
     finally:
         job.close()
     job.report()
-    return 1 if job.counts.failed else 0
+    return 1 if cfg.strict and job.counts.failed else 0
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -133,6 +138,7 @@ class BatchJob:
         self.errors = JsonlAppender(cfg.errors_path)
         self.running: dict[int, tuple[str, str]] = {}  # engine request id -> (custom_id, kind)
         self.counts = JobCounts()
+        self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
         engine.reset_stats()
 
     def submit_all(self) -> None:
@@ -179,6 +185,8 @@ class BatchJob:
             print(f"error: {self.cfg.input}:{e.number}: {e.message}", file=sys.stderr)
 
     def generate(self) -> None:
+        ids = [custom_id for custom_id, _ in self.running.values()]  # in input order
+        self.answers = {ids[i * len(ids) // SHOWN_ANSWERS]: None for i in range(min(SHOWN_ANSWERS, len(ids)))}
         engine, skipped = self.engine, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
         bar = tqdm(total=len(self.running) + skipped, initial=skipped, desc="flock run", unit="req",
@@ -209,8 +217,11 @@ class BatchJob:
     def _write(self, req: Request) -> None:
         custom_id, kind = self.running.pop(req.request_id)
         request_id = new_id(kind)
-        body = response_body(kind, request_id, self.engine.config.model, self.engine.decode(req), req.finish_reason,
+        text = self.engine.decode(req)
+        body = response_body(kind, request_id, self.engine.config.model, text, req.finish_reason,
                              usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+        if custom_id in self.answers:
+            self.answers[custom_id] = text
         self.output.write(result_record(custom_id, request_id, body))
         self.counts.succeeded += 1
 
@@ -223,7 +234,7 @@ class BatchJob:
         if c.failed:
             print(f"{c.failed} line(s) failed ({c.new_errors} newly reported); see {cfg.errors_path}", file=sys.stderr)
         line = f"{c.succeeded} succeeded, {c.failed} failed, {c.skipped} skipped (done before); results in {cfg.output}"
-        print(line if cfg.quiet else self._table())
+        print(line if cfg.quiet else self._table() + self._answers())
 
     def _table(self) -> str:
         c, s = self.counts, self.engine.stats.as_dict()
@@ -246,3 +257,15 @@ class BatchJob:
             rows.append(("errors", str(self.cfg.errors_path)))
         rows += getattr(self.engine, "summary_rows", list)()  # a ClusterEngine: one line per worker
         return key_value_table(rows)
+
+    def _answers(self) -> str:
+        shown = {custom_id: text for custom_id, text in self.answers.items() if text is not None}
+        if not shown:
+            return ""
+        width = max(map(len, shown))
+        lines = [f"\n\nanswers ({len(shown)} of {self.counts.succeeded}, all in {self.cfg.output}):"]
+        for custom_id, text in shown.items():
+            text = " ".join(text.split())
+            text = text if len(text) <= ANSWER_WIDTH else text[: ANSWER_WIDTH - 3] + "..."
+            lines.append(f"  {custom_id:<{width}}  {text}")
+        return "\n".join(lines)

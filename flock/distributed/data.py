@@ -39,7 +39,7 @@ from flock.api.protocol import APIError, parse_request
 from flock.config import EngineConfig
 from flock.distributed.partition import partition
 from flock.engine.engine import LLMEngine
-from flock.model import resolve_model
+from flock.model import locate_model
 from flock.tokenizer import load_tokenizer
 
 IDS, PARAMS, KEY, BATCH = "__flock_ids", "__flock_params", "__flock_key", "batch_index"
@@ -104,7 +104,7 @@ class _Tokenize:
 
     def __init__(self, cfg: FlockEngineProcessorConfig):
         engine = cfg.engine_config()
-        self.tokenizer = load_tokenizer(engine.tokenizer or resolve_model(engine.model).folder)
+        self.tokenizer = load_tokenizer(engine.tokenizer or locate_model(engine.model))
 
     def __call__(self, row: dict) -> dict:
         sampling = {k: _plain(v) for k, v in (row.get("sampling_params") or {}).items() if v is not None}

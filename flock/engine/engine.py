@@ -48,7 +48,7 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
-        self.tokenizer = load_tokenizer(config.tokenizer or resolved.folder)
+        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
