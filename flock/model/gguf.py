@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_SCALING_TYPES = ("none", "linear")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
 
 
@@ -101,11 +102,60 @@ def hf_config(reader, path: str) -> dict:
 
 def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str) -> None:
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if kind not in ROPE_SCALING_TYPES or "rope_freqs.weight" in tensors:
-        what = "per-frequency factors (rope_freqs.weight)" if kind in ROPE_SCALING_TYPES else f"type {kind!r}"
-        raise ValueError(f"{path}: rope scaling of {what} is not supported for GGUF files (none or linear)")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"{path}: rope scaling of type {kind!r} is not supported for GGUF files (none, linear, "
+                         "or llama3 as per-frequency factors)")
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    if ROPE_FREQS in tensors:  # how convert_hf_to_gguf.py writes Llama 3.1+'s "llama3" rope scaling
+        factors = next(t for t in reader.tensors if t.name == ROPE_FREQS).data
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config["rope_scaling"] = llama3_scaling(np.asarray(factors, dtype=np.float64),
+                                                config.get("rope_theta", 10000.0), head_dim, path)
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict | None:
+    """The "llama3" rope_scaling whose per-frequency divisors are `factors` (None if they are all 1).
+
+    Between the high-frequency end (divisor 1) and the low one (divisor `factor`) a divisor f gives
+    s = (1/f - 1/factor) / (1 - 1/factor), linear in x = 1 / wavelength: s = a x - b, with
+    a = old_len / (high - low) and b = low / (high - low). Only a and b matter, so low_freq_factor = 1
+    fixes the rest; with fewer than two frequencies in the band, any line through them that keeps the others
+    outside it gives the same divisors. The result is checked against the factors."""
+    from flock.model.config import ModelConfig
+    from flock.model.rope import inv_frequencies
+
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if len(factors) == len(inv_freq):
+        a, b = _llama3_line(inv_freq / (2 * np.pi), factors, factor)
+        if a > 0 and b > 0:
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                       "high_freq_factor": float(1 + 1 / b), "original_max_position_embeddings": float(a / b)}
+            fitted = inv_frequencies(ModelConfig("llama", 1, 1, 1, 1, 1, 1, head_dim, rope_theta=theta,
+                                                 rope_scaling=scaling)).double().numpy()
+            if np.allclose(fitted, inv_freq / factors, rtol=1e-4, atol=0):
+                return scaling
+    raise ValueError(f"{path}: its per-frequency rope factors ({ROPE_FREQS}) are not Llama 3's rope scaling")
+
+
+def _llama3_line(x: np.ndarray, factors: np.ndarray, factor: float) -> tuple[float, float]:
+    """(a, b) of s = a x - b through the band's points, s <= 0 at every divisor `factor`, s >= 1 at every 1."""
+    band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    s = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    if band.sum() >= 2:
+        slope, intercept = np.polyfit(x[band], s[band], 1)
+        return slope, -intercept
+    below = x[factors >= factor * (1 - 1e-6)].max(initial=0.0)  # the low-frequency end lies above this
+    above = x[factors <= 1 + 1e-6].min(initial=2 * x.max())  # the high-frequency end at most this
+    if band.sum() == 1:
+        x1, s1 = x[band][0], s[band][0]
+        gap = min((x1 - below) / 2, (above - x1) * s1 / (1 - s1) / 2)  # x1 - (where s = 0)
+        return s1 / gap, s1 / gap * (x1 - gap)
+    zero, one = below + (above - below) / 3, below + 2 * (above - below) / 3
+    return 1 / (one - zero), zero / (one - zero)
 
 
 def _file_dtype(reader) -> str:
@@ -130,6 +180,8 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint) -> None:
     processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
     loaded = set()
     for tensor in ckpt.reader.tensors:
+        if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
+            continue
         name = names.get(tensor.name)
         if name is None:
             raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")

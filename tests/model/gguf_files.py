@@ -19,9 +19,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
-               metadata: dict[str, str | float] | None = None) -> Path:
+               metadata: dict[str, str | float] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
     """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
-    `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys."""
+    `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
+    llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
     config = json.loads((folder / "config.json").read_text())
     arch = config["model_type"]
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
@@ -51,11 +52,36 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
             writer.add_tensor(gguf_name, w.astype(np.float16 if kind_type == Q.F16 else np.float32))
         else:
             writer.add_tensor(gguf_name, _quantize(w, kind_type), raw_dtype=kind_type)
+    factors = llama3_rope_factors(config) if rope_freqs is None else rope_freqs
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """convert_hf_to_gguf.py's rope_freqs tensor for a "llama3" rope scaling: a divisor per frequency."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if scaling.get("rope_type") != "llama3":
+        return None
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    old_len, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2) / dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:

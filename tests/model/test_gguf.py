@@ -35,15 +35,18 @@ def greedy_ids(model, prompts, max_new=MAX_NEW, eos=None) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
 def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, kind):
-    """Float weights: the q/k un-permutation (llama), biases and tied embeddings (qwen2) undone exactly."""
+    """Float weights: the q/k un-permutation (llama), llama3 rope scaling from its per-frequency factors
+    (rope_freqs.weight), biases and tied embeddings (qwen2) undone exactly."""
     gguf_file = write_gguf(hf_folders[kind], tmp_path / f"{kind}.gguf")
     prompts = shared_prefix_prompts(seed=3)
     got, llm = flock_greedy(gguf_file, prompts)
     assert got == hf_greedy(hf_folders[kind], prompts)
     c = llm.engine.model_config
-    assert (c.model_type, c.tie_word_embeddings, c.attention_bias) == (kind, kind == "qwen2", kind == "qwen2")
+    assert (c.model_type, c.tie_word_embeddings, c.attention_bias) == (kind[:5], kind == "qwen2", kind == "qwen2")
+    if kind == "llama3":
+        assert c.rope_scaling["rope_type"] == "llama3"
     assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
 
 
@@ -147,6 +150,10 @@ def test_rope_scaling_linear_or_a_clear_error(hf_folders, tmp_path):
     yarn = write_gguf(hf_folders["llama"], tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match="yarn.gguf: rope scaling of type 'yarn' is not supported"):
         LLM(str(yarn))
+    odd = np.array([1.0, 3.0, 1.5, 8.0, 8.0, 2.0, 8.0, 8.0], dtype=np.float32)
+    freqs = write_gguf(hf_folders["llama"], tmp_path / "freqs.gguf", rope_freqs=odd)
+    with pytest.raises(ValueError, match=r"freqs.gguf: its per-frequency rope factors \(rope_freqs.weight\) are not"):
+        LLM(str(freqs))
 
 
 def _two_ggufs(tmp_path):
