@@ -22,7 +22,7 @@ LONG = dict(model="flock/tiny", temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--num-kv-blocks", "256",
+    with ServerProcess("--model", "flock/tiny", "--max-num-seqs", "1", "--max-waiting", "1", "--num-kv-blocks", "256",
                        "--shutdown-timeout", "120", env=ONE_THREAD) as s:
         yield s
 
