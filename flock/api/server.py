@@ -14,9 +14,9 @@ from flock.engine.args import add_engine_args, engine_kwargs
 log = logging.getLogger("flock")
 
 # At most this many requests decode at once (`flock run` and LLM keep 256, for throughput). A burst of
-# requests then waits in the queue instead of each sitting through every other's prefill chunks: on
-# SmolLM2 with 200 requests at once this cut mean TPOT by ~15% at equal req/s and TTFT (bench/serve_vllm.py;
-# vLLM's CPU server uses 128 too).
+# requests then waits in the queue instead of each sitting through every other's prefill chunks: on SmolLM2
+# with 200 requests at once this cut mean TPOT by 11-12% for 0-3% of req/s (README, "Online: flock serve vs
+# vllm serve"); vLLM's CPU server uses 128 too.
 SERVE_MAX_NUM_SEQS = 128
 
 

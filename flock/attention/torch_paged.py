@@ -1,6 +1,7 @@
 """Per-request paged attention in PyTorch: decode tokens batched into one padded call (a row that would
-read far more than the others goes alone), prefill chunks one call each (causal against their cached context). KV is gathered by whole blocks, and every call passes
-4-D tensors, which keeps PyTorch on its fused CPU kernel instead of the slow reference path.
+read far more than the others goes alone), prefill chunks one call each (causal against their cached
+context). KV is gathered by whole blocks, and every call passes 4-D tensors, which keeps PyTorch on its fused
+CPU kernel instead of the slow reference path.
 
 Each request may attend to its context from a block-aligned offset on (`context_start`) and return the
 log-sum-exp of its scores, so a prefix-sharing backend can attend to the shared part separately and merge.
