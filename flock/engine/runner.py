@@ -4,7 +4,7 @@ import torch
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
-from flock.model import ResolvedModel, build_model, resolve_dtype
+from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.sample.sampler import Sampler
 from flock.sched.base import StepPlan
 
@@ -29,6 +29,7 @@ class ModelRunner:
         self.model = build_model(
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed
         )
+        self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         for attn in self.model.attention_layers():
