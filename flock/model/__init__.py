@@ -71,9 +71,9 @@ def build_model(
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not supported (auto, safetensors, dummy)")
     with torch.device("meta"):
-        model = LlamaForCausalLM(resolved.config, backend, max_positions, dtype)
+        model = LlamaForCausalLM(resolved.config, backend)
+    model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
     model.to_empty(device=device)
-    model.to(dtype)
     model.finish_init(max_positions, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":

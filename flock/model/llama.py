@@ -116,21 +116,25 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (on the meta device its Python decomposition imports torch._dynamo: ~1.4 s)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.finish_init(max_positions, dtype, None)
+        self.tie_weights()
 
-    def finish_init(self, max_positions: int, dtype: torch.dtype, device: torch.device | None) -> None:
-        """Tie embeddings and build the rope tables (again after the module moves off the meta device)."""
+    def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(self.config, max_positions, dtype)
-        self.rope = rope if device is None else rope.to(device)
+
+    def finish_init(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Once the weights are on their device: tie them again and build the rope tables there."""
+        self.tie_weights()
+        self.rope = RotaryEmbedding(self.config, max_positions, dtype).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
