@@ -34,24 +34,26 @@ SIGNATURES = {
 }
 
 
+@functools.cache
 def isa() -> str:
     """The widest ISA path this CPU runs."""
     return next(name for name, (needs, _) in ISA_FLAGS.items() if all(f in cpu_flags() for f in needs))
 
 
 @functools.cache
-def load(isa_name: str) -> tuple[ctypes.CDLL | None, str | None]:
-    """The kernels built for one ISA path (the library, or None and why not)."""
+def load(isa_name: str) -> tuple[dict | None, str | None]:
+    """The kernels built for one ISA path ({(op, dtype): function}, or None and why not)."""
     try:
         lib = ctypes.CDLL(str(build(SOURCE, BASE_FLAGS + ISA_FLAGS[isa_name][1])))  # after torch: its libgomp
     except (OSError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the fused ops: {detail.strip()[:500]}"
+    kernels = {}
     for op, argtypes in SIGNATURES.items():
-        for suffix in SUFFIX.values():
-            fn = getattr(lib, f"flock_{op}_{suffix}")
+        for dtype, suffix in SUFFIX.items():
+            kernels[op, dtype] = fn = getattr(lib, f"flock_{op}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
-    return lib, None
+    return kernels, None
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -64,7 +66,7 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def _kernel(op: str, dtype: torch.dtype):
-    return getattr(load(isa())[0], f"flock_{op}_{SUFFIX[dtype]}")
+    return load(isa())[0][op, dtype]
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:
