@@ -12,11 +12,11 @@ class Sampler:
         self.default_generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)  # in the model's dtype: widening to float32 changes no order
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            tokens[rows] = self._sample(logits[rows].float(), [params[i] for i in rows],
-                                        [generators[i] for i in rows])
+            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
