@@ -10,8 +10,10 @@ Sections (--sections, comma-separated):
            elementwise kernels; auto: both): a prefill-heavy workload (one group of PER_GROUP prompts of PREFIX
            shared + DISTINCT own tokens, 4 new tokens each) and decode-only steps (64 requests), the wall time
            unprofiled and the split of a profiled run (torch.profiler, one labelled range per part)
-  batch    per model and `ops` path: wall time of the whole GROUPS x PER_GROUP x (PREFIX + DISTINCT) shared
-           batch, shuffled, GEN new tokens (batchllm), unprofiled: what each path gains end to end
+  batch    per model and `ops` path: wall time of whole batches (bench/engine_speed.py's workloads: GROUPS x
+           PER_GROUP prompts of PREFIX shared + DISTINCT own tokens, shuffled, and as many unshared prompts of
+           the same length; GEN new tokens; batchllm), unprofiled: what each path gains end to end; with
+           --vllm-venv, vLLM's CPU build (prefix caching on) on the same token ids, in the same run
   decode   decode steps of 1, 8 and 64 single-token requests on SmolLM2 (contexts of PREFIX + DISTINCT tokens,
            groups of 16 sharing the prefix): time per step vs the sum of its GEMMs timed alone (the same
            prepacked or plain projections on the same rows, in model order, weights read from memory as in a step)
@@ -68,14 +70,15 @@ def measure_peak() -> dict[str, float]:
 
 
 class Labels:
-    """Wraps the model's parts in labelled profiler ranges (none nests in another) and counts GEMM FLOPs."""
+    """Wraps the model's parts (none nests in another) in labelled profiler ranges when `profiling`, and
+    times them with perf_counter (a fraction of a microsecond per call); counts GEMM FLOPs."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, profiling: bool = False):
         from flock.model.linear import Linear
         from flock.model.llama import MLP, Attention, RMSNorm
 
         runner = llm.engine.runner
-        self.flops = 0
+        self.profiling, self.flops, self.seconds = profiling, 0, dict.fromkeys(PARTS, 0.0)
         self.patches = [(Linear, "forward", "gemm"), (RMSNorm, "forward", "elementwise"),
                         (Attention, "rotated_qkv", "elementwise"), (MLP, "act_and_mul", "elementwise"),
                         (runner.backend, "forward", "attention"), (runner.backend, "build_metadata", "step inputs"),
@@ -101,19 +104,31 @@ class Labels:
             if gemm:  # an unbound Linear.forward(self, x)
                 layer, x = args
                 self.flops += 2 * x.numel() // layer.in_features * layer.in_features * layer.out_features
-            with record_function(part):
-                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            with record_function(part) if self.profiling else contextlib.nullcontext():
+                out = fn(*args, **kwargs)
+            self.seconds[part] += time.perf_counter() - t
+            return out
         return labelled
 
 
 def profiled(llm, run) -> tuple[float, dict[str, float], float]:
     """Run `run()` under the profiler with labelled parts: (wall s, seconds per part, GEMM FLOPs)."""
-    with Labels(llm) as labels, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with Labels(llm, profiling=True) as labels, profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         run()
         wall = time.perf_counter() - t
     totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PARTS}
     return wall, {p: totals.get(p, 0.0) for p in PARTS}, labels.flops
+
+
+def timed(llm, run) -> tuple[float, dict[str, float]]:
+    """Run `run()` with the parts timed by perf_counter, no profiler: (wall s, seconds per part)."""
+    with Labels(llm) as labels:
+        t = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t
+    return wall, labels.seconds
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -149,13 +164,13 @@ def generate(llm, prompts: list[list[int]], gen: int) -> float:
 
 
 def start_decoding(llm, prompts: list[list[int]]) -> None:
-    """Admit the prompts and step until every one has its first token (all decode from then on)."""
+    """Add the prompts and step until every one has its first token (all decode from then on)."""
     from flock import SamplingParams
 
     engine = llm.engine
-    for p in prompts:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while any(r.num_output_tokens == 0 for r in reqs):
         engine.step()
     engine.step()
 
@@ -210,20 +225,49 @@ def section_split(models: dict[str, str], args, peak: float, report: dict) -> No
             del llm
 
 
+def model_folder(name: str, model: str, args) -> str:
+    """A Hugging Face folder of the model (built-ins saved once with their dummy weights), for vLLM too."""
+    from flock.model import save_model
+
+    return model if Path(model).is_dir() else str(save_model(model, args.out / f"bench-{name}", dtype="bfloat16"))
+
+
+def ratio(walls: dict[str, float], a: str, b: str) -> str:
+    return f"{walls[a] / walls[b]:.2f}x" if a in walls and b in walls and walls[a] == walls[a] else "-"
+
+
 def section_batch(models: dict[str, str], args, report: dict) -> None:
-    print(f"\n## Whole batch: {args.groups} x {args.per_group} x ({args.prefix} + {args.distinct}) shared, "
-          f"shuffled, {args.gen} new tokens, batchllm (wall s, unprofiled)\n")
-    print("| model | " + " | ".join(f"ops={o}" for o in args.ops) + " | torch / auto |")
-    print("|---" + "|--:" * (len(args.ops) + 1) + "|")
+    """Whole batches (engine_speed.py's workloads, the same token ids for every engine), side by side with
+    vLLM (prefix caching on) when --vllm-venv is given."""
+    import engine_speed
+
+    args.workload, args.vllm_timeout = "both", 1800
+    workloads = engine_speed.make_workloads(args)
+    vllm = args.vllm_venv / "bin" / "python" if args.vllm_venv else None  # an existing vLLM venv (none installed)
+    if vllm and not vllm.exists():
+        raise SystemExit(f"--vllm-venv {args.vllm_venv}: no bin/python there")
+    print(f"\n## Whole batches: {args.groups} x {args.per_group} prompts of {args.prefix} + {args.distinct} tokens, "
+          f"shuffled, {args.gen} new tokens; Flock batchllm (wall s, unprofiled)\n")
+    print("| model | workload | " + " | ".join(f"ops={o}" for o in args.ops) + " | vLLM | torch / auto | auto vs vLLM |")
+    print("|---|---" + "|--:" * (len(args.ops) + 3) + "|")
     for name, model in models.items():
-        walls = {}
+        folder = model_folder(name, model, args)
+        walls = {w.name: {} for w in workloads}
         for ops in args.ops:
-            llm = make_llm(model, ops)
-            walls[ops] = generate(llm, shared_prompts(args, llm.engine.model_config.vocab_size, args.groups, 4),
-                                  args.gen)
+            llm = make_llm(folder, ops)
+            for w in workloads:
+                if w.name == "shared" or ops in ("torch", "auto"):
+                    walls[w.name][ops] = generate(llm, w.prompts, args.gen)  # no prompt shares a block with another run's
             del llm
-        gain = f"{walls['torch'] / walls['auto']:.2f}x" if {"torch", "auto"} <= walls.keys() else "-"
-        print(f"| {name} | " + " | ".join(f"{walls[o]:.2f}" for o in args.ops) + f" | {gain} |", flush=True)
+        if vllm:
+            for w, r in zip(workloads, engine_speed.run_vllm(Path(folder), workloads, True, vllm, args)):
+                walls[w.name]["vLLM"] = r.wall_s
+                report.setdefault(name, {})["vllm_startup_s"] = r.extra.get("startup_s")
+        for w in workloads:
+            t = walls[w.name]
+            cells = [f"{t[o]:.2f}" if o in t else "-" for o in (*args.ops, "vLLM")]
+            print(f"| {name} | {w.name} | " + " | ".join(cells) + f" | {ratio(t, 'torch', 'auto')} | "
+                  f"{ratio(t, 'vLLM', 'auto')} |", flush=True)
         report.setdefault(name, {})["batch"] = walls
 
 
@@ -245,24 +289,24 @@ def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
 
 def section_decode(model: str, args, peak: float, report: dict) -> None:
     print(f"\n## Decode steps on SmolLM2: N single-token requests, contexts of {args.prefix} + {args.distinct} "
-          "tokens (groups of 16 share the prefix)\n")
-    print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | "
-          "split: GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
+          "tokens (groups of 16 share the prefix); median step, parts timed by perf_counter (no profiler)\n")
+    print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | in the step, ms: "
+          "GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
     for n in (1, 8, 64):
         for ops in args.ops:
             llm = make_llm(model, ops)
             start_decoding(llm, decode_prompts(args, n, llm.engine.model_config.vocab_size, seed=5))
             step = statistics.median(step_times(llm, args.decode_steps))
             gemm_s, flops, weight_bytes = gemms_alone(llm.engine.runner.model, n, args.decode_steps)
-            pwall, parts, _ = profiled(llm, lambda: step_times(llm, args.decode_steps))
-            other = pwall - parts["gemm"] - parts["attention"] - parts["elementwise"]
-            split = " / ".join(f"{x / pwall:.0%}" for x in (parts["gemm"], parts["attention"], parts["elementwise"],
-                                                             other))
+            wall, parts = timed(llm, lambda: step_times(llm, args.decode_steps))
+            main = {p: parts[p] for p in ("gemm", "attention", "elementwise")}
+            main["rest"] = wall - sum(main.values())
+            split = " / ".join(f"{v / args.decode_steps * 1e3:.2f}" for v in main.values())
             print(f"| {n} | {ops} | {step * 1e3:.2f} | {gemm_s * 1e3:.2f} | {step / gemm_s:.2f} | "
                   f"{weight_bytes / gemm_s / 1e9:.1f} | {flops / gemm_s / 1e9:,.0f} ({flops / gemm_s / 1e9 / peak:.0%}) "
                   f"| {split} |", flush=True)
             report.setdefault("decode", {})[f"{n}/{ops}"] = dict(step_s=step, gemm_s=gemm_s, flops=flops,
-                                                                 weight_bytes=weight_bytes, parts=parts, profiled=pwall)
+                                                                 weight_bytes=weight_bytes, parts=parts, wall=wall)
             del llm
 
 
@@ -304,7 +348,9 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=1000)
     p.add_argument("--distinct", type=int, default=100)
     p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (engine_speed.py's)")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--vllm-venv", type=Path, help="run vLLM's CPU build from this venv beside the whole batches")
     p.add_argument("--out", type=Path, default=BENCH / "out")
     args = p.parse_args()
     args.ops = args.ops.split(",")

@@ -63,10 +63,8 @@ class Attention(nn.Module):
         """q and k with the rotary embedding applied, and v: [T, heads, head_dim] each."""
         if self.fused:
             fused_ops.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        q, k, v = qkv.view(-1, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         if not self.fused:
             q, k = rope(positions, q, k)
         return q, k, v
