@@ -248,7 +248,8 @@ def section_batch(models: dict[str, str], args, report: dict) -> None:
         raise SystemExit(f"--vllm-venv {args.vllm_venv}: no bin/python there")
     print(f"\n## Whole batches: {args.groups} x {args.per_group} prompts of {args.prefix} + {args.distinct} tokens, "
           f"shuffled, {args.gen} new tokens; Flock batchllm (wall s, unprofiled)\n")
-    print("| model | workload | " + " | ".join(f"ops={o}" for o in args.ops) + " | vLLM | torch / auto | auto vs vLLM |")
+    print("| model | workload | " + " | ".join(f"ops={o}" for o in args.ops)
+          + " | vLLM | torch / auto | auto vs vLLM |")
     print("|---|---" + "|--:" * (len(args.ops) + 3) + "|")
     for name, model in models.items():
         folder = model_folder(name, model, args)
@@ -257,7 +258,7 @@ def section_batch(models: dict[str, str], args, report: dict) -> None:
             llm = make_llm(folder, ops)
             for w in workloads:
                 if w.name == "shared" or ops in ("torch", "auto"):
-                    walls[w.name][ops] = generate(llm, w.prompts, args.gen)  # no prompt shares a block with another run's
+                    walls[w.name][ops] = generate(llm, w.prompts, args.gen)  # prompts share no block across runs
             del llm
         if vllm:
             for w, r in zip(workloads, engine_speed.run_vllm(Path(folder), workloads, True, vllm, args)):
@@ -290,8 +291,8 @@ def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
 def section_decode(model: str, args, peak: float, report: dict) -> None:
     print(f"\n## Decode steps on SmolLM2: N single-token requests, contexts of {args.prefix} + {args.distinct} "
           "tokens (groups of 16 share the prefix); median step, parts timed by perf_counter (no profiler)\n")
-    print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | in the step, ms: "
-          "GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
+    print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | "
+          "in the step, ms: GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
     for n in (1, 8, 64):
         for ops in args.ops:
             llm = make_llm(model, ops)
@@ -302,9 +303,9 @@ def section_decode(model: str, args, peak: float, report: dict) -> None:
             main = {p: parts[p] for p in ("gemm", "attention", "elementwise")}
             main["rest"] = wall - sum(main.values())
             split = " / ".join(f"{v / args.decode_steps * 1e3:.2f}" for v in main.values())
+            gflops = flops / gemm_s / 1e9
             print(f"| {n} | {ops} | {step * 1e3:.2f} | {gemm_s * 1e3:.2f} | {step / gemm_s:.2f} | "
-                  f"{weight_bytes / gemm_s / 1e9:.1f} | {flops / gemm_s / 1e9:,.0f} ({flops / gemm_s / 1e9 / peak:.0%}) "
-                  f"| {split} |", flush=True)
+                  f"{weight_bytes / gemm_s / 1e9:.1f} | {gflops:,.0f} ({gflops / peak:.0%}) | {split} |", flush=True)
             report.setdefault("decode", {})[f"{n}/{ops}"] = dict(step_s=step, gemm_s=gemm_s, flops=flops,
                                                                  weight_bytes=weight_bytes, parts=parts, wall=wall)
             del llm
@@ -360,14 +361,16 @@ def main() -> None:
     if "smollm2" in models and not Path(models["smollm2"]).is_dir():
         print(f"SmolLM2 folder {models.pop('smollm2')} not found (see shared/notes/peers.md); skipped")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    args.out.mkdir(parents=True, exist_ok=True)
     from flock.model import fused_ops, linear
     from flock.native import cpu_flags, cpu_model
 
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
     print(f"# step_profile: {cpu_model()} ({os.cpu_count()} CPUs, {', '.join(bf16) or 'no bf16 instructions'}), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
-    print(f"# fused kernels: {fused_ops.isa()} path ({fused_ops.unavailable(torch.bfloat16, torch.device('cpu')) or 'ok'}); "
-          f"prepacked GEMMs: {linear.unavailable(torch.bfloat16, torch.device('cpu')) or 'ok'}", flush=True)
+    cpu = torch.device("cpu")
+    print(f"# fused kernels: {fused_ops.isa()} path ({fused_ops.unavailable(torch.bfloat16, cpu) or 'ok'}); "
+          f"prepacked GEMMs: {linear.unavailable(torch.bfloat16, cpu) or 'ok'}", flush=True)
     report: dict = {"cpu": cpu_model(), "args": {k: str(v) for k, v in vars(args).items()}}
     peak = 1.0
     if "peak" in sections or {"split", "decode"} & set(sections):
@@ -383,7 +386,6 @@ def main() -> None:
         section_decode(models["smollm2"], args, peak, report)
     if "startup" in sections:
         section_startup(models, report)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"\nwrote {args.out / 'step_profile.json'}")
 

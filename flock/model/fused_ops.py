@@ -19,18 +19,19 @@ from flock.native import build, cpu_flags
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 ISA_FLAGS = {  # widest first: (CPU flags needed, gcc flags)
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
     "baseline": ((), []),
 }
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-SIGNATURES = {
-    "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32],
-    "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32],
-    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32],
-    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64],
+SIGNATURES = {  # each ends with the number of threads
+    "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
+    "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
+    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
 }
 
 
@@ -80,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_rows(x)
     out = torch.empty_like(x)
     _kernel("rms_norm", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
-                                 x.shape[0], x.shape[1], eps)
+                                 x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
@@ -88,7 +89,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """residual += x; x = rms_norm(residual), both in place."""
     _check_rows(x, residual)
     _kernel("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                                     weight.data_ptr(), x.shape[0], x.shape[1], eps)
+                                     weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -99,7 +100,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError(f"rope_ needs one contiguous int64 position per row, got {positions.dtype} "
                          f"{tuple(positions.shape)} for {x.shape[0]} rows")
     _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                             cos.stride(0), x.shape[0], heads, head_dim)
+                             cos.stride(0), x.shape[0], heads, head_dim, torch.get_num_threads())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -107,5 +108,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _check_rows(x)
     cols = x.shape[1] // 2
     out = torch.empty((x.shape[0], cols), dtype=x.dtype)
-    _kernel("silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], cols)
+    _kernel("silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], cols,
+                                     torch.get_num_threads())
     return out

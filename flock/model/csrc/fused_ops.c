@@ -1,5 +1,6 @@
-// Fused elementwise ops of the Llama decoder (flock/model/fused_ops.py) for bf16 and fp32 rows, on PyTorch's
-// OpenMP threads when a call has enough elements, else on the calling thread.
+// Fused elementwise ops of the Llama decoder (flock/model/fused_ops.py) for bf16 and fp32 rows, on `threads`
+// threads of PyTorch's OpenMP pool (torch.get_num_threads()) when a call has enough elements, else on the
+// calling thread.
 //
 // Each op rounds where the plain PyTorch ops it replaces (flock/model/llama.py, rope.py) round: a bf16 result
 // of PyTorch is a float result rounded to bf16 (nearest even), so every intermediate PyTorch stores as a bf16
@@ -14,6 +15,8 @@
 typedef uint16_t bf16;
 
 #define PARALLEL_MIN 32768  // elements per call below which waking the thread pool costs more than it saves
+// the loop after it, on `threads` threads when the call's `work` (elements) is worth it
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(threads) if(work >= PARALLEL_MIN)")
 
 static inline float bf16_load(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
@@ -69,8 +72,9 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
                                                                                                               \
     /* out = weight * (x / rms(x)), statistics in fp32 */                                                     \
     void flock_rms_norm_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,          \
-                               int64_t rows, int64_t cols, float eps) {                                       \
-        _Pragma("omp parallel for schedule(static) if(rows * cols >= PARALLEL_MIN)")                          \
+                               int64_t rows, int64_t cols, float eps, int32_t threads) {                      \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             const T *xr = x + i * x_stride;                                                                   \
             float sum = 0.0f;                                                                                 \
@@ -85,8 +89,9 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
                                                                                                               \
     /* residual = x + residual; x = weight * (residual / rms(residual)); both in place */                     \
     void flock_add_rms_norm_##NAME(T *x, int64_t x_stride, T *residual, int64_t res_stride, const T *w,       \
-                                   int64_t rows, int64_t cols, float eps) {                                   \
-        _Pragma("omp parallel for schedule(static) if(rows * cols >= PARALLEL_MIN)")                          \
+                                   int64_t rows, int64_t cols, float eps, int32_t threads) {                  \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             T *xr = x + i * x_stride, *rr = residual + i * res_stride;                                        \
             float sum = 0.0f;                                                                                 \
@@ -104,9 +109,11 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
     /* Rotate-half rotary embedding, in place, on the first `heads` heads of each row (q then k of a fused  \
        qkv row): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded as PyTorch's. */         \
     void flock_rope_##NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos, const T *sin,     \
-                           int64_t table_stride, int64_t rows, int32_t heads, int32_t head_dim) {             \
+                           int64_t table_stride, int64_t rows, int32_t heads, int32_t head_dim,               \
+                           int32_t threads) {                                                                 \
         int32_t half = head_dim / 2;                                                                          \
-        _Pragma("omp parallel for schedule(static) if(rows * heads * head_dim >= PARALLEL_MIN)")              \
+        int64_t work = rows * heads * head_dim;                                                               \
+        PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             const T *c = cos + positions[i] * table_stride, *s = sin + positions[i] * table_stride;          \
             for (int32_t h = 0; h < heads; h++) {                                                             \
@@ -123,8 +130,9 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
                                                                                                               \
     /* out = silu(gate) * up of rows [gate | up], each `cols` wide; silu(g) = g / (1 + e^-g) */               \
     void flock_silu_and_mul_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,   \
-                                   int64_t cols) {                                                            \
-        _Pragma("omp parallel for schedule(static) if(rows * cols >= PARALLEL_MIN)")                          \
+                                   int64_t cols, int32_t threads) {                                           \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             const T *gate = x + i * x_stride, *up = gate + cols;                                              \
             T *o = out + i * out_stride;                                                                      \
