@@ -270,6 +270,10 @@ def section_batch(models: dict[str, str], args, report: dict) -> None:
             print(f"| {name} | {w.name} | " + " | ".join(cells) + f" | {ratio(t, 'torch', 'auto')} | "
                   f"{ratio(t, 'vLLM', 'auto')} |", flush=True)
         report.setdefault(name, {})["batch"] = walls
+    starts = {name: f"{r['vllm_startup_s']:.0f} s" for name, r in report.items()
+              if isinstance(r, dict) and r.get("vllm_startup_s")}
+    if starts:
+        print(f"\nvLLM start-up (not in the wall times): {starts}")
 
 
 def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
