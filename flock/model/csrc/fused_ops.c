@@ -6,7 +6,7 @@
 // of PyTorch is a float result rounded to bf16 (nearest even), so every intermediate PyTorch stores as a bf16
 // tensor is rounded here too (ROUND). Built with -ffp-contract=off (no fused multiply-adds), so products and
 // sums round as PyTorch's do: RoPE and the residual add are bit-exact; RMSNorm sums its squares in another
-// order and SiLU uses its own exp, so those may differ in the last bit of a result.
+// order and SiLU uses its own exp, so a rounding of theirs may flip (a unit or two in the last place, rarely).
 // Compiled once per ISA (AVX-512, AVX2 or baseline flags, chosen at run time); gcc vectorizes the loops.
 #include <math.h>
 #include <stdint.h>
