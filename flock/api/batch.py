@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,12 @@ from flock.request import Request
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
+SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
+ANSWER_WIDTH = 100
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or go on (e.g. every Ray worker died): the job stops; what is written stays."""
 
 
 @dataclass
@@ -41,6 +48,7 @@ class JobConfig:
     max_tokens: int | None = None  # for lines that set none
     sampling: dict = field(default_factory=dict)  # temperature, top_p, ... for lines that set none
     engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
+    strict: bool = False  # a failed line makes the exit status 1
 
     @property
     def output_path(self) -> Path:
@@ -60,15 +68,19 @@ class JobCounts:
     new_errors: int = 0
 
 
-def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
-    """Run (or resume) the job; 0 when every line succeeded, 1 when some failed, 2 when it could not start.
-    `engine` (idle) is built from `cfg.engine` when not given."""
+def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Callable[[], LLMEngine] | None = None) -> int:
+    """Run (or resume) the job. 0 when it ran to the end, as OpenAI's Batch API completes a batch with failed
+    lines (they are counted in the summary and written to the error file), 1 instead when some failed and
+    `cfg.strict`, 2 when it could not start. `engine` (idle) is built by `build_engine` once the files are
+    checked, by default from `cfg.engine` (`flock.distributed.driver.ClusterEngine` is another engine with the
+    same interface)."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
         done, reported = _prepare_files(cfg)
-        engine = engine if engine is not None else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
-    except (CorruptFileError, OSError, ValueError, TypeError) as e:
+        if engine is None:
+            engine = build_engine() if build_engine else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
+    except (CorruptFileError, OSError, ValueError, TypeError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job = BatchJob(cfg, engine, done, reported)
@@ -79,13 +91,13 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None) -> int:
         print(f"\ninterrupted: {job.counts.succeeded} results saved in {cfg.output}; "
               "run the same command with --resume to finish", file=sys.stderr)
         return 130
-    except (OSError, EOFError) as e:  # unreadable input (a truncated .gz), a full disk
+    except (OSError, EOFError, EngineError) as e:  # unreadable input (a truncated .gz), a full disk, workers lost
         print(f"error: {e}; the results so far are saved, fix it and run again with --resume", file=sys.stderr)
         return 2
     finally:
         job.close()
     job.report()
-    return 1 if job.counts.failed else 0
+    return 1 if cfg.strict and job.counts.failed else 0
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -126,6 +138,7 @@ class BatchJob:
         self.errors = JsonlAppender(cfg.errors_path)
         self.running: dict[int, tuple[str, str]] = {}  # engine request id -> (custom_id, kind)
         self.counts = JobCounts()
+        self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
         engine.reset_stats()
 
     def submit_all(self) -> None:
@@ -172,6 +185,8 @@ class BatchJob:
             print(f"error: {self.cfg.input}:{e.number}: {e.message}", file=sys.stderr)
 
     def generate(self) -> None:
+        ids = [custom_id for custom_id, _ in self.running.values()]  # in input order
+        self.answers = {ids[i * len(ids) // SHOWN_ANSWERS]: None for i in range(min(SHOWN_ANSWERS, len(ids)))}
         engine, skipped = self.engine, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
         bar = tqdm(total=len(self.running) + skipped, initial=skipped, desc="flock run", unit="req",
@@ -202,8 +217,11 @@ class BatchJob:
     def _write(self, req: Request) -> None:
         custom_id, kind = self.running.pop(req.request_id)
         request_id = new_id(kind)
-        body = response_body(kind, request_id, self.engine.config.model, self.engine.decode(req), req.finish_reason,
+        text = self.engine.decode(req)
+        body = response_body(kind, request_id, self.engine.config.model, text, req.finish_reason,
                              usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
+        if custom_id in self.answers:
+            self.answers[custom_id] = text
         self.output.write(result_record(custom_id, request_id, body))
         self.counts.succeeded += 1
 
@@ -216,7 +234,7 @@ class BatchJob:
         if c.failed:
             print(f"{c.failed} line(s) failed ({c.new_errors} newly reported); see {cfg.errors_path}", file=sys.stderr)
         line = f"{c.succeeded} succeeded, {c.failed} failed, {c.skipped} skipped (done before); results in {cfg.output}"
-        print(line if cfg.quiet else self._table())
+        print(line if cfg.quiet else self._table() + self._answers())
 
     def _table(self) -> str:
         c, s = self.counts, self.engine.stats.as_dict()
@@ -237,4 +255,17 @@ class BatchJob:
         ]
         if c.failed:
             rows.append(("errors", str(self.cfg.errors_path)))
+        rows += getattr(self.engine, "summary_rows", list)()  # a ClusterEngine: one line per worker
         return key_value_table(rows)
+
+    def _answers(self) -> str:
+        shown = {custom_id: text for custom_id, text in self.answers.items() if text is not None}
+        if not shown:
+            return ""
+        width = max(map(len, shown))
+        lines = [f"\n\nanswers ({len(shown)} of {self.counts.succeeded}, all in {self.cfg.output}):"]
+        for custom_id, text in shown.items():
+            text = " ".join(text.split())
+            text = text if len(text) <= ANSWER_WIDTH else text[: ANSWER_WIDTH - 3] + "..."
+            lines.append(f"  {custom_id:<{width}}  {text}")
+        return "\n".join(lines)

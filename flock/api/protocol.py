@@ -11,12 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from flock.sampling_params import SamplingParams
-
-# A ChatML-style template for tokenizers that ship none.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from flock.tokenizer import encode_chat
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "skip_special_tokens"}
@@ -136,12 +131,10 @@ def _content_text(content, i: int) -> str:
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template (a ChatML fallback when it has none)."""
-    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
     try:
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, add_generation_prompt=True)
-    except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
-        raise APIError(f"chat template failed: {e}", param="messages") from None
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return encode_chat(tokenizer, messages)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
 
 
 def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> SamplingParams:

@@ -1,6 +1,7 @@
-"""Per-request paged attention in PyTorch: decode tokens batched into one padded call, prefill chunks one
-call each (causal against their cached context). KV is gathered by whole blocks, and every call passes
-4-D tensors, which keeps PyTorch on its fused CPU kernel instead of the slow reference path.
+"""Per-request paged attention in PyTorch: decode tokens batched into one padded call (a row that would
+read far more than the others goes alone), prefill chunks one call each (causal against their cached
+context). KV is gathered by whole blocks, and every call passes 4-D tensors, which keeps PyTorch on its fused
+CPU kernel instead of the slow reference path.
 
 Each request may attend to its context from a block-aligned offset on (`context_start`) and return the
 log-sum-exp of its scores, so a prefix-sharing backend can attend to the shared part separately and merge.
@@ -35,6 +36,7 @@ class TorchPagedMetadata(AttentionMetadata):
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+    wide_decode = 4  # a decode row with more than 4x the step's median context to read is attended alone
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,8 +49,13 @@ class TorchPagedBackend(AttentionBackend):
             context_start = np.zeros(len(layout.seq_lens), dtype=np.int64)
         qlens = layout.query_lens
         decode_ids = np.flatnonzero(qlens == 1)
+        alone = np.flatnonzero(qlens > 1)
+        if len(decode_ids):  # the batched call pads every row to the widest: outliers go alone, as chunks
+            width = layout.seq_lens[decode_ids] - context_start[decode_ids]
+            wide = width > self.wide_decode * max(float(np.median(width)), layout.block_size)
+            alone, decode_ids = np.sort(np.concatenate([alone, decode_ids[wide]])), decode_ids[~wide]
         meta = TorchPagedMetadata(layout.slot_mapping)
-        meta.prefills = [self._prefill_chunk(layout, int(i), int(context_start[i])) for i in np.flatnonzero(qlens > 1)]
+        meta.prefills = [self._prefill_chunk(layout, int(i), int(context_start[i])) for i in alone]
         if len(decode_ids):
             meta.decode_tokens = torch.from_numpy(layout.query_start[decode_ids]).to(self.device)
             meta.decode_blocks, meta.decode_mask = self._decode_blocks(layout, decode_ids, context_start[decode_ids])

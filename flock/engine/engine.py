@@ -17,6 +17,22 @@ from flock.tokenizer import load_tokenizer
 log = logging.getLogger("flock")
 
 
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError naming the bad field of a request for an engine with these limits."""
+    params.validate()
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty")
+    if n > max_model_len:
+        raise ValueError(f"prompt has {n} tokens, more than max_model_len={max_model_len}")
+    ids = np.asarray(prompt_token_ids)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size)) if ids.dtype.kind in "iu" and ids.ndim == 1 else None
+    if bad is None or len(bad):
+        position = next(i for i, t in enumerate(prompt_token_ids) if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size)
+        t = prompt_token_ids[position]
+        raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
 class LLMEngine:
     """The step loop: scheduler -> plan -> runner (model, sampler) -> postprocess -> scheduler."""
 
@@ -32,7 +48,7 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
-        self.tokenizer = load_tokenizer(config.tokenizer or resolved.folder)
+        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -41,19 +57,7 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the bad field; changes nothing."""
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        vocab = self.model_config.vocab_size
-        ids = np.asarray(prompt_token_ids)
-        bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if ids.dtype.kind in "iu" and ids.ndim == 1 else None
-        if bad is None or len(bad):
-            position = next(i for i, t in enumerate(prompt_token_ids) if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab)
-            t = prompt_token_ids[position]
-            raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab})")
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.check_request(prompt_token_ids, params)

@@ -1,4 +1,5 @@
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 
 from flock.request import Request
 from flock.sched.base import StepPlan
@@ -45,6 +46,15 @@ class RunStats:
             in_prompt = max(0, min(start + n, prompt) - start)
             self.computed_prefill_tokens += in_prompt
             self.computed_decode_tokens += n - in_prompt
+
+    def set_total(self, parts: Iterable["RunStats"]) -> None:
+        """Every counter becomes its sum over `parts` (several engines as one; the largest step: the max).
+        The wall time and the step trace stay."""
+        parts = list(parts)
+        for f in fields(self):
+            if f.name not in ("wall_seconds", "trace_steps", "tokens_per_step"):
+                values = [getattr(p, f.name) for p in parts]
+                setattr(self, f.name, max(values, default=0) if f.name == "max_step_tokens" else sum(values))
 
     def as_dict(self) -> dict:
         wall = self.wall_seconds or float("nan")

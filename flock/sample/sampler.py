@@ -1,6 +1,9 @@
 import torch
+import torch.nn.functional as F
 
 from flock.sampling_params import SamplingParams
+
+CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF
 
 
 class Sampler:
@@ -13,15 +16,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         logits = logits.float()
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rows) == len(params):
+            return self._sample(logits, params, generators)
+        tokens = logits.argmax(dim=-1)
         if rows:
             tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps[:, None]
+        if any(p.temperature != 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
+            temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+            logits = logits / temps[:, None]
         vocab = logits.shape[-1]
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         if min(top_k) < vocab:
@@ -31,12 +37,40 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
         if (top_p < 1).any():
             logits = _apply_top_p(logits, top_p)
-        probs = logits.softmax(dim=-1).cpu()
-        out = []
-        for row, gen in zip(probs, generators):
-            noise = torch.empty_like(row).exponential_(generator=gen or self.default_generator)
-            out.append(int((row / noise).argmax()))  # exponential race == multinomial draw
-        return torch.tensor(out, device=logits.device)
+        return self._draw(logits.softmax(dim=-1), self._uniforms(generators).to(logits.device))
+
+    def _uniforms(self, generators: list) -> torch.Tensor:
+        """One uniform in [0, 1) per row: from the row's own generator (so a seeded request draws the same
+        whatever its batch), else from the sampler's."""
+        u = torch.empty(len(generators), dtype=torch.float64)
+        free = [i for i, g in enumerate(generators) if g is None]
+        if free:
+            u[free] = torch.rand(len(free), dtype=torch.float64, generator=self.default_generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand((), dtype=torch.float64, generator=g)
+        return u
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Inverse transform sampling: the token where each row's cumulative probability first exceeds u
+        times its total, found among chunk sums, then inside one chunk (one pass over the probabilities, no
+        vocabulary-sized cumsum or noise). A token of probability 0 is never drawn."""
+        n, vocab = probs.shape
+        chunks = (F.pad(probs, (0, -vocab % CHUNK)) if vocab % CHUNK else probs).view(n, -1, CHUNK)
+        mass = chunks.sum(-1).double()
+        ends = mass.cumsum(-1)
+        target = (u * ends[:, -1])[:, None]
+        c = torch.minimum(torch.searchsorted(ends, target, right=True)[:, 0], _last_positive(mass))
+        before = torch.where(c > 0, ends.gather(1, (c - 1).clamp_min(0)[:, None])[:, 0], 0.0)
+        inside = chunks[torch.arange(n, device=probs.device), c].double()
+        k = torch.searchsorted(inside.cumsum(-1), (target[:, 0] - before)[:, None], right=True)[:, 0]
+        return c * CHUNK + torch.minimum(k, _last_positive(inside))  # the minimum guards against rounding
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Index of the last positive entry of each row."""
+    return x.shape[-1] - 1 - (x > 0).flip(-1).int().argmax(-1)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     ]
     inp = tmp_path / "mixed.jsonl"
     inp.write_text("\n".join(lines) + "\n")
-    assert run(engine, tmp_path, inp) == 1
+    assert run(engine, tmp_path, inp) == 0  # a completed batch, failed lines and all (as OpenAI's Batch API)
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
     assert sorted(r["custom_id"] for r in records(out)) == ["good-1", "good-2", "line-14", "line-19"]
     errors = {r["error"]["line"]: r for r in records(err)}
@@ -75,7 +75,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     assert f"14 line(s) failed (14 newly reported); see {err}" in stderr
 
     before = out.read_bytes(), err.read_bytes()
-    assert run(engine, tmp_path, inp, resume=True) == 1
+    assert run(engine, tmp_path, inp, resume=True, strict=True) == 1  # --strict: any failed line is fatal
     assert (out.read_bytes(), err.read_bytes()) == before
     stdout, stderr = capsys.readouterr()
     assert "0 succeeded, 14 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
@@ -135,3 +135,15 @@ def test_existing_output_needs_resume_or_overwrite(engine, tmp_path, capsys):
     assert run(engine, tmp_path, inp) == 2  # the error file alone marks a started job too
     assert run(engine, tmp_path, inp, overwrite=True) == 0
     assert [r["custom_id"] for r in records(out)] == ["line-1"] and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"question {i}", "max_tokens": 3,
+                                       "temperature": 0}) + "\n" for i in range(20)))
+    assert run_job(JobConfig(str(inp), str(tmp_path / "out.jsonl")), engine) == 0
+    out = capsys.readouterr().out
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records(tmp_path / "out.jsonl")}
+    shown = out.split("answers (8 of 20, all in ")[1].splitlines()[1:]
+    assert [line.split()[0] for line in shown] == ["q0", "q2", "q5", "q7", "q10", "q12", "q15", "q17"]
+    assert all(" ".join(answers[line.split()[0]].split()) in line for line in shown)

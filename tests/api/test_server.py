@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flock import LLM, SamplingParams
 from flock.api.protocol import encode_messages
 from flock.api.server_process import ServerProcess
+from flock.attention import BACKENDS
 
 MODEL = "tiny-served"
 KEY = "sk-test-key"
@@ -63,6 +64,7 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = health(server)
     assert h["status"] == "ok" and h["kv_blocks_total"] == 1024
+    assert h["attention"].split()[0] in BACKENDS
 
 
 def test_completion(client):
@@ -179,6 +181,7 @@ def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     assert all(isinstance(n, int) and 1 <= n <= 8 for i, n in enumerate(results) if i % 5)
     h = wait_idle(server)
     assert h["status"] == "ok" and h["kv_blocks_total"] == 1024
+    assert h["attention"].split()[0] in BACKENDS
     assert metrics(server)["flock_requests_finished_total{reason=abort}"] - aborted_before == 40
     r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, **GREEDY)
     assert r.usage.completion_tokens == 3

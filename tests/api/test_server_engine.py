@@ -70,6 +70,18 @@ def test_stream_outputs_add_up(engine):
 
 
 
+def test_state_reports_the_engine_thread_time(engine):
+    before = engine.state
+    outs = asyncio.run(collect_one(engine, "count the steps", GREEDY))
+    wait_idle(engine)
+    after = engine.state
+    prompt = outs[-1].num_prompt_tokens
+    assert after.steps - before.steps >= GREEDY.max_tokens  # one step per decode token, the prefill in the first
+    assert after.step_tokens - before.step_tokens == prompt + GREEDY.max_tokens - 1
+    model, busy = after.model_seconds - before.model_seconds, after.busy_seconds - before.busy_seconds
+    assert 0 < model <= busy
+
+
 def test_abort_frees_the_request(engine):
     async def go():
         stream = engine.add_request(ids(engine, "a long one"), SamplingParams(max_tokens=5000, ignore_eos=True))

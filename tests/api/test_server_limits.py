@@ -1,5 +1,7 @@
-"""A live `flock serve` with a one-request batch and a one-request waiting queue: 429s, graceful shutdown."""
+"""`flock serve` defaults, and a live server with a one-request batch and a one-request waiting queue: 429s,
+graceful shutdown."""
 
+import argparse
 import asyncio
 import signal
 import time
@@ -9,7 +11,9 @@ import httpx
 import openai
 import pytest
 
+from flock.api.server import SERVE_MAX_NUM_SEQS, add_serve_arguments
 from flock.api.server_process import ServerProcess
+from flock.engine.args import engine_kwargs
 
 # the test process and the server share the CPUs; one torch thread keeps steps fast when they are busy
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -18,13 +22,20 @@ LONG = dict(model="flock/tiny", temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-num-seqs", "1", "--max-waiting", "1", "--num-kv-blocks", "256",
+    with ServerProcess("--model", "flock/tiny", "--max-num-seqs", "1", "--max-waiting", "1", "--num-kv-blocks", "256",
                        "--shutdown-timeout", "120", env=ONE_THREAD) as s:
         yield s
 
 
 def health(server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def test_serve_caps_the_running_batch_by_default():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert engine_kwargs(parser.parse_args([]))["max_num_seqs"] == SERVE_MAX_NUM_SEQS == 128
+    assert engine_kwargs(parser.parse_args(["--max-num-seqs", "7"]))["max_num_seqs"] == 7
 
 
 def test_full_waiting_queue_gets_429(server):

