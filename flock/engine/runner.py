@@ -4,7 +4,7 @@ import torch
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
-from flock.model import ResolvedModel, build_model, resolve_dtype
+from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.sample.sampler import Sampler
 from flock.sched.base import StepPlan
 
@@ -29,6 +29,7 @@ class ModelRunner:
         self.model = build_model(
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed
         )
+        self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         for attn in self.model.attention_layers():
@@ -66,31 +67,26 @@ class ModelRunner:
         return tokens.cpu()
 
     def _prepare(self, plan: StepPlan):
-        bs = self.block_size
-        ids, pos, slots, tables = [], [], [], []
-        query_start = np.zeros(len(plan.scheduled) + 1, dtype=np.int64)
-        seq_lens = np.empty(len(plan.scheduled), dtype=np.int64)
-        sample_rows = []
-        for i, (req, n) in enumerate(plan.scheduled):
-            start = req.num_computed_tokens
-            table = np.asarray(req.block_table, dtype=np.int64)
-            p = np.arange(start, start + n)
-            ids.extend(req.token_ids[start : start + n])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table)
-            query_start[i + 1] = query_start[i] + n
-            seq_lens[i] = start + n
-            if req.samples and start + n == req.num_tokens:
-                sample_rows.append(int(query_start[i + 1]) - 1)
+        """Token ids, positions, the attention layout and the rows to sample, with numpy over the whole step
+        (per request only its token ids and block table are read)."""
+        bs, reqs = self.block_size, [req for req, _ in plan.scheduled]
+        counts = np.fromiter((n for _, n in plan.scheduled), np.int64, len(reqs))
+        starts = np.fromiter((req.num_computed_tokens for req in reqs), np.int64, len(reqs))
+        query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        seq_lens = starts + counts
+        positions = np.arange(query_start[-1]) - np.repeat(query_start[:-1] - starts, counts)
+        tables = [np.asarray(req.block_table, dtype=np.int64) for req in reqs]
+        table_lens = np.fromiter((len(t) for t in tables), np.int64, len(tables))
+        token_table = np.repeat(np.cumsum(table_lens) - table_lens, counts) + positions // bs
+        slots = np.concatenate(tables)[token_table] * bs + positions % bs
+        ids = []
+        for req, start, n in zip(reqs, starts.tolist(), counts.tolist()):
+            ids += req.token_ids[start : start + n]
+        samples = np.fromiter((req.samples and req.num_tokens == n for req, n in zip(reqs, seq_lens.tolist())),
+                              bool, len(reqs))
         to = dict(device=self.device)
-        layout = StepLayout(
-            query_start=query_start,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            block_size=bs,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(**to),
-        )
+        layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
+                            slot_mapping=torch.from_numpy(slots).to(**to))
         input_ids = torch.tensor(ids, dtype=torch.long, **to)
-        positions = torch.from_numpy(np.concatenate(pos)).to(**to)
-        return input_ids, positions, layout, sample_rows
+        return input_ids, torch.from_numpy(positions).to(**to), layout, (query_start[1:][samples] - 1).tolist()

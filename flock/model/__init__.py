@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from flock.attention.base import AttentionBackend
+from flock.model import fused_ops, linear
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
 from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, read_gguf
@@ -89,9 +90,9 @@ def build_model(
         raise ValueError(f"load_format {load_format!r} is not supported for {resolved.tokenizer_path} "
                          f"(auto, {', '.join(allowed)})")
     with torch.device("meta"):
-        model = LlamaForCausalLM(resolved.config, backend, max_positions, dtype)
+        model = LlamaForCausalLM(resolved.config, backend)
+    model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
     model.to_empty(device=device)
-    model.to(dtype)
     model.finish_init(max_positions, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
@@ -101,6 +102,31 @@ def build_model(
         else:
             load_safetensors(model, resolved.folder)
     return model.eval()
+
+
+def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """Switch a loaded model to the fused elementwise kernels and prepacked GEMM weights as `ops` asks
+    (EngineConfig.ops: "auto" takes each where it can run). Returns the path each part runs on."""
+    paths = {"elementwise": "PyTorch ops", "gemm": "F.linear"}
+    if ops in ("auto", "fused"):
+        why = fused_ops.unavailable(dtype, device)
+        if why is None:
+            model.use_fused_ops()
+            paths["elementwise"] = f"fused C kernels ({fused_ops.isa()})"
+        elif ops == "fused":
+            raise ValueError(f"ops='fused': {why}")
+        else:
+            paths["elementwise"] += f" ({why})"
+    if ops in ("auto", "packed"):
+        why = linear.unavailable(dtype, device)
+        if why is None:
+            model.prepack_weights()
+            paths["gemm"] = "oneDNN, prepacked weights"
+        elif ops == "packed":
+            raise ValueError(f"ops='packed': {why}")
+        else:
+            paths["gemm"] += f" ({why})"
+    return paths
 
 
 def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 0) -> Path:

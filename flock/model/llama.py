@@ -5,17 +5,33 @@ from torch import nn
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata
+from flock.model import fused_ops
 from flock.model.config import ModelConfig
+from flock.model.linear import Linear
 from flock.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    fused = False  # fused_ops kernels instead of the PyTorch ops below (the reference)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual: (norm(x + residual), x + residual), in place of x and residual if fused."""
+        if self.fused:
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, as transformers computes them (also for float64 models)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -23,6 +39,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    fused = False  # rotary embedding by fused_ops, in place in the qkv output
+
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
         super().__init__()
         self.layer_id = layer_id
@@ -31,30 +49,43 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k, v = self.rotated_qkv(self.qkv_proj(x), rope, positions)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
+        """q and k with the rotary embedding applied, and v: [T, heads, head_dim] each."""
+        if self.fused:
+            fused_ops.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        q, k, v = qkv.view(-1, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+        if not self.fused:
+            q, k = rope(positions, q, k)
+        return q, k, v
+
 
 class MLP(nn.Module):
+    fused = False  # SiLU-and-mul by fused_ops
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -65,9 +96,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, positions, meta):
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,30 +114,47 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (on the meta device its Python decomposition imports torch._dynamo: ~1.4 s)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.finish_init(max_positions, dtype, None)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
 
-    def finish_init(self, max_positions: int, dtype: torch.dtype, device: torch.device | None) -> None:
-        """Tie embeddings and build the rope tables (again after the module moves off the meta device)."""
+    def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        rope = RotaryEmbedding(self.config, max_positions, dtype)
-        self.rope = rope if device is None else rope.to(device)
+
+    def finish_init(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Once the weights are on their device: tie them again and build the rope tables there."""
+        self.tie_weights()
+        self.rope = RotaryEmbedding(self.config, max_positions, dtype).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, self.rope, positions, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rope, positions, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
+
+    def use_fused_ops(self, on: bool = True) -> None:
+        """Run RMSNorm (+ residual add), RoPE and SiLU-and-mul by the fused kernels (see fused_ops.unavailable)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = on
+
+    def prepack_weights(self) -> None:
+        """Prepack every projection's weight for oneDNN (see linear.unavailable); the lm_head of tied
+        embeddings keeps its weight, which the embedding reads."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)

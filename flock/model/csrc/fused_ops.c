@@ -1,0 +1,148 @@
+// Fused elementwise ops of the Llama decoder (flock/model/fused_ops.py) for bf16 and fp32 rows, on `threads`
+// threads of PyTorch's OpenMP pool (torch.get_num_threads()) when a call has enough elements, else on the
+// calling thread.
+//
+// Each op rounds where the plain PyTorch ops it replaces (flock/model/llama.py, rope.py) round: a bf16 result
+// of PyTorch is a float result rounded to bf16 (nearest even), so every intermediate PyTorch stores as a bf16
+// tensor is rounded here too (ROUND). Built with -ffp-contract=off (no fused multiply-adds), so products and
+// sums round as PyTorch's do: RoPE and the residual add are bit-exact; RMSNorm sums its squares in another
+// order and SiLU uses its own exp, so a rounding of theirs may flip (a unit or two in the last place, rarely).
+// Compiled once per ISA (AVX-512, AVX2 or baseline flags, chosen at run time); gcc vectorizes the loops.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#define PARALLEL_MIN 32768  // elements per call below which waking the thread pool costs more than it saves
+// the loop after it, on `threads` threads when the call's `work` (elements) is worth it
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(threads) if(work >= PARALLEL_MIN)")
+
+static inline float bf16_load(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 bf16_store(float f) {  // round to nearest even; NaN stays a quiet NaN (as c10::BFloat16)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? (bf16)((u >> 16) | 0x40u) : (bf16)rounded;
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+static inline float pow2i(int32_t n) {  // 2^n for n in [-126, 127]
+    uint32_t u = (uint32_t)(n + 127) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); inf above, 0 below the float range
+    float xc = x < -87.33654f ? -87.33654f : x;
+    xc = xc > 88.72284f ? 88.72284f : xc;
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+    float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = (p * r) * r + r + 1.0f;
+    int32_t k = (int32_t)n, half = k / 2;  // two exact power-of-2 factors keep 2^128 and 2^-126 in range
+    y = (y * pow2i(half)) * pow2i(k - half);
+    y = x > 88.72284f ? INFINITY : y;
+    return x < -87.33654f ? 0.0f : y;
+}
+
+#define DEFINE_OPS(NAME, T, LOAD, STORE)                                                                      \
+    static inline float NAME##_round(float v) { return LOAD(STORE(v)); }                                      \
+                                                                                                              \
+    static inline void NAME##_normalize(const T *x, const T *w, T *out, int64_t cols, float sum, float eps) {  \
+        float inv = 1.0f / sqrtf(sum / (float)cols + eps);                                                    \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < cols; j++)                                                                    \
+            out[j] = STORE(LOAD(w[j]) * NAME##_round(LOAD(x[j]) * inv));                                      \
+    }                                                                                                         \
+                                                                                                              \
+    /* out = weight * (x / rms(x)), statistics in fp32 */                                                     \
+    void flock_rms_norm_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,          \
+                               int64_t rows, int64_t cols, float eps, int32_t threads) {                      \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const T *xr = x + i * x_stride;                                                                   \
+            float sum = 0.0f;                                                                                 \
+            _Pragma("omp simd reduction(+:sum)")                                                              \
+            for (int64_t j = 0; j < cols; j++) {                                                              \
+                float v = LOAD(xr[j]);                                                                        \
+                sum += v * v;                                                                                 \
+            }                                                                                                 \
+            NAME##_normalize(xr, w, out + i * out_stride, cols, sum, eps);                                   \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* residual = x + residual; x = weight * (residual / rms(residual)); both in place */                     \
+    void flock_add_rms_norm_##NAME(T *x, int64_t x_stride, T *residual, int64_t res_stride, const T *w,       \
+                                   int64_t rows, int64_t cols, float eps, int32_t threads) {                  \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            T *xr = x + i * x_stride, *rr = residual + i * res_stride;                                        \
+            float sum = 0.0f;                                                                                 \
+            _Pragma("omp simd reduction(+:sum)")                                                              \
+            for (int64_t j = 0; j < cols; j++) {                                                              \
+                T s = STORE(LOAD(xr[j]) + LOAD(rr[j]));                                                       \
+                rr[j] = s;                                                                                    \
+                float v = LOAD(s);                                                                            \
+                sum += v * v;                                                                                 \
+            }                                                                                                 \
+            NAME##_normalize(rr, w, xr, cols, sum, eps);                                                     \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* Rotate-half rotary embedding, in place, on the first `heads` heads of each row (q then k of a fused  \
+       qkv row): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded as PyTorch's. */         \
+    void flock_rope_##NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos, const T *sin,     \
+                           int64_t table_stride, int64_t rows, int32_t heads, int32_t head_dim,               \
+                           int32_t threads) {                                                                 \
+        int32_t half = head_dim / 2;                                                                          \
+        int64_t work = rows * heads * head_dim;                                                               \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const T *c = cos + positions[i] * table_stride, *s = sin + positions[i] * table_stride;          \
+            for (int32_t h = 0; h < heads; h++) {                                                             \
+                T *lo = x + i * x_stride + (int64_t)h * head_dim, *hi = lo + half;                            \
+                _Pragma("omp simd")                                                                           \
+                for (int32_t j = 0; j < half; j++) {                                                          \
+                    float x1 = LOAD(lo[j]), x2 = LOAD(hi[j]), cj = LOAD(c[j]), sj = LOAD(s[j]);              \
+                    lo[j] = STORE(NAME##_round(x1 * cj) + NAME##_round(-x2 * sj));                            \
+                    hi[j] = STORE(NAME##_round(x2 * cj) + NAME##_round(x1 * sj));                             \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* out = silu(gate) * up of rows [gate | up], each `cols` wide; silu(g) = g / (1 + e^-g) */               \
+    void flock_silu_and_mul_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,   \
+                                   int64_t cols, int32_t threads) {                                           \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const T *gate = x + i * x_stride, *up = gate + cols;                                              \
+            T *o = out + i * out_stride;                                                                      \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < cols; j++) {                                                              \
+                float g = LOAD(gate[j]);                                                                      \
+                o[j] = STORE(NAME##_round(g / (1.0f + exp_approx(-g))) * LOAD(up[j]));                        \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+DEFINE_OPS(bf16, bf16, bf16_load, bf16_store)
+DEFINE_OPS(f32, float, f32_load, f32_store)

@@ -1,0 +1,113 @@
+"""Fused elementwise ops of the decoder as small C kernels (`csrc/fused_ops.c`), for bf16 and fp32 on CPUs.
+
+RMSNorm (with the residual add folded in), rotary embedding applied in place to q and k of the fused qkv
+output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by one pass over the
+rows. The source is compiled with gcc on first use for the widest ISA the CPU has (AVX-512, AVX2 or the
+baseline) and cached (flock.native). `unavailable(dtype, device)` says why the kernels cannot serve a model;
+the plain PyTorch ops remain the reference and serve float64 and every other case.
+"""
+
+import ctypes
+import functools
+import subprocess
+from pathlib import Path
+
+import torch
+
+from flock.native import build, cpu_flags
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
+BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+ISA_FLAGS = {  # widest first: (CPU flags needed, gcc flags)
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
+    "baseline": ((), []),
+}
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {  # each ends with the number of threads
+    "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
+    "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
+    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
+}
+
+
+@functools.cache
+def isa() -> str:
+    """The widest ISA path this CPU runs."""
+    return next(name for name, (needs, _) in ISA_FLAGS.items() if all(f in cpu_flags() for f in needs))
+
+
+@functools.cache
+def load(isa_name: str) -> tuple[dict | None, str | None]:
+    """The kernels built for one ISA path ({(op, dtype): function}, or None and why not)."""
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE, BASE_FLAGS + ISA_FLAGS[isa_name][1])))  # after torch: its libgomp
+    except (OSError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
+        detail = getattr(e, "stderr", "") or str(e)
+        return None, f"could not build the fused ops: {detail.strip()[:500]}"
+    kernels = {}
+    for op, argtypes in SIGNATURES.items():
+        for dtype, suffix in SUFFIX.items():
+            kernels[op, dtype] = fn = getattr(lib, f"flock_{op}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return kernels, None
+
+
+def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the fused kernels cannot run a model of this dtype on this device, or None when they can."""
+    if device.type != "cpu":
+        return f"the fused kernels run on CPUs, not {device.type}"
+    if dtype not in SUFFIX:
+        return f"the fused kernels take bfloat16 and float32, not {dtype}"
+    return load(isa())[1]
+
+
+def _kernel(op: str, dtype: torch.dtype):
+    return load(isa())[0][op, dtype]
+
+
+def _check_rows(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"fused ops take 2-D tensors with contiguous rows, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_rows(x)
+    out = torch.empty_like(x)
+    _kernel("rms_norm", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), weight.data_ptr(),
+                                 x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """residual += x; x = rms_norm(residual), both in place."""
+    _check_rows(x, residual)
+    _kernel("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                                     weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+          head_dim: int) -> None:
+    """Rotate the first `heads` heads of every row of x in place; cos/sin: [max_positions, head_dim] tables."""
+    _check_rows(x, cos)
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != x.shape[:1]:
+        raise ValueError(f"rope_ needs one contiguous int64 position per row, got {positions.dtype} "
+                         f"{tuple(positions.shape)} for {x.shape[0]} rows")
+    _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             cos.stride(0), x.shape[0], heads, head_dim, torch.get_num_threads())
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up]."""
+    _check_rows(x)
+    cols = x.shape[1] // 2
+    out = torch.empty((x.shape[0], cols), dtype=x.dtype)
+    _kernel("silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], cols,
+                                     torch.get_num_threads())
+    return out

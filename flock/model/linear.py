@@ -1,0 +1,57 @@
+"""Linear layers whose weights can be prepacked for oneDNN's CPU GEMM.
+
+PyTorch's plain CPU linear hands oneDNN (bf16) or MKL (fp32) a row-major weight on every call; oneDNN reorders
+it into its blocked layout each time, and MKL takes a slow path on AMD CPUs. A weight reordered once after
+loading (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight freezing does) and multiplied by
+`torch.ops.mkldnn._linear_pointwise` runs 1.1-4x faster on the narrow projections and the few rows of decode
+steps (bench/step_profile.py). `unavailable(dtype, device)` says why a model cannot use it (a build without
+oneDNN, a CPU without bf16 support, float64); plain `F.linear` stays the path then.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def _unavailable(dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"prepacked weights take bfloat16 and float32, not {dtype}"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN"
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 64), (48, 64), (48,)))
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None), b,
+                                                 "none", [], "")
+    except (RuntimeError, AttributeError) as e:  # no op, or the CPU lacks the dtype
+        return f"oneDNN cannot run a {dtype} linear here: {str(e).strip()[:300]}"
+    if not torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2):
+        return "oneDNN's prepacked linear disagrees with F.linear here"
+    return None
+
+
+def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why prepacked weights cannot serve a model of this dtype on this device, or None when they can."""
+    if device.type != "cpu":
+        return f"prepacked weights are a CPU path, not {device.type}"
+    return _unavailable(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that multiplies by a oneDNN-prepacked copy of its weight once `prepack()` has made it."""
+
+    prepacked: torch.Tensor | None = None
+
+    def prepack(self, keep_weight: bool = False) -> None:
+        """Reorder the weight for oneDNN; the plain weight is released unless kept (tied embeddings use it)."""
+        self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        if not keep_weight:
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepacked is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")

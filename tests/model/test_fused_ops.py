@@ -1,0 +1,147 @@
+"""The fused C kernels against the PyTorch ops they replace (the reference), on every ISA path this CPU runs.
+
+RoPE and the residual add round exactly where PyTorch does: bit-exact. RMSNorm (its sum of squares in
+another order) and SiLU (its own exp) may differ from the reference by the rounding of an input to a last
+rounding step: in bf16 by at most 2 units in the last place (a flipped rounding of the normalised value, then
+the weight's product rounded again), for under 1% of the elements; in fp32, where no bf16 rounding hides the
+summation order, by at most 16 units (1e-6 relative).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flock.model import fused_ops
+from flock.model.config import ModelConfig
+from flock.model.llama import RMSNorm
+from flock.model.rope import RotaryEmbedding
+from flock.native import cpu_flags
+
+CPU = torch.device("cpu")
+ISAS = [name for name, (needs, _) in fused_ops.ISA_FLAGS.items() if all(f in cpu_flags() for f in needs)]
+DTYPES = [torch.bfloat16, torch.float32]
+ROWS = [1, 7, 300]  # 300 x 576 elements run on the thread pool
+
+pytestmark = [pytest.mark.skipif(fused_ops.unavailable(torch.float32, CPU) is not None,
+                                reason=f"fused ops: {fused_ops.unavailable(torch.float32, CPU)}"),
+              pytest.mark.usefixtures("no_grad")]
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(params=ISAS, autouse=True)
+def isa(request, monkeypatch):
+    if fused_ops.load(request.param)[0] is None:
+        pytest.fail(f"the {request.param} build failed: {fused_ops.load(request.param)[1]}")
+    monkeypatch.setattr(fused_ops, "isa", lambda: request.param)
+    return request.param
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of the reference's last place."""
+    eps = torch.finfo(ref.dtype).eps
+    spacing = torch.ldexp(torch.full_like(ref, eps, dtype=torch.float64),
+                          torch.frexp(ref.double().abs().clamp_min(torch.finfo(ref.dtype).tiny))[1] - 1)
+    return ((got.double() - ref.double()).abs() / spacing).max().item()
+
+
+def assert_near(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if ref.dtype == torch.bfloat16:
+        assert ulps(got, ref) <= 2
+        assert (got != ref).float().mean().item() < 0.01
+    else:
+        assert ulps(got, ref) <= 16
+
+
+def rows(n: int, cols: int, dtype: torch.dtype, scale: float = 1.0, stride: int | None = None) -> torch.Tensor:
+    """n rows of `cols` values, optionally inside wider rows (a row stride above cols)."""
+    x = (torch.randn(n, stride or cols) * scale).to(dtype)
+    return x[:, :cols]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+def test_rms_norm(dtype, n):
+    torch.manual_seed(n)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    x = rows(n, 576, dtype, scale=3.0, stride=600)
+    assert_near(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+def test_add_rms_norm_in_place(dtype, n):
+    torch.manual_seed(n)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    x, residual = rows(n, 576, dtype, stride=640), rows(n, 576, dtype, scale=4.0)
+    expected, expected_residual = norm(x, residual)
+    fused_ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_residual)
+    assert_near(x, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_is_bit_exact_and_in_place(dtype, n, scaling):
+    torch.manual_seed(n)
+    heads, kv_heads, head_dim = 9, 3, 64
+    config = ModelConfig(model_type="llama", vocab_size=100, hidden_size=heads * head_dim, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         rope_theta=1e5, rope_scaling=scaling)
+    rope = RotaryEmbedding(config, 4096, dtype)
+    qkv = rows(n, (heads + 2 * kv_heads) * head_dim, dtype)
+    positions = torch.randint(0, 4096, (n,))
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = rope(positions, q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim))
+    v_before = v.clone()
+    fused_ops.rope_(qkv, positions, rope.cos, rope.sin, heads + kv_heads, head_dim)
+    assert torch.equal(q.reshape(n, heads, head_dim), q_ref)
+    assert torch.equal(k.reshape(n, kv_heads, head_dim), k_ref)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+def test_silu_and_mul(dtype, n):
+    torch.manual_seed(n)
+    gate_up = rows(n, 2 * 1536, dtype, scale=4.0, stride=3100)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_near(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_special_values(dtype):
+    gate = torch.tensor([-1e4, -200.0, -100.0, -88.8, -87.5, -80.0, -1e-3, 0.0, -0.0, 1e-3, 5.0, 80.0, 88.5,
+                         89.0, 1e4, float("inf"), float("-inf"), float("nan"), 1e-40]).to(dtype)
+    up = torch.linspace(-2, 2, len(gate)).to(dtype)
+    got = fused_ops.silu_and_mul(torch.cat([gate, up])[None])[0]
+    expected = F.silu(gate) * up
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.isinf(), expected.isinf()) and torch.equal(got[got.isinf()], expected[expected.isinf()])
+    finite = expected.isfinite()
+    assert ulps(got[finite], expected[finite]) <= 1
+
+
+def test_bad_inputs_are_named():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_ops.silu_and_mul(x.t())
+    cos = torch.randn(16, 4)
+    with pytest.raises(ValueError, match="int64 position per row"):
+        fused_ops.rope_(x, torch.zeros(4, dtype=torch.int32), cos, cos, 2, 4)
+    with pytest.raises(ValueError, match="int64 position per row"):
+        fused_ops.rope_(x, torch.zeros(3, dtype=torch.int64), cos, cos, 2, 4)
+
+
+def test_unavailable_names_the_reason():
+    assert "float64" in fused_ops.unavailable(torch.float64, CPU)
+    assert "cuda" in fused_ops.unavailable(torch.float32, torch.device("cuda"))

@@ -1,0 +1,54 @@
+"""EngineConfig.ops: which speed paths a model gets, the fallbacks, and the errors naming why."""
+
+import subprocess
+
+import pytest
+import torch
+
+from flock import LLM
+from flock.model import fused_ops, linear
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    def fail(source, flags):
+        raise subprocess.CalledProcessError(1, ["gcc"], stderr="gcc: command not found")
+
+    fused_ops.load.cache_clear()
+    monkeypatch.setattr(fused_ops, "build", fail)
+    yield
+    fused_ops.load.cache_clear()
+
+
+def paths(**config) -> dict[str, str]:
+    return LLM("flock/tiny", **config).engine.runner.paths
+
+
+def test_without_a_compiler_auto_keeps_pytorch_ops_and_fused_is_an_error(no_compiler):
+    got = paths(dtype="bfloat16")
+    assert got["elementwise"].startswith("PyTorch ops (could not build the fused ops: gcc: command not found")
+    with pytest.raises(ValueError, match="ops='fused': could not build the fused ops"):
+        paths(dtype="bfloat16", ops="fused")
+
+
+def test_float64_and_torch_run_the_reference_ops():
+    assert paths(dtype="float64") == {"elementwise": "PyTorch ops (the fused kernels take bfloat16 and float32, "
+                                                     "not torch.float64)",
+                                      "gemm": "F.linear (prepacked weights take bfloat16 and float32, not "
+                                              "torch.float64)"}
+    assert paths(dtype="float32", ops="torch") == {"elementwise": "PyTorch ops", "gemm": "F.linear"}
+    with pytest.raises(ValueError, match="ops='packed': prepacked weights take bfloat16 and float32"):
+        paths(dtype="float64", ops="packed")
+
+
+def test_unknown_ops_is_named():
+    with pytest.raises(ValueError, match="ops must be one of auto, torch, fused, packed, got 'fast'"):
+        LLM("flock/tiny", ops="fast")
+
+
+@pytest.mark.skipif(fused_ops.unavailable(torch.float32, torch.device("cpu")) is not None, reason="no fused ops")
+def test_auto_takes_both_paths_where_they_run():
+    got = paths(dtype="float32")
+    assert got["elementwise"] == f"fused C kernels ({fused_ops.isa()})"
+    why = linear.unavailable(torch.float32, torch.device("cpu"))
+    assert got["gemm"] == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")
