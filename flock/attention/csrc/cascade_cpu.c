@@ -215,6 +215,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
 // stay in registers.
 INLINE void tile(const int mr, const int nv, const int pairs, const int acc_in, const float *a, int64_t lda,
                  const float *b, int64_t ldb, float *c, int64_t ldc, int k) {
+    (void)pairs;  // only with vdpbf16ps
     vf acc[MR][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
@@ -271,8 +272,8 @@ TILE_FN(tile_pv_pairs, 1, 1)
 // ------------------------------------------------------------------------------------------------ work
 
 typedef struct {  // per-thread scratch, 64-byte aligned
-    float kt[CHUNK * MAX_D];    // K^T of one head's chunk: fp32 [dim][CHUNK], or bf16 pairs [dim / 2][CHUNK]
-    float v[CHUNK * MAX_D];     // V: fp32 [position][dim], or bf16 [position / 2][dim][2]
+    float kt[CHUNK * SPAN];     // K^T of a chunk, per head: fp32 [dim][CHUNK], or bf16 pairs [dim / 2][CHUNK]
+    float v[CHUNK * SPAN];      // V, per head: fp32 [position][dim], or bf16 [position / 2][dim][2]
     float q[UNIT_ROWS * SPAN];  // the unit's query rows as the products take them: [head][row][dim]
     float o[UNIT_ROWS * SPAN];  // running outputs (not yet divided by l): [head][row][dim]
     float s[MR * CHUNK];        // scores of a row block
@@ -288,7 +289,6 @@ typedef struct {  // rows [row0, row0 + nrows) of a segment, KV heads [h0, h0 + 
     double work;
 } Unit;
 
-static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
 
 // Cache offsets (elements) of positions [start, start + n) of one KV head: one table lookup per block.
 static void row_offsets(const Args *a, int64_t *off, int32_t table, int64_t start, int n, int kvh) {
@@ -304,68 +304,95 @@ static void row_offsets(const Args *a, int64_t *off, int32_t table, int64_t star
     }
 }
 
-static void prefetch_rows(const Args *a, const int64_t *off, int n, int64_t head) {
-    const int es = a->bf16 ? 2 : 4, lines = (a->head_dim * es + 63) / 64;
+// K and V rows to prefetch a few at a time while other work runs (a burst of hundreds would stall the core
+// on its line-fill buffers): positions off[0 .. n), `bytes` from each (the unit's run of heads).
+typedef struct {
+    const int64_t *off;
+    int n, t;
+    int64_t bytes, at;
+} Prefetch;
+
+static Prefetch prefetch_plan(const Args *a, const int64_t *off, int n, int hb) {
+    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * (a->bf16 ? 2 : 4);
+    return (Prefetch){off, n, 0, bytes, 0};
+}
+
+static void prefetch_some(const Args *a, Prefetch *p, int lines) {
+    const int es = a->bf16 ? 2 : 4;
     const char *k = a->k_cache, *v = a->v_cache;
-    for (int t = 0; t < n; t++)
-        for (int i = 0; i < lines; i++) {
-            _mm_prefetch(k + (off[t] + head) * es + 64 * i, _MM_HINT_T0);
-            _mm_prefetch(v + (off[t] + head) * es + 64 * i, _MM_HINT_T0);
-        }
+    for (; lines > 0 && p->t < p->n; lines -= 2) {
+        _mm_prefetch(k + p->off[p->t] * es + p->at, _MM_HINT_T0);
+        _mm_prefetch(v + p->off[p->t] * es + p->at, _MM_HINT_T0);
+        p->at += 64;
+        if (p->at >= p->bytes) p->at = 0, p->t++;
+    }
 }
 
 INLINE vf load_row(const void *base, int64_t i, const int in_bf16) {
     return in_bf16 ? load_bf16((const bf16 *)base + i) : vload((const float *)base + i);
 }
 
-// A chunk of one head as fp32: K^T transposed W x W at a time (positions past n are zeros), V rows copied.
-INLINE void repack(const Args *a, Scratch *w, const int64_t *off, int n, int64_t head, const int in_bf16) {
+// A chunk of the unit's heads as fp32, K^T transposed W x W at a time (positions past n are zeros), V rows
+// copied. Reads go position by position over the run of heads: whole blocks of the cache in address order.
+INLINE void repack(const Args *a, Scratch *w, const int64_t *off, int n, int hb, const int in_bf16) {
     const int D = a->head_dim;
+    const int64_t sh = a->kv_stride_h;
     for (int t0 = 0; t0 < n; t0 += W)
-        for (int d0 = 0; d0 < D; d0 += W) {
-            vf x[W];
-            for (int i = 0; i < W; i++) x[i] = t0 + i < n ? load_row(a->k_cache, off[t0 + i] + head + d0, in_bf16) : vzero();
-            transpose_w(x);
-            for (int i = 0; i < W; i++) vstore(w->kt + (d0 + i) * CHUNK + t0, x[i]);
-        }
+        for (int h = 0; h < hb; h++)
+            for (int d0 = 0; d0 < D; d0 += W) {
+                vf x[W];
+                for (int i = 0; i < W; i++)
+                    x[i] = t0 + i < n ? load_row(a->k_cache, off[t0 + i] + h * sh + d0, in_bf16) : vzero();
+                transpose_w(x);
+                for (int i = 0; i < W; i++) vstore(w->kt + h * CHUNK * D + (d0 + i) * CHUNK + t0, x[i]);
+            }
     for (int t = 0; t < n; t++)
-        for (int d0 = 0; d0 < D; d0 += W) vstore(w->v + t * D + d0, load_row(a->v_cache, off[t] + head + d0, in_bf16));
+        for (int h = 0; h < hb; h++)
+            for (int d0 = 0; d0 < D; d0 += W)
+                vstore(w->v + h * CHUNK * D + t * D + d0, load_row(a->v_cache, off[t] + h * sh + d0, in_bf16));
 }
 
 #if defined(__AVX512BF16__)
-// A bf16 chunk of one head as pairs: K^T as [dim pair][position] (16 x 16 transposes of 32-bit pairs), V as
-// [position pair][dim][2] (two rows interleaved); positions past n are zeros.
-static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int64_t head) {
+static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
+
+// A bf16 chunk of the unit's heads as pairs: K^T as [dim pair][position] (16 x 16 transposes of 32-bit pairs),
+// V as [position pair][dim][2] (two rows interleaved); positions past n are zeros. Reads as in repack().
+static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int hb) {
     const int D = a->head_dim;
+    const int64_t sh = a->kv_stride_h;
     const bf16 *kc = a->k_cache, *vc = a->v_cache;
-    int32_t *kt = (int32_t *)w->kt, *vv = (int32_t *)w->v;
     for (int t0 = 0; t0 < n; t0 += 16)
-        for (int d0 = 0; d0 < D; d0 += 32) {
-            const int np = D - d0 >= 32 ? 16 : 8;  // dim pairs in this block (head_dim is a multiple of 16)
-            const __mmask16 mask = np == 16 ? 0xffff : 0x00ff;
-            __m512i x[16];
-            for (int i = 0; i < 16; i++)
-                x[i] = t0 + i < n ? _mm512_maskz_loadu_epi32(mask, kc + off[t0 + i] + head + d0) : _mm512_setzero_si512();
-            transpose16(x);
-            for (int i = 0; i < np; i++) _mm512_storeu_si512(kt + (d0 / 2 + i) * CHUNK + t0, x[i]);
+        for (int h = 0; h < hb; h++) {
+            int32_t *kt = (int32_t *)w->kt + h * CHUNK * D;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                const int np = D - d0 >= 32 ? 16 : 8;  // dim pairs in this block (head_dim is a multiple of 16)
+                const __mmask16 mask = np == 16 ? 0xffff : 0x00ff;
+                __m512i x[16];
+                for (int i = 0; i < 16; i++)
+                    x[i] = t0 + i < n ? _mm512_maskz_loadu_epi32(mask, kc + off[t0 + i] + h * sh + d0)
+                                      : _mm512_setzero_si512();
+                transpose16(x);
+                for (int i = 0; i < np; i++) _mm512_storeu_si512(kt + (d0 / 2 + i) * CHUNK + t0, x[i]);
+            }
         }
     // element 2j: dim j of the first row, 2j + 1: of the second (+32: the second source)
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int t = 0; t < n; t += 2) {
-        const bf16 *r0 = vc + off[t] + head, *r1 = t + 1 < n ? vc + off[t + 1] + head : ZERO_ROW;
-        int32_t *dst = vv + (t / 2) * D;
-        for (int d0 = 0; d0 < D; d0 += 32) {
-            const __mmask32 mask = D - d0 >= 32 ? 0xffffffffu : 0xffffu;
-            __m512i a0 = _mm512_maskz_loadu_epi16(mask, r0 + d0), a1 = _mm512_maskz_loadu_epi16(mask, r1 + d0);
-            _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(a0, lo, a1));
-            if (D - d0 >= 32) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(a0, hi, a1));
+    for (int t = 0; t < n; t += 2)
+        for (int h = 0; h < hb; h++) {
+            const bf16 *r0 = vc + off[t] + h * sh, *r1 = t + 1 < n ? vc + off[t + 1] + h * sh : ZERO_ROW;
+            int32_t *dst = (int32_t *)w->v + h * CHUNK * D + (t / 2) * D;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                const __mmask32 mask = D - d0 >= 32 ? 0xffffffffu : 0xffffu;
+                __m512i a0 = _mm512_maskz_loadu_epi16(mask, r0 + d0), a1 = _mm512_maskz_loadu_epi16(mask, r1 + d0);
+                _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(a0, lo, a1));
+                if (D - d0 >= 32) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(a0, hi, a1));
+            }
         }
-    }
 }
-#else
-static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int64_t head) {}
+#else  // never called: the pairs format needs vdpbf16ps
+#define repack_pairs(a, w, off, n, hb) repack(a, w, off, n, hb, 1)
 #endif
 
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
@@ -451,7 +478,22 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
         }
 }
 
-INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const int pairs, const int in_bf16) {
+// The KV positions unit u attends: its segment's range, causally cut after its last row's position.
+static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
+    const int G = a->num_heads / a->num_kv_heads;
+    const int32_t *seg = u->seg;
+    *kv0 = seg[SEG_KV_START];
+    *kv1 = seg[SEG_KV_END];
+    if (seg[SEG_CAUSAL]) {
+        const int64_t last = (int64_t)a->positions[seg[SEG_BEGIN] + (u->row0 + u->nrows - 1) / G] + 1;
+        *kv1 = last < *kv1 ? last : *kv1;
+    }
+}
+
+// Unit u; `next` (or NULL) is the unit this thread runs after it, whose first chunk is prefetched during u's
+// last one; `warm`: u's first chunk was prefetched so.
+INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm, const int pairs,
+                     const int in_bf16) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, nrows = u->nrows;
     const int qd = pairs ? D / 2 : D;  // 32-bit elements of a query row in scratch
     const int32_t *seg = u->seg;
@@ -469,22 +511,42 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const int pairs, 
             memset(w->o + (int64_t)(h * UNIT_ROWS + r) * D, 0, D * sizeof(float));
         }
     }
-    const int64_t kv0 = seg[SEG_KV_START], sh = a->kv_stride_h;
-    int64_t kv1 = seg[SEG_KV_END];
-    if (seg[SEG_CAUSAL] && (int64_t)w->limit[nrows - 1] + 1 < kv1) kv1 = w->limit[nrows - 1] + 1;
+    int64_t kv0, kv1;
+    kv_range(a, u, &kv0, &kv1);
     int buf = 0;
-    if (kv0 < kv1) row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK, u->h0);
+    if (kv0 < kv1) {
+        const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
+        row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, n0, u->h0);
+        if (!warm) {
+            Prefetch first = prefetch_plan(a, w->offset[0], n0, u->hb);
+            prefetch_some(a, &first, INT32_MAX);
+        }
+    }
+    const int steps = 3 * u->hb * ((nrows + MR - 1) / MR) + 1;  // prefetch slices per chunk
     for (int64_t c0 = kv0; c0 < kv1; c0 += CHUNK, buf = !buf) {
         const int n = kv1 - c0 < CHUNK ? kv1 - c0 : CHUNK;
         const int64_t c1 = c0 + CHUNK;
         const int n1 = c1 >= kv1 ? 0 : kv1 - c1 < CHUNK ? kv1 - c1 : CHUNK;
-        if (n1 > 0) row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
+        // what comes next streams in while this chunk is computed: this unit's next chunk or the next unit's first
+        Prefetch ahead = {0};
+        if (n1 > 0) {
+            row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
+            ahead = prefetch_plan(a, w->offset[!buf], n1, u->hb);
+        } else if (next != NULL) {
+            int64_t nk0, nk1;
+            kv_range(a, next, &nk0, &nk1);
+            const int nn = nk1 - nk0 < CHUNK ? nk1 - nk0 : CHUNK;
+            if (nn > 0) row_offsets(a, w->offset[!buf], next->seg[SEG_TABLE], nk0, nn, next->h0);
+            ahead = prefetch_plan(a, w->offset[!buf], nn > 0 ? nn : 0, next->hb);
+        }
+        const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
+        if (pairs) repack_pairs(a, w, w->offset[buf], n, u->hb);
+        else repack(a, w, w->offset[buf], n, u->hb, in_bf16);
+        prefetch_some(a, &ahead, slice);
         for (int h = 0; h < u->hb; h++) {
-            if (h + 1 < u->hb) prefetch_rows(a, w->offset[buf], n, (h + 1) * sh);  // what is repacked next
-            else if (n1 > 0) prefetch_rows(a, w->offset[!buf], n1, 0);
-            if (pairs) repack_pairs(a, w, w->offset[buf], n, h * sh);
-            else repack(a, w, w->offset[buf], n, h * sh, in_bf16);
+            const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
             for (int r0 = 0; r0 < nrows; r0 += MR) {
+                prefetch_some(a, &ahead, slice);
                 const int mr = nrows - r0 < MR ? nrows - r0 : MR, hrow = h * UNIT_ROWS + r0;
                 const int64_t seen = (int64_t)w->limit[r0 + mr - 1] - c0 + 1;  // rows are in position order
                 if (seen <= 0) continue;
@@ -493,24 +555,37 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const int pairs, 
                 const int nvec = (nb + W - 1) / W;
                 for (int j0 = 0; j0 < nvec; j0 += NV) {
                     const int nv = nvec - j0 < NV ? nvec - j0 : NV;
-                    (pairs ? tile_qk_pairs : tile_qk)(mr, nv, q, qd, w->kt + j0 * W, CHUNK, w->s + j0 * W, CHUNK, qd);
+                    (pairs ? tile_qk_pairs : tile_qk)(mr, nv, q, qd, kt + j0 * W, CHUNK, w->s + j0 * W, CHUNK, qd);
                 }
+                prefetch_some(a, &ahead, slice);
                 softmax(a, w, mr, r0, hrow, c0, nb, pairs, !in_bf16);
-                const int steps = pairs ? (nb + 1) / 2 : nb, pd = pairs ? CHUNK / 2 : CHUNK;
+                prefetch_some(a, &ahead, slice);
+                const int ksteps = pairs ? (nb + 1) / 2 : nb, pd = pairs ? CHUNK / 2 : CHUNK;
                 for (int d0 = 0; d0 < D / W; d0 += NV) {
                     const int nv = D / W - d0 < NV ? D / W - d0 : NV;
-                    (pairs ? tile_pv_pairs : tile_pv)(mr, nv, w->p, pd, w->v + d0 * W, D,
-                                                      w->o + (int64_t)hrow * D + d0 * W, D, steps);
+                    (pairs ? tile_pv_pairs : tile_pv)(mr, nv, w->p, pd, v + d0 * W, D,
+                                                      w->o + (int64_t)hrow * D + d0 * W, D, ksteps);
                 }
             }
         }
+        prefetch_some(a, &ahead, INT32_MAX);
     }
     finish(a, w, u);
 }
 
-static void run_unit_pairs(const Args *a, Scratch *w, const Unit *u) { run_unit(a, w, u, 1, 1); }
-static void run_unit_bf16(const Args *a, Scratch *w, const Unit *u) { run_unit(a, w, u, 0, 1); }
-static void run_unit_fp32(const Args *a, Scratch *w, const Unit *u) { run_unit(a, w, u, 0, 0); }
+typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, const Unit *, int);
+#if defined(__AVX512BF16__)
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 1, 1);
+}
+#else
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 0, 1);
+}
+#endif
+static void run_fp32(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 0, 0);
+}
 
 // A token's partials (its group's prefix and the rest of its context, or the pieces of a split segment)
 // weighted by exp(lse - max lse).
@@ -546,13 +621,10 @@ static void merge(const Args *a, int mi) {
 static inline int row_blocks(const int32_t *seg) { return (seg[SEG_ROWS] + UNIT_ROWS - 1) / UNIT_ROWS; }
 
 static double unit_work(const Args *a, const int32_t *seg, int row0, int nrows) {
-    const int G = a->num_heads / a->num_kv_heads;
-    int64_t end = seg[SEG_KV_END];
-    if (seg[SEG_CAUSAL]) {
-        const int64_t last = a->positions[seg[SEG_BEGIN] + (row0 + nrows - 1) / G] + 1;
-        end = last < end ? last : end;
-    }
-    return (double)nrows * ((double)(end - seg[SEG_KV_START]) + CHUNK);
+    const Unit u = {seg, row0, nrows, 0, 1, 0};
+    int64_t kv0, kv1;
+    kv_range(a, &u, &kv0, &kv1);
+    return (double)nrows * ((double)(kv1 - kv0) + CHUNK);
 }
 
 // KV heads per unit: as many as fit in SPAN (each position's K and V rows read as one run), fewer when the
@@ -587,12 +659,7 @@ int flock_cpu_chunk(void) { return CHUNK; }
 // Returns 0, or -1 for a shape this kernel does not take, -2 when out of memory.
 int flock_cpu_cascade(const Args *a) {
     if (a->head_dim % 16 || a->head_dim > MAX_D || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return -1;
-#if defined(__AVX512BF16__)
-    void (*run)(const Args *, Scratch *, const Unit *) = a->bf16 ? run_unit_pairs : run_unit_fp32;
-#else
-    void (*run)(const Args *, Scratch *, const Unit *) = a->bf16 ? run_unit_bf16 : run_unit_fp32;
-    (void)run_unit_pairs;
-#endif
+    const RunUnit run = a->bf16 ? run_bf16 : run_fp32;
     const int hb = heads_per_unit(a, omp_get_max_threads()), runs = (a->num_kv_heads + hb - 1) / hb;
     int units = 0;
     for (int i = 0; i < a->num_segs; i++) units += row_blocks(a->segs + i * SEG_FIELDS) * runs;
@@ -609,7 +676,7 @@ int flock_cpu_cascade(const Args *a) {
         }
     }
     qsort(unit, units, sizeof(Unit), heavier_first);  // dynamic scheduling balances the tail
-    int failed = 0;
+    int failed = 0, claimed = 0;
 #pragma omp parallel
     {
         // flush denormals to zero (FTZ, DAZ): tiny weights would otherwise cost microcode assists
@@ -620,9 +687,15 @@ int flock_cpu_cascade(const Args *a) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int u = 0; u < units; u++)
-            if (w != NULL) run(a, w, &unit[u]);
+        // dynamic scheduling, each thread claiming its next unit one ahead (to prefetch its first chunk)
+        int cur = w != NULL ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : units, warm = 0;
+        while (cur < units) {
+            const int nxt = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            run(a, w, &unit[cur], nxt < units ? &unit[nxt] : NULL, warm);
+            cur = nxt;
+            warm = 1;
+        }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (int m = 0; m < a->num_merges; m++) merge(a, m);
         _mm_setcsr(csr);
