@@ -34,7 +34,7 @@ enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG
 #define CHUNK 64        // KV positions per chunk (a multiple of 32)
 #define MAX_D 256       // head_dim: a multiple of 16, at most this
 #define SPAN 256        // KV heads x head_dim of one unit (elements per position)
-#define UNIT_ROWS 128   // segment rows per unit
+#define UNIT_ROWS 120   // segment rows per unit (a multiple of MR)
 #define MAX_HEADS (SPAN / 16)
 #define RESCALE_LOG2 8.0f
 #define LOG2E 1.4426950408889634f
@@ -76,6 +76,7 @@ static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline int any_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 static inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
 static inline vf keep_first(vf x, int n, vf fill) {  // lanes >= n replaced by fill
     __mmask16 k = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
@@ -139,6 +140,7 @@ static inline float hmax(vf x) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
+static inline int any_gt(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
 static inline float hsum(vf x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -278,7 +280,8 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     float o[UNIT_ROWS * SPAN];  // running outputs (not yet divided by l): [head][row][dim]
     float s[MR * CHUNK];        // scores of a row block
     float p[MR * CHUNK];        // its weights: fp32, or bf16 (rows of CHUNK, in the first half)
-    float m[MAX_HEADS * UNIT_ROWS], l[MAX_HEADS * UNIT_ROWS];  // running max (score units) and sum of weights
+    float m[MAX_HEADS * UNIT_ROWS];      // running max of each row (score units)
+    float l[MAX_HEADS * UNIT_ROWS * W];  // and its sum of weights, by lanes
     int32_t limit[UNIT_ROWS];   // last position each row sees
     int64_t offset[2][CHUNK];   // cache offsets of a chunk's positions (first head of the unit); [2]: and the next
 } Scratch;
@@ -396,38 +399,42 @@ static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, i
 #endif
 
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
-// sees, its running max (moved only when exceeded by 2^RESCALE_LOG2 in weight, O and l rescaled then), weights
-// 2^((s - m) c) with hidden positions exactly 0, stored as PV reads them, and their sum added to l (with pairs:
-// of the bf16-rounded weights, the ones P V uses).
+// sees, its running max (moved only when a score exceeds it by 2^RESCALE_LOG2 in weight, O and l rescaled
+// then: most chunks keep it), weights 2^((s - m) c) with hidden positions exactly 0, stored as PV reads them,
+// and their sum added to the row's lanes of l (with pairs: of the bf16-rounded weights, the ones P V uses).
 INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_t c0, int nb, const int pairs,
                     const int precise) {
     const int D = a->head_dim;
     const float cc = a->scale * LOG2E;
     const vf ninf = vset1(-INFINITY), zero = vzero(), c = vset1(cc);
-    const int nvec = (nb + W - 1) / W;
-    const int pvec = pairs ? (nb + 2 * W - 1) / (2 * W) * 2 : nvec;  // pairs: whole 32-position bf16 vectors
+    const int pvec = pairs ? (nb + 2 * W - 1) / (2 * W) * 2 : (nb + W - 1) / W;  // pairs: whole bf16 vectors
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
         const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1;
         const int vis = seen < nb ? (int)seen : nb, nvis = vis > 0 ? (vis + W - 1) / W : 0;
-        float *m = w->m + hrow + r, *l = w->l + hrow + r;
+        const int last = vis - (nvis - 1) * W;  // lanes the last visible vector has
+        float *m = w->m + hrow + r, *l = w->l + (int64_t)(hrow + r) * W;
+#define SCORE(j) ((j) + 1 < nvis || last == W ? vload(s + (j) * W) : keep_first(vload(s + (j) * W), last, ninf))
         if (nvis > 0) {
-            vf mx = ninf;
-            for (int j = 0; j < nvis; j++) mx = vmax(mx, keep_first(vload(s + j * W), vis - j * W, ninf));
-            const float top = hmax(mx);
-            if (*m == -INFINITY || (top - *m) * cc > RESCALE_LOG2) {
-                if (*m != -INFINITY) {  // before the first max, O and l are zeros
-                    const float alpha = exp2f((*m - top) * cc);
-                    float *o = w->o + (int64_t)(hrow + r) * D;
-                    for (int d = 0; d < D; d += W) vstore(o + d, vmul(vload(o + d), vset1(alpha)));
-                    *l *= alpha;
-                }
+            vf mx = SCORE(0);
+            for (int j = 1; j < nvis; j++) mx = vmax(mx, SCORE(j));
+            if (*m == -INFINITY) {  // the row's first visible scores: O and l are zeros
+                *m = hmax(mx);
+            } else if (any_gt(mx, vset1(*m + RESCALE_LOG2 / cc))) {
+                const float top = hmax(mx);
+                const vf alpha = vset1(exp2f((*m - top) * cc));
+                float *o = w->o + (int64_t)(hrow + r) * D;
+                for (int d = 0; d < D; d += W) vstore(o + d, vmul(vload(o + d), alpha));
+                vstore(l, vmul(vload(l), alpha));
                 *m = top;
             }
         }
+#undef SCORE
         const vf mc = vset1(*m * cc);
-        vf sum = zero;
-#define WEIGHTS(j) ((j) < nvis ? keep_first(vexp2(vfms(vload(s + (j) * W), c, mc), precise), vis - (j) * W, zero) : zero)
+        vf sum = vload(l);
+#define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
+#define WEIGHTS(j) ((j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
+                    : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
 #if defined(__AVX512BF16__)
         if (pairs) {
             const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
@@ -437,7 +444,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
                 _mm512_storeu_si512(p + j * W, (__m512i)pb);
                 sum = _mm512_dpbf16_ps(sum, pb, ones);
             }
-            *l += hsum(sum);
+            vstore(l, sum);
             continue;
         }
 #endif
@@ -448,7 +455,8 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
             sum = vadd(sum, pj);
         }
 #undef WEIGHTS
-        *l += hsum(sum);
+#undef EXP
+        vstore(l, sum);
     }
 }
 
@@ -459,7 +467,7 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
         for (int r = 0; r < u->nrows; r++) {
             const int row = u->row0 + r, idx = h * UNIT_ROWS + r, head = (u->h0 + h) * G + row % G;
             const int32_t e = seg[SEG_BEGIN] + row / G;
-            const float l = w->l[idx];
+            const float l = hsum(vload(w->l + (int64_t)idx * W));
             const vf inv = vset1(l > 0 ? 1.0f / l : 0.0f);
             const float *o = w->o + (int64_t)idx * D;
             if (seg[SEG_SLOT] < 0) {
@@ -507,7 +515,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
             if (pairs) memcpy(dst, (const bf16 *)a->q + src, D * sizeof(bf16));
             else for (int d = 0; d < D; d += W) vstore(dst + d, load_row(a->q, src + d, in_bf16));
             w->m[h * UNIT_ROWS + r] = -INFINITY;
-            w->l[h * UNIT_ROWS + r] = 0.0f;
+            vstore(w->l + (int64_t)(h * UNIT_ROWS + r) * W, vzero());
             memset(w->o + (int64_t)(h * UNIT_ROWS + r) * D, 0, D * sizeof(float));
         }
     }
