@@ -62,7 +62,7 @@ typedef struct {
 
 #if defined(__AVX512F__)
 #define W 16
-#define MR 6   // rows of a register tile
+#define MR 6   // rows of a register tile (UNIT_ROWS is a multiple of it)
 #define NV 4   // vectors of a register tile (6 x 4 accumulators of 32 registers)
 typedef __m512 vf;
 static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
@@ -122,8 +122,8 @@ static inline void transpose16(__m512i r[16]) {  // a 16 x 16 matrix of 32-bit e
 static inline void transpose_w(vf x[W]) { transpose16((__m512i *)x); }
 #else
 #define W 8
-#define MR 4
-#define NV 2   // 4 x 2 accumulators of 16 registers
+#define MR 6
+#define NV 2   // 6 x 2 accumulators of 16 registers
 typedef __m256 vf;
 static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
@@ -253,7 +253,7 @@ INLINE void tile(const int mr, const int nv, const int pairs, const int acc_in, 
 #define TILES T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(3, 1) T(3, 2) T(3, 3) T(3, 4) \
               T(4, 1) T(4, 2) T(4, 3) T(4, 4) T(5, 1) T(5, 2) T(5, 3) T(5, 4) T(6, 1) T(6, 2) T(6, 3) T(6, 4)
 #else
-#define TILES T(1, 1) T(1, 2) T(2, 1) T(2, 2) T(3, 1) T(3, 2) T(4, 1) T(4, 2)
+#define TILES T(1, 1) T(1, 2) T(2, 1) T(2, 2) T(3, 1) T(3, 2) T(4, 1) T(4, 2) T(5, 1) T(5, 2) T(6, 1) T(6, 2)
 #endif
 #define TILE_FN(name, pairs, acc)                                                                   \
     static void name(int mr, int nv, const float *a, int64_t lda, const float *b, int64_t ldb,      \
