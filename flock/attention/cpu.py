@@ -155,9 +155,10 @@ def plan_segments(s: Segments, heads_per_kv: int, num_kv_heads: int, threads: in
 class CpuCascadeBackend(TorchCascadeBackend):
     name = "cpu"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, isa: str | None = None, **kwargs):
+        """`isa`: a path of PATHS to take (if this CPU runs it); default: chosen_isa()."""
         super().__init__(*args, **kwargs)
-        self.isa = chosen_isa()
+        self.isa = chosen_isa() if isa is None else isa if isa in isa_paths() else None
         self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def uses_kernel(self, device: torch.device) -> bool:
