@@ -2,9 +2,11 @@
 
 usage: python _vllm_child.py JOB.json RESULT.json
 
-JOB: {"model", "prefix_caching", "gen", "max_model_len", "warmup": [[ids]], "workloads": {name: [[ids]]}}
+JOB: {"model", "prefix_caching", "gen", "max_model_len", "kv_cache_memory_bytes" (null: VLLM_CPU_KVCACHE_SPACE),
+"warmup": [[ids]], "workloads": {name: [[ids]]}}
 RESULT: {"vllm_version", "startup_s", "workloads": {name: {"wall_s", "prompt_tokens", "generated_tokens",
-"cached_tokens", "output_token_ids"}}}
+"cached_tokens", "output_token_ids", "metrics"}}}; metrics: vLLM's counters and histogram counts / sums over the
+workload (e.g. "vllm:num_preemptions", "vllm:iteration_tokens_total:count" = engine steps).
 """
 
 import json
@@ -25,6 +27,8 @@ def main(job_path: str, result_path: str) -> None:
         max_model_len=job["max_model_len"],
         enable_prefix_caching=job["prefix_caching"],
         seed=0,
+        disable_log_stats=False,  # keeps the metrics
+        **({"kv_cache_memory_bytes": job["kv_cache_memory_bytes"]} if job.get("kv_cache_memory_bytes") else {}),
     )
     startup_s = time.perf_counter() - t0
 
@@ -32,19 +36,32 @@ def main(job_path: str, result_path: str) -> None:
         params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
+    def metrics() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in llm.get_metrics():
+            if hasattr(m, "count"):  # histogram
+                out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
+                out[m.name + ":sum"] = out.get(m.name + ":sum", 0) + m.sum
+            elif isinstance(getattr(m, "value", None), (int, float)) and type(m).__name__ == "Counter":
+                out[m.name] = out.get(m.name, 0) + m.value
+        return out
+
     run(job["warmup"], 4)
     results = {}
     for name, prompts in job["workloads"].items():
         llm.reset_prefix_cache()
+        before = metrics()
         t = time.perf_counter()
         outs = run(prompts, job["gen"])
         wall = time.perf_counter() - t
+        after = metrics()
         results[name] = {
             "wall_s": wall,
             "prompt_tokens": sum(len(p) for p in prompts),
             "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
             "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "metrics": {k: v - before.get(k, 0) for k, v in after.items()},
         }
     result = {"vllm_version": vllm.__version__, "startup_s": startup_s, "workloads": results}
     open(result_path, "w").write(json.dumps(result))

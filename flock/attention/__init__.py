@@ -2,9 +2,11 @@ import importlib.util
 
 import torch
 
-from flock.attention.amx import AmxCascadeBackend, kernel_unavailable
+from flock.attention import amx, cpu
+from flock.attention.amx import AmxCascadeBackend
 from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 from flock.attention.cascade import TorchCascadeBackend
+from flock.attention.cpu import CpuCascadeBackend
 from flock.attention.torch_paged import TorchPagedBackend
 from flock.attention.triton_cascade import TritonCascadeBackend  # imports triton only when used
 
@@ -15,19 +17,25 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch-cascade": TorchCascadeBackend,
     "triton": TritonCascadeBackend,
     "amx": AmxCascadeBackend,
+    "cpu": CpuCascadeBackend,
 }
 
 
 def make_backend(name: str, config, device, dtype) -> AttentionBackend:
-    """`config` is a ModelConfig. "auto" picks the best backend available for the device."""
+    """`config` is a ModelConfig. "auto" picks the best backend available for the device; "cpu" is the fused
+    CPU kernel family, whose path is chosen at run time: AMX for bf16 where the CPU has it (unless
+    FLOCK_CPU_ISA forces a lower path), else the best of avx512bf16 / avx512 / avx2."""
     if name == "auto":
-        # torch-cascade equals torch when no two requests share prefix blocks; the AMX kernel takes bf16 on CPUs
+        # torch-cascade equals torch when no two requests share prefix blocks
         if device.type == "cuda" and importlib.util.find_spec("triton"):
             name = "triton"
-        elif device.type == "cpu" and dtype == torch.bfloat16 and kernel_unavailable() is None:
-            name = "amx"
+        elif device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and cpu.kernel_unavailable() is None:
+            name = "cpu"
         else:
             name = "torch-cascade"
+    if name == "cpu" and dtype == torch.bfloat16 and config.head_dim % 32 == 0 and config.head_dim <= 256 \
+            and cpu.forced_isa() in (None, "amx") and amx.kernel_unavailable() is None:
+        name = "amx"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
     c = config

@@ -40,7 +40,7 @@ class Segments:
         return len(self.kind)
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated aranges [starts[i], starts[i] + lengths[i])."""
     total = int(lengths.sum())
     offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
@@ -73,8 +73,8 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
     seg_begin = np.cumsum(seg_tokens) - seg_tokens
     num_partial = int(qlens[grouped].sum())
     seg_begin[len(grouped):] += num_partial
-    distinct_tok = _ranges(qs[order], seg_tokens)
-    distinct_pos = _ranges(computed[order], seg_tokens)
+    distinct_tok = concat_ranges(qs[order], seg_tokens)
+    distinct_pos = concat_ranges(computed[order], seg_tokens)
 
     # one segment per request (distinct), one per group (prefix)
     group_sizes = np.array([len(grp.members) for grp in groups], dtype=np.int64)

@@ -23,6 +23,7 @@ class RunStats:
     peak_kv_blocks: int = 0
     num_kv_blocks: int = 0
     step_tokens: int = 0
+    step_requests: int = 0
     max_step_tokens: int = 0
     trace_steps: bool = True  # keep tokens_per_step (off in a long-running server)
     tokens_per_step: list[int] = field(default_factory=list)
@@ -38,6 +39,7 @@ class RunStats:
         self.preemptions += len(plan.preempted)
         self.peak_kv_blocks = max(self.peak_kv_blocks, kv_used)
         self.step_tokens += plan.num_tokens
+        self.step_requests += len(plan.scheduled)
         self.max_step_tokens = max(self.max_step_tokens, plan.num_tokens)
         if self.trace_steps:
             self.tokens_per_step.append(plan.num_tokens)
@@ -70,6 +72,7 @@ class RunStats:
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
             "mean_tokens_per_step": self.step_tokens / steps,
+            "mean_requests_per_step": self.step_requests / steps,
             "max_tokens_per_step": self.max_step_tokens,
             "preemptions": self.preemptions,
             "schedule_seconds": self.schedule_seconds,

@@ -48,6 +48,8 @@ BUILTIN_MODELS: dict[str, dict] = {
     # the speed peers' shapes (shared/notes/peers.md): vocab 32,000, bf16
     "flock/bench-tiny": _llama(256, 4, 4, 4, 688, 32000) | {"torch_dtype": "bfloat16"},
     "flock/bench-mid": _llama(1024, 8, 16, 4, 2816, 32000) | {"torch_dtype": "bfloat16"},
+    # KV pressure (issue 12): 48 KiB of bf16 KV per token, so 1 GiB holds ~21,800 tokens
+    "flock/bench-kv": _llama(512, 24, 8, 8, 1408, 32000) | {"torch_dtype": "bfloat16"},
 }
 
 

@@ -75,6 +75,36 @@ def run_backend(name, cfg, layout, q, k, v, k_cache, v_cache):
     return backend.forward(q, k, v, kc, vc, meta), meta, kc, vc
 
 
+def long_layout(rng: np.random.Generator, bs: int) -> StepLayout:
+    """Contexts over several of the kernel's 128-position chunks: a fresh 300-token prefill (causal rows
+    that see nothing of later chunks), a 3-member group on a 70-block prefix with a 37-token chunk and
+    decodes, and a decode with 499 tokens of context."""
+    free = list(rng.permutation(2000))
+    tables, starts, qlens = [], [], []
+
+    def add(blocks, start, qlen):
+        tables.append(np.array(blocks, dtype=np.int64))
+        starts.append(start)
+        qlens.append(qlen)
+
+    add([free.pop() for _ in range(-(-300 // bs))], 0, 300)
+    prefix = [free.pop() for _ in range(70)]
+    for qlen in (1, 37, 1):
+        start = 70 * bs + int(rng.integers(0, 50))
+        add(prefix + [free.pop() for _ in range(-(-(start + qlen) // bs) - 70)], start, qlen)
+    add([free.pop() for _ in range(-(-500 // bs))], 499, 1)
+    starts, qlens = np.array(starts), np.array(qlens)
+    slots = np.concatenate([t[np.arange(s, s + q) // bs] * bs + np.arange(s, s + q) % bs
+                            for t, s, q in zip(tables, starts, qlens)])
+    return StepLayout(np.concatenate([[0], np.cumsum(qlens)]), starts + qlens, tables, bs, torch.from_numpy(slots))
+
+
+def half_ulp_excess(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest error beyond half a bf16 unit in the last place of the exact value (the output rounding)."""
+    exponent = torch.frexp(expected.abs().clamp_min(1e-30))[1]
+    return ((out.double() - expected).abs() - torch.ldexp(torch.ones_like(expected), exponent - 9)).max().item()
+
+
 LAYOUTS = {
     "several groups": ([(4, 3), (3, 5), (2, 2)], 2),
     "one big group": ([(9, 6)], 0),

@@ -1,0 +1,208 @@
+"""Prefix-sharing (cascade) attention on x86-64 CPUs: one fused C kernel per layer, for prefill and decode.
+
+The kernel (`csrc/cascade_cpu.c`) is one source built once per ISA path, the best one this CPU runs chosen at
+run time (FLOCK_CPU_ISA forces a lower one): `avx512bf16` (bf16 products by vdpbf16ps), `avx512` (AVX-512F)
+or `avx2` (AVX2 + FMA), each for bf16 and fp32. On CPUs with AMX, bf16 goes to the `amx` kernel instead (see
+`make_backend`). Work comes as the step's segments (`segments.py`: each group's stacked queries against its
+shared prefix, each request's queries against the rest of its context, causal), KV read from the paged
+blocks in place, the partials merged by log-sum-exp in the same call; a segment that would keep one thread
+busy alone (one long context, few KV heads) is split by KV range into pieces merged the same way. It runs on
+PyTorch's OpenMP threads and is compiled with gcc on first use, cached (FLOCK_CACHE_DIR, ~/.cache/flock).
+
+Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a
+sliding window, a head_dim that is not a multiple of 16 (or above 256), or no usable ISA path or gcc
+(`kernel_unavailable()` says why).
+"""
+
+import ctypes
+import functools
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flock.attention.base import AttentionMetadata, StepLayout, write_kv
+from flock.attention.cascade import TorchCascadeBackend
+from flock.attention.segments import DIRECT, PREFIX, Segments, build_segments, concat_ranges
+from flock.native import build, cpu_flags
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_cpu.c"
+ISA_ENV = "FLOCK_CPU_ISA"
+# path: (the CPU flags it needs, gcc flags), best first; "amx" (bf16) is the amx backend's
+PATHS = {
+    "avx512bf16": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]),
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
+}
+ORDER = ("amx", *PATHS)
+MAX_PARTS = 16  # KV pieces a segment is split into, at most (the kernel merges up to 64 partials per token)
+
+
+def forced_isa() -> str | None:
+    """FLOCK_CPU_ISA, checked: the path to force (a lower one than the CPU's best), or None."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if name and name not in ORDER:
+        raise ValueError(f"{ISA_ENV}={name!r} is not an ISA path; choose one of {', '.join(ORDER)}")
+    return name or None
+
+
+def isa_paths() -> list[str]:
+    """The kernel paths this CPU runs, best first (without "amx", which is the amx backend's)."""
+    return [p for p, (flags, _) in PATHS.items() if all(f in cpu_flags() for f in flags)]
+
+
+def chosen_isa() -> str | None:
+    """The non-AMX path the kernel takes here: the forced one, else the best the CPU runs; None if none."""
+    forced = forced_isa()
+    paths = isa_paths()
+    if forced in (None, "amx"):
+        return paths[0] if paths else None
+    return forced if forced in paths else None
+
+
+@functools.cache
+def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE, ["-O3", "-fopenmp", *PATHS[path][1]])))  # after torch: its libgomp
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
+        detail = getattr(e, "stderr", "") or str(e)
+        return None, f"could not build the {path} kernel: {detail.strip()[:500]}"
+    lib.flock_cpu_cascade.argtypes = [ctypes.POINTER(_Args)]
+    return lib, None
+
+
+def kernel_unavailable() -> str | None:
+    """Why the fused CPU kernel cannot run here, or None when it can."""
+    path = chosen_isa()
+    if path is None:
+        forced = forced_isa()
+        missing = [f for f in PATHS[forced][0] if f not in cpu_flags()] if forced in PATHS else []
+        return (f"{ISA_ENV}={forced} but this CPU lacks {', '.join(missing)}" if missing
+                else "this CPU has no AVX2 + FMA (nor AVX-512)")
+    return _load(path)[1]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("q_stride_t", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+        ("kv_stride_b", ctypes.c_int64), ("kv_stride_s", ctypes.c_int64), ("kv_stride_h", ctypes.c_int64),
+        ("segs", ctypes.c_void_p), ("tokens", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p), ("num_segs", ctypes.c_int32),
+        ("out", ctypes.c_void_p), ("out_stride_t", ctypes.c_int64), ("out_stride_h", ctypes.c_int64),
+        ("o_part", ctypes.c_void_p), ("lse_part", ctypes.c_void_p),
+        ("merge_offsets", ctypes.c_void_p), ("merge_slots", ctypes.c_void_p), ("merge_tokens", ctypes.c_void_p),
+        ("num_merges", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
+    ]
+
+
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+@dataclass
+class CpuMetadata(AttentionMetadata):
+    segs: torch.Tensor  # [S, 7] int32: begin, rows, table, kv_start, kv_end, causal, slot (-1: output)
+    tokens: torch.Tensor  # int32 step index of every entry
+    positions: torch.Tensor  # int32 position of every entry
+    tables: torch.Tensor  # int32 block tables, concatenated
+    merge_offsets: torch.Tensor  # int32 [M + 1]: token m's partial slots are merge_slots[offsets[m]:offsets[m + 1]]
+    merge_slots: torch.Tensor
+    merge_tokens: torch.Tensor  # int32 [M] step index of each merged token
+    num_slots: int
+    block_size: int
+
+
+def plan_segments(s: Segments, heads_per_kv: int, num_kv_heads: int, threads: int, unit_rows: int, chunk: int):
+    """The kernel's segment table, with every segment whose one-KV-head unit would hold more than half a
+    thread's share of the work split by KV range (pieces of whole chunks, each its own partial slots), and the
+    partial slots of each token to merge. Partials of unsplit grouped segments sit at their entries' index."""
+    causal = (s.kind != PREFIX).astype(np.int64)
+    slot = np.where(s.kind == DIRECT, -1, s.begin)
+    kv_len = s.kv_end - s.kv_start
+    share = float((s.rows * kv_len).sum()) * num_kv_heads / max(threads, 1)
+    unit = np.minimum(s.rows, unit_rows) * kv_len
+    parts = np.ones(len(s), dtype=np.int64)
+    if threads > 1 and share > 0:
+        parts = np.clip(np.ceil(unit / (share / 2)), 1, np.minimum(MAX_PARTS, -(-kv_len // chunk))).astype(np.int64)
+    step = -(-kv_len // np.maximum(parts, 1) // chunk) * chunk
+    parts = np.where(kv_len > 0, -(-kv_len // np.maximum(step, 1)), 1)
+    piece = np.repeat(np.arange(len(s)), parts)
+    index = np.arange(len(piece)) - np.repeat(np.cumsum(parts) - parts, parts)  # piece number in its segment
+    kv_start = s.kv_start[piece] + index * step[piece]
+    kv_end = np.minimum(kv_start + step[piece], s.kv_end[piece])
+    tokens_of = s.rows // heads_per_kv
+    fresh = (index > 0) | (slot[piece] < 0) & (parts[piece] > 1)  # pieces that need slots of their own
+    base = 2 * s.num_partial
+    sizes = np.where(fresh, tokens_of[piece], 0)
+    new_slot = base + np.cumsum(sizes) - sizes
+    piece_slot = np.where(fresh, new_slot, slot[piece])
+    num_slots = base + int(sizes.sum())
+    segs = np.stack([s.begin[piece], s.rows[piece], s.table[piece], kv_start, kv_end, causal[piece], piece_slot], 1)
+    slot_token = np.concatenate([s.tokens[:base], s.tokens[concat_ranges(s.begin[piece][fresh], sizes[fresh])]])
+    order = np.argsort(slot_token, kind="stable")
+    starts = np.flatnonzero(np.diff(slot_token[order], prepend=-1)) if num_slots else np.zeros(0, dtype=np.int64)
+    offsets = np.append(starts, num_slots)
+    return segs, order, offsets, slot_token[order][starts], num_slots
+
+
+class CpuCascadeBackend(TorchCascadeBackend):
+    name = "cpu"
+
+    def __init__(self, *args, isa: str | None = None, **kwargs):
+        """`isa`: a path of PATHS to take (if this CPU runs it); default: chosen_isa()."""
+        super().__init__(*args, **kwargs)
+        self.isa = chosen_isa() if isa is None else isa if isa in isa_paths() else None
+        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.sliding_window is None
+                and self.head_dim % 16 == 0 and self.head_dim <= 256 and self.isa is not None
+                and _load(self.isa)[1] is None)
+
+    def build_metadata(self, layout: StepLayout):
+        if not self.uses_kernel(layout.slot_mapping.device):
+            return super().build_metadata(layout)
+        lib = _load(self.isa)[0]
+        g = self.num_heads // self.num_kv_heads
+        s = build_segments(layout, g, self.min_prefix_blocks)
+        segs, slots, offsets, tokens, num_slots = plan_segments(
+            s, g, self.num_kv_heads, torch.get_num_threads(), lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk())
+        return CpuMetadata(layout.slot_mapping, _int32(segs), _int32(s.tokens), _int32(s.positions), _int32(s.tables),
+                           _int32(offsets), _int32(slots), _int32(tokens), num_slots, layout.block_size)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+        if not isinstance(meta, CpuMetadata):
+            return super().forward(q, k, v, k_cache, v_cache, meta)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("the CPU attention kernel needs K and V caches of one layout with contiguous heads")
+        out = torch.empty(q.shape, dtype=q.dtype)
+        o_part, lse_part = self._partial_buffers(meta.num_slots)
+        args = _Args(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1), *k_cache.stride()[:3],
+            meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
+            len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
+            meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
+            len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
+            int(q.dtype == torch.bfloat16),
+        )
+        code = _load(self.isa)[0].flock_cpu_cascade(ctypes.byref(args))
+        if code != 0:
+            raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
+        return out
+
+    def _partial_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 partial outputs and LSEs, reused across layers and steps (fresh MBs each layer fault pages)."""
+        if self._partials is None or self._partials[1].shape[0] < rows:
+            n = max(rows, 1) * 5 // 4 + 1
+            self._partials = (torch.empty((n, self.num_heads, self.head_dim)), torch.empty((n, self.num_heads)))
+        return self._partials

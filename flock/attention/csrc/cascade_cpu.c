@@ -1,0 +1,713 @@
+// Prefix-sharing (cascade) attention over the paged KV cache on x86-64 CPUs, prefill and decode, bf16 and fp32.
+//
+// One source, built once per ISA path by flock/attention/cpu.py with different gcc -m flags:
+//   avx512bf16: AVX-512 with vdpbf16ps: bf16 inputs multiply as bf16 pairs (QK^T and PV), softmax in fp32;
+//   avx512    : AVX-512F, bf16 inputs converted to fp32;
+//   avx2      : AVX2 + FMA (the portable floor), 8 lanes.
+// fp32 inputs take the fp32 products on every path (weights P kept in fp32, a 1-ulp 2^x).
+//
+// One call per layer. Work comes as segments (planned once per step in Python, see cpu.py):
+//   a set of query rows against one range of KV positions [kv_start, kv_end) through one block table, causal or
+//   not; segment row r is entry BEGIN + r / G and query head kv_head * G + r % G (G query heads share a KV head,
+//   so GQA reads each K and V row once for all of them). Its rows write the output (SLOT < 0) or an fp32
+//   partial and its log-sum-exp at partial slot SLOT + r / G; a last pass merges each token's partials (a
+//   group's prefix and the rest of the request's context, or the pieces of a segment split by KV range).
+//
+// A unit of work (one OpenMP task, dynamic scheduling, heaviest first) is up to UNIT_ROWS rows of a segment
+// and a run of KV heads. It walks the KV range in chunks of CHUNK positions; per chunk and head it repacks K
+// and V from the paged blocks (read in place) into the layouts the products want, then every block of MR rows
+// runs S = Q K^T, an online softmax (lazy rescale: the running max moves only when a score exceeds it by more
+// than 2^RESCALE_LOG2 in weight) and O += P V. Both products are one register-tiled microkernel,
+// C[MR rows][NV vectors] += A[row][k] (one 32-bit element broadcast) x B[k][NV vectors]:
+//   fp32 : QK^T: A = Q rows (fp32), B = K^T [dim][position];       PV: A = P (fp32), B = V [position][dim];
+//   bf16 : QK^T: A = Q rows as dim pairs, B = K^T [dim pair][position] (each lane a pair: vdpbf16ps);
+//          PV  : A = P rows rounded to bf16, pairs of positions, B = V [position pair][dim] (pairs interleaved).
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG_SLOT, SEG_FIELDS };
+
+#define CHUNK 64        // KV positions per chunk (a multiple of 32)
+#define MAX_D 256       // head_dim: a multiple of 16, at most this
+#define SPAN 256        // KV heads x head_dim of one unit (elements per position)
+#define UNIT_ROWS 120   // segment rows per unit (a multiple of MR)
+#define MAX_HEADS (SPAN / 16)
+#define RESCALE_LOG2 8.0f
+#define LOG2E 1.4426950408889634f
+
+typedef uint16_t bf16;
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;              // bf16 or fp32, as `bf16` says
+    int64_t q_stride_t, q_stride_h;                 // elements
+    int64_t kv_stride_b, kv_stride_s, kv_stride_h;  // elements, same for K and V
+    const int32_t *segs, *tokens, *positions, *tables;
+    int32_t num_segs;
+    void *out;
+    int64_t out_stride_t, out_stride_h;
+    float *o_part, *lse_part;                       // [slots, H, D], [slots, H]
+    const int32_t *merge_offsets, *merge_slots;     // merge m: slots merge_slots[offsets[m] .. offsets[m + 1]) (< 64)
+    const int32_t *merge_tokens;                    // into the output row of step token merge_tokens[m]
+    int32_t num_merges;
+    int32_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int32_t bf16;                                   // inputs and output: 1 bf16, 0 fp32
+} Args;
+
+// ------------------------------------------------------------------------------------------------ vectors
+
+#if defined(__AVX512F__)
+#define W 16
+#define MR 6   // rows of a register tile (UNIT_ROWS is a multiple of it)
+#define NV 4   // vectors of a register tile (6 x 4 accumulators of 32 registers)
+typedef __m512 vf;
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfms(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline int any_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
+static inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline vf keep_first(vf x, int n, vf fill) {  // lanes >= n replaced by fill
+    __mmask16 k = n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+    return _mm512_mask_mov_ps(fill, k, x);
+}
+static inline vf load_bf16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void store_bf16(bf16 *p, vf x) {  // round to nearest even
+    __m512i b = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(b));
+}
+static inline vf exp2_int(vf t) {  // t rounded to an integer, and 2^(t - n) from the caller: see vexp2
+    return _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vf scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+
+static inline void transpose16(__m512i r[16]) {  // a 16 x 16 matrix of 32-bit elements
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        t[b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
+        t[4 + b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
+        t[8 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+        t[12 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
+    }
+    for (int b = 0; b < 8; b++) {
+        r[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
+        r[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xdd);
+    }
+}
+static inline void transpose_w(vf x[W]) { transpose16((__m512i *)x); }
+#else
+#define W 8
+#define MR 6
+#define NV 2   // 6 x 2 accumulators of 16 registers
+typedef __m256 vf;
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfms(vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float hmax(vf x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline int any_gt(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
+static inline float hsum(vf x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf keep_first(vf x, int n, vf fill) {
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+    return _mm256_blendv_ps(fill, x, keep);
+}
+static inline vf load_bf16(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline void store_bf16(bf16 *p, vf x) {
+    __m256i b = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+static inline vf exp2_int(vf t) { return _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf scale2(vf p, vf n) {  // p * 2^n, n an integer in [-126, 127]
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline void transpose_w(vf x[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        x[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+#endif
+
+// 2^t for t <= 2^RESCALE_LOG2 (callers zero the weights of hidden positions themselves). `precise` (fp32
+// inputs): a degree-5 polynomial, 1.6e-7 relative error; otherwise degree 3, 7.5e-5 (below bf16 rounding).
+static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
+    t = vmax(t, vset1(-126.0f));
+    vf n = exp2_int(t), f = vsub(t, n);
+    vf p;
+    if (precise) {
+        p = vset1(1.3276471e-3f);
+        p = vfma(p, f, vset1(9.6755410e-3f));
+        p = vfma(p, f, vset1(5.5507131e-2f));
+        p = vfma(p, f, vset1(2.4022120e-1f));
+        p = vfma(p, f, vset1(6.9314694e-1f));
+        p = vfma(p, f, vset1(1.0000001f));
+    } else {
+        p = vset1(0.05517162f);
+        p = vfma(p, f, vset1(0.24261117f));
+        p = vfma(p, f, vset1(0.693261f));
+        p = vfma(p, f, vset1(0.99992807f));
+    }
+    return scale2(p, n);
+}
+
+// ------------------------------------------------------------------------------------------------ microkernel
+
+#define INLINE static inline __attribute__((always_inline))
+
+// C[mr][nv W] = (acc_in ? C : 0) + sum over i < k of A[r][i] B[i][.], with A's 32-bit elements broadcast (an
+// fp32 value, or with `pairs` two bf16 multiplied pairwise by vdpbf16ps) and B's rows nv vectors. lda, ldb and
+// ldc count 32-bit elements. mr, nv, pairs and acc_in are constants where it is inlined: the accumulators
+// stay in registers.
+INLINE void tile(const int mr, const int nv, const int pairs, const int acc_in, const float *a, int64_t lda,
+                 const float *b, int64_t ldb, float *c, int64_t ldc, int k) {
+    (void)pairs;  // only with vdpbf16ps
+    vf acc[MR][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; j++) acc[r][j] = acc_in ? vload(c + r * ldc + j * W) : vzero();
+    for (int i = 0; i < k; i++) {
+        vf bv[NV];
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; j++) bv[j] = vload(b + i * ldb + j * W);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                const __m512bh av = (__m512bh)_mm512_set1_epi32(((const int32_t *)a)[r * lda + i]);
+#pragma GCC unroll 4
+                for (int j = 0; j < nv; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, (__m512bh)bv[j]);
+                continue;
+            }
+#endif
+            const vf av = vset1(a[r * lda + i]);
+#pragma GCC unroll 4
+            for (int j = 0; j < nv; j++) acc[r][j] = vfma(av, bv[j], acc[r][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nv; j++) vstore(c + r * ldc + j * W, acc[r][j]);
+}
+
+#define T(m, n) case (m) * 8 + (n): tile(m, n, PAIRS, ACC, a, lda, b, ldb, c, ldc, k); return;
+#if W == 16
+#define TILES T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(3, 1) T(3, 2) T(3, 3) T(3, 4) \
+              T(4, 1) T(4, 2) T(4, 3) T(4, 4) T(5, 1) T(5, 2) T(5, 3) T(5, 4) T(6, 1) T(6, 2) T(6, 3) T(6, 4)
+#else
+#define TILES T(1, 1) T(1, 2) T(2, 1) T(2, 2) T(3, 1) T(3, 2) T(4, 1) T(4, 2) T(5, 1) T(5, 2) T(6, 1) T(6, 2)
+#endif
+#define TILE_FN(name, pairs, acc)                                                                   \
+    static void name(int mr, int nv, const float *a, int64_t lda, const float *b, int64_t ldb,      \
+                     float *c, int64_t ldc, int k) {                                                \
+        enum { PAIRS = pairs, ACC = acc };                                                          \
+        switch (mr * 8 + nv) { TILES }                                                              \
+    }
+TILE_FN(tile_qk, 0, 0)
+TILE_FN(tile_pv, 0, 1)
+#if defined(__AVX512BF16__)
+TILE_FN(tile_qk_pairs, 1, 0)
+TILE_FN(tile_pv_pairs, 1, 1)
+#else  // never called: the pairs format needs vdpbf16ps
+#define tile_qk_pairs tile_qk
+#define tile_pv_pairs tile_pv
+#endif
+
+// ------------------------------------------------------------------------------------------------ work
+
+typedef struct {  // per-thread scratch, 64-byte aligned
+    float kt[CHUNK * SPAN];     // K^T of a chunk, per head: fp32 [dim][CHUNK], or bf16 pairs [dim / 2][CHUNK]
+    float v[CHUNK * SPAN];      // V, per head: fp32 [position][dim], or bf16 [position / 2][dim][2]
+    float q[UNIT_ROWS * SPAN];  // the unit's query rows as the products take them: [head][row][dim]
+    float o[UNIT_ROWS * SPAN];  // running outputs (not yet divided by l): [head][row][dim]
+    float s[MR * CHUNK];        // scores of a row block
+    float p[MR * CHUNK];        // its weights: fp32, or bf16 (rows of CHUNK, in the first half)
+    float m[MAX_HEADS * UNIT_ROWS];      // running max of each row (score units)
+    float l[MAX_HEADS * UNIT_ROWS * W];  // and its sum of weights, by lanes
+    int32_t limit[UNIT_ROWS];   // last position each row sees
+    int64_t offset[2][CHUNK];   // cache offsets of a chunk's positions (first head of the unit); [2]: and the next
+} Scratch;
+
+typedef struct {  // rows [row0, row0 + nrows) of a segment, KV heads [h0, h0 + hb)
+    const int32_t *seg;
+    int row0, nrows, h0, hb;
+    double work;
+} Unit;
+
+
+// Cache offsets (elements) of positions [start, start + n) of one KV head: one table lookup per block.
+static void row_offsets(const Args *a, int64_t *off, int32_t table, int64_t start, int n, int kvh) {
+    const int bs = a->block_size;
+    int64_t block = start / bs, slot = start % bs;
+    int64_t base = (int64_t)a->tables[table + block] * a->kv_stride_b + (int64_t)kvh * a->kv_stride_h;
+    for (int t = 0; t < n; t++) {
+        if (slot == bs) {
+            slot = 0;
+            base = (int64_t)a->tables[table + ++block] * a->kv_stride_b + (int64_t)kvh * a->kv_stride_h;
+        }
+        off[t] = base + slot++ * a->kv_stride_s;
+    }
+}
+
+// K and V rows to prefetch a few at a time while other work runs (a burst of hundreds would stall the core
+// on its line-fill buffers): positions off[0 .. n), `bytes` from each (the unit's run of heads).
+typedef struct {
+    const int64_t *off;
+    int n, t;
+    int64_t bytes, at;
+} Prefetch;
+
+static Prefetch prefetch_plan(const Args *a, const int64_t *off, int n, int hb) {
+    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * (a->bf16 ? 2 : 4);
+    return (Prefetch){off, n, 0, bytes, 0};
+}
+
+static void prefetch_some(const Args *a, Prefetch *p, int lines) {
+    const int es = a->bf16 ? 2 : 4;
+    const char *k = a->k_cache, *v = a->v_cache;
+    for (; lines > 0 && p->t < p->n; lines -= 2) {
+        _mm_prefetch(k + p->off[p->t] * es + p->at, _MM_HINT_T0);
+        _mm_prefetch(v + p->off[p->t] * es + p->at, _MM_HINT_T0);
+        p->at += 64;
+        if (p->at >= p->bytes) p->at = 0, p->t++;
+    }
+}
+
+INLINE vf load_row(const void *base, int64_t i, const int in_bf16) {
+    return in_bf16 ? load_bf16((const bf16 *)base + i) : vload((const float *)base + i);
+}
+
+// A chunk of the unit's heads as fp32, K^T transposed W x W at a time (positions past n are zeros), V rows
+// copied. Reads go position by position over the run of heads: whole blocks of the cache in address order.
+INLINE void repack(const Args *a, Scratch *w, const int64_t *off, int n, int hb, const int in_bf16) {
+    const int D = a->head_dim;
+    const int64_t sh = a->kv_stride_h;
+    for (int t0 = 0; t0 < n; t0 += W)
+        for (int h = 0; h < hb; h++)
+            for (int d0 = 0; d0 < D; d0 += W) {
+                vf x[W];
+                for (int i = 0; i < W; i++)
+                    x[i] = t0 + i < n ? load_row(a->k_cache, off[t0 + i] + h * sh + d0, in_bf16) : vzero();
+                transpose_w(x);
+                for (int i = 0; i < W; i++) vstore(w->kt + h * CHUNK * D + (d0 + i) * CHUNK + t0, x[i]);
+            }
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < hb; h++)
+            for (int d0 = 0; d0 < D; d0 += W)
+                vstore(w->v + h * CHUNK * D + t * D + d0, load_row(a->v_cache, off[t] + h * sh + d0, in_bf16));
+}
+
+#if defined(__AVX512BF16__)
+static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
+
+// A bf16 chunk of the unit's heads as pairs: K^T as [dim pair][position] (16 x 16 transposes of 32-bit pairs),
+// V as [position pair][dim][2] (two rows interleaved); positions past n are zeros. Reads as in repack().
+static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int hb) {
+    const int D = a->head_dim;
+    const int64_t sh = a->kv_stride_h;
+    const bf16 *kc = a->k_cache, *vc = a->v_cache;
+    for (int t0 = 0; t0 < n; t0 += 16)
+        for (int h = 0; h < hb; h++) {
+            int32_t *kt = (int32_t *)w->kt + h * CHUNK * D;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                const int np = D - d0 >= 32 ? 16 : 8;  // dim pairs in this block (head_dim is a multiple of 16)
+                const __mmask16 mask = np == 16 ? 0xffff : 0x00ff;
+                __m512i x[16];
+                for (int i = 0; i < 16; i++)
+                    x[i] = t0 + i < n ? _mm512_maskz_loadu_epi32(mask, kc + off[t0 + i] + h * sh + d0)
+                                      : _mm512_setzero_si512();
+                transpose16(x);
+                for (int i = 0; i < np; i++) _mm512_storeu_si512(kt + (d0 / 2 + i) * CHUNK + t0, x[i]);
+            }
+        }
+    // element 2j: dim j of the first row, 2j + 1: of the second (+32: the second source)
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int t = 0; t < n; t += 2)
+        for (int h = 0; h < hb; h++) {
+            const bf16 *r0 = vc + off[t] + h * sh, *r1 = t + 1 < n ? vc + off[t + 1] + h * sh : ZERO_ROW;
+            int32_t *dst = (int32_t *)w->v + h * CHUNK * D + (t / 2) * D;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                const __mmask32 mask = D - d0 >= 32 ? 0xffffffffu : 0xffffu;
+                __m512i a0 = _mm512_maskz_loadu_epi16(mask, r0 + d0), a1 = _mm512_maskz_loadu_epi16(mask, r1 + d0);
+                _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(a0, lo, a1));
+                if (D - d0 >= 32) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(a0, hi, a1));
+            }
+        }
+}
+#else  // never called: the pairs format needs vdpbf16ps
+#define repack_pairs(a, w, off, n, hb) repack(a, w, off, n, hb, 1)
+#endif
+
+// Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
+// sees, its running max (moved only when a score exceeds it by 2^RESCALE_LOG2 in weight, O and l rescaled
+// then: most chunks keep it), weights 2^((s - m) c) with hidden positions exactly 0, stored as PV reads them,
+// and their sum added to the row's lanes of l (with pairs: of the bf16-rounded weights, the ones P V uses).
+INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_t c0, int nb, const int pairs,
+                    const int precise) {
+    const int D = a->head_dim;
+    const float cc = a->scale * LOG2E;
+    const vf ninf = vset1(-INFINITY), zero = vzero(), c = vset1(cc);
+    const int pvec = pairs ? (nb + 2 * W - 1) / (2 * W) * 2 : (nb + W - 1) / W;  // pairs: whole bf16 vectors
+    for (int r = 0; r < mr; r++) {
+        const float *s = w->s + r * CHUNK;
+        const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1;
+        const int vis = seen < nb ? (int)seen : nb, nvis = vis > 0 ? (vis + W - 1) / W : 0;
+        const int last = vis - (nvis - 1) * W;  // lanes the last visible vector has
+        float *m = w->m + hrow + r, *l = w->l + (int64_t)(hrow + r) * W;
+#define SCORE(j) ((j) + 1 < nvis || last == W ? vload(s + (j) * W) : keep_first(vload(s + (j) * W), last, ninf))
+        if (nvis > 0) {
+            vf mx = SCORE(0);
+            for (int j = 1; j < nvis; j++) mx = vmax(mx, SCORE(j));
+            if (*m == -INFINITY) {  // the row's first visible scores: O and l are zeros
+                *m = hmax(mx);
+            } else if (any_gt(mx, vset1(*m + RESCALE_LOG2 / cc))) {
+                const float top = hmax(mx);
+                const vf alpha = vset1(exp2f((*m - top) * cc));
+                float *o = w->o + (int64_t)(hrow + r) * D;
+                for (int d = 0; d < D; d += W) vstore(o + d, vmul(vload(o + d), alpha));
+                vstore(l, vmul(vload(l), alpha));
+                *m = top;
+            }
+        }
+#undef SCORE
+        const vf mc = vset1(*m * cc);
+        vf sum = vload(l);
+#define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
+#define WEIGHTS(j) ((j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
+                    : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
+#if defined(__AVX512BF16__)
+        if (pairs) {
+            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+            bf16 *p = (bf16 *)w->p + r * CHUNK;
+            for (int j = 0; j < pvec; j += 2) {
+                const __m512bh pb = _mm512_cvtne2ps_pbh(WEIGHTS(j + 1), WEIGHTS(j));
+                _mm512_storeu_si512(p + j * W, (__m512i)pb);
+                sum = _mm512_dpbf16_ps(sum, pb, ones);
+            }
+            vstore(l, sum);
+            continue;
+        }
+#endif
+        float *p = w->p + r * CHUNK;
+        for (int j = 0; j < pvec; j++) {
+            const vf pj = WEIGHTS(j);
+            vstore(p + j * W, pj);
+            sum = vadd(sum, pj);
+        }
+#undef WEIGHTS
+#undef EXP
+        vstore(l, sum);
+    }
+}
+
+static void finish(const Args *a, Scratch *w, const Unit *u) {
+    const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, H = a->num_heads;
+    const int32_t *seg = u->seg;
+    for (int h = 0; h < u->hb; h++)
+        for (int r = 0; r < u->nrows; r++) {
+            const int row = u->row0 + r, idx = h * UNIT_ROWS + r, head = (u->h0 + h) * G + row % G;
+            const int32_t e = seg[SEG_BEGIN] + row / G;
+            const float l = hsum(vload(w->l + (int64_t)idx * W));
+            const vf inv = vset1(l > 0 ? 1.0f / l : 0.0f);
+            const float *o = w->o + (int64_t)idx * D;
+            if (seg[SEG_SLOT] < 0) {
+                const int64_t dst = (int64_t)a->tokens[e] * a->out_stride_t + (int64_t)head * a->out_stride_h;
+                for (int d = 0; d < D; d += W) {
+                    const vf x = vmul(vload(o + d), inv);
+                    if (a->bf16) store_bf16((bf16 *)a->out + dst + d, x);
+                    else vstore((float *)a->out + dst + d, x);
+                }
+                continue;
+            }
+            const int64_t slot = (int64_t)seg[SEG_SLOT] + row / G;
+            float *dst = a->o_part + (slot * H + head) * D;
+            for (int d = 0; d < D; d += W) vstore(dst + d, vmul(vload(o + d), inv));
+            a->lse_part[slot * H + head] = l > 0 ? w->m[idx] * a->scale + logf(l) : -INFINITY;
+        }
+}
+
+// The KV positions unit u attends: its segment's range, causally cut after its last row's position.
+static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
+    const int G = a->num_heads / a->num_kv_heads;
+    const int32_t *seg = u->seg;
+    *kv0 = seg[SEG_KV_START];
+    *kv1 = seg[SEG_KV_END];
+    if (seg[SEG_CAUSAL]) {
+        const int64_t last = (int64_t)a->positions[seg[SEG_BEGIN] + (u->row0 + u->nrows - 1) / G] + 1;
+        *kv1 = last < *kv1 ? last : *kv1;
+    }
+}
+
+// Unit u; `next` (or NULL) is the unit this thread runs after it, whose first chunk is prefetched during u's
+// last one; `warm`: u's first chunk was prefetched so.
+INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm, const int pairs,
+                     const int in_bf16) {
+    const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, nrows = u->nrows;
+    const int qd = pairs ? D / 2 : D;  // 32-bit elements of a query row in scratch
+    const int32_t *seg = u->seg;
+    for (int r = 0; r < nrows; r++) {
+        const int row = u->row0 + r;
+        const int32_t e = seg[SEG_BEGIN] + row / G;
+        w->limit[r] = seg[SEG_CAUSAL] ? a->positions[e] : INT32_MAX;
+        for (int h = 0; h < u->hb; h++) {
+            const int64_t src = (int64_t)a->tokens[e] * a->q_stride_t + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h;
+            float *dst = w->q + (int64_t)(h * UNIT_ROWS + r) * qd;
+            if (pairs) memcpy(dst, (const bf16 *)a->q + src, D * sizeof(bf16));
+            else for (int d = 0; d < D; d += W) vstore(dst + d, load_row(a->q, src + d, in_bf16));
+            w->m[h * UNIT_ROWS + r] = -INFINITY;
+            vstore(w->l + (int64_t)(h * UNIT_ROWS + r) * W, vzero());
+            memset(w->o + (int64_t)(h * UNIT_ROWS + r) * D, 0, D * sizeof(float));
+        }
+    }
+    int64_t kv0, kv1;
+    kv_range(a, u, &kv0, &kv1);
+    int buf = 0;
+    if (kv0 < kv1) {
+        const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
+        row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, n0, u->h0);
+        if (!warm) {
+            Prefetch first = prefetch_plan(a, w->offset[0], n0, u->hb);
+            prefetch_some(a, &first, INT32_MAX);
+        }
+    }
+    const int steps = 3 * u->hb * ((nrows + MR - 1) / MR) + 1;  // prefetch slices per chunk
+    for (int64_t c0 = kv0; c0 < kv1; c0 += CHUNK, buf = !buf) {
+        const int n = kv1 - c0 < CHUNK ? kv1 - c0 : CHUNK;
+        const int64_t c1 = c0 + CHUNK;
+        const int n1 = c1 >= kv1 ? 0 : kv1 - c1 < CHUNK ? kv1 - c1 : CHUNK;
+        // what comes next streams in while this chunk is computed: this unit's next chunk or the next unit's first
+        Prefetch ahead = {0};
+        if (n1 > 0) {
+            row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
+            ahead = prefetch_plan(a, w->offset[!buf], n1, u->hb);
+        } else if (next != NULL) {
+            int64_t nk0, nk1;
+            kv_range(a, next, &nk0, &nk1);
+            const int nn = nk1 - nk0 < CHUNK ? nk1 - nk0 : CHUNK;
+            if (nn > 0) row_offsets(a, w->offset[!buf], next->seg[SEG_TABLE], nk0, nn, next->h0);
+            ahead = prefetch_plan(a, w->offset[!buf], nn > 0 ? nn : 0, next->hb);
+        }
+        const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
+        if (pairs) repack_pairs(a, w, w->offset[buf], n, u->hb);
+        else repack(a, w, w->offset[buf], n, u->hb, in_bf16);
+        prefetch_some(a, &ahead, slice);
+        for (int h = 0; h < u->hb; h++) {
+            const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
+            for (int r0 = 0; r0 < nrows; r0 += MR) {
+                prefetch_some(a, &ahead, slice);
+                const int mr = nrows - r0 < MR ? nrows - r0 : MR, hrow = h * UNIT_ROWS + r0;
+                const int64_t seen = (int64_t)w->limit[r0 + mr - 1] - c0 + 1;  // rows are in position order
+                if (seen <= 0) continue;
+                const int nb = seen < n ? (int)seen : n;  // positions any row of the block sees
+                const float *q = w->q + (int64_t)hrow * qd;
+                const int nvec = (nb + W - 1) / W;
+                for (int j0 = 0; j0 < nvec; j0 += NV) {
+                    const int nv = nvec - j0 < NV ? nvec - j0 : NV;
+                    (pairs ? tile_qk_pairs : tile_qk)(mr, nv, q, qd, kt + j0 * W, CHUNK, w->s + j0 * W, CHUNK, qd);
+                }
+                prefetch_some(a, &ahead, slice);
+                softmax(a, w, mr, r0, hrow, c0, nb, pairs, !in_bf16);
+                prefetch_some(a, &ahead, slice);
+                const int ksteps = pairs ? (nb + 1) / 2 : nb, pd = pairs ? CHUNK / 2 : CHUNK;
+                for (int d0 = 0; d0 < D / W; d0 += NV) {
+                    const int nv = D / W - d0 < NV ? D / W - d0 : NV;
+                    (pairs ? tile_pv_pairs : tile_pv)(mr, nv, w->p, pd, v + d0 * W, D,
+                                                      w->o + (int64_t)hrow * D + d0 * W, D, ksteps);
+                }
+            }
+        }
+        prefetch_some(a, &ahead, INT32_MAX);
+    }
+    finish(a, w, u);
+}
+
+typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, const Unit *, int);
+#if defined(__AVX512BF16__)
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 1, 1);
+}
+#else
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 0, 1);
+}
+#endif
+static void run_fp32(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    run_unit(a, w, u, next, warm, 0, 0);
+}
+
+// A token's partials (its group's prefix and the rest of its context, or the pieces of a split segment)
+// weighted by exp(lse - max lse).
+static void merge(const Args *a, int mi) {
+    const int D = a->head_dim, H = a->num_heads;
+    const int32_t *slots = a->merge_slots + a->merge_offsets[mi];
+    const int count = a->merge_offsets[mi + 1] - a->merge_offsets[mi];
+    const int64_t token = a->merge_tokens[mi];
+    for (int h = 0; h < H; h++) {
+        float top = -INFINITY, total = 0.0f, wt[64];
+        for (int i = 0; i < count; i++) {
+            const float x = a->lse_part[(int64_t)slots[i] * H + h];
+            top = x > top ? x : top;
+        }
+        for (int i = 0; i < count; i++) {
+            const float x = a->lse_part[(int64_t)slots[i] * H + h];
+            wt[i] = x == -INFINITY ? 0.0f : expf(x - top);
+            total += wt[i];
+        }
+        const int64_t dst = token * a->out_stride_t + (int64_t)h * a->out_stride_h;
+        for (int d = 0; d < D; d += W) {
+            vf o = vzero();
+            for (int i = 0; i < count; i++)
+                o = vfma(vload(a->o_part + ((int64_t)slots[i] * H + h) * D + d), vset1(wt[i] / total), o);
+            if (a->bf16) store_bf16((bf16 *)a->out + dst + d, o);
+            else vstore((float *)a->out + dst + d, o);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ entry
+
+static inline int row_blocks(const int32_t *seg) { return (seg[SEG_ROWS] + UNIT_ROWS - 1) / UNIT_ROWS; }
+
+static double unit_work(const Args *a, const int32_t *seg, int row0, int nrows) {
+    const Unit u = {seg, row0, nrows, 0, 1, 0};
+    int64_t kv0, kv1;
+    kv_range(a, &u, &kv0, &kv1);
+    return (double)nrows * ((double)(kv1 - kv0) + CHUNK);
+}
+
+// KV heads per unit: as many as fit in SPAN (each position's K and V rows read as one run), fewer when the
+// heaviest unit would hold more than half a thread's share of the work.
+static int heads_per_unit(const Args *a, int threads) {
+    int hb = SPAN / a->head_dim < a->num_kv_heads ? SPAN / a->head_dim : a->num_kv_heads;
+    double total = 0, heaviest = 0;
+    for (int i = 0; i < a->num_segs; i++) {
+        const int32_t *seg = a->segs + i * SEG_FIELDS;
+        const double work = unit_work(a, seg, 0, seg[SEG_ROWS]);
+        total += work;
+        heaviest = work / row_blocks(seg) > heaviest ? work / row_blocks(seg) : heaviest;
+    }
+    while (hb > 1 && heaviest * hb / a->num_kv_heads > total / (2 * threads)) hb = (hb + 1) / 2;
+    return hb;
+}
+
+static int heavier_first(const void *x, const void *y) {
+    const double a = ((const Unit *)x)->work, b = ((const Unit *)y)->work;
+    return (a < b) - (a > b);
+}
+
+static Scratch *thread_scratch(void) {
+    static __thread Scratch *w = NULL;
+    if (w == NULL) w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+    return w;
+}
+
+int flock_cpu_unit_rows(void) { return UNIT_ROWS; }
+int flock_cpu_chunk(void) { return CHUNK; }
+
+// Returns 0, or -1 for a shape this kernel does not take, -2 when out of memory.
+int flock_cpu_cascade(const Args *a) {
+    if (a->head_dim % 16 || a->head_dim > MAX_D || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return -1;
+    const RunUnit run = a->bf16 ? run_bf16 : run_fp32;
+    const int hb = heads_per_unit(a, omp_get_max_threads()), runs = (a->num_kv_heads + hb - 1) / hb;
+    int units = 0;
+    for (int i = 0; i < a->num_segs; i++) units += row_blocks(a->segs + i * SEG_FIELDS) * runs;
+    Unit *unit = malloc(sizeof(Unit) * (units > 0 ? units : 1));
+    if (unit == NULL) return -2;
+    for (int i = 0, n = 0; i < a->num_segs; i++) {
+        const int32_t *seg = a->segs + i * SEG_FIELDS;
+        for (int b = 0; b < row_blocks(seg); b++) {
+            const int row0 = b * UNIT_ROWS, nrows = seg[SEG_ROWS] - row0 < UNIT_ROWS ? seg[SEG_ROWS] - row0 : UNIT_ROWS;
+            for (int r = 0; r < runs; r++, n++) {
+                const int h0 = r * hb, heads = a->num_kv_heads - h0 < hb ? a->num_kv_heads - h0 : hb;
+                unit[n] = (Unit){seg, row0, nrows, h0, heads, unit_work(a, seg, row0, nrows) * heads};
+            }
+        }
+    }
+    qsort(unit, units, sizeof(Unit), heavier_first);  // dynamic scheduling balances the tail
+    int failed = 0, claimed = 0;
+#pragma omp parallel
+    {
+        // flush denormals to zero (FTZ, DAZ): tiny weights would otherwise cost microcode assists
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+        Scratch *w = thread_scratch();
+        if (w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        // dynamic scheduling, each thread claiming its next unit one ahead (to prefetch its first chunk)
+        int cur = w != NULL ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : units, warm = 0;
+        while (cur < units) {
+            const int nxt = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            run(a, w, &unit[cur], nxt < units ? &unit[nxt] : NULL, warm);
+            cur = nxt;
+            warm = 1;
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int m = 0; m < a->num_merges; m++) merge(a, m);
+        _mm_setcsr(csr);
+    }
+    free(unit);
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,243 @@
+"""The fused CPU kernel (every ISA path this machine runs, bf16 and fp32) equals per-request attention on random
+paged layouts; its fallbacks are TorchCascadeBackend bit for bit; inside the engine it keeps the invariant.
+
+Paths this CPU lacks are skipped (`isa_paths()` lists the ones it runs).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from flock.attention import cpu, make_backend
+from flock.attention.amx import AmxCascadeBackend, kernel_unavailable as amx_unavailable
+from flock.attention.cascade import CascadeMetadata, TorchCascadeBackend
+from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, plan_segments
+from flock.attention.segments import build_segments
+from flock.model.config import ModelConfig
+from tests.attention import test_backends as tb
+from tests.engine.test_parity import references  # noqa: F401 (a fixture)
+
+PATHS = [p if p in cpu.isa_paths() else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU cannot run {p}"))
+         for p in cpu.PATHS]
+SHAPES = {"bs4-d32": (4, 32), "bs16-d64": (16, 64), "bs8-d128": (8, 128), "bs8-d80": (8, 80)}
+FP32_TOL = 1e-5
+_references: dict = {}
+
+
+@pytest.fixture
+def shape(request, monkeypatch):
+    bs, head_dim = SHAPES[request.param]
+    monkeypatch.setattr(tb, "BS", bs)
+    monkeypatch.setattr(tb, "HEAD_DIM", head_dim)
+    return bs, head_dim
+
+
+def case(layout_name: str, heads: int, kv_heads: int, dtype, bs: int, head_dim: int):
+    """Inputs and the float64 reference, computed once for all ISA paths."""
+    key = (layout_name, heads, kv_heads, dtype, bs, head_dim)
+    if key not in _references:
+        rng = np.random.default_rng(len(layout_name) * 7 + heads)
+        layout = tb.long_layout(rng, bs) if layout_name == "long" else tb.random_layout(rng, *tb.LAYOUTS[layout_name])
+        q, k, v, k_cache, v_cache = tb.fused_inputs(layout, heads, kv_heads, dtype, heads, 2000)
+        _, _, kc, vc = tb.run_backend("torch", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
+        _references[key] = layout, (q, k, v, k_cache, v_cache), tb.reference(q, kc, vc, layout, kv_heads)
+    return _references[key]
+
+
+def check(out: torch.Tensor, expected: torch.Tensor, dtype) -> None:
+    if dtype == torch.bfloat16:  # beyond the output's rounding only P in bf16 (vdpbf16ps), as PyTorch's kernel
+        assert tb.half_ulp_excess(out, expected) <= 4e-3
+    else:
+        assert (out.double() - expected).abs().max().item() <= FP32_TOL
+
+
+def run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs):
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    backend = make_backend("cpu", tb.config(heads, kv_heads), torch.device("cpu"), inputs[0].dtype)
+    assert isinstance(backend, CpuCascadeBackend) and backend.isa == isa
+    meta = backend.build_metadata(layout)
+    assert isinstance(meta, CpuMetadata), "the kernel path was not taken"
+    q, k, v, k_cache, v_cache = inputs
+    return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta), meta
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 1), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("shape", list(SHAPES), indirect=True)
+def test_long_contexts_groups_and_fresh_prefills(monkeypatch, isa, dtype, heads, kv_heads, shape):
+    """A fresh 300-token prefill, a group on a 70-block prefix with a 37-token chunk and decodes, a decode
+    with 499 tokens of context: several of the kernel's chunks, causal, grouped and not."""
+    layout, inputs, expected = case("long", heads, kv_heads, dtype, *shape)
+    out, meta = run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs)
+    assert len(meta.merge_tokens) > 0
+    check(out, expected, dtype)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("layout_name", list(tb.LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (8, 1)], ids=["gqa1", "gqa8"])
+@pytest.mark.parametrize("shape", ["bs4-d32"], indirect=True)
+def test_random_layouts(monkeypatch, isa, layout_name, dtype, heads, kv_heads, shape):
+    layout, inputs, expected = case(layout_name, heads, kv_heads, dtype, *shape)
+    out, meta = run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs)
+    assert (len(meta.merge_tokens) > 0) == (layout_name in ("several groups", "one big group"))
+    check(out, expected, dtype)
+
+
+def test_plan_splits_a_segment_that_would_keep_one_thread_busy():
+    """One decode on a long context and one KV head: 8 threads get it as pieces of whole chunks; shorter
+    segments stay whole."""
+    bs = 16
+    tables = [np.arange(40), np.arange(40, 42)]
+    seq = np.array([640, 20])
+    layout = tb.StepLayout(np.array([0, 1, 2]), seq, tables, bs, torch.zeros(2, dtype=torch.int64))
+    s = build_segments(layout, 4, 2)
+    segs, slots, offsets, tokens, num_slots = plan_segments(s, 4, 1, threads=8, unit_rows=128, chunk=64)
+    long = segs[segs[:, 4] > 20]
+    assert len(long) > 2 and (long[:, 3] % 64 == 0).all() and long[0, 3] == 0 and long[-1, 4] == 640
+    assert (long[1:, 3] == long[:-1, 4]).all()  # consecutive, whole chunks
+    assert sorted(long[:, 6]) == list(range(len(long)))  # each its own slot
+    assert list(tokens) == [0] and offsets.tolist() == [0, len(long)] and num_slots == len(long)
+    assert segs[segs[:, 4] == 20, 6].tolist() == [-1]  # the short decode writes its output directly
+    single = plan_segments(s, 4, 1, threads=1, unit_rows=128, chunk=64)[0]
+    assert len(single) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_split_segments_merge_exactly(monkeypatch, dtype):
+    """With 4 threads and one KV head, a group's long prefix and a long decode are split by KV range."""
+    monkeypatch.setattr(tb, "BS", 8)
+    monkeypatch.setattr(tb, "HEAD_DIM", 64)
+    rng = np.random.default_rng(11)
+    layout = tb.random_layout(rng, [(2, 100)], 1, num_blocks=400)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        q, k, v, k_cache, v_cache = tb.fused_inputs(layout, 4, 1, dtype, 3, 400)
+        out, meta = run_cpu(cpu.chosen_isa(), monkeypatch, 4, 1, layout, (q, k, v, k_cache, v_cache))
+    finally:
+        torch.set_num_threads(threads)
+    assert meta.num_slots > 2 * 2  # more partials than the group's two per token
+    _, _, kc, vc = tb.run_backend("torch", tb.config(4, 1), layout, q, k, v, k_cache, v_cache)
+    check(out, tb.reference(q, kc, vc, layout, 1), dtype)
+
+
+@pytest.mark.parametrize("dtype, window, head_dim", [(torch.float64, None, 64), (torch.bfloat16, 7, 64),
+                                                     (torch.float32, None, 8), (torch.bfloat16, None, 40)])
+def test_falls_back_to_torch_cascade(monkeypatch, dtype, window, head_dim):
+    monkeypatch.setattr(tb, "HEAD_DIM", head_dim)
+    layout = tb.random_layout(np.random.default_rng(3), [(4, 5)], 1)
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, 4, 2, dtype)
+    backend = CpuCascadeBackend(4, 2, head_dim, window, dtype)
+    meta = backend.build_metadata(layout)
+    assert isinstance(meta, CascadeMetadata) and not isinstance(meta, CpuMetadata)
+    out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    cfg = ModelConfig("llama", 100, 4 * head_dim, 16, 1, 4, 2, head_dim, sliding_window=window)
+    expected = make_backend("torch-cascade", cfg, torch.device("cpu"), dtype)
+    ref = expected.forward(q, k, v, k_cache.clone(), v_cache.clone(), expected.build_metadata(layout))
+    assert torch.equal(out, ref)
+
+
+def test_auto_picks_the_kernel_on_x86_cpus():
+    cfg = tb.config(4, 2)
+    cfg.head_dim = 64
+    pick = lambda dtype: make_backend("auto", cfg, torch.device("cpu"), dtype)  # noqa: E731
+    if cpu.kernel_unavailable() is None:
+        assert isinstance(pick(torch.float32), CpuCascadeBackend)
+        assert isinstance(pick(torch.bfloat16), AmxCascadeBackend if amx_unavailable() is None else CpuCascadeBackend)
+    assert type(pick(torch.float64)) is TorchCascadeBackend
+
+
+@pytest.mark.parametrize("broken", ["forced path missing", "no compiler", "no AVX2"])
+def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
+    if broken == "forced path missing":
+        monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma"})
+        monkeypatch.setenv(cpu.ISA_ENV, "avx512bf16")
+    elif broken == "no AVX2":
+        monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2"})
+    else:
+        monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
+    cpu._load.cache_clear()
+    try:
+        reason = cpu.kernel_unavailable()
+        expected = {"forced path missing": "lacks avx512", "no compiler": "could not build", "no AVX2": "no AVX2"}
+        assert reason and expected[broken] in reason
+        cfg = tb.config(4, 2)
+        cfg.head_dim = 64
+        assert type(make_backend("auto", cfg, torch.device("cpu"), torch.float32)) is TorchCascadeBackend
+        layout = tb.random_layout(np.random.default_rng(1), [(3, 4)], 1)
+        assert not isinstance(CpuCascadeBackend(4, 2, 64, None, torch.float32).build_metadata(layout), CpuMetadata)
+    finally:
+        cpu._load.cache_clear()
+
+
+def test_an_unknown_isa_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(cpu.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="FLOCK_CPU_ISA='sse9'.*avx2"):
+        make_backend("cpu", tb.config(4, 2), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch, dtype):
+    """The kernel inside the engine (prefix caching, chunked prefills, decodes, groups): every layer's
+    output is within the bf16 bound (fp32: 1e-5) of exact attention on the same inputs."""
+    from tests.engine.test_parity import shared_prefix_prompts
+
+    from flock import LLM, SamplingParams
+
+    llm = LLM(str(hf_folders["llama"]), dtype=str(dtype).removeprefix("torch."), attention="cpu", block_size=4,
+              max_num_batched_tokens=48)
+    backend = llm.engine.runner.backend
+    if not isinstance(backend, CpuCascadeBackend):
+        pytest.skip("bf16 takes the amx kernel here")
+    exact = TorchCascadeBackend(backend.num_heads, backend.num_kv_heads, backend.head_dim, None, torch.float64)
+    forward, build = backend.forward, backend.build_metadata
+    seen = {"calls": 0, "grouped": 0, "prefill": 0, "fresh": 0, "error": 0.0}
+
+    def checked_build(layout):
+        seen["layout"] = layout
+        return build(layout)
+
+    def checked_forward(q, k, v, k_cache, v_cache, meta):
+        assert isinstance(meta, CpuMetadata)
+        out = forward(q, k, v, k_cache, v_cache, meta)  # writes k, v into the caches first
+        layout = seen["layout"]
+        ref = exact.forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
+                            exact.build_metadata(layout))
+        err = tb.half_ulp_excess(out, ref) if dtype == torch.bfloat16 else (out.double() - ref).abs().max().item()
+        seen["error"] = max(seen["error"], err)
+        seen["calls"] += 1
+        seen["grouped"] += len(meta.merge_tokens) > 0
+        seen["prefill"] += bool((layout.query_lens > 1).any())
+        seen["fresh"] += bool(((layout.query_lens == layout.seq_lens) & (layout.query_lens > 1)).any())
+        return out
+
+    monkeypatch.setattr(backend, "build_metadata", checked_build)
+    monkeypatch.setattr(backend, "forward", checked_forward)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in shared_prefix_prompts(seed=7)], params, use_tqdm=False)
+    assert seen["calls"] > 0 and seen["grouped"] > 0 and seen["prefill"] > 0 and seen["fresh"] > 0
+    assert seen["error"] <= (4e-3 if dtype == torch.bfloat16 else FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_float32_greedy_matches_transformers(hf_folders, references, kind):
+    """Float32 with the kernel gives transformers' greedy tokens (its float64 run), also under a KV budget a
+    fraction of the need (preemption and recomputation)."""
+    from tests.engine.test_parity import assert_no_leak
+
+    from flock import LLM, SamplingParams
+
+    prompts, expected = references(kind)
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
+    for budget in (None, 16):
+        llm = LLM(str(hf_folders[kind]), dtype="float32", attention="cpu", block_size=4, num_kv_blocks=budget,
+                  max_num_batched_tokens=32)
+        assert isinstance(llm.engine.runner.backend, CpuCascadeBackend)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert (llm.stats()["preemptions"] > 0) == (budget is not None)
+        assert_no_leak(llm)
