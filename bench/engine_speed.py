@@ -289,6 +289,8 @@ def run_vllm(folder: Path, workloads: list[Workload], caching: bool, python: Pat
             "kv_cache_memory_bytes": kv_bytes, "warmup": warmup_prompts(args),
             "workloads": {w.name: w.prompts for w in workloads}}))
         env = os.environ | VLLM_ENV | ({"LD_PRELOAD": str(TCMALLOC)} if TCMALLOC.exists() else {})
+        if kv_bytes:  # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes
+            env.pop("VLLM_CPU_KVCACHE_SPACE")
         with log.open("w") as f, OthersCPU() as others:  # over the whole child, start-up included
             proc = subprocess.run([python, BENCH / "_vllm_child.py", job, result], env=env, cwd=args.out,
                                   stdout=f, stderr=subprocess.STDOUT, timeout=args.vllm_timeout)
