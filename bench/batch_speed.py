@@ -89,18 +89,7 @@ def block_need(prompts: list[list[int]], gen: int) -> tuple[int, int, int]:
 def block_bound(prompts: list[list[int]]) -> float:
     """Best saving rate when only whole 16-token blocks are shared (Flock's prefix cache and batchllm) and
     every prompt computes at least its last token."""
-    seen: set[int] = set()
-    computed = 0
-    for p in prompts:
-        h, cached = 0, 0
-        for b in range(len(p) // BLOCK):
-            h = hash((h, tuple(p[b * BLOCK:(b + 1) * BLOCK])))
-            if h in seen:
-                cached = (b + 1) * BLOCK
-            seen.add(h)
-        computed += len(p) - min(cached, len(p) - 1)
-    total = sum(map(len, prompts))
-    return 1 - computed / total
+    return 1 - es.block_bound_tokens(prompts) / sum(map(len, prompts))
 
 
 # -- Flock -----------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
-from flock.attention.segments import build_segments
+from flock.attention.segments import PartialBuffers, build_segments, int32
 from flock.native import build, cpu_flags
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_amx.c"
@@ -51,7 +51,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, GCC_FLAGS)))  # after torch: it binds to torch's OpenMP runtime (libgomp.so.1)
+        lib = ctypes.CDLL(str(build(SOURCE, GCC_FLAGS)))  # after torch: binds to its libgomp
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the AMX kernel: {detail.strip()[:500]}"
@@ -65,9 +65,6 @@ def kernel_unavailable() -> str | None:
     """Why the AMX kernel cannot run here, or None when it can."""
     return _load()[1]
 
-
-def _int32(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
 
 @dataclass
@@ -85,7 +82,7 @@ class AmxCascadeBackend(TorchCascadeBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
         return (device.type == "cpu" and self.dtype == torch.bfloat16 and self.sliding_window is None
@@ -98,8 +95,8 @@ class AmxCascadeBackend(TorchCascadeBackend):
         segs = np.stack([s.begin, s.rows, s.table, s.kv_start, s.kv_end, s.kind], axis=1)
         work = (s.kv_end - s.kv_start) * s.rows
         segs = segs[np.argsort(-work, kind="stable")]  # longest first: dynamic scheduling balances the tail
-        return AmxMetadata(layout.slot_mapping, _int32(segs), _int32(s.tokens), _int32(s.positions),
-                           _int32(s.tables), s.num_partial, layout.block_size)
+        return AmxMetadata(layout.slot_mapping, int32(segs), int32(s.tokens), int32(s.positions),
+                           int32(s.tables), s.num_partial, layout.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, AmxMetadata):
@@ -110,7 +107,7 @@ class AmxCascadeBackend(TorchCascadeBackend):
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("the AMX kernel needs K and V caches of one layout with contiguous heads")
         out = torch.empty(q.shape, dtype=q.dtype)
-        o_part, lse_part = self._partial_buffers(2 * meta.num_partial)
+        o_part, lse_part = self.partials.get(2 * meta.num_partial)
         args = _Args(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1),
             *k_cache.stride()[:3], meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(),
@@ -122,10 +119,3 @@ class AmxCascadeBackend(TorchCascadeBackend):
         if code != 0:
             raise RuntimeError(f"AMX cascade kernel failed ({code})")
         return out
-
-    def _partial_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 partial outputs and LSEs, reused across layers and steps (fresh MBs each layer fault pages)."""
-        if self._partials is None or self._partials[1].shape[0] < rows:
-            n = max(rows, 1) * 5 // 4 + 1
-            self._partials = (torch.empty((n, self.num_heads, self.head_dim)), torch.empty((n, self.num_heads)))
-        return self._partials

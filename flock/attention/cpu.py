@@ -26,7 +26,7 @@ import torch
 
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
-from flock.attention.segments import DIRECT, PREFIX, Segments, build_segments, concat_ranges
+from flock.attention.segments import DIRECT, PREFIX, PartialBuffers, Segments, build_segments, concat_ranges, int32
 from flock.native import build, cpu_flags
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_cpu.c"
@@ -102,9 +102,6 @@ class _Args(ctypes.Structure):
     ]
 
 
-def _int32(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
 
 @dataclass
 class CpuMetadata(AttentionMetadata):
@@ -159,7 +156,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
         """`isa`: a path of PATHS to take (if this CPU runs it); default: chosen_isa()."""
         super().__init__(*args, **kwargs)
         self.isa = chosen_isa() if isa is None else isa if isa in isa_paths() else None
-        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
         return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.sliding_window is None
@@ -174,8 +171,8 @@ class CpuCascadeBackend(TorchCascadeBackend):
         s = build_segments(layout, g, self.min_prefix_blocks)
         segs, slots, offsets, tokens, num_slots = plan_segments(
             s, g, self.num_kv_heads, torch.get_num_threads(), lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk())
-        return CpuMetadata(layout.slot_mapping, _int32(segs), _int32(s.tokens), _int32(s.positions), _int32(s.tables),
-                           _int32(offsets), _int32(slots), _int32(tokens), num_slots, layout.block_size)
+        return CpuMetadata(layout.slot_mapping, int32(segs), int32(s.tokens), int32(s.positions), int32(s.tables),
+                           int32(offsets), int32(slots), int32(tokens), num_slots, layout.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, CpuMetadata):
@@ -186,7 +183,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("the CPU attention kernel needs K and V caches of one layout with contiguous heads")
         out = torch.empty(q.shape, dtype=q.dtype)
-        o_part, lse_part = self._partial_buffers(meta.num_slots)
+        o_part, lse_part = self.partials.get(meta.num_slots)
         args = _Args(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1), *k_cache.stride()[:3],
             meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
@@ -199,10 +196,3 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if code != 0:
             raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
         return out
-
-    def _partial_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 partial outputs and LSEs, reused across layers and steps (fresh MBs each layer fault pages)."""
-        if self._partials is None or self._partials[1].shape[0] < rows:
-            n = max(rows, 1) * 5 // 4 + 1
-            self._partials = (torch.empty((n, self.num_heads, self.head_dim)), torch.empty((n, self.num_heads)))
-        return self._partials

@@ -14,6 +14,7 @@ The groups are TorchCascadeBackend's (see `sharing.py`).
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from flock.attention.base import StepLayout
 from flock.attention.sharing import find_prefix_groups
@@ -96,3 +97,24 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
         num_partial=num_partial,
         num_groups=len(groups),
     )
+
+
+def int32(a: np.ndarray) -> torch.Tensor:
+    """A contiguous int32 tensor for the C kernels."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+class PartialBuffers:
+    """The fused kernels' fp32 partial outputs and LSEs, reused across layers and steps (fresh MBs for each
+    layer would fault their pages in again)."""
+
+    def __init__(self, num_heads: int, head_dim: int):
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def get(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.lse is None or self.lse.shape[0] < rows:
+            n = max(rows, 1) * 5 // 4 + 1
+            self.out, self.lse = torch.empty((n, self.num_heads, self.head_dim)), torch.empty((n, self.num_heads))
+        return self.out, self.lse
