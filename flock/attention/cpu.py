@@ -72,6 +72,9 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the {path} kernel: {detail.strip()[:500]}"
     lib.flock_cpu_cascade.argtypes = [ctypes.POINTER(_Args)]
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.flock_cpu_write_kv.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
+    lib.flock_cpu_write_kv.restype = None
     return lib, None
 
 
@@ -177,11 +180,11 @@ class CpuCascadeBackend(TorchCascadeBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, CpuMetadata):
             return super().forward(q, k, v, k_cache, v_cache, meta)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
         if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("the CPU attention kernel needs K and V caches of one layout with contiguous heads")
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
         o_part, lse_part = self.partials.get(meta.num_slots)
         args = _Args(
@@ -196,3 +199,15 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if code != 0:
             raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
         return out
+
+    def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+        """write_kv by one memcpy per token and cache where each token's heads are contiguous rows."""
+        row = k.shape[1] * k.shape[2]
+        rows_ok = k.stride()[1:] == v.stride()[1:] == (k.shape[2], 1) and k_cache.dtype == k.dtype == v.dtype
+        if not (rows_ok and k_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+                and slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == len(k)):
+            return write_kv(k, v, k_cache, v_cache, slots)
+        size = k.element_size()
+        _load(self.isa)[0].flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                              k_cache.data_ptr(), v_cache.data_ptr(), row * size, slots.data_ptr(),
+                                              k.shape[0], row * size)

@@ -19,8 +19,8 @@ from flock.native import build, cpu_flags
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 ISA_FLAGS = {  # widest first: (CPU flags needed, gcc flags)
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]),
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
     "baseline": ((), []),
 }

@@ -124,6 +124,30 @@ def test_split_segments_merge_exactly(monkeypatch, dtype):
     check(out, tb.reference(q, kc, vc, layout, 1), dtype)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_write_equals_index_copy(monkeypatch, isa, dtype):
+    """The kernel's KV write (k and v as strided views of a fused qkv output) stores what write_kv stores; a cache
+    it cannot address row by row goes through write_kv."""
+    from flock.attention.base import write_kv
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, d, blocks, bs = 37, 8, 2, 64, 12, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)
+    _, k, v = qkv.view(tokens, -1, d).split([heads, kv_heads, kv_heads], 1)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    backend = CpuCascadeBackend(heads, kv_heads, d, None, dtype, isa=isa)
+    caches = [torch.zeros(blocks, bs, kv_heads, d, dtype=dtype) for _ in range(4)]
+    with monkeypatch.context() as m:
+        m.setattr(cpu, "write_kv", None)  # the kernel's own write, not the fallback
+        backend._write_kv(k, v, caches[0], caches[1], slots)
+    write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    strided = [torch.zeros(blocks, bs, kv_heads, 2 * d, dtype=dtype)[..., :d] for _ in range(2)]
+    backend._write_kv(k, v, *strided, slots)
+    assert torch.equal(strided[0], caches[2]) and torch.equal(strided[1], caches[3])
+
+
 @pytest.mark.parametrize("dtype, window, head_dim", [(torch.float64, None, 64), (torch.bfloat16, 7, 64),
                                                      (torch.float32, None, 8), (torch.bfloat16, None, 40)])
 def test_falls_back_to_torch_cascade(monkeypatch, dtype, window, head_dim):

@@ -4,9 +4,10 @@
 //
 // Each op rounds where the plain PyTorch ops it replaces (flock/model/llama.py, rope.py) round: a bf16 result
 // of PyTorch is a float result rounded to bf16 (nearest even), so every intermediate PyTorch stores as a bf16
-// tensor is rounded here too (ROUND). Built with -ffp-contract=off (no fused multiply-adds), so products and
-// sums round as PyTorch's do: RoPE and the residual add are bit-exact; RMSNorm sums its squares in another
-// order and SiLU uses its own exp, so a rounding of theirs may flip (a unit or two in the last place, rarely).
+// tensor is rounded here too (ROUND). Built with -ffp-contract=off (no implicit fused multiply-adds; exp's
+// polynomial uses explicit ones where the ISA has FMA), so products and sums round as PyTorch's do: RoPE and
+// the residual add are bit-exact; RMSNorm sums its squares in another order and SiLU uses its own exp, so a
+// rounding of theirs may flip (a unit or two in the last place, rarely).
 // Compiled once per ISA (AVX-512, AVX2 or baseline flags, chosen at run time); gcc vectorizes the loops.
 #include <math.h>
 #include <stdint.h>
@@ -42,20 +43,27 @@ static inline float pow2i(int32_t n) {  // 2^n for n in [-126, 127]
     return f;
 }
 
+#ifdef __FMA__
+#define FMA(a, b, c) fmaf(a, b, c)
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))  // the baseline build: no FMA unit to use, and libm's fmaf is a call
+#endif
+
 static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); inf above, 0 below the float range
     float xc = x < -87.33654f ? -87.33654f : x;
     xc = xc > 88.72284f ? 88.72284f : xc;
-    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
-    float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float n = FMA(xc, 1.44269504f, 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+    float r = FMA(n, -0.693359375f, xc);
+    r = FMA(n, 2.12194440e-4f, r);
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = (p * r) * r + r + 1.0f;
-    int32_t k = (int32_t)n, half = k / 2;  // two exact power-of-2 factors keep 2^128 and 2^-126 in range
-    y = (y * pow2i(half)) * pow2i(k - half);
+    p = FMA(p, r, 1.3981999507e-3f);
+    p = FMA(p, r, 8.3334519073e-3f);
+    p = FMA(p, r, 4.1665795894e-2f);
+    p = FMA(p, r, 1.6666665459e-1f);
+    p = FMA(p, r, 5.0000001201e-1f);
+    float y = FMA(p * r, r, r) + 1.0f;
+    int32_t k = (int32_t)n;  // in [-126, 128]: 2^128 as 2^127 * 2
+    y = y * pow2i(k > 127 ? 127 : k) * (k > 127 ? 2.0f : 1.0f);
     y = x > 88.72284f ? INFINITY : y;
     return x < -87.33654f ? 0.0f : y;
 }
