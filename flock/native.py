@@ -1,8 +1,9 @@
 """Native C kernels: the CPU's feature flags, and a kernel built with gcc on first use, cached by content.
 
 Kernels live as C sources in the package (`*/csrc/*.c`); `build(source, flags)` compiles one into a shared
-library under FLOCK_CACHE_DIR (default ~/.cache/flock)/kernels, named by a hash of the source and the flags,
-so a changed source or flag set is rebuilt and concurrent builders each install a whole library.
+library under FLOCK_CACHE_DIR (default ~/.cache/flock)/kernels, named by a hash of the source, the headers
+beside it and the flags, so a changed source, header or flag set is rebuilt and concurrent builders each install
+a whole library.
 """
 
 import functools
@@ -39,9 +40,10 @@ def cache_dir() -> Path:
 
 
 def build(source: Path, flags: list[str]) -> Path:
-    """Compile `source` with gcc and `flags` (plus -shared -fPIC) unless a library of it is cached; its path.
+    """Compile `source` with gcc and `flags` (plus -shared -fPIC) unless a library of it (and of the headers
+    beside it) is cached; its path.
     Raises subprocess.CalledProcessError (with gcc's stderr) or OSError (no gcc, no writable cache)."""
-    text = source.read_bytes()
+    text = b"".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])  # it may include them
     tag = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{tag}.so"
     if not lib.exists():

@@ -108,30 +108,7 @@ static inline __m512 exp2_ps(__m512 t) {  // 2^t, relative error 7.5e-5 (P is ro
     return _mm512_scalef_ps(p, n);
 }
 
-static inline void transpose16x16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    // lane j of r[4a + b] now holds column 4j + b of rows 4a .. 4a + 3
-    for (int b = 0; b < 4; b++) {
-        t[b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
-        t[4 + b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
-        t[8 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
-        t[12 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
-    }
-    for (int b = 0; b < 8; b++) {
-        r[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
-        r[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xdd);
-    }
-}
+#include "transpose16.h"
 
 // Cache offsets (elements) of positions [start, start + n) of one KV head: one table lookup per block.
 static void row_offsets(const Args *a, int64_t *off, int32_t table, int32_t start, int n, int kvh) {
@@ -223,7 +200,7 @@ static void load_queries(const Args *a, Scratch *w, const Unit *u, int row0, int
     for (int c = 0; c < D / 32; c++) {
         __m512i r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src[i] + 32 * c);
-        transpose16x16_epi32(r);
+        transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_store_si512(w->qt + (j * (D / 32) + c) * 512 + 32 * i, r[i]);
     }
 }
@@ -341,7 +318,7 @@ static __m512 weights(const float *sc, bf16 *pa, int n, __m512 cc, __m512 mc, __
             x[p] = _mm512_permutexvar_epi16(interleave, (__m512i)pb);  // dword m: (P[m][t], P[m][t + 1])
             acc = _mm512_dpbf16_ps(acc, (__m512bh)x[p], ones);
         }
-        transpose16x16_epi32(x);  // row m: its 16 position pairs
+        transpose16(x);  // row m: its 16 position pairs
         for (int m = 0; m < 16; m++) _mm512_store_si512(pa + t32 * 512 + 32 * m, x[m]);
     }
     *sum = acc;
