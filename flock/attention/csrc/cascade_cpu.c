@@ -22,6 +22,8 @@
 //   fp32 : QK^T: A = Q rows (fp32), B = K^T [dim][position];       PV: A = P (fp32), B = V [position][dim];
 //   bf16 : QK^T: A = Q rows as dim pairs, B = K^T [dim pair][position] (each lane a pair: vdpbf16ps);
 //          PV  : A = P rows rounded to bf16, pairs of positions, B = V [position pair][dim] (pairs interleaved).
+// With vdpbf16ps, units of at most DIRECT_ROWS rows (decode when few query heads share a KV head) skip the
+// repack and read K and V rows in place (direct_head): the repack would be most of their time.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -476,6 +478,91 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     }
 }
 
+#if defined(__AVX512BF16__)
+#define DIRECT_ROWS 2  // units of at most this many rows read K and V in place, without the repack
+
+// A unit of few rows (decode: one token's query heads that share a KV head) spends most of its time in the
+// repack; for those, head h of a chunk is done straight from the cache. Scores: per row and position, the
+// query's dim pairs times the K row's (vdpbf16ps), 16 positions' partial sums reduced to one vector by a
+// transpose-add tree. P V: per position, its weight broadcast as a bf16 pair (p, 0) and (0, p) times the V
+// row's dim pairs gives the even and the odd dims, interleaved into O once per chunk.
+INLINE void direct_head_nd(const Args *a, Scratch *w, const int64_t *off, int64_t c0, int n, int h, int nrows,
+                           const int nd) {
+    const int D = a->head_dim, hrow = h * UNIT_ROWS;
+    const __mmask16 tail = D % 32 ? 0x00ff : 0xffff;  // dim pairs of the last vector
+    const int64_t sh = (int64_t)h * a->kv_stride_h;
+    const bf16 *kc = a->k_cache, *vc = a->v_cache;
+    const int64_t seen = (int64_t)w->limit[nrows - 1] - c0 + 1;  // rows are in position order
+    if (seen <= 0) return;
+    const int nb = seen < n ? (int)seen : n;
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+#define FOLD(x, y) _mm512_add_ps(_mm512_permutex2var_ps(x, even, y), _mm512_permutex2var_ps(x, odd, y))
+    for (int r = 0; r < nrows; r++) {
+        __m512i q[MAX_D / 32];
+        for (int j = 0; j < nd; j++)
+            q[j] = _mm512_maskz_loadu_epi32(j + 1 < nd ? 0xffff : tail, (const int32_t *)w->q + (int64_t)(hrow + r) * (D / 2) + j * 16);
+        for (int t0 = 0; t0 < nb; t0 += 16) {
+            vf acc[16];
+            const int m = nb - t0 < 16 ? nb - t0 : 16;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                acc[i] = vzero();
+                const bf16 *k = kc + off[t0 + (i < m ? i : 0)] + sh;  // past the end: a row read, its sums unused
+#pragma GCC unroll 8
+                for (int j = 0; j < nd; j++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)q[j],
+                                              (__m512bh)_mm512_maskz_loadu_epi32(j + 1 < nd ? 0xffff : tail, k + j * 32));
+            }
+            for (int i = 0; i < 8; i++) acc[i] = FOLD(acc[2 * i], acc[2 * i + 1]);
+            for (int i = 0; i < 4; i++) acc[i] = FOLD(acc[2 * i], acc[2 * i + 1]);
+            for (int i = 0; i < 2; i++) acc[i] = FOLD(acc[2 * i], acc[2 * i + 1]);
+            vstore(w->s + r * CHUNK + t0, FOLD(acc[0], acc[1]));
+        }
+    }
+#undef FOLD
+    softmax(a, w, nrows, 0, hrow, c0, nb, 1, 0);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int r = 0; r < nrows; r++) {
+        const uint16_t *p = (const uint16_t *)w->p + r * CHUNK;
+        vf ev[MAX_D / 32], od[MAX_D / 32];
+        for (int j = 0; j < nd; j++) ev[j] = od[j] = vzero();
+        for (int t = 0; t < nb; t++) {
+            const __m512bh pe = (__m512bh)_mm512_set1_epi32(p[t]), po = (__m512bh)_mm512_set1_epi32((int32_t)p[t] << 16);
+            const bf16 *v = vc + off[t] + sh;
+            for (int j = 0; j < nd; j++) {
+                const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi32(j + 1 < nd ? 0xffff : tail, v + j * 32);
+                ev[j] = _mm512_dpbf16_ps(ev[j], x, pe);
+                od[j] = _mm512_dpbf16_ps(od[j], x, po);
+            }
+        }
+        float *o = w->o + (int64_t)(hrow + r) * D;
+        for (int j = 0; j < nd; j++) {
+            vstore(o + 32 * j, vadd(vload(o + 32 * j), _mm512_permutex2var_ps(ev[j], lo, od[j])));
+            if (D - 32 * j >= 32)
+                vstore(o + 32 * j + 16, vadd(vload(o + 32 * j + 16), _mm512_permutex2var_ps(ev[j], hi, od[j])));
+        }
+    }
+}
+
+static void direct_head(const Args *a, Scratch *w, const int64_t *off, int64_t c0, int n, int h, int nrows) {
+    switch ((a->head_dim + 31) / 32) {
+        case 1: direct_head_nd(a, w, off, c0, n, h, nrows, 1); return;
+        case 2: direct_head_nd(a, w, off, c0, n, h, nrows, 2); return;
+        case 3: direct_head_nd(a, w, off, c0, n, h, nrows, 3); return;
+        case 4: direct_head_nd(a, w, off, c0, n, h, nrows, 4); return;
+        case 5: direct_head_nd(a, w, off, c0, n, h, nrows, 5); return;
+        case 6: direct_head_nd(a, w, off, c0, n, h, nrows, 6); return;
+        case 7: direct_head_nd(a, w, off, c0, n, h, nrows, 7); return;
+        default: direct_head_nd(a, w, off, c0, n, h, nrows, 8); return;
+    }
+}
+#else
+#define DIRECT_ROWS 0
+#define direct_head(a, w, off, c0, n, h, nrows) ((void)0)
+#endif
+
 // Unit u; `next` (or NULL) is the unit this thread runs after it, whose first chunk is prefetched during u's
 // last one; `warm`: u's first chunk was prefetched so.
 INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm, const int pairs,
@@ -509,6 +596,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         }
     }
     const int steps = 3 * u->hb * ((nrows + MR - 1) / MR) + 1;  // prefetch slices per chunk
+    const int direct = pairs && nrows <= DIRECT_ROWS;
     for (int64_t c0 = kv0; c0 < kv1; c0 += CHUNK, buf = !buf) {
         const int n = kv1 - c0 < CHUNK ? kv1 - c0 : CHUNK;
         const int64_t c1 = c0 + CHUNK;
@@ -526,10 +614,15 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
             ahead = prefetch_plan(a, w->offset[!buf], nn > 0 ? nn : 0, next->hb);
         }
         const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
-        if (pairs) repack_pairs(a, w, w->offset[buf], n, u->hb);
-        else repack(a, w, w->offset[buf], n, u->hb, in_bf16);
+        if (!pairs) repack(a, w, w->offset[buf], n, u->hb, in_bf16);
+        else if (!direct) repack_pairs(a, w, w->offset[buf], n, u->hb);
         prefetch_some(a, &ahead, slice);
         for (int h = 0; h < u->hb; h++) {
+            if (direct) {
+                direct_head(a, w, w->offset[buf], c0, n, h, nrows);
+                prefetch_some(a, &ahead, 3 * slice);
+                continue;
+            }
             const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
             for (int r0 = 0; r0 < nrows; r0 += MR) {
                 prefetch_some(a, &ahead, slice);
