@@ -526,22 +526,33 @@ INLINE void direct_head_nd(const Args *a, Scratch *w, const int64_t *off, int64_
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
     for (int r = 0; r < nrows; r++) {
         const uint16_t *p = (const uint16_t *)w->p + r * CHUNK;
-        vf ev[MAX_D / 32], od[MAX_D / 32];
-        for (int j = 0; j < nd; j++) ev[j] = od[j] = vzero();
-        for (int t = 0; t < nb; t++) {
-            const __m512bh pe = (__m512bh)_mm512_set1_epi32(p[t]), po = (__m512bh)_mm512_set1_epi32((int32_t)p[t] << 16);
-            const bf16 *v = vc + off[t] + sh;
+        // two sets of accumulators, for even and odd positions: one would wait on vdpbf16ps' latency
+        vf ev[2][MAX_D / 32], od[2][MAX_D / 32];
+#pragma GCC unroll 8
+        for (int j = 0; j < nd; j++) ev[0][j] = od[0][j] = ev[1][j] = od[1][j] = vzero();
+        for (int t = 0; t < nb; t += 2) {
+            const int32_t p0 = p[t], p1 = t + 1 < nb ? p[t + 1] : 0;  // past the end: weight 0
+            const __m512bh pe0 = (__m512bh)_mm512_set1_epi32(p0), po0 = (__m512bh)_mm512_set1_epi32(p0 << 16);
+            const __m512bh pe1 = (__m512bh)_mm512_set1_epi32(p1), po1 = (__m512bh)_mm512_set1_epi32(p1 << 16);
+            const bf16 *v0 = vc + off[t] + sh, *v1 = vc + off[t + 1 < nb ? t + 1 : t] + sh;
+#pragma GCC unroll 8
             for (int j = 0; j < nd; j++) {
-                const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi32(j + 1 < nd ? 0xffff : tail, v + j * 32);
-                ev[j] = _mm512_dpbf16_ps(ev[j], x, pe);
-                od[j] = _mm512_dpbf16_ps(od[j], x, po);
+                const __mmask16 m = j + 1 < nd ? 0xffff : tail;
+                const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi32(m, v0 + j * 32);
+                const __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi32(m, v1 + j * 32);
+                ev[0][j] = _mm512_dpbf16_ps(ev[0][j], x0, pe0);
+                od[0][j] = _mm512_dpbf16_ps(od[0][j], x0, po0);
+                ev[1][j] = _mm512_dpbf16_ps(ev[1][j], x1, pe1);
+                od[1][j] = _mm512_dpbf16_ps(od[1][j], x1, po1);
             }
         }
+#pragma GCC unroll 8
+        for (int j = 0; j < nd; j++) ev[0][j] = vadd(ev[0][j], ev[1][j]), od[0][j] = vadd(od[0][j], od[1][j]);
         float *o = w->o + (int64_t)(hrow + r) * D;
         for (int j = 0; j < nd; j++) {
-            vstore(o + 32 * j, vadd(vload(o + 32 * j), _mm512_permutex2var_ps(ev[j], lo, od[j])));
+            vstore(o + 32 * j, vadd(vload(o + 32 * j), _mm512_permutex2var_ps(ev[0][j], lo, od[0][j])));
             if (D - 32 * j >= 32)
-                vstore(o + 32 * j + 16, vadd(vload(o + 32 * j + 16), _mm512_permutex2var_ps(ev[j], hi, od[j])));
+                vstore(o + 32 * j + 16, vadd(vload(o + 32 * j + 16), _mm512_permutex2var_ps(ev[0][j], hi, od[0][j])));
         }
     }
 }
@@ -620,7 +631,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         for (int h = 0; h < u->hb; h++) {
             if (direct) {
                 direct_head(a, w, w->offset[buf], c0, n, h, nrows);
-                prefetch_some(a, &ahead, 3 * slice);
+                prefetch_some(a, &ahead, slice);
                 continue;
             }
             const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
