@@ -259,9 +259,11 @@ def fused_paths(dtype: torch.dtype) -> list[str]:
 def make(name: str, cfg: ModelConfig, dtype: torch.dtype):
     """A backend by name; "cpu-<isa>" is the cpu kernel forced onto that ISA path."""
     if name.startswith("cpu-"):
+        isa = name.removeprefix("cpu-")
+        if why := cpu.kernel_unavailable(isa):  # else it would time torch-cascade under the kernel's name
+            raise SystemExit(f"{name}: {why}")
         c = cfg
-        return cpu.CpuCascadeBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, None, dtype,
-                                     isa=name.removeprefix("cpu-"))
+        return cpu.CpuCascadeBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, None, dtype, isa=isa)
     return make_backend(name, cfg, torch.device("cpu"), dtype)
 
 

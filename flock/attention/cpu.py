@@ -78,8 +78,11 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def kernel_unavailable() -> str | None:
-    """Why the fused CPU kernel cannot run here, or None when it can."""
+def kernel_unavailable(isa: str | None = None) -> str | None:
+    """Why the fused CPU kernel cannot run here on path `isa` (default: the chosen one), or None when it can."""
+    if isa is not None:
+        missing = [f for f in PATHS[isa][0] if f not in cpu_flags()] if isa in PATHS else [f"a path {isa!r}"]
+        return f"the {isa} path needs {', '.join(missing)}, which this CPU lacks" if missing else _load(isa)[1]
     path = chosen_isa()
     if path is None:
         forced = forced_isa()

@@ -174,6 +174,14 @@ def test_auto_picks_the_kernel_on_x86_cpus():
     assert type(pick(torch.float64)) is TorchCascadeBackend
 
 
+def test_a_path_says_why_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma"})
+    assert "avx512_bf16" in cpu.kernel_unavailable("avx512bf16")
+    assert "'sse9'" in cpu.kernel_unavailable("sse9")
+    if cpu.kernel_unavailable() is None:
+        assert cpu.kernel_unavailable("avx2") is None
+
+
 @pytest.mark.parametrize("broken", ["forced path missing", "no compiler", "no AVX2"])
 def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
     if broken == "forced path missing":
