@@ -52,7 +52,12 @@ def forced_isa() -> str | None:
 
 def isa_paths() -> list[str]:
     """The kernel paths this CPU runs, best first (without "amx", which is the amx backend's)."""
-    return [p for p, (flags, _) in PATHS.items() if all(f in cpu_flags() for f in flags)]
+    return [p for p in PATHS if not _missing_flags(p)]
+
+
+def _missing_flags(isa: str) -> list[str]:
+    """The CPU flags path `isa` needs and this CPU lacks."""
+    return [f for f in PATHS[isa][0] if f not in cpu_flags()]
 
 
 def chosen_isa() -> str | None:
@@ -81,12 +86,12 @@ def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
 def kernel_unavailable(isa: str | None = None) -> str | None:
     """Why the fused CPU kernel cannot run here on path `isa` (default: the chosen one), or None when it can."""
     if isa is not None:
-        missing = [f for f in PATHS[isa][0] if f not in cpu_flags()] if isa in PATHS else [f"a path {isa!r}"]
+        missing = _missing_flags(isa) if isa in PATHS else [f"a path {isa!r}"]
         return f"the {isa} path needs {', '.join(missing)}, which this CPU lacks" if missing else _load(isa)[1]
     path = chosen_isa()
     if path is None:
         forced = forced_isa()
-        missing = [f for f in PATHS[forced][0] if f not in cpu_flags()] if forced in PATHS else []
+        missing = _missing_flags(forced) if forced in PATHS else []
         return (f"{ISA_ENV}={forced} but this CPU lacks {', '.join(missing)}" if missing
                 else "this CPU has no AVX2 + FMA (nor AVX-512)")
     return _load(path)[1]

@@ -480,13 +480,12 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
 }
 
 #if defined(__AVX512BF16__)
-#define DIRECT_ROWS 2  // units of at most this many rows read K and V in place, without the repack
+#define DIRECT_ROWS 2
 
-// A unit of few rows (decode: one token's query heads that share a KV head) spends most of its time in the
-// repack; for those, head h of a chunk is done straight from the cache. Scores: per row and position, the
-// query's dim pairs times the K row's (vdpbf16ps), 16 positions' partial sums reduced to one vector by a
-// transpose-add tree. P V: per position, its weight broadcast as a bf16 pair (p, 0) and (0, p) times the V
-// row's dim pairs gives the even and the odd dims, interleaved into O once per chunk.
+// Head h of a chunk of a unit of at most DIRECT_ROWS rows, straight from the cache. Scores: per row and
+// position, the query's dim pairs times the K row's (vdpbf16ps), 16 positions' partial sums reduced to one
+// vector by a transpose-add tree. P V: per position, its weight broadcast as a bf16 pair (p, 0) and (0, p)
+// times the V row's dim pairs gives the even and the odd dims, interleaved into O once per chunk.
 INLINE void direct_head_nd(const Args *a, Scratch *w, const int64_t *off, int64_t c0, int n, int h, int nrows,
                            const int nd) {
     const int D = a->head_dim, hrow = h * UNIT_ROWS;
