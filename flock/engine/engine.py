@@ -89,6 +89,7 @@ class LLMEngine:
         if not plan:
             raise RuntimeError("the scheduler planned nothing while requests are pending (deadlock)")
         tokens = self.runner.run(plan)
+        self.kv.end_step()
         t2 = time.perf_counter()
         self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
         self.scheduler.observe(plan, t2 - t1)
@@ -99,6 +100,7 @@ class LLMEngine:
         sampled = iter(tokens)
         now = time.monotonic()
         for req, n in plan.scheduled:
+            req.kv_copy = None  # done by the runner
             complete = req.num_computed_tokens + n == req.num_tokens
             req.num_computed_tokens += n
             if not complete or not req.samples:

@@ -57,6 +57,7 @@ class ModelRunner:
         """Run one forward pass; return the sampled token of every request whose context is now complete,
         in plan order (see `StepPlan.sampling`)."""
         input_ids, positions, layout, sample_rows = self._prepare(plan)
+        self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
         hidden = self.model(input_ids, positions, meta)
         if not sample_rows:
@@ -65,6 +66,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
         return tokens.cpu()
+
+    def _copy_kv(self, plan: StepPlan) -> None:
+        """The cached first tokens of a block that admitted requests take instead of computing them: their KV
+        copied from the source block, in every layer, before any of this step's writes."""
+        copies = [req.kv_copy for req, _ in plan.scheduled if req.kv_copy is not None]
+        if not copies:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + t for s, _, n in copies for t in range(n)], device=self.device)
+        dst = torch.tensor([d * bs + t for _, d, n in copies for t in range(n)], device=self.device)
+        for attn in self.model.attention_layers():
+            for cache in (attn.k_cache, attn.v_cache):
+                rows = cache.view(-1, *cache.shape[2:])
+                rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def _prepare(self, plan: StepPlan):
         """Token ids, positions, the attention layout and the rows to sample, with numpy over the whole step

@@ -13,6 +13,7 @@ class RunStats:
     logical_prefill_tokens: int = 0
     computed_prefill_tokens: int = 0
     cached_prefill_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    copied_prefill_tokens: int = 0  # prompt tokens of a partly shared block taken by copying its KV (admissions)
     computed_decode_tokens: int = 0  # tokens past the prompt, recomputation after preemption included
     generated_tokens: int = 0
     steps: int = 0
@@ -44,6 +45,8 @@ class RunStats:
         if self.trace_steps:
             self.tokens_per_step.append(plan.num_tokens)
         for req, n in plan.scheduled:
+            if req.kv_copy is not None:
+                self.copied_prefill_tokens += req.kv_copy[2]
             start, prompt = req.num_computed_tokens, req.num_prompt_tokens
             in_prompt = max(0, min(start + n, prompt) - start)
             self.computed_prefill_tokens += in_prompt
@@ -67,6 +70,7 @@ class RunStats:
             "logical_prefill_tokens": logical,
             "computed_prefill_tokens": self.computed_prefill_tokens,
             "cached_prefill_tokens": self.cached_prefill_tokens,
+            "copied_prefill_tokens": self.copied_prefill_tokens,
             "saving_rate": 1 - self.computed_prefill_tokens / logical if logical else 0.0,
             "computed_decode_tokens": self.computed_decode_tokens,
             "generated_tokens": self.generated_tokens,

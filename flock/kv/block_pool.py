@@ -1,5 +1,7 @@
 from collections import OrderedDict
 
+TAILS_PER_PARENT = 8  # donors kept per parent block (the newest): any one gives the common start of a group
+
 
 class BlockPool:
     """Physical KV blocks: reference counts, an LRU queue of free blocks, and the prefix-cache index.
@@ -15,6 +17,10 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # blocks whose first tokens another request may copy (the KV of a prefix that ends inside a block):
+        # parent block hash -> {block: its computed tokens}, full and partial blocks alike
+        self.tails: dict[int, OrderedDict[int, tuple[int, ...]]] = {}
+        self.tail_parent: dict[int, int] = {}  # block -> the parent hash it is listed under
 
     @property
     def num_free(self) -> int:
@@ -63,7 +69,39 @@ class BlockPool:
         self.block_tokens[block] = tokens
         self.cached[block_hash] = block
 
+    def set_tail(self, block: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """List `block`, whose first len(tokens) tokens (after the prefix hashed as `parent`) have KV, as a donor."""
+        self.drop_tail(block)
+        donors = self.tails.setdefault(parent, OrderedDict())
+        donors[block] = tokens
+        self.tail_parent[block] = parent
+        if len(donors) > TAILS_PER_PARENT:
+            self.drop_tail(next(iter(donors)))
+
+    def best_tail(self, parent: int, tokens: tuple[int, ...]) -> tuple[int | None, int]:
+        """The listed block after `parent` whose tokens begin with the longest start of `tokens`, and that
+        length (None, 0 when no block shares a first token)."""
+        best, length = None, 0
+        for block, have in self.tails.get(parent, {}).items():
+            n = 0
+            for a, b in zip(have, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > length:
+                best, length = block, n
+        return best, length
+
+    def drop_tail(self, block: int) -> None:
+        parent = self.tail_parent.pop(block, None)
+        if parent is not None:
+            donors = self.tails[parent]
+            del donors[block]
+            if not donors:
+                del self.tails[parent]
+
     def _evict(self, block: int) -> None:
+        self.drop_tail(block)
         h = self.block_hash[block]
         if h is not None:
             del self.cached[h]
@@ -71,5 +109,5 @@ class BlockPool:
             self.block_tokens[block] = None
 
     def reset_cache(self) -> None:
-        for block in list(self.cached.values()):
+        for block in {*self.cached.values(), *self.tail_parent}:
             self._evict(block)

@@ -3,6 +3,15 @@ from flock.kv.hashing import ROOT_HASH, hash_block
 from flock.request import Request
 
 
+class CachedPrefix(list):
+    """A request's longest cached prefix: the full blocks it shares (the list), and where the prefix ends
+    inside the next block, the cached block holding those `tail_tokens` first tokens (`tail_block`): their KV
+    is copied into the request's own block instead of computed (what a token-level radix cache shares)."""
+
+    tail_block: int | None = None
+    tail_tokens: int = 0
+
+
 class KVCacheManager:
     """Gives requests KV slots: block tables over a shared pool, with automatic prefix caching."""
 
@@ -10,6 +19,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # tails of the step being planned: listed once it has run (their KV does not exist before)
+        self.pending_tails: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
 
     @property
     def capacity_tokens(self) -> int:
@@ -18,18 +29,26 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, req: Request) -> list[int]:
-        """Blocks of the request's longest cached prefix; at least one token is always left to compute."""
+    def prefix_tokens(self, cached: list[int]) -> int:
+        """Tokens a cached prefix (as cached_prefix gives it, or a plain list of blocks) covers."""
+        return len(cached) * self.block_size + getattr(cached, "tail_tokens", 0)
+
+    def cached_prefix(self, req: Request) -> CachedPrefix:
+        """The request's longest cached prefix, to the token; at least one token is always left to compute."""
+        hits = CachedPrefix()
         if not self.enable_prefix_caching:
-            return []
+            return hits
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
-        hits = []
         for i in range(max_blocks):
             block = self.pool.lookup(req.block_hashes[i], self._block_tokens(req, i))
             if block is None:
                 break
             hits.append(block)
+        i = len(hits)
+        parent = req.block_hashes[i - 1] if i else ROOT_HASH
+        want = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, req.num_tokens - 1)])
+        hits.tail_block, hits.tail_tokens = self.pool.best_tail(parent, want)
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -37,7 +56,7 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot hold them.
         """
-        computed = req.num_computed_tokens + len(cached) * self.block_size
+        computed = req.num_computed_tokens + self.prefix_tokens(cached)
         total_blocks = self.blocks_needed(computed + num_new_tokens)
         new_blocks = total_blocks - len(req.block_table) - len(cached)
         reviving = sum(1 for b in cached if self.pool.ref_count[b] == 0)
@@ -48,22 +67,39 @@ class KVCacheManager:
         req.block_table.extend(cached)
         req.num_computed_tokens = computed
         req.block_table.extend(self.pool.allocate(max(new_blocks, 0)))
-        self._register_full_blocks(req, computed + num_new_tokens)
+        if getattr(cached, "tail_tokens", 0):  # the source may be taken by a later allocation: the copy runs first
+            req.kv_copy = (cached.tail_block, req.block_table[(computed - 1) // self.block_size], cached.tail_tokens)
+        self._register_blocks(req, computed, computed + num_new_tokens)
         return True
 
+    def end_step(self) -> None:
+        """The planned step has run: the blocks it wrote become tails others may copy."""
+        for block, (parent, tokens) in self.pending_tails.items():
+            self.pool.set_tail(block, parent, tokens)
+        self.pending_tails.clear()
+
     def free(self, req: Request) -> None:
+        for block in req.block_table:  # not written by a step it will not run in
+            self.pending_tails.pop(block, None)
         self.pool.release(reversed(req.block_table))
         req.block_table = []
         req.num_registered_blocks = 0
+        req.kv_copy = None
 
-    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _register_blocks(self, req: Request, computed: int, num_tokens: int) -> None:
+        """Blocks that hold KV once this step has run (tokens [computed, num_tokens) are its new ones): full
+        ones into the prefix cache, and those it writes (a partial last one too) as tails others may copy."""
         if not self.enable_prefix_caching:
             return
         full = num_tokens // self.block_size
         self._extend_hashes(req, full)
-        for i in range(req.num_registered_blocks, full):
+        first = req.num_registered_blocks
+        for i in range(first, full):
             self.pool.register(req.block_table[i], req.block_hashes[i], self._block_tokens(req, i))
-        req.num_registered_blocks = max(req.num_registered_blocks, full)
+        req.num_registered_blocks = max(first, full)
+        for i in range(computed // self.block_size, -(-num_tokens // self.block_size)):
+            block, tokens = req.block_table[i], tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
+            self.pending_tails[block] = (req.block_hashes[i - 1] if i else ROOT_HASH, tokens)
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         hashes = req.block_hashes

@@ -20,7 +20,7 @@ from flock.sched.base import Scheduler, StepPlan
 
 @dataclass
 class Group:
-    prefix_len: int  # shared tokens, whole blocks only
+    prefix_len: int  # shared tokens (whole blocks only without prefix caching, which copies a partial block's)
     waiting: deque[Request]  # members not admitted (or preempted)
     admitted: list[Request] = field(default_factory=list)
     prefix: Request | None = None  # pseudo-request pinning the shared blocks while the group is active
@@ -56,9 +56,12 @@ class BatchLLMScheduler(Scheduler):
         groups = []
         for g in plan.groups:
             members = [self.unplanned[i] for i in g.indices]
-            # whole blocks only, and every member keeps at least one token of its own to compute
+            # every member keeps at least one token of its own to compute; members take a prefix that ends
+            # inside a block from the prefix cache, which copies that block's start (without it: whole blocks)
             shortest = min(m.num_prompt_tokens for m in members)
-            shared = min(g.prefix_len, shortest - 1) // bs * bs if len(members) > 1 else 0
+            shared = min(g.prefix_len, shortest - 1) if len(members) > 1 else 0
+            if not self.kv.enable_prefix_caching:
+                shared = shared // bs * bs
             group = Group(shared, deque(members), unfinished=len(members))
             groups.append((g.computed_tokens, group))
             for m in members:
@@ -132,12 +135,12 @@ class BatchLLMScheduler(Scheduler):
         while g.waiting and budget > 0:
             req = g.waiting[0]
             cached = self._shared_blocks(g, req)
-            n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
-            needed = self.kv.blocks_needed(len(cached) * self.kv.block_size + n) - len(cached)
+            n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
+            needed = self.kv.blocks_needed(self.kv.prefix_tokens(cached) + n) - len(cached)
             if not self._fits(plan, needed) or not self.kv.allocate(req, n, cached):
                 break
             if req.num_preemptions == 0:
-                req.num_cached_tokens = len(cached) * self.kv.block_size
+                req.num_cached_tokens = self.kv.prefix_tokens(cached)
             g.waiting.popleft()
             g.admitted.append(req)
             req.status = RequestStatus.RUNNING
@@ -148,7 +151,7 @@ class BatchLLMScheduler(Scheduler):
     def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
         p = g.prefix
         cached = self.kv.cached_prefix(p) if not p.block_table else []  # sharing above this group's level
-        computed = p.num_computed_tokens + len(cached) * self.kv.block_size
+        computed = p.num_computed_tokens + self.kv.prefix_tokens(cached)
         n = min(p.num_tokens - computed, budget)
         needed = self.kv.blocks_needed(computed + n) - len(p.block_table) - len(cached)
         if n > 0 and self._fits(plan, needed) and self.kv.allocate(p, n, cached):

@@ -58,11 +58,11 @@ class FCFSScheduler(Scheduler):
         then)."""
         if cached is None:
             cached = self.kv.cached_prefix(req)
-        n = min(req.num_tokens - len(cached) * self.kv.block_size, budget)
+        n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
         if not self.kv.allocate(req, n, cached):
             return None
         if req.num_preemptions == 0:
-            req.num_cached_tokens = len(cached) * self.kv.block_size
+            req.num_cached_tokens = self.kv.prefix_tokens(cached)
         if self.waiting[0] is req:
             self.waiting.popleft()
         else:

@@ -24,8 +24,9 @@ class LPMScheduler(FCFSScheduler):
         t0 = time.perf_counter()
         matched = []
         for i, req in enumerate(self.waiting):
-            hits = len(self.kv.cached_prefix(req))
-            self.match_ops += hits + 1
+            cached = self.kv.cached_prefix(req)
+            hits = self.kv.prefix_tokens(cached)
+            self.match_ops += len(cached) + 1
             matched.append((-hits, i, req))
         matched.sort(key=lambda m: m[:2])
         self.match_seconds += time.perf_counter() - t0

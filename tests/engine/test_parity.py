@@ -193,3 +193,15 @@ def test_online_schedulers_match_transformers(hf_folders, references, scheduler,
                             attention="torch-cascade")
     assert got == expected
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather"])
+def test_prefix_ending_inside_a_block_is_copied_not_recomputed(hf_folders, references, scheduler):
+    """Prompts admitted a step apart share prefixes of 21 and 37 tokens: 5 tokens into a block of 8. The later
+    ones copy those tokens' KV from the earlier one's block; the tokens are the reference's all the same."""
+    prompts, expected = references("llama")
+    got, llm = flock_greedy(hf_folders["llama"], prompts, scheduler=scheduler, block_size=8, max_num_seqs=2,
+                            max_num_batched_tokens=16, attention="torch-cascade")
+    assert got == expected
+    assert llm.stats()["copied_prefill_tokens"] > 0
+    assert_no_leak(llm)

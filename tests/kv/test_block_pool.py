@@ -243,3 +243,21 @@ def test_chained_hashes_equal_for_equal_prefixes_and_differ_after_the_first_diff
     assert len(ha) == len(hb) == 5
     assert ha[:2] == hb[:2]
     assert all(x != y for x, y in zip(ha[2:], hb[2:]))
+
+
+def test_tails_keep_the_newest_donors_per_parent_and_pick_the_longest_match():
+    from flock.kv.block_pool import TAILS_PER_PARENT
+
+    pool = BlockPool(TAILS_PER_PARENT + 4)
+    for b in range(TAILS_PER_PARENT + 2):
+        pool.set_tail(b, 9, (1, 2, b))
+    assert len(pool.tails[9]) == TAILS_PER_PARENT
+    block, n = pool.best_tail(9, (1, 2, 0))
+    assert n == 2 and block in pool.tails[9]  # block 0 was dropped: another shares 2 tokens
+    assert pool.best_tail(9, (1, 2, 5)) == (5, 3)
+    assert pool.best_tail(9, (3,)) == (None, 0)
+    assert pool.best_tail(8, (1, 2, 5)) == (None, 0)
+    pool.set_tail(5, 9, (1, 2, 5, 6))  # a block listed again (it grew): one entry, the newest
+    assert pool.tails[9][5] == (1, 2, 5, 6) and list(pool.tails[9])[-1] == 5
+    pool.reset_cache()
+    assert pool.tails == {} and pool.tail_parent == {}

@@ -242,3 +242,57 @@ def test_many_requests_sharing_prefixes_leak_nothing():
         kv.free(r)
         assert r.block_table == [] and r.num_registered_blocks == 0
     assert_all_free(kv)
+
+
+def test_prefix_ending_inside_a_block_copies_the_start_of_a_cached_block():
+    kv = KVCacheManager(16, BS, True)
+    shared = list(range(2 * BS + 3))  # two blocks and 3 tokens into the third
+    a, b = make_req(0, shared + [100, 101]), make_req(1, shared + [200, 201, 202])
+    prefill(kv, a)
+    assert kv.cached_prefix(b).tail_tokens == 0  # a's KV exists only once its step has run
+    kv.end_step()
+    cached = kv.cached_prefix(b)
+    assert cached == a.block_table[:2]
+    assert (cached.tail_block, cached.tail_tokens) == (a.block_table[2], 3)
+    assert kv.prefix_tokens(cached) == 2 * BS + 3
+    assert kv.allocate(b, 3, cached)
+    assert b.num_computed_tokens == 2 * BS + 3
+    assert b.block_table[2] not in a.block_table
+    assert b.kv_copy == (a.block_table[2], b.block_table[2], 3)
+    assert_pool_consistent(kv, [a, b])
+    kv.free(b)
+    assert b.kv_copy is None
+
+
+def test_a_copied_start_leaves_the_last_token_to_compute():
+    kv = KVCacheManager(16, BS, True)
+    prompt = list(range(2 * BS + 3))
+    a, b = make_req(0, prompt), make_req(1, prompt)
+    prefill(kv, a)
+    kv.end_step()
+    cached = kv.cached_prefix(b)
+    assert (len(cached), cached.tail_tokens) == (2, 2)
+    assert b.num_tokens - kv.prefix_tokens(cached) == 1
+
+
+def test_blocks_of_a_request_freed_before_its_step_ran_are_not_copied():
+    kv = KVCacheManager(16, BS, True)
+    shared = list(range(BS + 2))
+    a, b = make_req(0, shared + [7]), make_req(1, shared + [8])
+    prefill(kv, a)
+    kv.free(a)  # preempted while planning: the step never wrote its blocks
+    kv.end_step()
+    assert kv.cached_prefix(b).tail_tokens == 0
+
+
+def test_a_reallocated_block_is_no_longer_copied_from():
+    kv = KVCacheManager(4, BS, True)
+    shared = list(range(BS + 2))
+    a, b = make_req(0, shared + [7]), make_req(1, shared + [8])
+    prefill(kv, a)
+    kv.end_step()
+    kv.free(a)
+    assert kv.cached_prefix(b).tail_tokens == 2  # a free block keeps its KV until it is taken
+    assert kv.allocate(make_req(2, list(range(50, 50 + 4 * BS))), 4 * BS)
+    cached = kv.cached_prefix(b)
+    assert (cached, cached.tail_block, cached.tail_tokens) == ([], None, 0)
