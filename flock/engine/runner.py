@@ -4,6 +4,7 @@ import torch
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
+from flock.engine.heap import keep_freed_memory
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.sample.sampler import Sampler
 from flock.sched.base import StepPlan
@@ -24,6 +25,8 @@ class ModelRunner:
         c = resolved.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, c, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.block_size = config.block_size
         self.backend = make_backend(config.attention, c, self.device, self.dtype)
         self.model = build_model(

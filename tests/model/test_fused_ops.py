@@ -131,6 +131,21 @@ def test_silu_and_mul_special_values(dtype):
     assert ulps(got[finite], expected[finite]) <= 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, vocab", [(1, 1), (7, 129), (300, 49152)])
+def test_argmax_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, vocab, generator=g).to(dtype)
+    x[:, -1] = x.max(dim=1).values  # a tie with an earlier maximum: the first one wins
+    if n > 2:
+        x[1, [vocab // 2, 3]] = float("nan")  # a NaN is the largest: the first NaN
+        x[2] = float("-inf")
+        x[2, vocab - 1] = float("inf")
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    if vocab > 1:  # rows with a stride
+        assert torch.equal(fused_ops.argmax(x[:, 1:]), x[:, 1:].argmax(dim=-1))
+
+
 def test_bad_inputs_are_named():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="contiguous rows"):

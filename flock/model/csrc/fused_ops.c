@@ -150,7 +150,47 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
                 o[j] = STORE(NAME##_round(g / (1.0f + exp_approx(-g))) * LOAD(up[j]));                        \
             }                                                                                                 \
         }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* out[i] = the first index of row i's largest value, a NaN counting as the largest (torch.argmax) */     \
+    void flock_argmax_##NAME(const T *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols,          \
+                             int32_t threads) {                                                               \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) out[i] = first_max_##NAME(x + i * x_stride, cols);                 \
     }
+
+// First index of the largest value of row x (of a NaN, if it has one): one vectorized pass for the maximum
+// (and whether a NaN is there), then a search by blocks of ARGMAX_BLOCK, each tested whole before its scan.
+#define ARGMAX_BLOCK 64
+#define DEFINE_FIRST_MAX(NAME, T, LOAD)                                                                       \
+    static int64_t first_max_##NAME(const T *x, int64_t n) {                                                 \
+        float top = -INFINITY;                                                                                \
+        int nan = 0;                                                                                          \
+        _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                     \
+            float v = LOAD(x[j]);                                                                             \
+            nan |= v != v;                                                                                    \
+            top = v > top ? v : top;                                                                          \
+        }                                                                                                     \
+        for (int64_t j0 = 0; j0 < n; j0 += ARGMAX_BLOCK) {                                                    \
+            int64_t j1 = j0 + ARGMAX_BLOCK < n ? j0 + ARGMAX_BLOCK : n;                                       \
+            int hit = 0;                                                                                      \
+            _Pragma("omp simd reduction(|:hit)")                                                              \
+            for (int64_t j = j0; j < j1; j++) {                                                               \
+                float v = LOAD(x[j]);                                                                         \
+                hit |= nan ? v != v : v == top;                                                               \
+            }                                                                                                 \
+            if (hit)                                                                                          \
+                for (int64_t j = j0; j < j1; j++) {                                                           \
+                    float v = LOAD(x[j]);                                                                     \
+                    if (nan ? v != v : v == top) return j;                                                    \
+                }                                                                                             \
+        }                                                                                                     \
+        return 0;  /* n == 0 */                                                                               \
+    }
+DEFINE_FIRST_MAX(bf16, bf16, bf16_load)
+DEFINE_FIRST_MAX(f32, float, f32_load)
 
 DEFINE_OPS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_OPS(f32, float, f32_load, f32_store)
