@@ -24,7 +24,7 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks, computed once
         self.num_registered_blocks = 0  # leading blocks of the table already in the prefix cache
-        self.kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens) to copy before the next step
+        self.kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens): KV to copy this step
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
         self.num_preemptions = 0

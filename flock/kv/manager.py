@@ -93,13 +93,12 @@ class KVCacheManager:
             return
         full = num_tokens // self.block_size
         self._extend_hashes(req, full)
-        first = req.num_registered_blocks
-        for i in range(first, full):
+        for i in range(req.num_registered_blocks, full):
             self.pool.register(req.block_table[i], req.block_hashes[i], self._block_tokens(req, i))
-        req.num_registered_blocks = max(first, full)
-        for i in range(computed // self.block_size, -(-num_tokens // self.block_size)):
-            block, tokens = req.block_table[i], tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
-            self.pending_tails[block] = (req.block_hashes[i - 1] if i else ROOT_HASH, tokens)
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
+        for i in range(computed // self.block_size, self.blocks_needed(num_tokens)):
+            tokens = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
+            self.pending_tails[req.block_table[i]] = (req.block_hashes[i - 1] if i else ROOT_HASH, tokens)
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         hashes = req.block_hashes

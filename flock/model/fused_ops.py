@@ -2,8 +2,9 @@
 
 RMSNorm (with the residual add folded in), rotary embedding applied in place to q and k of the fused qkv
 output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by one pass over the
-rows; argmax (greedy sampling) runs over the rows in parallel, 5-10x faster than PyTorch's here. The source is compiled with gcc on first use for the widest ISA the CPU has (AVX-512, AVX2 or the
-baseline) and cached (flock.native). `unavailable(dtype, device)` says why the kernels cannot serve a model;
+rows; argmax (greedy sampling) splits its rows over the threads, ~10x faster than PyTorch's here. The source is
+compiled with gcc on first use for the widest ISA the CPU has (AVX-512, AVX2 or the baseline) and cached
+(flock.native). `unavailable(dtype, device)` says why the kernels cannot serve a model;
 the plain PyTorch ops remain the reference and serve float64 and every other case.
 """
 
