@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from flock.attention.base import AttentionBackend
-from flock.model import fused_ops, linear
+from flock.model import fused_ops, gemm, linear
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
 from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, read_gguf
@@ -119,7 +119,10 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
             paths["elementwise"] += f" ({why})"
     if ops in ("auto", "packed"):
         why = linear.unavailable(dtype, device)
-        if why is None:
+        if gemm.unavailable(dtype, device) is None:
+            model.prepack_weights(pairs=True)
+            paths["gemm"] = "Flock bf16 GEMM (avx512bf16), packed weights"
+        elif why is None:
             model.prepack_weights()
             paths["gemm"] = "oneDNN, prepacked weights"
         elif ops == "packed":

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flock.model import gemm
+
 
 @functools.cache
 def _unavailable(dtype: torch.dtype) -> str | None:
@@ -41,17 +43,25 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that multiplies by a oneDNN-prepacked copy of its weight once `prepack()` has made it."""
+    """nn.Linear that multiplies by a packed copy of its weight once `prepack()` has made it: oneDNN's blocked
+    layout, or the pairs of Flock's bf16 GEMM (flock.model.gemm)."""
 
     prepacked: torch.Tensor | None = None
+    pairs: torch.Tensor | None = None
 
-    def prepack(self, keep_weight: bool = False) -> None:
-        """Reorder the weight for oneDNN; the plain weight is released unless kept (tied embeddings use it)."""
-        self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+    def prepack(self, keep_weight: bool = False, pairs: bool = False) -> None:
+        """Pack the weight for oneDNN, or with `pairs` (bf16, an even width) for Flock's GEMM; the plain weight
+        is released unless kept (tied embeddings use it)."""
+        if pairs and self.in_features % 2 == 0:
+            self.pairs = gemm.pack(self.weight)
+        else:
+            self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         if not keep_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs is not None:
+            return gemm.linear(x, self.pairs, self.out_features, self.bias)
         if self.prepacked is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")

@@ -152,9 +152,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = on
 
-    def prepack_weights(self) -> None:
-        """Prepack every projection's weight for oneDNN (see linear.unavailable); the lm_head of tied
-        embeddings keeps its weight, which the embedding reads."""
+    def prepack_weights(self, pairs: bool = False) -> None:
+        """Prepack every projection's weight for oneDNN (see linear.unavailable), or with `pairs` for Flock's
+        bf16 GEMM (see gemm.unavailable); the lm_head of tied embeddings keeps its weight, which the embedding
+        reads."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs)

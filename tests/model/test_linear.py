@@ -1,10 +1,10 @@
-"""Linear layers on oneDNN-prepacked weights equal F.linear on the plain weights (bf16 to its rounding)."""
+"""Linear layers on packed weights (oneDNN's, or Flock's bf16 GEMM) equal F.linear on the plain weights (bf16 to its rounding)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from flock.model import linear
+from flock.model import gemm, linear
 from flock.model.linear import Linear
 
 CPU = torch.device("cpu")
@@ -42,3 +42,47 @@ def test_prepack_releases_the_plain_weight_unless_kept():
 def test_unavailable_names_the_reason():
     assert "float64" in linear.unavailable(torch.float64, CPU)
     assert "cuda" in linear.unavailable(torch.float32, torch.device("cuda"))
+
+
+GEMM_WHY = gemm.unavailable(torch.bfloat16, CPU)
+
+
+@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows, k, n", [(0, 96, 160), (1, 96, 160), (5, 96, 16), (7, 576, 960), (13, 64, 200),
+                                        (200, 1536, 576), (2049, 64, 70)])
+def test_bf16_gemm_is_the_float_product_rounded_once(bias, rows, k, n):
+    """Every tile shape (1-6 rows, partial column blocks): fp32 sums of exact bf16 products, one rounding."""
+    torch.manual_seed(rows + k + n)
+    layer = Linear(k, n, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    product = x.double() @ weight.double().T
+    exact = product + (layer.bias.double() if bias else 0)
+    with torch.inference_mode():
+        layer.prepack(pairs=True)
+        got = layer(x).double()
+    assert layer.pairs is not None and layer.weight.numel() == 0
+    assert got.shape == (rows, n)
+    # fp32 sums of K products (each exact in fp32), rounded to bf16 once; a bias added in bf16 rounds again
+    sums = k * 2**-23 * (x.double().abs() @ weight.double().abs().T)
+    bound = 2**-8 * (product.abs() + (exact.abs() if bias else 0)) + sums + 1e-30
+    assert bool(((got - exact).abs() <= bound).all())
+
+
+@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+def test_bf16_gemm_takes_strided_rows_and_leaves_odd_widths_to_onednn():
+    layer = Linear(64, 48).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(9, 80).to(torch.bfloat16)[:, 8:72]  # rows with a stride
+    with torch.inference_mode():
+        layer.prepack(pairs=True)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), **TOLERANCE[torch.bfloat16])
+    odd = Linear(63, 8).to(torch.bfloat16)
+    odd.prepack(pairs=True)
+    assert odd.pairs is None and odd.prepacked is not None
+
+
+def test_bf16_gemm_says_why_it_does_not_run():
+    assert "float32" in gemm.unavailable(torch.float32, CPU)
+    assert "cuda" in gemm.unavailable(torch.bfloat16, torch.device("cuda"))

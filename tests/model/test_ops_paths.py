@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flock import LLM
-from flock.model import fused_ops, linear
+from flock.model import fused_ops, gemm, linear
 
 
 @pytest.fixture
@@ -52,3 +52,14 @@ def test_auto_takes_both_paths_where_they_run():
     assert got["elementwise"] == f"fused C kernels ({fused_ops.isa()})"
     why = linear.unavailable(torch.float32, torch.device("cpu"))
     assert got["gemm"] == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")
+
+
+def test_bf16_gemm_takes_the_projections_where_it_runs():
+    """bf16 on a CPU with AVX512-BF16 and no AMX: Flock's GEMM; elsewhere oneDNN's prepacked weights."""
+    cpu = torch.device("cpu")
+    got = paths(dtype="bfloat16")["gemm"]
+    if gemm.unavailable(torch.bfloat16, cpu) is None:
+        assert got == "Flock bf16 GEMM (avx512bf16), packed weights"
+    else:
+        why = linear.unavailable(torch.bfloat16, cpu)
+        assert got == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")
