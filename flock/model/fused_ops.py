@@ -34,6 +34,7 @@ SIGNATURES = {  # each ends with the number of threads
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
 
 
@@ -121,4 +122,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _kernel("argmax", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1],
                                torch.get_num_threads())
+    return out
+
+
+def sample(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits x drawn from softmax(x / temperature) with the row's uniform u in [0, 1)
+    (float32 temperatures, float64 uniforms); -1 for a row holding a NaN or no finite maximum."""
+    _check_rows(x)
+    temperature, u = temperature.float().contiguous(), u.double().contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _kernel("sample", x.dtype)(x.data_ptr(), x.stride(0), temperature.data_ptr(), u.data_ptr(), out.data_ptr(),
+                               x.shape[0], x.shape[1], torch.get_num_threads())
     return out

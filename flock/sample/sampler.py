@@ -7,10 +7,15 @@ from flock.sampling_params import SamplingParams
 CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF
 
 
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether the fused kernels take these logits (rows of bf16 or fp32 on a CPU that builds them)."""
+    return logits.dim() == 2 and logits.stride(1) == 1 and fused_ops.unavailable(logits.dtype, logits.device) is None
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of every row, in the logits' own dtype (widening bf16 is exact, so it picks the same
     token): by the fused kernel where it runs, 5-10x faster than PyTorch's on a batch of rows here."""
-    if logits.dim() == 2 and logits.stride(1) == 1 and fused_ops.unavailable(logits.dtype, logits.device) is None:
+    if _fused(logits):
         return fused_ops.argmax(logits)
     return logits.argmax(dim=-1)
 
@@ -26,17 +31,27 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == len(params):
-            return self._sample(logits.float(), params, generators)
+            return self._sample(logits, params, generators)
         tokens = greedy(logits)
         if rows:
-            tokens[rows] = self._sample(logits[rows].float(), [params[i] for i in rows], [generators[i] for i in rows])
+            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+        u = self._uniforms(generators)
+        vocab = logits.shape[-1]
+        plain = all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 for p in params)
+        if plain and _fused(logits):
+            # temperature alone: the fused kernel draws as _draw does, from the logits as they are (~7x faster)
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            tokens = fused_ops.sample(logits, temps, u)
+            if bool((tokens >= 0).all()):
+                return tokens
+            # a row with a NaN or no finite logit: PyTorch's softmax decides, as before
+        logits = logits.float()
         if any(p.temperature != 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
             temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
             logits = logits / temps[:, None]
-        vocab = logits.shape[-1]
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         if min(top_k) < vocab:
             k = torch.tensor(top_k, device=logits.device)
@@ -45,7 +60,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
         if (top_p < 1).any():
             logits = _apply_top_p(logits, top_p)
-        return self._draw(logits.softmax(dim=-1), self._uniforms(generators).to(logits.device))
+        return self._draw(logits.softmax(dim=-1), u.to(logits.device))
 
     def _uniforms(self, generators: list) -> torch.Tensor:
         """One uniform in [0, 1) per row: from the row's own generator (so a seeded request draws the same

@@ -146,6 +146,25 @@ def test_argmax_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
         assert torch.equal(fused_ops.argmax(x[:, 1:]), x[:, 1:].argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_draws_what_the_pytorch_sampler_draws(dtype):
+    from flock.sample.sampler import Sampler
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 1000, generator=g) * 4).to(dtype)
+    x[3, 500:] = float("-inf")  # weight 0: never drawn, whatever u
+    temps = torch.linspace(0.3, 2.0, 64)
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    expected = Sampler._draw((x.float() / temps[:, None]).softmax(-1), u)
+    assert torch.equal(fused_ops.sample(x, temps, u), expected)
+    edge = torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64)  # the ends of the cumulative sum
+    assert fused_ops.sample(x[[3, 3]], temps[[3, 3]], edge).tolist()[0] == 0
+    assert 0 <= fused_ops.sample(x[[3, 3]], temps[[3, 3]], edge).tolist()[1] < 500
+    bad = x[:2].clone()
+    bad[0, 5], bad[1] = float("nan"), float("-inf")
+    assert fused_ops.sample(bad, temps[:2], u[:2]).tolist() == [-1, -1]
+
+
 def test_bad_inputs_are_named():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="contiguous rows"):

@@ -192,5 +192,59 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
 DEFINE_FIRST_MAX(bf16, bf16, bf16_load)
 DEFINE_FIRST_MAX(f32, float, f32_load)
 
+// Draw one token of row x from softmax(x / temperature) by inverse transform sampling with the uniform u, as
+// flock.sample.Sampler._draw does in PyTorch: the weights e^(x/t - max) summed by chunks of SAMPLE_CHUNK, the
+// chunk where the running sum first exceeds u times the total, then the token inside it (never one of weight
+// 0). Returns -1 for a row it cannot draw from (a NaN, or no finite maximum): the caller decides then.
+#define SAMPLE_CHUNK 256
+#define DEFINE_SAMPLE(NAME, T, LOAD)                                                                          \
+    static int64_t sample_row_##NAME(const T *x, int64_t n, float t, double u, double *ends) {               \
+        float top = -INFINITY;                                                                                \
+        int nan = 0;                                                                                          \
+        _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                     \
+            float v = LOAD(x[j]) / t;                                                                         \
+            nan |= v != v;                                                                                    \
+            top = v > top ? v : top;                                                                          \
+        }                                                                                                     \
+        if (nan || !(top > -INFINITY) || top == INFINITY) return -1;                                          \
+        int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, last = 0;                                     \
+        double total = 0;                                                                                     \
+        for (int64_t c = 0; c < chunks; c++) {                                                                \
+            int64_t j1 = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;                             \
+            float mass = 0;                                                                                   \
+            _Pragma("omp simd reduction(+:mass)")                                                             \
+            for (int64_t j = c * SAMPLE_CHUNK; j < j1; j++) mass += exp_approx(LOAD(x[j]) / t - top);         \
+            total += mass;                                                                                    \
+            ends[c] = total;                                                                                  \
+            if (mass > 0) last = c;                                                                           \
+        }                                                                                                     \
+        double target = u * total;                                                                            \
+        int64_t c = 0;                                                                                        \
+        while (c < last && ends[c] <= target) c++;                                                            \
+        double run = c > 0 ? ends[c - 1] : 0;                                                                 \
+        int64_t j1 = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n, pick = -1;                      \
+        for (int64_t j = c * SAMPLE_CHUNK; j < j1; j++) {                                                     \
+            double w = exp_approx(LOAD(x[j]) / t - top);                                                      \
+            if (w <= 0) continue;                                                                             \
+            pick = j;                                                                                         \
+            run += w;                                                                                         \
+            if (run > target) break;                                                                          \
+        }                                                                                                     \
+        return pick;                                                                                          \
+    }                                                                                                         \
+                                                                                                              \
+    void flock_sample_##NAME(const T *x, int64_t x_stride, const float *temperature, const double *u,         \
+                             int64_t *out, int64_t rows, int64_t cols, int32_t threads) {                     \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            double ends[(cols + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK];                                            \
+            out[i] = sample_row_##NAME(x + i * x_stride, cols, temperature[i], u[i], ends);                   \
+        }                                                                                                     \
+    }
+DEFINE_SAMPLE(bf16, bf16, bf16_load)
+DEFINE_SAMPLE(f32, float, f32_load)
+
 DEFINE_OPS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_OPS(f32, float, f32_load, f32_store)
