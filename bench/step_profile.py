@@ -5,7 +5,7 @@
 
 Sections (--sections, comma-separated):
   peak     this CPU's large-matmul peak, measured in the same run: 4096^3 bf16 and fp32 matmuls, plain
-           (torch.matmul) and with oneDNN-prepacked weights; GEMM efficiency is against the best bf16 one
+           (torch.matmul), with oneDNN-prepacked weights and by Flock's bf16 GEMM; GEMM efficiency is against the best bf16 one
   split    per model and `ops` path (torch: plain PyTorch; packed: prepacked GEMM weights; fused: fused C
            elementwise kernels; auto: both): a prefill-heavy workload (one group of PER_GROUP prompts of PREFIX
            shared + DISTINCT own tokens, 4 new tokens each) and decode-only steps (64 requests), the wall time
@@ -54,8 +54,9 @@ def best_time(fn, reps: int) -> float:
 
 
 def measure_peak() -> dict[str, float]:
-    """GFLOP/s of 4096^3 products: plain matmul and oneDNN-prepacked linear, bf16 and fp32."""
-    from flock.model import linear
+    """GFLOP/s of 4096^3 products: plain matmul and oneDNN-prepacked linear, bf16 and fp32, and Flock's bf16
+    GEMM where it runs."""
+    from flock.model import gemm, linear
 
     n, peaks = 4096, {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -66,6 +67,9 @@ def measure_peak() -> dict[str, float]:
             w = torch.ops.mkldnn._reorder_linear_weight(b, None)
             peaks[f"{name} prepacked"] = 2 * n**3 / best_time(
                 lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), 3) / 1e9
+        if gemm.unavailable(dtype, torch.device("cpu")) is None:
+            pairs = gemm.pack(b)
+            peaks[f"{name} flock gemm"] = 2 * n**3 / best_time(lambda: gemm.linear(a, pairs, n), 3) / 1e9
     return peaks
 
 
@@ -366,7 +370,7 @@ def main() -> None:
         print(f"SmolLM2 folder {models.pop('smollm2')} not found (see shared/notes/peers.md); skipped")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     args.out.mkdir(parents=True, exist_ok=True)
-    from flock.model import fused_ops, linear
+    from flock.model import fused_ops, gemm, linear
     from flock.native import cpu_flags, cpu_model
 
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
@@ -374,7 +378,8 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     cpu = torch.device("cpu")
     print(f"# fused kernels: {fused_ops.isa()} path ({fused_ops.unavailable(torch.bfloat16, cpu) or 'ok'}); "
-          f"prepacked GEMMs: {linear.unavailable(torch.bfloat16, cpu) or 'ok'}", flush=True)
+          f"prepacked GEMMs: {linear.unavailable(torch.bfloat16, cpu) or 'ok'}; "
+          f"Flock's bf16 GEMM: {gemm.unavailable(torch.bfloat16, cpu) or 'ok'}", flush=True)
     report: dict = {"cpu": cpu_model(), "args": {k: str(v) for k, v in vars(args).items()}}
     peak = 1.0
     if "peak" in sections or {"split", "decode"} & set(sections):
