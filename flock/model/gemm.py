@@ -32,7 +32,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the bf16 GEMM: {detail.strip()[:500]}"
     lib.flock_gemm_pack.argtypes = [_ptr, _i64, _i64, _ptr]
-    lib.flock_gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int32]
+    lib.flock_gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int32, ctypes.c_int32]
     lib.flock_gemm_pack.restype = lib.flock_gemm.restype = None
     return lib, None
 
@@ -62,15 +62,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ bias) for the weight `packed` of n outputs; x: bf16 [..., K]."""
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x W^T (+ bias) for the weight `packed` of n outputs; x: bf16 [..., K]. `dtype` float32: the fp32 sums,
+    not rounded to bf16."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+    out = torch.empty((rows.shape[0], n), dtype=dtype)
     _load()[0].flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k,
-                          torch.get_num_threads())
+                          int(dtype == torch.float32), torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

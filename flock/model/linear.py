@@ -59,9 +59,10 @@ class Linear(nn.Linear):
         if not keep_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """x W^T + b; `float32`: Flock's GEMM returns its fp32 sums unrounded (other paths: the model's dtype)."""
         if self.pairs is not None:
-            return gemm.linear(x, self.pairs, self.out_features, self.bias)
+            return gemm.linear(x, self.pairs, self.out_features, self.bias, torch.float32 if float32 else x.dtype)
         if self.prepacked is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")

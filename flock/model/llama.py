@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits; float32 from Flock's bf16 GEMM: rounded to bf16, logits of ~25 are multiples of 1/8, and a
+        near tie of a greedy pick becomes a tie."""
+        return self.lm_head(hidden, float32=True)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]

@@ -86,3 +86,18 @@ def test_bf16_gemm_takes_strided_rows_and_leaves_odd_widths_to_onednn():
 def test_bf16_gemm_says_why_it_does_not_run():
     assert "float32" in gemm.unavailable(torch.float32, CPU)
     assert "cuda" in gemm.unavailable(torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked():
+    torch.manual_seed(3)
+    layer = Linear(576, 1000, bias=False).to(torch.bfloat16)
+    x = torch.randn(13, 576).to(torch.bfloat16)
+    exact = x.double() @ layer.weight.detach().double().T
+    with torch.inference_mode():
+        layer.prepack(pairs=True)
+        got = layer(x, float32=True)
+    assert got.dtype == torch.float32
+    error = (got.double() - exact).abs()
+    assert error.max().item() < 1e-4 * exact.abs().max().item()  # bf16 rounding would leave ~4e-3
+    assert (layer(x).double() - exact).abs().max().item() > error.max().item()

@@ -19,7 +19,7 @@ typedef uint16_t bf16;
 #define NC 64   // columns of a weight block (4 vectors)
 
 static inline __attribute__((always_inline)) void tile(const int mr, const int32_t *x, int64_t ldx, const int32_t *w,
-                                                       int64_t k2, bf16 *y, int64_t ldy, int ncols) {
+                                                       int64_t k2, void *y, int64_t ldy, int ncols, int f32) {
     __m512 acc[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++)
@@ -42,19 +42,20 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int32
         for (int j = 0; j < 4 && j * 16 < ncols; j++) {
             const int left = ncols - j * 16;
             const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-            _mm256_mask_storeu_epi16(y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+            if (f32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, acc[r][j]);
+            else _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
         }
 }
 
-static void tile_rows(int mr, const int32_t *x, int64_t ldx, const int32_t *w, int64_t k2, bf16 *y, int64_t ldy,
-                      int ncols) {
+static void tile_rows(int mr, const int32_t *x, int64_t ldx, const int32_t *w, int64_t k2, void *y, int64_t ldy,
+                      int ncols, int f32) {
     switch (mr) {
-        case 1: tile(1, x, ldx, w, k2, y, ldy, ncols); return;
-        case 2: tile(2, x, ldx, w, k2, y, ldy, ncols); return;
-        case 3: tile(3, x, ldx, w, k2, y, ldy, ncols); return;
-        case 4: tile(4, x, ldx, w, k2, y, ldy, ncols); return;
-        case 5: tile(5, x, ldx, w, k2, y, ldy, ncols); return;
-        default: tile(6, x, ldx, w, k2, y, ldy, ncols); return;
+        case 1: tile(1, x, ldx, w, k2, y, ldy, ncols, f32); return;
+        case 2: tile(2, x, ldx, w, k2, y, ldy, ncols, f32); return;
+        case 3: tile(3, x, ldx, w, k2, y, ldy, ncols, f32); return;
+        case 4: tile(4, x, ldx, w, k2, y, ldy, ncols, f32); return;
+        case 5: tile(5, x, ldx, w, k2, y, ldy, ncols, f32); return;
+        default: tile(6, x, ldx, w, k2, y, ldy, ncols, f32); return;
     }
 }
 
@@ -69,9 +70,10 @@ void flock_gemm_pack(const bf16 *w, int64_t n, int64_t k, int32_t *packed) {
     }
 }
 
-// x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy).
-void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, bf16 *y, int64_t ldy, int64_t m, int64_t n,
-                int64_t k, int32_t threads) {
+// x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy), bf16, or with f32 the
+// fp32 sums unrounded (logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick).
+void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
+                int64_t k, int32_t f32, int32_t threads) {
     const int64_t k2 = k / 2, row_tiles = (m + MR - 1) / MR, tiles = (n + NC - 1) / NC * row_tiles;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
@@ -79,8 +81,8 @@ void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, bf16 *y, int6
         for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
             const int64_t block = i / row_tiles, r0 = i % row_tiles * MR;
             const int mr = m - r0 < MR ? (int)(m - r0) : MR, ncols = n - block * NC < NC ? (int)(n - block * NC) : NC;
-            tile_rows(mr, (const int32_t *)(x + r0 * ldx), ldx / 2, packed + block * k2 * NC, k2, y + r0 * ldy + block * NC,
-                      ldy, ncols);
+            void *out = f32 ? (void *)((float *)y + r0 * ldy + block * NC) : (void *)((bf16 *)y + r0 * ldy + block * NC);
+            tile_rows(mr, (const int32_t *)(x + r0 * ldx), ldx / 2, packed + block * k2 * NC, k2, out, ldy, ncols, f32);
         }
     }
 }
