@@ -29,9 +29,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def prefix_tokens(self, cached: list[int]) -> int:
-        """Tokens a cached prefix (as cached_prefix gives it, or a plain list of blocks) covers."""
-        return len(cached) * self.block_size + getattr(cached, "tail_tokens", 0)
+    def prefix_tokens(self, cached: CachedPrefix) -> int:
+        """Tokens a cached prefix covers."""
+        return len(cached) * self.block_size + cached.tail_tokens
 
     def cached_prefix(self, req: Request) -> CachedPrefix:
         """The request's longest cached prefix, to the token; at least one token is always left to compute."""
@@ -51,11 +51,12 @@ class KVCacheManager:
         hits.tail_block, hits.tail_tokens = self.pool.best_tail(parent, want)
         return hits
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Give `req` slots for `num_new_tokens` more tokens (after any `cached` prefix blocks it takes).
 
         Returns False, changing nothing, when the pool cannot hold them.
         """
+        cached = CachedPrefix() if cached is None else cached
         computed = req.num_computed_tokens + self.prefix_tokens(cached)
         total_blocks = self.blocks_needed(computed + num_new_tokens)
         new_blocks = total_blocks - len(req.block_table) - len(cached)
@@ -67,7 +68,7 @@ class KVCacheManager:
         req.block_table.extend(cached)
         req.num_computed_tokens = computed
         req.block_table.extend(self.pool.allocate(max(new_blocks, 0)))
-        if getattr(cached, "tail_tokens", 0):  # the source may be taken by a later allocation: the copy runs first
+        if cached.tail_tokens:  # the source may be taken by a later allocation: the copy runs first
             req.kv_copy = (cached.tail_block, req.block_table[(computed - 1) // self.block_size], cached.tail_tokens)
         self._register_blocks(req, computed, computed + num_new_tokens)
         return True

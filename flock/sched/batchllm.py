@@ -12,6 +12,7 @@ own newest members and admits them again later.
 from collections import deque
 from dataclasses import dataclass, field
 
+from flock.kv.manager import CachedPrefix
 from flock.prefix import plan_prefixes
 from flock.request import Request, RequestStatus
 from flock.sampling_params import SamplingParams
@@ -150,7 +151,7 @@ class BatchLLMScheduler(Scheduler):
 
     def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
         p = g.prefix
-        cached = self.kv.cached_prefix(p) if not p.block_table else []  # sharing above this group's level
+        cached = self.kv.cached_prefix(p) if not p.block_table else CachedPrefix()  # sharing above this group's level
         computed = p.num_computed_tokens + self.kv.prefix_tokens(cached)
         n = min(p.num_tokens - computed, budget)
         needed = self.kv.blocks_needed(computed + n) - len(p.block_table) - len(cached)
@@ -159,10 +160,10 @@ class BatchLLMScheduler(Scheduler):
             budget -= n
         return budget
 
-    def _shared_blocks(self, g: Group, req: Request) -> list[int]:
+    def _shared_blocks(self, g: Group, req: Request) -> CachedPrefix:
         if self.kv.enable_prefix_caching:  # the group prefix, and any sharing deeper in the tree
             return self.kv.cached_prefix(req)
-        return [] if g.prefix is None else g.prefix.block_table[: g.prefix_len // self.kv.block_size]
+        return CachedPrefix([] if g.prefix is None else g.prefix.block_table[: g.prefix_len // self.kv.block_size])
 
     def _fits(self, plan: StepPlan, blocks: int) -> bool:
         """The KV bound, waived when the step is still empty (so a huge group can always make progress)."""
