@@ -102,6 +102,18 @@ def test_preemption_under_small_kv_budget(hf_folders, references, prefix_caching
     assert_no_leak(llm)
 
 
+def test_start_up_pass_leaves_nothing_behind(hf_folders, references):
+    """The CPU runner's start-up forward pass (a token budget larger than the cache: capped at the cache) writes
+    blocks that no request has, counts no step, and changes no token."""
+    llm = LLM(str(hf_folders["qwen2"]), dtype="float64", block_size=4, num_kv_blocks=16, max_num_batched_tokens=4096)
+    assert llm.stats()["steps"] == 0
+    assert_no_leak(llm)
+    prompts, expected = references("qwen2")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                                                   ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_max_num_seqs_and_single_prompt(hf_folders, references):
     prompts, expected = references("mistral")
     got, _ = flock_greedy(hf_folders["mistral"], prompts, max_num_seqs=2, block_size=16)
