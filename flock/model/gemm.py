@@ -4,7 +4,8 @@ It multiplies by weights packed once as vdpbf16ps takes them and splits every ca
 over the threads. On this 2-core Zen 5, against oneDNN's prepacked linear (hot weights): 1.0-1.3x on the
 projections of decode steps (64-200 rows), 2-4x on 1-8 rows, and level at 2,048 rows; ~1,000 GFLOP/s
 (bench/step_profile.py shows it in a model). bf16 only: fp32 models keep oneDNN; CPUs with AMX leave bf16 to
-oneDNN's AMX kernels; `unavailable()` says why it does not run.
+oneDNN's AMX kernels; `unavailable()` says why it does not run. A Llama MLP's gate_up weight packed with `glu`
+gives silu(gate) * up straight from the GEMM's fp32 sums.
 """
 
 import ctypes
@@ -19,7 +20,8 @@ from flock.native import build, cpu_flags
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemm_bf16.c"
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-BLOCK = 64  # output columns of a packed weight block
+BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
+OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -31,7 +33,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
         detail = getattr(e, "stderr", "") or str(e)
         return None, f"could not build the bf16 GEMM: {detail.strip()[:500]}"
-    lib.flock_gemm_pack.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.flock_gemm_pack.argtypes = [_ptr, _i64, _i64, ctypes.c_int32, _ptr]
     lib.flock_gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int32, ctypes.c_int32]
     lib.flock_gemm_pack.restype = lib.flock_gemm.restype = None
     return lib, None
@@ -51,28 +53,32 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     return _load()[1]
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """An [N, K] bf16 weight (K even) as the GEMM reads it."""
+def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """An [N, K] bf16 weight (K even) as the GEMM reads it; `glu`: its outputs are [gate | up] (N even), for
+    `linear(..., glu=True)`."""
     n, k = weight.shape
-    if k % 2 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"the bf16 GEMM packs bf16 weights of an even width, not {weight.dtype} {tuple(weight.shape)}")
+    if k % 2 or weight.dtype != torch.bfloat16 or (glu and n % 2):
+        raise ValueError(f"the bf16 GEMM packs bf16 weights of an even width{' and height' if glu else ''}, "
+                         f"not {weight.dtype} {tuple(weight.shape)}")
     w = weight.detach().contiguous()
-    packed = torch.empty(-(-n // BLOCK) * (k // 2) * BLOCK, dtype=torch.int32)
-    _load()[0].flock_gemm_pack(w.data_ptr(), n, k, packed.data_ptr())
+    blocks = -(-n // 2 // (BLOCK // 2)) if glu else -(-n // BLOCK)
+    packed = torch.empty(blocks * (k // 2) * BLOCK, dtype=torch.int32)
+    _load()[0].flock_gemm_pack(w.data_ptr(), n, k, int(glu), packed.data_ptr())
     return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+           dtype: torch.dtype = torch.bfloat16, glu: bool = False) -> torch.Tensor:
     """x W^T (+ bias) for the weight `packed` of n outputs; x: bf16 [..., K]. `dtype` float32: the fp32 sums,
-    not rounded to bf16."""
+    not rounded to bf16. `glu` (a weight packed so, no bias): silu(gate) * up, n = I of its 2I outputs."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=dtype)
+    mode = OUT_GLU if glu else OUT_F32 if dtype == torch.float32 else OUT_BF16
     _load()[0].flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k,
-                          int(dtype == torch.float32), torch.get_num_threads())
+                          mode, torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

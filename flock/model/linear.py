@@ -48,12 +48,15 @@ class Linear(nn.Linear):
 
     prepacked: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
+    silu_and_mul = False  # packed so: forward gives silu(gate) * up of the outputs [gate | up]
 
-    def prepack(self, keep_weight: bool = False, pairs: bool = False) -> None:
-        """Pack the weight for oneDNN, or with `pairs` (bf16, an even width) for Flock's GEMM; the plain weight
-        is released unless kept (tied embeddings use it)."""
+    def prepack(self, keep_weight: bool = False, pairs: bool = False, silu_and_mul: bool = False) -> None:
+        """Pack the weight for oneDNN, or with `pairs` (bf16, an even width) for Flock's GEMM, there with
+        `silu_and_mul` fused when asked (outputs [gate | up], no bias); the plain weight is released unless
+        kept (tied embeddings use it)."""
         if pairs and self.in_features % 2 == 0:
-            self.pairs = gemm.pack(self.weight)
+            self.silu_and_mul = silu_and_mul and self.bias is None and self.out_features % 2 == 0
+            self.pairs = gemm.pack(self.weight, glu=self.silu_and_mul)
         else:
             self.prepacked = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         if not keep_weight:
@@ -61,6 +64,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
         """x W^T + b; `float32`: Flock's GEMM returns its fp32 sums unrounded (other paths: the model's dtype)."""
+        if self.silu_and_mul:
+            return gemm.linear(x, self.pairs, self.out_features // 2, glu=True)
         if self.pairs is not None:
             return gemm.linear(x, self.pairs, self.out_features, self.bias, torch.float32 if float32 else x.dtype)
         if self.prepacked is None:

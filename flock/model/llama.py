@@ -79,7 +79,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.gate_up_proj.silu_and_mul else self.act_and_mul(h))
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -156,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self, pairs: bool = False) -> None:
         """Prepack every projection's weight for oneDNN (see linear.unavailable), or with `pairs` for Flock's
-        bf16 GEMM (see gemm.unavailable); the lm_head of tied embeddings keeps its weight, which the embedding
-        reads."""
+        bf16 GEMM (see gemm.unavailable), which also fuses the MLPs' SiLU-and-mul into their gate_up GEMM; the
+        lm_head of tied embeddings keeps its weight, which the embedding reads."""
+        gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs)
+                module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs,
+                               silu_and_mul=id(module) in gate_ups)

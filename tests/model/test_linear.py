@@ -101,3 +101,28 @@ def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked():
     error = (got.double() - exact).abs()
     assert error.max().item() < 1e-4 * exact.abs().max().item()  # bf16 rounding would leave ~4e-3
     assert (layer(x).double() - exact).abs().max().item() > error.max().item()
+
+
+@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+@pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70)])
+def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(rows, k, inter):
+    """A gate_up weight packed for SiLU-and-mul: silu(gate) * up of the fp32 sums, rounded once, every tile
+    shape (partial 32-column blocks, 1-6 rows); a layer with a bias is not fused."""
+    torch.manual_seed(rows + k + inter)
+    layer = Linear(k, 2 * inter, bias=False).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    h = x.double() @ weight.double().T
+    exact = F.silu(h[:, :inter]) * h[:, inter:]
+    with torch.inference_mode():
+        layer.prepack(pairs=True, silu_and_mul=True)
+        got = layer(x).double()
+    assert layer.silu_and_mul and got.shape == (rows, inter)
+    # the fp32 sums' error (|silu'| <= 1.1) through the product, then one bf16 rounding
+    sums = k * 2**-23 * (x.double().abs() @ weight.double().abs().T)
+    gate, up = h[:, :inter], h[:, inter:]
+    bound = 2**-8 * exact.abs() + 1.1 * sums[:, :inter] * up.abs() + (gate.abs() + 1) * sums[:, inter:] + 1e-6 * exact.abs() + 1e-30
+    assert bool(((got - exact).abs() <= bound).all())
+    biased = Linear(k, 2 * inter).to(torch.bfloat16)
+    biased.prepack(pairs=True, silu_and_mul=True)
+    assert not biased.silu_and_mul and biased.pairs is not None

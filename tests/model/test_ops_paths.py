@@ -59,7 +59,9 @@ def test_bf16_gemm_takes_the_projections_where_it_runs():
     cpu = torch.device("cpu")
     got = paths(dtype="bfloat16")["gemm"]
     if gemm.unavailable(torch.bfloat16, cpu) is None:
-        assert got == "Flock bf16 GEMM (avx512bf16), packed weights"
+        assert got == "Flock bf16 GEMM (avx512bf16), packed weights, SiLU-and-mul in its gate_up GEMM"
+        mlp = LLM("flock/tiny", load_format="dummy", dtype="bfloat16").engine.runner.model.layers[0].mlp
+        assert mlp.gate_up_proj.silu_and_mul and not mlp.down_proj.silu_and_mul
     else:
         why = linear.unavailable(torch.bfloat16, cpu)
         assert got == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")

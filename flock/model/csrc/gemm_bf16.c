@@ -8,6 +8,11 @@
 // across its row tiles) are split evenly over the threads: oneDNN splits decode shapes by 64-wide column
 // blocks, 5 to 4 on a 576-wide output over 2 threads, and pays ~15 us a call, which a decode step of 1-8
 // rows feels.
+//
+// A Llama MLP's gate_up weight ([gate | up], each I outputs) can be packed for SiLU-and-mul (GLU): column block
+// b then holds gate outputs 32b .. 32b + 31 in its first two vectors and the same up outputs in its last two,
+// and the tile writes silu(gate) * up of its 32 outputs from its fp32 sums: one pass, no [rows][2I] bf16
+// intermediate written and read back, and gate and up rounded once instead of three times.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -18,8 +23,25 @@ typedef uint16_t bf16;
 #define MR 6    // rows of a register tile
 #define NC 64   // columns of a weight block (4 vectors)
 
+enum { OUT_BF16, OUT_F32, OUT_GLU };  // what a tile writes: its sums rounded to bf16, as fp32, or SiLU-and-mul
+
+// silu(g) * u = g u / (1 + e^-g), e^-g = 2^t by t's integer part (scalef: 0 or inf past the float range) and a
+// degree-5 polynomial of its fraction (1.6e-7 relative error, far below the bf16 rounding that follows).
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3276471e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755410e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507131e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_div_ps(_mm512_mul_ps(g, u), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+}
+
 static inline __attribute__((always_inline)) void tile(const int mr, const int32_t *x, int64_t ldx, const int32_t *w,
-                                                       int64_t k2, void *y, int64_t ldy, int ncols, int f32) {
+                                                       int64_t k2, void *y, int64_t ldy, int ncols, const int out) {
     __m512 acc[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++)
@@ -36,53 +58,69 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int32
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
         }
     }
+    const int vecs = out == OUT_GLU ? 2 : 4;  // GLU: acc[r][j] gate, acc[r][j + 2] the same outputs' up
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4 && j * 16 < ncols; j++) {
+        for (int j = 0; j < vecs && j * 16 < ncols; j++) {
             const int left = ncols - j * 16;
             const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-            if (f32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, acc[r][j]);
-            else _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+            if (out == OUT_F32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, acc[r][j]);
+            else {
+                const __m512 v = out == OUT_GLU ? silu_mul(acc[r][j], acc[r][j + 2]) : acc[r][j];
+                _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(v));
+            }
         }
 }
 
-static void tile_rows(int mr, const int32_t *x, int64_t ldx, const int32_t *w, int64_t k2, void *y, int64_t ldy,
-                      int ncols, int f32) {
-    switch (mr) {
-        case 1: tile(1, x, ldx, w, k2, y, ldy, ncols, f32); return;
-        case 2: tile(2, x, ldx, w, k2, y, ldy, ncols, f32); return;
-        case 3: tile(3, x, ldx, w, k2, y, ldy, ncols, f32); return;
-        case 4: tile(4, x, ldx, w, k2, y, ldy, ncols, f32); return;
-        case 5: tile(5, x, ldx, w, k2, y, ldy, ncols, f32); return;
-        default: tile(6, x, ldx, w, k2, y, ldy, ncols, f32); return;
+#define TILE_ROWS(name, out)                                                                                  \
+    static void name(int mr, const int32_t *x, int64_t ldx, const int32_t *w, int64_t k2, void *y, int64_t ldy,  \
+                     int ncols) {                                                                              \
+        switch (mr) {                                                                                          \
+            case 1: tile(1, x, ldx, w, k2, y, ldy, ncols, out); return;                                        \
+            case 2: tile(2, x, ldx, w, k2, y, ldy, ncols, out); return;                                        \
+            case 3: tile(3, x, ldx, w, k2, y, ldy, ncols, out); return;                                        \
+            case 4: tile(4, x, ldx, w, k2, y, ldy, ncols, out); return;                                        \
+            case 5: tile(5, x, ldx, w, k2, y, ldy, ncols, out); return;                                        \
+            default: tile(6, x, ldx, w, k2, y, ldy, ncols, out); return;                                       \
+        }                                                                                                      \
     }
-}
+TILE_ROWS(tile_rows, OUT_BF16)
+TILE_ROWS(tile_rows_f32, OUT_F32)
+TILE_ROWS(tile_rows_glu, OUT_GLU)
 
-// w: [N][K] row-major (an nn.Linear weight), K even; packed: (N + 63) / 64 * K / 2 * 64 32-bit elements.
-void flock_gemm_pack(const bf16 *w, int64_t n, int64_t k, int32_t *packed) {
-    const int64_t k2 = k / 2, blocks = (n + NC - 1) / NC;
+// Output columns of a block: 64, or with GLU 32 (each a gate and an up column).
+static inline int64_t block_cols(int glu) { return glu ? NC / 2 : NC; }
+
+// w: [N][K] row-major (an nn.Linear weight), K even; packed: blocks * K / 2 * 64 32-bit elements, blocks =
+// (N + 63) / 64, or with `glu` (N = 2I outputs [gate | up]) (I + 31) / 32.
+void flock_gemm_pack(const bf16 *w, int64_t n, int64_t k, int32_t glu, int32_t *packed) {
+    const int64_t k2 = k / 2, cols = glu ? n / 2 : n, blocks = (cols + block_cols(glu) - 1) / block_cols(glu);
     memset(packed, 0, (size_t)(blocks * k2 * NC) * sizeof(int32_t));
     for (int64_t i = 0; i < n; i++) {
+        const int64_t col = glu ? i % cols : i, lane = glu ? col % (NC / 2) + (i >= cols) * (NC / 2) : col % NC;
         const int32_t *row = (const int32_t *)(w + i * k);
-        int32_t *dst = packed + (i / NC) * k2 * NC + i % NC;
+        int32_t *dst = packed + col / block_cols(glu) * k2 * NC + lane;
         for (int64_t j = 0; j < k2; j++) dst[j * NC] = row[j];
     }
 }
 
-// x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy), bf16, or with f32 the
-// fp32 sums unrounded (logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick).
+// x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy): bf16 (OUT_BF16), the
+// fp32 sums unrounded (OUT_F32; logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick), or
+// silu(gate) * up in bf16 (OUT_GLU, a weight packed with glu; n = I).
 void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
-                int64_t k, int32_t f32, int32_t threads) {
-    const int64_t k2 = k / 2, row_tiles = (m + MR - 1) / MR, tiles = (n + NC - 1) / NC * row_tiles;
+                int64_t k, int32_t out, int32_t threads) {
+    const int64_t k2 = k / 2, row_tiles = (m + MR - 1) / MR, cols = block_cols(out == OUT_GLU);
+    const int64_t tiles = (n + cols - 1) / cols * row_tiles;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
             const int64_t block = i / row_tiles, r0 = i % row_tiles * MR;
-            const int mr = m - r0 < MR ? (int)(m - r0) : MR, ncols = n - block * NC < NC ? (int)(n - block * NC) : NC;
-            void *out = f32 ? (void *)((float *)y + r0 * ldy + block * NC) : (void *)((bf16 *)y + r0 * ldy + block * NC);
-            tile_rows(mr, (const int32_t *)(x + r0 * ldx), ldx / 2, packed + block * k2 * NC, k2, out, ldy, ncols, f32);
+            const int mr = m - r0 < MR ? (int)(m - r0) : MR, ncols = n - block * cols < cols ? (int)(n - block * cols) : cols;
+            const int32_t *xr = (const int32_t *)(x + r0 * ldx), *wb = packed + block * k2 * NC;
+            if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + r0 * ldy + block * cols, ldy, ncols);
+            else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + r0 * ldy + block * cols, ldy, ncols);
         }
     }
 }
