@@ -10,6 +10,7 @@ from flock.sample.sampler import Sampler
 from flock.sched.base import StepPlan
 
 DEFAULT_KV_BYTES = 1 << 30
+WARM_UP_TOKENS = 2048  # at most: a model's start-up pays about one full step for it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,7 +41,8 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed)
         if self.device.type == "cpu":
-            self.warm_up(min(config.max_num_batched_tokens, max_model_len, self.num_blocks * self.block_size))
+            self.warm_up(min(config.max_num_batched_tokens, WARM_UP_TOKENS, max_model_len,
+                             self.num_blocks * self.block_size))
 
     @property
     def kv_bytes_per_block(self) -> int:
