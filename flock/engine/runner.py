@@ -66,11 +66,14 @@ class ModelRunner:
         input_ids, positions, layout, sample_rows = self._prepare(plan)
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
-        hidden = self.model(input_ids, positions, meta)
+        # the last layer finishes only the sampled rows (all of a decode step: no gather then)
+        rows = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long,
+                                                                             device=self.device)
+        hidden = self.model(input_ids, positions, meta, rows)
         if not sample_rows:
             return torch.empty(0, dtype=torch.long)
         sampling = plan.sampling()
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden)
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
         return tokens.cpu()
 
@@ -81,11 +84,13 @@ class ModelRunner:
         would fault them in (2% of a bench-mid run)."""
         bs = self.block_size
         blocks = np.arange((num_tokens + bs - 1) // bs)
-        layout = StepLayout(query_start=np.array([0, num_tokens]), seq_lens=np.array([num_tokens]), block_tables=[blocks],
-                            block_size=bs, slot_mapping=torch.arange(num_tokens, device=self.device))
+        layout = StepLayout(query_start=np.array([0, num_tokens]), seq_lens=np.array([num_tokens]),
+                            block_tables=[blocks], block_size=bs,
+                            slot_mapping=torch.arange(num_tokens, device=self.device))
         positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(torch.zeros_like(positions), positions, self.backend.build_metadata(layout))
-        self.model.compute_logits(hidden[-1:])
+        hidden = self.model(torch.zeros_like(positions), positions, self.backend.build_metadata(layout),
+                            positions[-1:])
+        self.model.compute_logits(hidden)
 
     def _copy_kv(self, plan: StepPlan) -> None:
         """The cached first tokens of a block that admitted requests take instead of computing them: their KV

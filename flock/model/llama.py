@@ -54,10 +54,12 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None):
+        """The output of every token, or of `rows` only (every token's K and V are cached either way)."""
         q, k, v = self.rotated_qkv(self.qkv_proj(x), rope, positions)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta).reshape(-1, self.q_size)
+        return self.o_proj(out if rows is None else out[rows])
 
     def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
         """q and k with the rotary embedding applied, and v: [T, heads, head_dim] each."""
@@ -97,13 +99,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rope, positions, meta):
-        """(this layer's MLP output, the residual stream before it); the next norm adds the two."""
+    def forward(self, x, residual, rope, positions, meta, rows=None):
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two. With `rows`:
+        of those tokens only."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, positions, meta)
+        x = self.self_attn(x, rope, positions, meta, rows)
+        if rows is not None:
+            residual = residual[rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -135,10 +140,15 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self.rope = RotaryEmbedding(self.config, max_positions, dtype).to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every token, or of the tokens `out_rows` only: the last layer then runs its
+        attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
+        the rest only leave K and V in the cache), as llama.cpp does."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, self.rope, positions, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, self.rope, positions, meta, out_rows if i == last else None)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(rows, k, inte
     # the fp32 sums' error (|silu'| <= 1.1) through the product, then one bf16 rounding
     sums = k * 2**-23 * (x.double().abs() @ weight.double().abs().T)
     gate, up = h[:, :inter], h[:, inter:]
-    bound = 2**-8 * exact.abs() + 1.1 * sums[:, :inter] * up.abs() + (gate.abs() + 1) * sums[:, inter:] + 1e-6 * exact.abs() + 1e-30
+    bound = (2**-8 + 1e-6) * exact.abs() + 1.1 * sums[:, :inter] * up.abs() + (gate.abs() + 1) * sums[:, inter:] + 1e-30
     assert bool(((got - exact).abs() <= bound).all())
     biased = Linear(k, 2 * inter).to(torch.bfloat16)
     biased.prepack(pairs=True, silu_and_mul=True)

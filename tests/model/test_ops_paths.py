@@ -3,9 +3,11 @@
 import subprocess
 
 import pytest
+import numpy as np
 import torch
 
 from flock import LLM
+from flock.attention.base import StepLayout
 from flock.model import fused_ops, gemm, linear
 
 
@@ -65,3 +67,29 @@ def test_bf16_gemm_takes_the_projections_where_it_runs():
     else:
         why = linear.unavailable(torch.bfloat16, cpu)
         assert got == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")
+
+
+@pytest.mark.parametrize("dtype, ops", [("float64", "auto"), ("float32", "torch"), ("float32", "auto"),
+                                        ("bfloat16", "auto")])
+def test_last_layer_for_the_sampled_rows_only_equals_every_row(dtype, ops):
+    """out_rows: the last layer's attention output, MLP and norm for those tokens alone give their rows of the
+    full forward (also none at all; oneDNN may sum a GEMM of other rows in another order), and the cache gets
+    every token's K and V either way."""
+    runner = LLM("flock/tiny", load_format="dummy", dtype=dtype, ops=ops).engine.runner
+    n = 37
+    layout = StepLayout(query_start=np.array([0, n]), seq_lens=np.array([n]),
+                        block_tables=[np.arange(-(-n // runner.block_size))], block_size=runner.block_size,
+                        slot_mapping=torch.arange(n))
+    ids, positions = torch.arange(3, 3 + n), torch.arange(n)
+    with torch.inference_mode():
+        every = runner.model(ids, positions, runner.backend.build_metadata(layout))
+        cache = runner.model.attention_layers()[-1].k_cache.view(-1, runner.model.config.num_key_value_heads,
+                                                                 runner.model.config.head_dim)
+        written = cache[:n].clone()
+        for rows in ([4, 0, n - 1], [n - 1], []):
+            cache[:n] = 0
+            got = runner.model(ids, positions, runner.backend.build_metadata(layout),
+                               torch.tensor(rows, dtype=torch.long))
+            torch.testing.assert_close(got, every[rows], rtol=1e-5 if dtype == "float32" else None,
+                                       atol=1e-5 if dtype == "float32" else None)
+            assert torch.equal(cache[:n], written)

@@ -117,10 +117,12 @@ void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int6
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
             const int64_t block = i / row_tiles, r0 = i % row_tiles * MR;
-            const int mr = m - r0 < MR ? (int)(m - r0) : MR, ncols = n - block * cols < cols ? (int)(n - block * cols) : cols;
+            const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+            const int ncols = n - block * cols < cols ? (int)(n - block * cols) : cols;
             const int32_t *xr = (const int32_t *)(x + r0 * ldx), *wb = packed + block * k2 * NC;
-            if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + r0 * ldy + block * cols, ldy, ncols);
-            else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + r0 * ldy + block * cols, ldy, ncols);
+            const int64_t at = r0 * ldy + block * cols;
+            if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + at, ldy, ncols);
+            else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + at, ldy, ncols);
         }
     }
 }
