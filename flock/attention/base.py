@@ -13,6 +13,7 @@ class StepLayout:
     block_tables: list[np.ndarray]  # per request, physical block ids
     block_size: int
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    sampled: np.ndarray | None = None  # requests whose last new token the step samples (None: not said)
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -25,10 +26,23 @@ class StepLayout:
         slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
         return slots[:n]
 
+    def sampled_only(self) -> tuple["StepLayout", np.ndarray]:
+        """The step with only the sampled requests' last tokens as queries (the same contexts), and those
+        tokens' indices in this step."""
+        sel = np.asarray(self.sampled, dtype=np.int64)
+        rows = np.asarray(self.query_start, dtype=np.int64)[sel + 1] - 1
+        layout = StepLayout(query_start=np.arange(len(sel) + 1), seq_lens=np.asarray(self.seq_lens)[sel],
+                            block_tables=[self.block_tables[i] for i in sel], block_size=self.block_size,
+                            slot_mapping=self.slot_mapping[torch.from_numpy(rows)])
+        return layout, rows
+
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
+    # where a backend plans it: this step's attention for the sampled rows' queries only, every token's K and V
+    # still written (the last layer's, which only the sampled rows leave)
+    rows_only = None
 
 
 class AttentionBackend:

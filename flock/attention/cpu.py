@@ -177,13 +177,23 @@ class CpuCascadeBackend(TorchCascadeBackend):
     def build_metadata(self, layout: StepLayout):
         if not self.uses_kernel(layout.slot_mapping.device):
             return super().build_metadata(layout)
+        meta = self._plan(layout, layout.slot_mapping)
+        if layout.sampled is not None and len(layout.sampled) < len(layout.slot_mapping):
+            sampled, rows = layout.sampled_only()
+            meta.rows_only = self._plan(sampled, layout.slot_mapping, rows)
+        return meta
+
+    def _plan(self, layout: StepLayout, slot_mapping: torch.Tensor, tokens: np.ndarray | None = None) -> CpuMetadata:
+        """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
         lib = _load(self.isa)[0]
         g = self.num_heads // self.num_kv_heads
         s = build_segments(layout, g, self.min_prefix_blocks)
-        segs, slots, offsets, tokens, num_slots = plan_segments(
+        if tokens is not None:
+            s.tokens = tokens[s.tokens]
+        segs, slots, offsets, merged, num_slots = plan_segments(
             s, g, self.num_kv_heads, torch.get_num_threads(), lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk())
-        return CpuMetadata(layout.slot_mapping, int32(segs), int32(s.tokens), int32(s.positions), int32(s.tables),
-                           int32(offsets), int32(slots), int32(tokens), num_slots, layout.block_size)
+        return CpuMetadata(slot_mapping, int32(segs), int32(s.tokens), int32(s.positions), int32(s.tables),
+                           int32(offsets), int32(slots), int32(merged), num_slots, layout.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, CpuMetadata):

@@ -146,9 +146,11 @@ class LlamaForCausalLM(nn.Module):
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
         the rest only leave K and V in the cache), as llama.cpp does."""
         x, residual = self.embed_tokens(input_ids), None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rope, positions, meta, out_rows if i == last else None)
+        for layer in self.layers[:-1]:
+            x, residual = layer(x, residual, self.rope, positions, meta)
+        if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
+            meta = meta.rows_only
+        x, residual = self.layers[-1](x, residual, self.rope, positions, meta, out_rows)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,27 +69,38 @@ def test_bf16_gemm_takes_the_projections_where_it_runs():
         assert got == ("oneDNN, prepacked weights" if why is None else f"F.linear ({why})")
 
 
+def two_steps(runner, sampled: bool):
+    """Step 1: request A, 40 new tokens. Step 2: B and C continue a shared 32-token context (blocks 0-1) with 7
+    and 3 new tokens, D starts fresh with 5. Steps sample A; B and C (not D). (layout, token ids, positions)."""
+    bs = 16
+    step1 = StepLayout(query_start=np.array([0, 40]), seq_lens=np.array([40]), block_tables=[np.arange(3)],
+                       block_size=bs, slot_mapping=torch.arange(40), sampled=np.array([0]) if sampled else None)
+    tables = [np.array([0, 1, 3]), np.array([0, 1, 4]), np.array([5])]
+    slots = torch.cat([torch.arange(48, 55), torch.arange(64, 67), torch.arange(80, 85)])
+    step2 = StepLayout(query_start=np.array([0, 7, 10, 15]), seq_lens=np.array([39, 35, 5]), block_tables=tables,
+                       block_size=bs, slot_mapping=slots, sampled=np.array([0, 1]) if sampled else None)
+    positions2 = torch.cat([torch.arange(32, 39), torch.arange(32, 35), torch.arange(5)])
+    return [(step1, torch.arange(3, 43), torch.arange(40)), (step2, torch.arange(50, 65), positions2)]
+
+
 @pytest.mark.parametrize("dtype, ops", [("float64", "auto"), ("float32", "torch"), ("float32", "auto"),
                                         ("bfloat16", "auto")])
 def test_last_layer_for_the_sampled_rows_only_equals_every_row(dtype, ops):
     """out_rows: the last layer's attention output, MLP and norm for those tokens alone give their rows of the
-    full forward (also none at all; oneDNN may sum a GEMM of other rows in another order), and the cache gets
-    every token's K and V either way."""
-    runner = LLM("flock/tiny", load_format="dummy", dtype=dtype, ops=ops).engine.runner
-    n = 37
-    layout = StepLayout(query_start=np.array([0, n]), seq_lens=np.array([n]),
-                        block_tables=[np.arange(-(-n // runner.block_size))], block_size=runner.block_size,
-                        slot_mapping=torch.arange(n))
-    ids, positions = torch.arange(3, 3 + n), torch.arange(n)
+    full forward, with the attention planned for their queries alone where the backend does (a layout that
+    names its sampled requests; a shared prefix among them) or not, also for no rows at all (oneDNN may sum a
+    GEMM of other rows in another order); the cache gets every token's K and V either way."""
+    runner = LLM("flock/tiny", load_format="dummy", dtype=dtype, ops=ops, block_size=16).engine.runner
+    model, backend = runner.model, runner.backend
+    cache = model.attention_layers()[-1].k_cache.view(-1, model.config.num_key_value_heads, model.config.head_dim)
+    close = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else {}
     with torch.inference_mode():
-        every = runner.model(ids, positions, runner.backend.build_metadata(layout))
-        cache = runner.model.attention_layers()[-1].k_cache.view(-1, runner.model.config.num_key_value_heads,
-                                                                 runner.model.config.head_dim)
-        written = cache[:n].clone()
-        for rows in ([4, 0, n - 1], [n - 1], []):
-            cache[:n] = 0
-            got = runner.model(ids, positions, runner.backend.build_metadata(layout),
-                               torch.tensor(rows, dtype=torch.long))
-            torch.testing.assert_close(got, every[rows], rtol=1e-5 if dtype == "float32" else None,
-                                       atol=1e-5 if dtype == "float32" else None)
-            assert torch.equal(cache[:n], written)
+        for (full, ids, positions), (planned, _, _) in zip(two_steps(runner, False), two_steps(runner, True)):
+            every = model(ids, positions, backend.build_metadata(full))
+            written = cache[full.slot_mapping].clone()
+            rows = full.query_start[planned.sampled + 1] - 1
+            for layout, out_rows in ((planned, rows), (full, rows), (full, [len(ids) - 1]), (full, [])):
+                cache[full.slot_mapping] = 0
+                got = model(ids, positions, backend.build_metadata(layout), torch.tensor(out_rows, dtype=torch.long))
+                torch.testing.assert_close(got, every[out_rows], **close)
+                assert torch.equal(cache[full.slot_mapping], written)
