@@ -26,11 +26,15 @@ class StepLayout:
         slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
         return slots[:n]
 
+    @property
+    def sample_rows(self) -> np.ndarray:
+        """Indices in the step of the tokens it samples: each sampled request's last new token."""
+        return np.asarray(self.query_start, dtype=np.int64)[np.asarray(self.sampled, dtype=np.int64) + 1] - 1
+
     def sampled_only(self) -> tuple["StepLayout", np.ndarray]:
         """The step with only the sampled requests' last tokens as queries (the same contexts), and those
         tokens' indices in this step."""
-        sel = np.asarray(self.sampled, dtype=np.int64)
-        rows = np.asarray(self.query_start, dtype=np.int64)[sel + 1] - 1
+        sel, rows = np.asarray(self.sampled, dtype=np.int64), self.sample_rows
         layout = StepLayout(query_start=np.arange(len(sel) + 1), seq_lens=np.asarray(self.seq_lens)[sel],
                             block_tables=[self.block_tables[i] for i in sel], block_size=self.block_size,
                             slot_mapping=self.slot_mapping[torch.from_numpy(rows)])

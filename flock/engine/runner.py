@@ -129,4 +129,4 @@ class ModelRunner:
         layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
                             slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(samples))
         input_ids = torch.tensor(ids, dtype=torch.long, **to)
-        return input_ids, torch.from_numpy(positions).to(**to), layout, (query_start[1:][samples] - 1).tolist()
+        return input_ids, torch.from_numpy(positions).to(**to), layout, layout.sample_rows.tolist()
