@@ -1,4 +1,4 @@
-"""Offline-batch speed: Flock's schedulers vs vLLM's CPU build on the `flock.workloads` shapes (BatchLLM §6).
+"""Offline-batch speed: Flock's schedulers vs vLLM's CPU build on the `bench.harness.workloads` shapes (BatchLLM §6).
 
     python bench/batch_speed.py                          # all workloads, default scale (~10 min with vLLM)
     python bench/batch_speed.py --scale 0.05 --prompts 16 --gen 4 --skip-vllm          # a smoke run
@@ -43,7 +43,7 @@ sys.path.insert(0, str(BENCH))
 import engine_speed as es  # noqa: E402
 from engine_speed import OthersCPU, Result, Workload  # noqa: E402
 
-from flock import workloads as fw  # noqa: E402
+from bench.harness import workloads as fw  # noqa: E402
 from flock.prefix import plan_prefixes  # noqa: E402
 
 MODEL = "flock/bench-tiny"

@@ -25,7 +25,7 @@ throughput at --load 4 (saturated), latency at the default 2.
 
 Each (workload, scheduler, attention) runs a fresh engine (warmed up on unrelated prompts) on the same trace:
 add every request whose arrival time has passed, step while there is work, else sleep until the next arrival
-(flock.traces.replay). Schedulers are registry names, "NAME:POLICY" passes engine kwarg feather_policy=POLICY;
+(bench.harness.traces.replay). Schedulers are registry names, "NAME:POLICY" passes engine kwarg feather_policy=POLICY;
 --engine-arg KEY=VALUE passes any other engine kwarg.
 
 Columns: req/s and out tok/s = finished requests / generated tokens over the wall time (first arrival to last
@@ -55,7 +55,7 @@ import engine_speed as es  # noqa: E402
 
 from flock import LLM, SamplingParams  # noqa: E402
 from flock.sched import SCHEDULERS  # noqa: E402
-from flock.traces import TRACE_KINDS, ReplayResult, make_trace, replay  # noqa: E402
+from bench.harness.traces import TRACE_KINDS, ReplayResult, make_trace, replay  # noqa: E402
 
 DEFAULT_SCALE = {"groups8": 1.0, "long-prefix": 0.25, "mixed": 1.0, "nosharing": 1.0}
 PLOT_WORKLOAD = "groups8"

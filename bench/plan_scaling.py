@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from flock.prefix import plan_prefixes  # noqa: E402
-from flock.workloads import industrial, microbench, multilevel, no_sharing  # noqa: E402
+from bench.harness.workloads import industrial, microbench, multilevel, no_sharing  # noqa: E402
 
 
 def cases(quick: bool):

@@ -41,7 +41,7 @@ sys.path.insert(0, str(BENCH.parent))
 
 from flock.native import cpu_model  # noqa: E402
 from flock.prefix import PrefixTree, build_tree, plan_prefixes  # noqa: E402
-from flock.workloads import industrial, microbench  # noqa: E402
+from bench.harness.workloads import industrial, microbench  # noqa: E402
 
 OUT = BENCH / "out" / "ray_scale.json"
 MODEL = "flock/bench-tiny"

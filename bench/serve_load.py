@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flock.api.server_process import ServerProcess
+from bench.harness.server_process import ServerProcess
 
 OUT = Path(__file__).resolve().parent / "out" / "serve_load.json"
 WORDS = ("cache block prefix token batch request stream engine kernel page memory tree hash queue step "

@@ -32,7 +32,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(1, str(BENCH.parent))  # the repo, when flock is not installed
 import engine_speed as es  # noqa: E402
 
-from flock.api.server_process import ServerProcess, free_port  # noqa: E402
+from bench.harness.server_process import ServerProcess, free_port  # noqa: E402
 from flock.native import cpu_model  # noqa: E402
 
 OUT = BENCH / "out" / "serve_vllm.json"

@@ -1,6 +1,6 @@
 """The `flock` command: `flock run` an OpenAI Batch JSONL job (resumable), `flock serve` the OpenAI API,
-`flock analyze` a batch's prefix sharing, `flock workload` writes a synthetic batch, `flock save-model` saves a
-built-in model or a GGUF file as a Hugging Face folder."""
+`flock analyze` a batch's prefix sharing, `flock save-model` saves a built-in model or a GGUF file as a Hugging
+Face folder."""
 
 import argparse
 import sys
@@ -31,16 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--json", action="store_true", help="print one JSON object")
     analyze.add_argument("--plot", metavar="PATH", help="draw group sizes and prefix lengths (needs matplotlib)")
 
-    from flock.workloads import WORKLOADS
-
-    workload = sub.add_parser("workload", help="write a synthetic token-id workload as JSONL")
-    workload.add_argument("kind", choices=list(WORKLOADS))
-    workload.add_argument("-o", "--output", required=True)
-    workload.add_argument("--scale", type=float, default=1.0, help="multiply every length (0.1: 2000/200 -> 200/20)")
-    workload.add_argument("--seed", type=int, default=0)
-    workload.add_argument("--vocab-size", type=int, default=8000, help="token ids in [100, VOCAB_SIZE)")
-    workload.add_argument("--sharing-degree", type=int, help="micro-*: prompts per group (default 16)")
-
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_batch(args)
@@ -50,8 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         from flock.analyze import analyze_file
 
         return analyze_file(args)
-    if args.command == "workload":
-        return write_workload(args)
     if args.command == "save-model":
         from flock.model import save_model
 
@@ -111,25 +99,6 @@ def run_batch(args) -> int:
         return 2
     return run_cluster_job(cfg, ClusterConfig(args.workers, args.ray_address, args.worker_cpus, args.worker_gpus,
                                               args.worker_threads, args.max_worker_restarts))
-
-
-def write_workload(args) -> int:
-    from flock.workloads import make_workload, write_jsonl
-
-    kw = {"scale": args.scale, "seed": args.seed, "vocab_size": args.vocab_size}
-    if args.sharing_degree is not None:
-        if not args.kind.startswith("micro-"):
-            print("error: --sharing-degree applies to micro-* workloads only", file=sys.stderr)
-            return 2
-        kw["sharing_degree"] = args.sharing_degree
-    try:
-        prompts = make_workload(args.kind, **kw)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    write_jsonl(prompts, args.output)
-    print(f"wrote {len(prompts)} prompts ({sum(map(len, prompts))} tokens) to {args.output}")
-    return 0
 
 
 if __name__ == "__main__":

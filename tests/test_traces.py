@@ -3,7 +3,7 @@ from itertools import pairwise
 import pytest
 
 from flock import LLM
-from flock.traces import TRACE_KINDS, load_trace, make_trace, replay, save_trace
+from bench.harness.traces import TRACE_KINDS, load_trace, make_trace, replay, save_trace
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flock import LLM, SamplingParams
 from flock.api.protocol import encode_messages
-from flock.api.server_process import ServerProcess
+from bench.harness.server_process import ServerProcess
 from flock.attention import BACKENDS
 
 MODEL = "tiny-served"

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from flock.api.server import SERVE_MAX_NUM_SEQS, add_serve_arguments
-from flock.api.server_process import ServerProcess
+from bench.harness.server_process import ServerProcess
 from flock.engine.args import engine_kwargs
 
 # the test process and the server share the CPUs; one torch thread keeps steps fast when they are busy

@@ -6,7 +6,7 @@ import pytest
 
 from flock.distributed.partition import partition
 from flock.prefix import build_tree
-from flock.workloads import industrial
+from bench.harness.workloads import industrial
 
 
 def computed(prompts, shard) -> int:

