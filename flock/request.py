@@ -1,5 +1,6 @@
 from enum import Enum, auto
 
+from flock.kv.hashing import ROOT_HASH, hash_block
 from flock.sampling_params import SamplingParams
 
 
@@ -10,9 +11,12 @@ class RequestStatus(Enum):
 
 
 class Request:
-    """One sequence: its tokens, how many of them have KV in the cache, and its block table."""
+    """One sequence: its tokens and how many of them have KV in the cache. The scheduler moves it between
+    states and advances `num_computed_tokens`; the engine appends sampled tokens. Its KV blocks belong to the
+    KV manager."""
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, arrival: float = 0.0):
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, arrival: float = 0.0,
+                 prefix_only: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -21,15 +25,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of full blocks, computed once
-        self.num_registered_blocks = 0  # leading blocks of the table already in the prefix cache
-        self.kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens): KV to copy this step
+        self._block_hashes: list[int] = []
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
         self.num_preemptions = 0
         self.generator = None  # torch.Generator of a seeded request
-        self.samples = True  # False for a scheduler's prefix-only pseudo-request: computes KV, never samples
+        self.prefix_only = prefix_only  # a scheduler's pseudo-request for a shared prefix: computes KV, never samples
         self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
         self.finish_time: float | None = None
 
@@ -48,6 +49,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` full blocks of `block_size` tokens (each computed once: the
+        list grows as later calls ask for more)."""
+        hashes = self._block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH,
+                                     self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ from flock.kv.manager import KVCacheManager
 from flock.model import resolve_model
 from flock.request import Request
 from flock.sampling_params import SamplingParams
-from flock.sched import make_scheduler
+from flock.sched import StepPlan, make_scheduler
 from flock.tokenizer import load_tokenizer
 
 log = logging.getLogger("flock")
@@ -95,15 +95,15 @@ class LLMEngine:
         self.scheduler.observe(plan, t2 - t1)
         return self._postprocess(plan, tokens.tolist())
 
-    def _postprocess(self, plan, tokens: list[int]) -> list[Request]:
+    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
+        """Apply a step's results, the one place that does: each request's computed tokens advance, the sampled
+        ones get their token, and those that stop finish."""
         finished = []
         sampled = iter(tokens)
         now = time.monotonic()
-        for req, n in plan.scheduled:
-            req.kv_copy = None  # done by the runner
-            complete = req.num_computed_tokens + n == req.num_tokens
+        for (req, n), samples in zip(plan.scheduled, plan.samples):
             req.num_computed_tokens += n
-            if not complete or not req.samples:
+            if not samples:
                 continue
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens

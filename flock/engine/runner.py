@@ -95,7 +95,7 @@ class ModelRunner:
     def _copy_kv(self, plan: StepPlan) -> None:
         """The cached first tokens of a block that admitted requests take instead of computing them: their KV
         copied from the source block, in every layer, before any of this step's writes."""
-        copies = [req.kv_copy for req, _ in plan.scheduled if req.kv_copy is not None]
+        copies = plan.kv_copies
         if not copies:
             return
         bs = self.block_size
@@ -111,22 +111,20 @@ class ModelRunner:
         (per request only its token ids and block table are read)."""
         bs, reqs = self.block_size, [req for req, _ in plan.scheduled]
         counts = np.fromiter((n for _, n in plan.scheduled), np.int64, len(reqs))
-        starts = np.fromiter((req.num_computed_tokens for req in reqs), np.int64, len(reqs))
+        starts = np.array(plan.starts, dtype=np.int64)
         query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         seq_lens = starts + counts
         positions = np.arange(query_start[-1]) - np.repeat(query_start[:-1] - starts, counts)
-        tables = [np.asarray(req.block_table, dtype=np.int64) for req in reqs]
+        tables = [np.asarray(t, dtype=np.int64) for t in plan.block_tables]
         table_lens = np.fromiter((len(t) for t in tables), np.int64, len(tables))
         token_table = np.repeat(np.cumsum(table_lens) - table_lens, counts) + positions // bs
         slots = np.concatenate(tables)[token_table] * bs + positions % bs
         ids = []
         for req, start, n in zip(reqs, starts.tolist(), counts.tolist()):
             ids += req.token_ids[start : start + n]
-        samples = np.fromiter((req.samples and req.num_tokens == n for req, n in zip(reqs, seq_lens.tolist())),
-                              bool, len(reqs))
         to = dict(device=self.device)
         layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
-                            slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(samples))
+                            slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples))
         input_ids = torch.tensor(ids, dtype=torch.long, **to)
         return input_ids, torch.from_numpy(positions).to(**to), layout, layout.sample_rows.tolist()

@@ -44,10 +44,9 @@ class RunStats:
         self.max_step_tokens = max(self.max_step_tokens, plan.num_tokens)
         if self.trace_steps:
             self.tokens_per_step.append(plan.num_tokens)
-        for req, n in plan.scheduled:
-            if req.kv_copy is not None:
-                self.copied_prefill_tokens += req.kv_copy[2]
-            start, prompt = req.num_computed_tokens, req.num_prompt_tokens
+        self.copied_prefill_tokens += plan.num_copied_tokens
+        for (req, n), start in zip(plan.scheduled, plan.starts):
+            prompt = req.num_prompt_tokens
             in_prompt = max(0, min(start + n, prompt) - start)
             self.computed_prefill_tokens += in_prompt
             self.computed_decode_tokens += n - in_prompt

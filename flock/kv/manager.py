@@ -1,5 +1,5 @@
 from flock.kv.block_pool import BlockPool
-from flock.kv.hashing import ROOT_HASH, hash_block
+from flock.kv.hashing import ROOT_HASH
 from flock.request import Request
 
 
@@ -13,12 +13,17 @@ class CachedPrefix(list):
 
 
 class KVCacheManager:
-    """Gives requests KV slots: block tables over a shared pool, with automatic prefix caching."""
+    """Gives requests KV slots: block tables over a shared pool, with automatic prefix caching. It owns each
+    request's block table and reads, never writes, the request itself."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[Request, list[int]] = {}
+        self.num_registered: dict[Request, int] = {}  # leading blocks of a table already in the prefix cache
+        # (source block, own block, tokens): a cached block start to copy before the step being planned runs
+        self.copies: dict[Request, tuple[int, int, int]] = {}
         # tails of the step being planned: listed once it has run (their KV does not exist before)
         self.pending_tails: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent hash, tokens)
 
@@ -28,6 +33,12 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def block_table(self, req: Request) -> list[int]:
+        return self.tables.get(req, [])
+
+    def num_blocks(self, req: Request) -> int:
+        return len(self.tables.get(req, ()))
 
     def prefix_tokens(self, cached: CachedPrefix) -> int:
         """Tokens a cached prefix covers."""
@@ -39,39 +50,44 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return hits
         max_blocks = (req.num_tokens - 1) // self.block_size
-        self._extend_hashes(req, max_blocks)
+        hashes = req.block_hashes(self.block_size, max_blocks)
         for i in range(max_blocks):
-            block = self.pool.lookup(req.block_hashes[i], self._block_tokens(req, i))
+            block = self.pool.lookup(hashes[i], self._block_tokens(req, i))
             if block is None:
                 break
             hits.append(block)
         i = len(hits)
-        parent = req.block_hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else ROOT_HASH
         want = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, req.num_tokens - 1)])
         hits.tail_block, hits.tail_tokens = self.pool.best_tail(parent, want)
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
-        """Give `req` slots for `num_new_tokens` more tokens (after any `cached` prefix blocks it takes).
+        """Give `req` slots for `num_new_tokens` more tokens after its computed ones (and after any `cached`
+        prefix blocks it takes: the scheduler then counts them as computed).
 
         Returns False, changing nothing, when the pool cannot hold them.
         """
         cached = CachedPrefix() if cached is None else cached
         computed = req.num_computed_tokens + self.prefix_tokens(cached)
-        total_blocks = self.blocks_needed(computed + num_new_tokens)
-        new_blocks = total_blocks - len(req.block_table) - len(cached)
+        table = self.tables.get(req, [])
+        new_blocks = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
         reviving = sum(1 for b in cached if self.pool.ref_count[b] == 0)
         if new_blocks + reviving > self.pool.num_free:
             return False
         for block in cached:
             self.pool.touch(block)
-        req.block_table.extend(cached)
-        req.num_computed_tokens = computed
-        req.block_table.extend(self.pool.allocate(max(new_blocks, 0)))
+        table.extend(cached)
+        table.extend(self.pool.allocate(max(new_blocks, 0)))
+        self.tables[req] = table
         if cached.tail_tokens:  # the source may be taken by a later allocation: the copy runs first
-            req.kv_copy = (cached.tail_block, req.block_table[(computed - 1) // self.block_size], cached.tail_tokens)
+            self.copies[req] = (cached.tail_block, table[(computed - 1) // self.block_size], cached.tail_tokens)
         self._register_blocks(req, computed, computed + num_new_tokens)
         return True
+
+    def take_copy(self, req: Request) -> tuple[int, int, int] | None:
+        """The block start `req` copies in the step being planned (once: the step then owns it)."""
+        return self.copies.pop(req, None)
 
     def end_step(self) -> None:
         """The planned step has run: the blocks it wrote become tails others may copy."""
@@ -80,12 +96,12 @@ class KVCacheManager:
         self.pending_tails.clear()
 
     def free(self, req: Request) -> None:
-        for block in req.block_table:  # not written by a step it will not run in
+        table = self.tables.pop(req, [])
+        for block in table:  # not written by a step it will not run in
             self.pending_tails.pop(block, None)
-        self.pool.release(reversed(req.block_table))
-        req.block_table = []
-        req.num_registered_blocks = 0
-        req.kv_copy = None
+        self.pool.release(reversed(table))
+        self.num_registered.pop(req, None)
+        self.copies.pop(req, None)
 
     def _register_blocks(self, req: Request, computed: int, num_tokens: int) -> None:
         """Blocks that hold KV once this step has run (tokens [computed, num_tokens) are its new ones): full
@@ -93,19 +109,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = num_tokens // self.block_size
-        self._extend_hashes(req, full)
-        for i in range(req.num_registered_blocks, full):
-            self.pool.register(req.block_table[i], req.block_hashes[i], self._block_tokens(req, i))
-        req.num_registered_blocks = max(req.num_registered_blocks, full)
+        hashes, table = req.block_hashes(self.block_size, full), self.tables[req]
+        registered = self.num_registered.get(req, 0)
+        for i in range(registered, full):
+            self.pool.register(table[i], hashes[i], self._block_tokens(req, i))
+        self.num_registered[req] = max(registered, full)
         for i in range(computed // self.block_size, self.blocks_needed(num_tokens)):
             tokens = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
-            self.pending_tails[req.block_table[i]] = (req.block_hashes[i - 1] if i else ROOT_HASH, tokens)
-
-    def _extend_hashes(self, req: Request, num_blocks: int) -> None:
-        hashes = req.block_hashes
-        while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, self._block_tokens(req, len(hashes))))
+            self.pending_tails[table[i]] = (hashes[i - 1] if i else ROOT_HASH, tokens)
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         return tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])

@@ -3,24 +3,35 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from flock.config import EngineConfig
-from flock.kv.manager import KVCacheManager
+from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.request import Request, RequestStatus
 
 
 @dataclass
 class StepPlan:
-    """What one forward pass computes: each scheduled request advances by its number of new tokens."""
+    """A step's decisions, the one value the runner and the engine read: each scheduled request advances by
+    its number of new tokens from `starts` (its computed tokens), over its block table; `kv_copies` are cached
+    block starts copied before the step; `samples` marks the requests whose whole context the step computes,
+    which get a new token. The scheduler fills the lists after `scheduled` (`Scheduler.schedule`)."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source block, own block, tokens)
+    samples: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    @property
+    def num_copied_tokens(self) -> int:
+        return sum(n for _, _, n in self.kv_copies)
+
     def sampling(self) -> list[Request]:
-        """Requests whose whole context is computed by this step: each gets a new token."""
-        return [req for req, n in self.scheduled if req.samples and req.num_computed_tokens + n == req.num_tokens]
+        """The requests that get a new token, in plan order."""
+        return [req for (req, _), s in zip(self.scheduled, self.samples) if s]
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -29,7 +40,9 @@ class StepPlan:
 class Scheduler:
     """Decides, each step, which requests advance and by how many tokens. Policies never touch tensors.
 
-    Subclasses implement `schedule`; the bookkeeping around it (queues, finishing, preemption) lives here.
+    Subclasses implement `_schedule`; the bookkeeping around it (queues, finishing, preemption, the step's
+    value) lives here. The scheduler is the one layer that moves a request between states and sets where its
+    computation stands before a step; the engine applies the step's results.
     """
 
     name = "base"
@@ -46,8 +59,35 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
     def schedule(self) -> StepPlan:
+        """Plan the next step: which requests advance by how many tokens, and what the runner reads for them."""
+        plan = self._schedule()
+        kv = self.kv
+        for req, n in plan.scheduled:
+            start = req.num_computed_tokens
+            plan.starts.append(start)
+            plan.block_tables.append(kv.block_table(req))
+            plan.samples.append(not req.prefix_only and start + n == req.num_tokens)
+            copy = kv.take_copy(req)
+            if copy is not None:
+                plan.kv_copies.append(copy)
+        return plan
+
+    def _schedule(self) -> StepPlan:
         raise NotImplementedError
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
+        """KV for `num_new_tokens` more tokens of `req`, after the `cached` prefix it takes, which then counts as
+        computed; False, changing nothing, when the pool cannot hold them."""
+        if not self.kv.allocate(req, num_new_tokens, cached):
+            return False
+        if cached is not None:
+            req.num_computed_tokens += self.kv.prefix_tokens(cached)
+        return True
 
     def observe(self, plan: StepPlan, model_seconds: float) -> None:
         """Feedback after the model ran `plan`, for policies that learn from measured speed."""
@@ -79,8 +119,12 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Recompute preemption: drop the request's KV and queue it again at the front."""
+        self.release(req)
+        self.waiting.appendleft(req)
+
+    def release(self, req: Request) -> None:
+        """Drop a preempted request's KV: it waits to be computed again from its first token."""
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.waiting.appendleft(req)

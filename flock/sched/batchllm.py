@@ -50,6 +50,11 @@ class BatchLLMScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.unplanned or self.pending or self.active)
 
+    @property
+    def num_waiting(self) -> int:
+        """Members not admitted: unplanned, in pending groups, and waiting (or preempted) in active ones."""
+        return len(self.unplanned) + sum(len(g.waiting) for g in (*self.pending, *self.active))
+
     # -- planning ----------------------------------------------------------------------------------------------
     def _plan(self) -> None:
         plan = plan_prefixes([r.prompt_token_ids for r in self.unplanned])
@@ -72,7 +77,7 @@ class BatchLLMScheduler(Scheduler):
         self.unplanned = []
 
     # -- the step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def _schedule(self) -> StepPlan:
         if self.unplanned:
             self._plan()
         plan = self._fill()
@@ -102,7 +107,7 @@ class BatchLLMScheduler(Scheduler):
             if g.prefix_len:
                 g.prefix = self._pseudo_request(g)
             budget = self._members(g, plan, budget) if g.prefix_done else self._prefix(g, plan, budget)
-            if not g.admitted and (g.prefix is None or not g.prefix.block_table):
+            if not g.admitted and (g.prefix is None or not self.kv.num_blocks(g.prefix)):
                 self.active.pop()  # nothing fitted: try again next step
                 self.pending.appendleft(g)
                 g.prefix = None
@@ -114,7 +119,7 @@ class BatchLLMScheduler(Scheduler):
             for req in list(g.admitted):
                 if budget == 0 or req.num_tokens - req.num_computed_tokens != 1 or req not in g.admitted:
                     continue
-                while not self.kv.allocate(req, 1):
+                while not self.allocate(req, 1):
                     if not self._make_room(g, req, plan):
                         break
                 if req in g.admitted:
@@ -128,8 +133,8 @@ class BatchLLMScheduler(Scheduler):
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.request_id in scheduled or n <= 1 and req.num_output_tokens or n == 0:
                 continue
-            needed = self.kv.blocks_needed(req.num_computed_tokens + n) - len(req.block_table)
-            if not self._fits(plan, needed) or not self.kv.allocate(req, n):
+            needed = self.kv.blocks_needed(req.num_computed_tokens + n) - self.kv.num_blocks(req)
+            if not self._fits(plan, needed) or not self.allocate(req, n):
                 return budget
             plan.scheduled.append((req, n))
             budget -= n
@@ -138,7 +143,7 @@ class BatchLLMScheduler(Scheduler):
             cached = self._shared_blocks(g, req)
             n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
             needed = self.kv.blocks_needed(self.kv.prefix_tokens(cached) + n) - len(cached)
-            if not self._fits(plan, needed) or not self.kv.allocate(req, n, cached):
+            if not self._fits(plan, needed) or not self.allocate(req, n, cached):
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = self.kv.prefix_tokens(cached)
@@ -151,11 +156,12 @@ class BatchLLMScheduler(Scheduler):
 
     def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
         p = g.prefix
-        cached = self.kv.cached_prefix(p) if not p.block_table else CachedPrefix()  # sharing above this group's level
+        held = self.kv.num_blocks(p)
+        cached = self.kv.cached_prefix(p) if not held else CachedPrefix()  # sharing above this group's level
         computed = p.num_computed_tokens + self.kv.prefix_tokens(cached)
         n = min(p.num_tokens - computed, budget)
-        needed = self.kv.blocks_needed(computed + n) - len(p.block_table) - len(cached)
-        if n > 0 and self._fits(plan, needed) and self.kv.allocate(p, n, cached):
+        needed = self.kv.blocks_needed(computed + n) - held - len(cached)
+        if n > 0 and self._fits(plan, needed) and self.allocate(p, n, cached):
             plan.scheduled.append((p, n))
             budget -= n
         return budget
@@ -163,7 +169,7 @@ class BatchLLMScheduler(Scheduler):
     def _shared_blocks(self, g: Group, req: Request) -> CachedPrefix:
         if self.kv.enable_prefix_caching:  # the group prefix, and any sharing deeper in the tree
             return self.kv.cached_prefix(req)
-        return CachedPrefix([] if g.prefix is None else g.prefix.block_table[: g.prefix_len // self.kv.block_size])
+        return CachedPrefix([] if g.prefix is None else self.kv.block_table(g.prefix)[: g.prefix_len // self.kv.block_size])
 
     def _fits(self, plan: StepPlan, blocks: int) -> bool:
         """The KV bound, waived when the step is still empty (so a huge group can always make progress)."""
@@ -174,8 +180,7 @@ class BatchLLMScheduler(Scheduler):
     def _pseudo_request(self, g: Group) -> Request:
         self._pseudo_ids -= 1
         ids = g.waiting[0].prompt_token_ids[: g.prefix_len]
-        p = Request(self._pseudo_ids, ids, SamplingParams(max_tokens=1))
-        p.samples = False
+        p = Request(self._pseudo_ids, ids, SamplingParams(max_tokens=1), prefix_only=True)
         p.status = RequestStatus.RUNNING
         return p
 
@@ -196,10 +201,7 @@ class BatchLLMScheduler(Scheduler):
 
     def _preempt_member(self, g: Group, req: Request, plan: StepPlan) -> None:
         plan.preempted.append(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
+        self.release(req)
         g.admitted.remove(req)
         g.waiting.appendleft(req)
 

@@ -14,14 +14,14 @@ class FCFSScheduler(Scheduler):
 
     name = "fcfs"
 
-    def schedule(self) -> StepPlan:
+    def _schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
+            while not self.allocate(req, n):
                 victim = self.running.pop()
                 self.preempt(victim)
                 plan.preempted.append(victim)
@@ -59,7 +59,7 @@ class FCFSScheduler(Scheduler):
         if cached is None:
             cached = self.kv.cached_prefix(req)
         n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
-        if not self.kv.allocate(req, n, cached):
+        if not self.allocate(req, n, cached):
             return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = self.kv.prefix_tokens(cached)

@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from flock.kv.hashing import chained_hashes
 from flock.prefix.cht import ChunkedHashTree
 from flock.request import Request
 from flock.sched.base import StepPlan
@@ -69,7 +68,6 @@ class FeatherScheduler(FCFSScheduler):
     # -- the CHT follows every move between waiting and running ----------------------------------------------
     def add(self, req: Request) -> None:
         super().add(req)
-        req.block_hashes = chained_hashes(req.prompt_token_ids, self.kv.block_size)  # the KV manager reuses them
         patience = max(self.max_wait_rounds, self.queue_factor * (len(self.waiting) - 1))
         self.deadline[req] = self.admissions + patience
         self._wait(req)
@@ -122,7 +120,7 @@ class FeatherScheduler(FCFSScheduler):
         if req.params.max_tokens is None:
             return 0
         total = req.num_prompt_tokens + req.params.max_tokens
-        return max(0, self.kv.blocks_needed(total) - len(req.block_table))
+        return max(0, self.kv.blocks_needed(total) - self.kv.num_blocks(req))
 
     def admission_order(self) -> Iterable[Request]:
         while self.waiting:
@@ -162,7 +160,7 @@ class FeatherScheduler(FCFSScheduler):
         """Focus on the group of waiting request `req`: the `depth` chunks it shares with other requests (a
         loner, depth 0, keeps the current focus)."""
         if depth:
-            self.focus = tuple(req.block_hashes[:depth])
+            self.focus = tuple(self._hashes(req)[:depth])
             self.focus_waiting = self.cht.num_waiting_sharing(req, depth) + 1
             self.focus_since = self.admissions
 
@@ -178,14 +176,14 @@ class FeatherScheduler(FCFSScheduler):
 
     def _in_focus(self, req: Request) -> bool:
         d = len(self.focus)
-        return self._chunks(req) >= d and req.block_hashes[d - 1] == self.focus[-1]
+        return self._chunks(req) >= d and self._hashes(req)[d - 1] == self.focus[-1]
 
     def _focus_depth_lost(self, req: Request) -> int:
         """Chunks of the focus prefix that `req` does not share (chained hashes: binary search)."""
         lo, hi = 0, min(len(self.focus), self._chunks(req))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if req.block_hashes[mid - 1] == self.focus[mid - 1]:
+            if self._hashes(req)[mid - 1] == self.focus[mid - 1]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -201,7 +199,11 @@ class FeatherScheduler(FCFSScheduler):
             self.focus_waiting -= 1
 
     def _prompt_hashes(self, req: Request) -> tuple[int, ...]:
-        return tuple(req.block_hashes[: self._chunks(req)])
+        return tuple(self._hashes(req)[: self._chunks(req)])
+
+    def _hashes(self, req: Request) -> list[int]:
+        """Chained hashes of the prompt's full chunks (and of any later blocks already hashed)."""
+        return req.block_hashes(self.kv.block_size, self._chunks(req))
 
     def _chunks(self, req: Request) -> int:
         return req.num_prompt_tokens // self.kv.block_size

@@ -19,14 +19,14 @@ def prefill(kv: KVCacheManager, req: Request) -> list[int]:
     cached = kv.cached_prefix(req)
     n = req.num_tokens - len(cached) * kv.block_size
     assert kv.allocate(req, n, cached)
-    req.num_computed_tokens += n
+    req.num_computed_tokens = req.num_tokens
     return cached
 
 
 def assert_pool_consistent(kv: KVCacheManager, live: list[Request]) -> None:
     pool = kv.pool
     for b in range(pool.num_blocks):
-        owners = sum(r.block_table.count(b) for r in live)
+        owners = sum(kv.block_table(r).count(b) for r in live)
         assert pool.ref_count[b] == owners, f"block {b}: ref {pool.ref_count[b]}, held by {owners}"
         assert (b in pool.free) == (owners == 0)
     for h, b in pool.cached.items():
@@ -50,18 +50,18 @@ def test_allocate_gives_enough_blocks_and_grows_one_token_at_a_time():
     req = make_req(0, list(range(6)))
     assert kv.cached_prefix(req) == []
     assert kv.allocate(req, 6)
-    assert len(req.block_table) == 2
-    assert len(set(req.block_table)) == 2
+    assert len(kv.block_table(req)) == 2
+    assert len(set(kv.block_table(req))) == 2
     req.num_computed_tokens = 6
     for step in range(5):  # decode: 6 -> 11 tokens of KV
         req.token_ids.append(100 + step)
         assert kv.allocate(req, 1)
         req.num_computed_tokens += 1
-        assert len(req.block_table) == kv.blocks_needed(req.num_computed_tokens)
-    assert len(req.block_table) == 3
+        assert len(kv.block_table(req)) == kv.blocks_needed(req.num_computed_tokens)
+    assert len(kv.block_table(req)) == 3
     assert_pool_consistent(kv, [req])
     kv.free(req)
-    assert req.block_table == []
+    assert kv.block_table(req) == []
     assert_all_free(kv)
 
 
@@ -70,12 +70,12 @@ def test_block_hashes_match_chained_hashes():
     prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
     req = make_req(0, prompt)
     prefill(kv, req)
-    assert req.block_hashes == chained_hashes(prompt, BS)
-    assert req.num_registered_blocks == 3
+    assert req.block_hashes(BS, 3) == chained_hashes(prompt, BS)
+    assert kv.num_registered[req] == 3
     # the three full blocks are in the index, the partial fourth is not
     for i in range(3):
-        assert kv.pool.lookup(req.block_hashes[i], tuple(prompt[i * BS : (i + 1) * BS])) == req.block_table[i]
-    assert kv.pool.block_hash[req.block_table[3]] is None
+        assert kv.pool.lookup(req.block_hashes(BS, 3)[i], tuple(prompt[i * BS : (i + 1) * BS])) == kv.block_table(req)[i]
+    assert kv.pool.block_hash[kv.block_table(req)[3]] is None
 
 
 @pytest.mark.parametrize("extra", [1, 3])
@@ -85,14 +85,14 @@ def test_second_request_with_same_prompt_gets_cached_prefix(extra):
     a, b = make_req(0, prompt), make_req(1, prompt)
     assert prefill(kv, a) == []
     cached = kv.cached_prefix(b)
-    assert cached == a.block_table[:3]
+    assert cached == kv.block_table(a)[:3]
     free_before = kv.pool.num_free
     assert kv.allocate(b, b.num_tokens - 3 * BS, cached)
-    assert b.num_computed_tokens == 3 * BS
-    assert b.block_table[:3] == a.block_table[:3]
-    assert b.block_table[3] != a.block_table[3]
+    assert b.num_computed_tokens == 0 and kv.prefix_tokens(cached) == 3 * BS  # the scheduler counts them
+    assert kv.block_table(b)[:3] == kv.block_table(a)[:3]
+    assert kv.block_table(b)[3] != kv.block_table(a)[3]
     assert kv.pool.num_free == free_before - 1  # only the partial block is new
-    assert all(kv.pool.ref_count[x] == 2 for x in a.block_table[:3])
+    assert all(kv.pool.ref_count[x] == 2 for x in kv.block_table(a)[:3])
     assert_pool_consistent(kv, [a, b])
     kv.free(a)
     kv.free(b)
@@ -106,12 +106,12 @@ def test_block_aligned_fully_cached_prompt_still_leaves_one_token_to_compute():
     prefill(kv, a)
     cached = kv.cached_prefix(b)
     assert len(cached) == 2  # never the whole prompt: the last token must be computed to sample
-    assert cached == a.block_table[:2]
+    assert cached == kv.block_table(a)[:2]
     n = b.num_tokens - len(cached) * BS
     assert n == BS
     assert kv.allocate(b, n, cached)
-    assert b.num_computed_tokens == 2 * BS
-    assert len(b.block_table) == 3 and b.block_table[2] != a.block_table[2]
+    assert kv.prefix_tokens(cached) == 2 * BS
+    assert len(kv.block_table(b)) == 3 and kv.block_table(b)[2] != kv.block_table(a)[2]
     assert_pool_consistent(kv, [a, b])
 
 
@@ -131,7 +131,7 @@ def test_prefix_hit_stops_at_the_first_differing_block():
     prefill(kv, a)
     other = base[:9] + [999] + base[10:]  # differs in block 2
     b = make_req(1, other)
-    assert kv.cached_prefix(b) == a.block_table[:2]
+    assert kv.cached_prefix(b) == kv.block_table(a)[:2]
     # same block content, different earlier block: no hit at all
     c = make_req(2, [555] + base[1:])
     assert kv.cached_prefix(c) == []
@@ -142,7 +142,7 @@ def test_cached_prefix_survives_free_and_revives_free_blocks():
     prompt = list(range(3 * BS + 1))
     a = make_req(0, prompt)
     prefill(kv, a)
-    table = list(a.block_table)
+    table = list(kv.block_table(a))
     kv.free(a)
     assert_all_free(kv)
     b = make_req(1, prompt)
@@ -150,7 +150,7 @@ def test_cached_prefix_survives_free_and_revives_free_blocks():
     assert cached == table[:3]
     assert kv.allocate(b, 1, cached)
     assert kv.pool.num_free == 6 - 4
-    assert all(x not in kv.pool.free for x in b.block_table)
+    assert all(x not in kv.pool.free for x in kv.block_table(b))
     assert_pool_consistent(kv, [b])
 
 
@@ -161,16 +161,16 @@ def test_allocate_failure_changes_nothing():
     b = make_req(1, list(range(100, 100 + 2 * BS)))
     ref_before, free_before = list(kv.pool.ref_count), list(kv.pool.free)
     assert not kv.allocate(b, 2 * BS)
-    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert kv.block_table(b) == [] and b.num_computed_tokens == 0
     assert kv.pool.ref_count == ref_before and list(kv.pool.free) == free_before
     # a running request that cannot grow is left untouched too
     kv2 = KVCacheManager(2, BS, True)
     r = make_req(2, list(range(2 * BS)))
     prefill(kv2, r)
     r.token_ids.append(1)
-    table = list(r.block_table)
+    table = list(kv2.block_table(r))
     assert not kv2.allocate(r, 1)
-    assert r.block_table == table and r.num_computed_tokens == 2 * BS
+    assert kv2.block_table(r) == table and r.num_computed_tokens == 2 * BS
     assert kv2.pool.num_free == 0
 
 
@@ -190,12 +190,12 @@ def test_allocate_failure_with_a_cached_prefix_changes_nothing():
     assert kv.pool.num_free == 3
     # 3 revived + 1 new > 3 free
     assert not kv.allocate(b, b.num_tokens - 3 * BS, cached)
-    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert kv.block_table(b) == [] and b.num_computed_tokens == 0
     assert list(kv.pool.free) == free_before and kv.pool.ref_count == ref_before
     assert kv.cached_prefix(b) == cached  # nothing was evicted
     kv.free(filler)
     assert kv.allocate(b, b.num_tokens - 3 * BS, cached)
-    assert b.num_computed_tokens == 3 * BS
+    assert kv.num_blocks(b) == 4
     assert_pool_consistent(kv, [b])
 
 
@@ -207,7 +207,7 @@ def test_prefix_caching_disabled_caches_nothing():
     assert kv.pool.cached == {}
     assert kv.cached_prefix(b) == []
     prefill(kv, b)
-    assert set(a.block_table).isdisjoint(b.block_table)
+    assert set(kv.block_table(a)).isdisjoint(kv.block_table(b))
     kv.free(a)
     assert kv.cached_prefix(b) == []
     kv.free(b)
@@ -219,7 +219,7 @@ def test_free_returns_blocks_tail_first():
     kv = KVCacheManager(8, BS, True)
     a = make_req(0, list(range(3 * BS)))
     prefill(kv, a)
-    table = list(a.block_table)
+    table = list(kv.block_table(a))
     kv.free(a)
     assert list(kv.pool.free)[-3:] == table[::-1]  # prefix block at the tail: evicted last
 
@@ -237,10 +237,10 @@ def test_many_requests_sharing_prefixes_leak_nothing():
             r.num_computed_tokens += 1
         reqs.append(r)
         assert_pool_consistent(kv, reqs)
-    assert reqs[-1].block_table[:4] == reqs[-2].block_table[:4]
+    assert kv.block_table(reqs[-1])[:4] == kv.block_table(reqs[-2])[:4]
     for r in reqs[::2] + reqs[1::2]:
         kv.free(r)
-        assert r.block_table == [] and r.num_registered_blocks == 0
+        assert kv.block_table(r) == [] and r not in kv.num_registered
     assert_all_free(kv)
 
 
@@ -252,16 +252,16 @@ def test_prefix_ending_inside_a_block_copies_the_start_of_a_cached_block():
     assert kv.cached_prefix(b).tail_tokens == 0  # a's KV exists only once its step has run
     kv.end_step()
     cached = kv.cached_prefix(b)
-    assert cached == a.block_table[:2]
-    assert (cached.tail_block, cached.tail_tokens) == (a.block_table[2], 3)
+    assert cached == kv.block_table(a)[:2]
+    assert (cached.tail_block, cached.tail_tokens) == (kv.block_table(a)[2], 3)
     assert kv.prefix_tokens(cached) == 2 * BS + 3
     assert kv.allocate(b, 3, cached)
-    assert b.num_computed_tokens == 2 * BS + 3
-    assert b.block_table[2] not in a.block_table
-    assert b.kv_copy == (a.block_table[2], b.block_table[2], 3)
+    assert kv.num_blocks(b) == kv.blocks_needed(2 * BS + 3 + 3)
+    assert kv.block_table(b)[2] not in kv.block_table(a)
+    assert kv.copies[b] == (kv.block_table(a)[2], kv.block_table(b)[2], 3)
     assert_pool_consistent(kv, [a, b])
     kv.free(b)
-    assert b.kv_copy is None
+    assert b not in kv.copies
 
 
 def test_a_copied_start_leaves_the_last_token_to_compute():

@@ -71,7 +71,7 @@ def test_small_kv_budget_never_recomputes_a_prefix():
     def spy():
         plan = schedule()
         for req, n in plan.scheduled:
-            if not req.samples:
+            if req.prefix_only:
                 key = tuple(req.prompt_token_ids)
                 computed[key] = computed.get(key, 0) + n
         return plan
@@ -104,13 +104,13 @@ def test_pinned_prefix_is_released_when_the_group_finishes():
     while engine.has_unfinished():
         engine.step()
         for g in sched.active:
-            if g.prefix is not None and g.prefix.block_table:
+            if g.prefix is not None and engine.kv.block_table(g.prefix):
                 seen_pinned = True
-                assert all(engine.kv.pool.ref_count[b] >= 1 for b in g.prefix.block_table)
-        held = sum(len(r.block_table) for r in reqs if not r.is_finished)
-        pinned = sum(len(g.prefix.block_table) for g in sched.active if g.prefix is not None)
+                assert all(engine.kv.pool.ref_count[b] >= 1 for b in engine.kv.block_table(g.prefix))
+        held = sum(len(engine.kv.block_table(r)) for r in reqs if not r.is_finished)
+        pinned = sum(len(engine.kv.block_table(g.prefix)) for g in sched.active if g.prefix is not None)
         assert engine.kv.pool.num_used == held + pinned - sum(  # shared blocks are counted once
-            len(g.prefix.block_table[: g.prefix_len // 8]) * len([m for m in g.admitted if m.block_table])
+            len(engine.kv.block_table(g.prefix)[: g.prefix_len // 8]) * len([m for m in g.admitted if engine.kv.block_table(m)])
             for g in sched.active if g.prefix is not None)
     assert seen_pinned
     assert engine.kv.pool.num_used == 0 and not sched.active

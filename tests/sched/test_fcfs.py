@@ -64,7 +64,7 @@ class Sim:
         assert len(set(map(id, scheduled))) == len(scheduled)
         assert [r for r in scheduled] == [r for r in sched.running if r in scheduled]
         for r in plan.preempted:  # victims: the newest running requests, newest first
-            assert r.status is RequestStatus.WAITING and r.block_table == [] and r.num_computed_tokens == 0
+            assert r.status is RequestStatus.WAITING and kv.block_table(r) == [] and r.num_computed_tokens == 0
             assert r not in scheduled and r not in sched.running
         assert plan.preempted == running_before[::-1][: len(plan.preempted)]
         if plan.preempted:
@@ -77,16 +77,16 @@ class Sim:
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
         for r in sched.waiting:
-            assert r.status is RequestStatus.WAITING and r.block_table == []
+            assert r.status is RequestStatus.WAITING and kv.block_table(r) == []
 
         # ---- KV invariants
         for b in range(kv.pool.num_blocks):
-            owners = sum(r.block_table.count(b) for r in sched.running)
+            owners = sum(kv.block_table(r).count(b) for r in sched.running)
             assert kv.pool.ref_count[b] == owners
             assert (b in kv.pool.free) == (owners == 0)
         for r, n in plan.scheduled:
-            assert len(r.block_table) == kv.blocks_needed(r.num_computed_tokens + n)
-            assert len(set(r.block_table)) == len(r.block_table)
+            assert len(kv.block_table(r)) == kv.blocks_needed(r.num_computed_tokens + n)
+            assert len(set(kv.block_table(r))) == len(kv.block_table(r))
             assert r.num_computed_tokens + n <= r.num_tokens
 
         # ---- the "forward pass": all writes, then all reads (as each layer does). A request admitted in the
@@ -94,14 +94,14 @@ class Sim:
         written = {}
         for r, n in plan.scheduled:
             for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
-                slot = (r.block_table[p // bs], p % bs)
+                slot = (kv.block_table(r)[p // bs], p % bs)
                 value = tuple(r.token_ids[: p + 1])
                 assert written.setdefault(slot, value) == value, f"{r} and another request write slot {slot}"
                 self.store[slot] = value
         new_tokens = dict((id(r), n) for r, n in plan.scheduled)
         for r in sched.running:  # every live request's KV, not only the scheduled ones: nothing was clobbered
             for p in range(r.num_computed_tokens + new_tokens.get(id(r), 0)):
-                got = self.store.get((r.block_table[p // bs], p % bs))
+                got = self.store.get((kv.block_table(r)[p // bs], p % bs))
                 assert got == tuple(r.token_ids[: p + 1]), f"{r} reads wrong KV at position {p}"
 
         # ---- postprocess
@@ -286,7 +286,7 @@ def test_prefix_hit_skips_the_cached_blocks():
     plan = sim.step()
     assert plan.scheduled == [(a, 1), (b, 1)]  # 12 tokens from the cache, 1 computed
     assert b.num_cached_tokens == 12
-    assert b.block_table[:3] == a.block_table[:3]
+    assert sim.kv.block_table(b)[:3] == sim.kv.block_table(a)[:3]
     sim.run()
     sim.assert_no_leak()
 
