@@ -3,9 +3,9 @@ and the fused prefix-sharing kernels: every ISA path of the CPU kernel this CPU 
 "cpu-avx512", "cpu-avx2": flock/attention/csrc/cascade_cpu.c) and, for bf16 on CPUs with AMX, "amx"
 (flock/attention/csrc/cascade_amx.c).
 
-    python bench/attention_decode.py            # full grid, both dtypes (a few minutes on 2 cores)
-    python bench/attention_decode.py --quick    # smoke: fewer cells, fewer repeats
-    python bench/attention_decode.py --head-dim 128 --heads 32 --kv-heads 8 --requests 64 --tail 32
+    python -m bench.attention_decode            # full grid, both dtypes (a few minutes on 2 cores)
+    python -m bench.attention_decode --quick    # smoke: fewer cells, fewer repeats
+    python -m bench.attention_decode --head-dim 128 --heads 32 --kv-heads 8 --requests 64 --tail 32
 
 One step of one layer: REQUESTS decode requests (1 new token each). Requests come in groups of DEGREE that
 share a PREFIX-token prefix (the same physical blocks); each request also has its own TAIL tokens plus the
@@ -47,10 +47,8 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import os
 import pstats
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -58,21 +56,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flock.attention import make_backend
-from flock.attention import amx, cpu
-from flock.attention.base import StepLayout
-from flock.native import cpu_model
-from flock.model.config import ModelConfig
+from bench.harness import machine
+from bench.harness.layer import DTYPES, Flusher, fused_paths, make, model_config, ms
+from bench.harness.report import OUT, pyplot, save_figure, write_json
+from bench.harness.timing import median_time
 
-OUT = Path(__file__).resolve().parent / "out"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from flock.attention import cpu, make_backend
+from flock.attention.base import StepLayout
+
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}  # max |cascade - per-request| accepted
 NOISY = 0.2  # cores of other load during a cell above which its times are flagged
 GOAL = dict(degree=16, prefix=2048, roofline_factor=2.0)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.attention_decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8)
@@ -120,89 +119,20 @@ def parse_args():
 # ------------------------------------------------------------------------------------------------ machine
 
 
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+class QuietWaits:
+    """Waits for a quiet machine before each cell (other processes under 0.15 cores over half a second), at
+    most `budget_s` seconds over the whole run."""
 
+    def __init__(self, budget_s: float = 40.0):
+        self.budget_s, self.waited = budget_s, 0.0
 
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
-
-
-class CpuMonitor:
-    """CPU used by other processes, in cores: system-wide busy time from /proc/stat less this process's."""
-
-    def __init__(self):
-        self.tick = os.sysconf("SC_CLK_TCK")
-        self.waited = 0.0
-
-    def sample(self):
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-            busy = (sum(v[:8]) - v[3] - v[4]) / self.tick  # all but idle and iowait
-        except (OSError, ValueError, IndexError):
-            busy = float("nan")
-        t = os.times()
-        return busy, t.user + t.system, time.perf_counter()
-
-    @staticmethod
-    def other(a, b) -> float:
-        return max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / max(b[2] - a[2], 1e-9))
-
-    def wait_quiet(self, max_s: float, threshold: float = 0.15, budget: float = 40.0) -> float:
-        """Wait until a 1 s window shows less than `threshold` cores of other load; returns the last reading."""
-        start = time.perf_counter()
-        while True:
-            a = self.sample()
-            time.sleep(0.5 if max_s > 0 and self.waited < budget else 0.2)
-            load = self.other(a, self.sample())
-            spent = time.perf_counter() - start
-            if load < threshold or spent >= max_s or self.waited + spent >= budget:
-                self.waited += spent
-                return load
-
-
-def median_time(fn, repeats: int, warmup: int = 1, best: bool = False) -> float:
-    """Median (or, with `best`, the shortest) time of `fn` over `repeats` calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
+    def __call__(self, max_s: float) -> float:
+        """Wait up to `max_s` seconds; returns the last reading of other processes' load, in cores."""
+        allowed = max(0.0, min(max_s, self.budget_s - self.waited))
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) if best else statistics.median(times)
-
-
-def measure_bandwidth(gib: float) -> dict:
-    """Memory bandwidth with torch on this machine's threads: a read (sum) and a copy (read + write) of a
-    tensor larger than the last-level cache, best of 7 each. The larger of the two is taken as the limit."""
-    n = int(gib * 2**30) // 4
-    x = torch.empty(n, dtype=torch.float32).normal_()
-    y = torch.empty_like(x)
-    t_sum = median_time(lambda: x.sum(), 7, best=True)
-    t_copy = median_time(lambda: y.copy_(x), 7, best=True)
-    read = x.numel() * 4 / t_sum / 1e9
-    copy = 2 * x.numel() * 4 / t_copy / 1e9
-    del x, y
-    return {"probe_gib": gib, "read_sum_GBps": read, "copy_rw_GBps": copy, "limit_GBps": max(read, copy)}
-
-
-def measure_matmul(dtype: torch.dtype, n: int = 2048) -> float:
-    """Peak arithmetic rate, GFLOP/s: the best of 7 n x n x n matmuls in `dtype`."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / median_time(lambda: a @ b, 7, warmup=2, best=True) / 1e9
-
-
-class Flusher:
-    """Reads a buffer larger than the last-level cache, so the next call finds its data in memory."""
-
-    def __init__(self, mib: int):
-        self.buf = torch.ones(mib * 2**20 // 4) if mib > 0 else None
-
-    def __call__(self):
-        if self.buf is not None:
-            self.buf.sum()
+        cores = machine.wait_quiet(allowed, 0.15, window_s=0.5 if allowed > 0 else 0.2)
+        self.waited += time.perf_counter() - t
+        return cores
 
 
 # ------------------------------------------------------------------------------------------------ layout
@@ -241,35 +171,13 @@ def kv_bytes(args, tokens: int, elsize: int) -> int:
 # ------------------------------------------------------------------------------------------------ cells
 
 
-def model_config(args) -> ModelConfig:
-    return ModelConfig("llama", 32000, args.heads * args.head_dim, 4 * args.heads * args.head_dim, 1,
-                       args.heads, args.kv_heads, args.head_dim)
-
-
 def attention_flops(args, tokens: int) -> int:
     return args.heads * tokens * 4 * args.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
 
 
-def fused_paths(dtype: torch.dtype) -> list[str]:
-    """The fused kernels this CPU runs for `dtype`: amx (bf16), then each ISA path of the cpu kernel."""
-    paths = ["amx"] if dtype == torch.bfloat16 and amx.kernel_unavailable() is None else []
-    return paths + ([f"cpu-{isa}" for isa in cpu.isa_paths()] if cpu.kernel_unavailable() is None else [])
-
-
-def make(name: str, cfg: ModelConfig, dtype: torch.dtype):
-    """A backend by name; "cpu-<isa>" is the cpu kernel forced onto that ISA path."""
-    if name.startswith("cpu-"):
-        isa = name.removeprefix("cpu-")
-        if why := cpu.kernel_unavailable(isa):  # else it would time torch-cascade under the kernel's name
-            raise SystemExit(f"{name}: {why}")
-        c = cfg
-        return cpu.CpuCascadeBackend(c.num_attention_heads, c.num_key_value_heads, c.head_dim, None, dtype, isa=isa)
-    return make_backend(name, cfg, torch.device("cpu"), dtype)
-
-
-def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, rng, flush, mon) -> dict:
+def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, rng, flush, quiet) -> dict:
     dtype = DTYPES[dtype_name]
-    cfg = model_config(args)
+    cfg = model_config(args.heads, args.kv_heads, args.head_dim)
     layout = make_layout(rng, args, degree, prefix, k_cache.shape[0])
     r = args.requests
     q = torch.randn(r, args.heads, args.head_dim).to(dtype)
@@ -303,18 +211,18 @@ def run_cell(args, dtype_name: str, degree: int, prefix: int, k_cache, v_cache, 
             step(n)
 
     def measure():
-        before = mon.wait_quiet(args.wait_quiet)
-        cpu0 = mon.sample()
-        meta_t = {n: median_time(lambda n=n: backends[n].build_metadata(layout), 9) for n in names}
-        times = {n: [] for n in names}
-        spent = 0.0
-        while len(times[names[0]]) < args.repeats:
-            for n in names:  # alternate, so background load falls on both alike
-                times[n].append(step(n))
-                spent += times[n][-1]
-            if len(times[names[0]]) >= args.min_repeats and spent >= args.cell_budget:
-                break
-        return mon.other(cpu0, mon.sample()), before, times, meta_t
+        before = quiet(args.wait_quiet)
+        with machine.OthersCPU() as others:
+            meta_t = {n: median_time(lambda n=n: backends[n].build_metadata(layout), 9) for n in names}
+            times = {n: [] for n in names}
+            spent = 0.0
+            while len(times[names[0]]) < args.repeats:
+                for n in names:  # alternate, so background load falls on both alike
+                    times[n].append(step(n))
+                    spent += times[n][-1]
+                if len(times[names[0]]) >= args.min_repeats and spent >= args.cell_budget:
+                    break
+        return others.cores, before, times, meta_t
 
     other_load, before_quiet, times, meta_t = measure()
     tries = 1
@@ -358,7 +266,7 @@ def profile_cascade(args, dtype_name: str, k_cache, v_cache, rng, flush, calls: 
     q = torch.randn(r, args.heads, args.head_dim).to(dtype)
     k = torch.randn(r, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn(r, args.kv_heads, args.head_dim).to(dtype)
-    be = make_backend("torch-cascade", model_config(args), torch.device("cpu"), dtype)
+    be = make_backend("torch-cascade", model_config(args.heads, args.kv_heads, args.head_dim), torch.device("cpu"), dtype)
     meta = be.build_metadata(layout)
     for _ in range(2):
         be.forward(q, k, v, k_cache, v_cache, meta)
@@ -397,10 +305,6 @@ def profile_cascade(args, dtype_name: str, k_cache, v_cache, rng, flush, calls: 
 
 
 # ------------------------------------------------------------------------------------------------ report
-
-
-def ms(x: float) -> str:
-    return f"{x * 1e3:.3f}" if x < 0.01 else f"{x * 1e3:.2f}" if x < 0.1 else f"{x * 1e3:.1f}"
 
 
 def roofline(c: dict, bw: float, gflops: float) -> float:
@@ -453,10 +357,7 @@ def goal_verdict(rows: list[dict], bw: float, gflops: dict) -> list[dict]:
 
 
 def plot(args, rows: list[dict], bw: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     dtypes = [d for d in args.dtypes if any(c["dtype"] == d for c in rows)]
@@ -511,9 +412,7 @@ def plot(args, rows: list[dict], bw: float, path: Path) -> None:
     fig.suptitle(f"head_dim {args.head_dim}, {args.heads} q heads / {args.kv_heads} KV heads, block {args.block_size},"
                  f" tail {args.tail}, {torch.get_num_threads()} threads, caches "
                  + ("flushed" if args.flush_mib else "NOT flushed") + " before each call", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -525,19 +424,20 @@ def main():
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    load_start = load_average()
-    print(f"CPU: {cpu_model()}; kernel paths it runs: {', '.join(fused_paths(torch.bfloat16)) or 'none'}")
+    load_start = machine.load_average()
+    print(machine.header("attention_decode"))
+    print(f"attention kernel paths this CPU runs: {', '.join(fused_paths(torch.bfloat16)) or 'none'}")
     print(f"load average at start: {load_start}  (cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()},"
           f" torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()})")
-    mon = CpuMonitor()
-    quiet = mon.wait_quiet(args.wait_quiet)
+    waits = QuietWaits()
+    quiet = waits(args.wait_quiet)
     print(f"other load now: {quiet:.2f} cores" + ("  -- the machine is busy: 2-thread times will be inflated, the "
           "cascade's most; consider --threads 1" if quiet > NOISY else ""), flush=True)
-    cpu0 = mon.sample()
-    bwinfo = measure_bandwidth(args.bw_gib)
+    with machine.OthersCPU() as others:
+        bwinfo = machine.memory_bandwidth(args.bw_gib)
+        gflops = {d: machine.matmul_peak(DTYPES[d], repeats=7) for d in args.dtypes}
     bw = bwinfo["limit_GBps"]
-    gflops = {d: measure_matmul(DTYPES[d]) for d in args.dtypes}
-    bwinfo["other_load_cores"] = probe_load = mon.other(cpu0, mon.sample())
+    bwinfo["other_load_cores"] = probe_load = others.cores
     print(f"memory bandwidth ({args.bw_gib:g} GiB fp32): read (sum) {bwinfo['read_sum_GBps']:.1f} GB/s, "
           f"copy (read+write) {bwinfo['copy_rw_GBps']:.1f} GB/s -> limit {bw:.1f} GB/s; matmul peak (2048^3): "
           + ", ".join(f"{d} {x:.0f} GFLOP/s" for d, x in gflops.items()) + f"; other load {probe_load:.2f} cores"
@@ -556,7 +456,7 @@ def main():
             k_cache = torch.empty(shape, dtype=dtype).normal_()
             v_cache = torch.empty(shape, dtype=dtype).normal_()
             for degree in args.degrees:
-                c = run_cell(args, dtype_name, degree, prefix, k_cache, v_cache, rng, flush, mon)
+                c = run_cell(args, dtype_name, degree, prefix, k_cache, v_cache, rng, flush, waits)
                 rows.append(c)
                 print(f"  {dtype_name} prefix {prefix:5d} degree {degree:2d}: per-request "
                       f"{ms(c['per_request']['forward_s'])} ms, cascade {ms(c['cascade']['forward_s'])} ms, "
@@ -607,20 +507,20 @@ def main():
     if mismatches:
         print(f"\nWARNING: {len(mismatches)} cells where cascade and per-request outputs differ beyond tolerance")
 
-    load_end = load_average()
-    print(f"\nload average at end: {load_end}; peak RSS {peak_rss_gib():.2f} GiB; wall {time.time() - t_start:.0f} s")
+    load_end = machine.load_average()
+    print(f"\nload average at end: {load_end}; peak RSS {machine.peak_rss_gib():.2f} GiB; wall {time.time() - t_start:.0f} s")
     result = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_isa_paths": cpu.isa_paths(),
+        "machine": {"cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(), "cores": os.cpu_count(), "cpu_isa_paths": cpu.isa_paths(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "load_average_start": load_start, "load_average_end": load_end,
-                    "other_load_at_start_cores": quiet, "waited_for_quiet_s": mon.waited},
+                    "other_load_at_start_cores": quiet, "waited_for_quiet_s": waits.waited},
         "bandwidth": bwinfo, "matmul_GFLOPs": gflops, "tolerance": TOLERANCE, "goal": GOAL, "goal_verdicts": verdicts,
         "cells": rows,
-        "profiles": profiles, "peak_rss_gib": peak_rss_gib(), "wall_s": time.time() - t_start,
+        "profiles": profiles, "peak_rss_gib": machine.peak_rss_gib(), "wall_s": time.time() - t_start,
     }
-    (args.out / "attention_decode.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / "attention_decode.json", result)
     print(f"wrote {args.out / 'attention_decode.json'}")
     if not args.no_plot:
         try:

@@ -1,10 +1,10 @@
 """Prefill attention per step: PyTorch ("torch", "torch-cascade", both on PyTorch's CPU flash attention) vs the
 fused CPU kernel on every ISA path this CPU runs (and "amx" for bf16 where the CPU has AMX), against the roofline.
 
-    python bench/attention_prefill.py                 # fresh 2K prefill and 2K in 4 chunks, fp32 and bf16
-    python bench/attention_prefill.py --context 4096 --chunks 1,8 --dtypes bf16
+    python -m bench.attention_prefill                 # fresh 2K prefill and 2K in 4 chunks, fp32 and bf16
+    python -m bench.attention_prefill --context 4096 --chunks 1,8 --dtypes bf16
 
-One layer, one request of CONTEXT tokens (head_dim, heads and KV heads as bench/attention_decode.py). Cells:
+One layer, one request of CONTEXT tokens (head_dim, heads and KV heads as bench.attention_decode). Cells:
   * fresh (chunks 1): the whole prompt in one step, causal, the context is the chunk itself;
   * chunked (chunks N): the same prompt in N steps of CONTEXT / N tokens, each causal against the cache
     written by the steps before (time: all N steps). Both do the same arithmetic.
@@ -16,28 +16,24 @@ Results: a markdown table per dtype and bench/out/attention_prefill.json.
 """
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-import attention_decode as ad  # noqa: E402
-
-from flock.attention.base import StepLayout  # noqa: E402
-from flock.native import cpu_model  # noqa: E402
+from bench.harness import machine
+from bench.harness.layer import DTYPES, Flusher, fused_paths, make, model_config, ms
+from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from flock.attention.base import StepLayout
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.attention_prefill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -49,7 +45,7 @@ def parse_args():
     p.add_argument("--flush-mib", type=int, default=512)
     p.add_argument("--bw-gib", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--out", type=Path, default=BENCH / "out")
+    p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args()
     a.chunks = [int(x) for x in a.chunks.split(",")]
     a.dtypes = a.dtypes.split(",")
@@ -69,9 +65,9 @@ def step_layouts(args, chunks: int, table: np.ndarray) -> list[StepLayout]:
     return out
 
 
-def run_cell(args, dtype_name: str, chunks: int, flush, mon) -> dict:
-    dtype = ad.DTYPES[dtype_name]
-    cfg = ad.model_config(args)
+def run_cell(args, dtype_name: str, chunks: int, flush) -> dict:
+    dtype = DTYPES[dtype_name]
+    cfg = model_config(args.heads, args.kv_heads, args.head_dim)
     blocks = -(-args.context // args.block_size)
     table = np.random.default_rng(0).permutation(blocks + 64)[:blocks]
     shape = (blocks + 64, args.block_size, args.kv_heads, args.head_dim)
@@ -79,8 +75,8 @@ def run_cell(args, dtype_name: str, chunks: int, flush, mon) -> dict:
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(args.context, h, args.head_dim, generator=gen).to(dtype)
                for h in (args.heads, args.kv_heads, args.kv_heads))
-    names = ("torch", "torch-cascade", *ad.fused_paths(dtype))
-    backends = {n: ad.make(n, cfg, dtype) for n in names}
+    names = ("torch", "torch-cascade", *fused_paths(dtype))
+    backends = {n: make(n, cfg, dtype) for n in names}
     layouts = step_layouts(args, chunks, table)
     metas = {n: [backends[n].build_metadata(x) for x in layouts] for n in names}
     n_tok = args.context // chunks
@@ -99,12 +95,12 @@ def run_cell(args, dtype_name: str, chunks: int, flush, mon) -> dict:
 
     ref = steps("torch", False)[1].float()
     diffs = {n: (steps(n, False)[1].float() - ref).abs().max().item() for n in names[1:]}
-    cpu0 = mon.sample()
     times = {n: [] for n in names}
-    for _ in range(args.repeats):
-        for n in names:  # alternate, so background load falls on all alike
-            times[n].append(steps(n, True)[0])
-    other = mon.other(cpu0, mon.sample())
+    with machine.OthersCPU() as others:
+        for _ in range(args.repeats):
+            for n in names:  # alternate, so background load falls on all alike
+                times[n].append(steps(n, True)[0])
+    other = others.cores
     flops = 4 * args.head_dim * args.heads * args.context * (args.context + 1) / 2
     kv_bytes = args.context * args.kv_heads * args.head_dim * 2 * torch.finfo(dtype).bits // 8
     return {"dtype": dtype_name, "chunks": chunks, "flops": flops, "kv_bytes": kv_bytes, "other_load_cores": other,
@@ -116,17 +112,17 @@ def run_cell(args, dtype_name: str, chunks: int, flush, mon) -> dict:
 def table(rows: list[dict], bw: float, gflops: dict) -> str:
     names = list(dict.fromkeys(n for c in rows for n in c["backends"]))
     head = ["cell", "roofline ms", *[f"{n} ms (GFLOP/s, / roofline)" for n in names], "other load"]
-    out = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    cells = []
     for c in rows:
         roof = max(c["flops"] / (gflops[c["dtype"]] * 1e9), c["kv_bytes"] / (bw * 1e9))
         cols = []
         for n in names:
             b = c["backends"].get(n)
-            cols.append("-" if b is None else f"{ad.ms(b['time_s'])} ({c['flops'] / b['time_s'] / 1e9:.0f}, "
+            cols.append("-" if b is None else f"{ms(b['time_s'])} ({c['flops'] / b['time_s'] / 1e9:.0f}, "
                         f"{b['time_s'] / roof:.2f}x)" + ("" if b["agree"] else " MISMATCH"))
         cell = "fresh" if c["chunks"] == 1 else f"{c['chunks']} chunks"
-        out.append(f"| {cell} | {ad.ms(roof)} | " + " | ".join(cols) + f" | {c['other_load_cores']:.2f} |")
-    return "\n".join(out)
+        cells.append([cell, ms(roof), *cols, f"{c['other_load_cores']:.2f}"])
+    return markdown_table(head, cells)
 
 
 def main():
@@ -134,20 +130,20 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    mon = ad.CpuMonitor()
-    print(f"CPU: {cpu_model()}; fused paths it runs: {', '.join(ad.fused_paths(torch.bfloat16)) or 'none'}; "
-          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores; load average {ad.load_average()}")
-    bwinfo = ad.measure_bandwidth(args.bw_gib)
+    print(machine.header("attention_prefill"))
+    print(f"attention kernel paths this CPU runs: {', '.join(fused_paths(torch.bfloat16)) or 'none'}; "
+          f"{os.cpu_count()} cores; load average {machine.load_average()}")
+    bwinfo = machine.memory_bandwidth(args.bw_gib)
     bw = bwinfo["limit_GBps"]
-    gflops = {d: ad.measure_matmul(ad.DTYPES[d]) for d in args.dtypes}
+    gflops = {d: machine.matmul_peak(DTYPES[d], repeats=7) for d in args.dtypes}
     print(f"memory bandwidth {bw:.1f} GB/s; matmul peak (2048^3) "
           + ", ".join(f"{d} {x:.0f} GFLOP/s" for d, x in gflops.items()) + " (measured now)", flush=True)
-    flush = ad.Flusher(args.flush_mib)
+    flush = Flusher(args.flush_mib)
     rows = []
     for d in args.dtypes:
         for chunks in args.chunks:
-            rows.append(run_cell(args, d, chunks, flush, mon))
-            print(f"  {d} chunks {chunks}: " + ", ".join(f"{n} {ad.ms(b['time_s'])} ms"
+            rows.append(run_cell(args, d, chunks, flush))
+            print(f"  {d} chunks {chunks}: " + ", ".join(f"{n} {ms(b['time_s'])} ms"
                                                           for n, b in rows[-1]["backends"].items()), flush=True)
     print(f"\nPrefill attention, one layer: one request of {args.context} tokens, head_dim {args.head_dim}, "
           f"{args.heads} query / {args.kv_heads} KV heads, block size {args.block_size}; median of {args.repeats}, "
@@ -155,10 +151,8 @@ def main():
     for d in args.dtypes:
         print(f"\n### {d}\n")
         print(table([c for c in rows if c["dtype"] == d], bw, gflops))
-    result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "cpu": cpu_model(), "bandwidth": bwinfo, "matmul_GFLOPs": gflops, "cells": rows}
-    path = args.out / "attention_prefill.json"
-    path.write_text(json.dumps(result, indent=1))
+    result = {"config": args_dict(args), "cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(), "bandwidth": bwinfo, "matmul_GFLOPs": gflops, "cells": rows}
+    path = write_json(args.out / "attention_prefill.json", result)
     print(f"\nwrote {path}")
 
 

@@ -1,8 +1,8 @@
 """Offline-batch speed: Flock's schedulers vs vLLM's CPU build on the `bench.harness.workloads` shapes (BatchLLM §6).
 
-    python bench/batch_speed.py                          # all workloads, default scale (~10 min with vLLM)
-    python bench/batch_speed.py --scale 0.05 --prompts 16 --gen 4 --skip-vllm          # a smoke run
-    python bench/batch_speed.py --workloads micro-2000-200-s16,nosharing --no-low-kv
+    python -m bench.batch_speed                          # all workloads, default scale (~10 min with vLLM)
+    python -m bench.batch_speed --scale 0.05 --prompts 16 --gen 4 --skip-vllm          # a smoke run
+    python -m bench.batch_speed --workloads micro-2000-200-s16,nosharing --no-low-kv
 
 Model: the built-in `flock/bench-tiny` shape saved as a bf16 Hugging Face folder (random weights; vLLM loads
 the same folder). Workloads: BatchLLM's microbenchmark shapes (prefix/distinct 2000/200, 2000/1000, 1000/1000
@@ -24,31 +24,24 @@ same around its generate, start-up excluded). total tok/s = (prompt + generated 
 saving rate = 1 - computed prompt tokens / prompt tokens (vLLM: its cached tokens / prompt tokens).
 Results: markdown tables, bench/out/batch_speed.json and the tokens-per-step figure
 bench/out/batch_tokens_per_step.png (FCFS caching on vs batchllm: BatchLLM's "valley" figure).
-Shared helpers (vLLM child, CPU-load notes, result type) come from bench/engine_speed.py.
 """
 
 import argparse
-import gc
-import json
 import math
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-import engine_speed as es  # noqa: E402
-from engine_speed import OthersCPU, Result, Workload  # noqa: E402
-
-from bench.harness import workloads as fw  # noqa: E402
-from flock.prefix import plan_prefixes  # noqa: E402
+from bench.harness import machine, vllm
+from bench.harness import workloads as fw
+from bench.harness.offline import BLOCK, Result, Workload, block_bound_tokens, hf_folder, run_flock, warmup_prompts
+from bench.harness.report import OUT, args_dict, markdown_table, pyplot, save_figure, write_json
+from flock.prefix import plan_prefixes
 
 MODEL = "flock/bench-tiny"
-BLOCK = 16
-VLLM_MAX_MODEL_LEN = 2048  # fixed in engine_speed.run_vllm's job
+VLLM_MAX_MODEL_LEN = 2048  # vllm.run_batch's default
 MICRO = [(2000, 200), (2000, 1000), (1000, 1000)]
 ALL = [f"micro-{p}-{d}-s{k}" for p, d in MICRO for k in (4, 16)] + ["industrial", "multilevel", "nosharing"]
 
@@ -89,44 +82,13 @@ def block_need(prompts: list[list[int]], gen: int) -> tuple[int, int, int]:
 def block_bound(prompts: list[list[int]]) -> float:
     """Best saving rate when only whole 16-token blocks are shared (Flock's prefix cache and batchllm) and
     every prompt computes at least its last token."""
-    return 1 - es.block_bound_tokens(prompts) / sum(map(len, prompts))
+    return 1 - block_bound_tokens(prompts) / sum(map(len, prompts))
 
 
 # -- Flock -----------------------------------------------------------------------------------------------------
-def run_flock(folder: Path, w: Workload, label: str, args: argparse.Namespace, *, caching: bool = True,
-              scheduler: str = "fcfs", sort: bool = False, num_kv_blocks: int | None = None) -> Result:
-    """One Flock condition; mirrors engine_speed.run_flock, which has no scheduler / KV-budget / order knobs."""
-    from flock import LLM, SamplingParams
-
-    try:
-        llm = LLM(str(folder), dtype="bfloat16", enable_prefix_caching=caching, attention=args.attention,
-                  max_num_batched_tokens=args.max_batched_tokens, block_size=BLOCK, scheduler=scheduler,
-                  num_kv_blocks=num_kv_blocks)
-        llm.generate([{"prompt_token_ids": p} for p in es.warmup_prompts(args)],
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        params = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
-        with OthersCPU() as others:
-            start = time.perf_counter()
-            order = sorted(range(len(w.prompts)), key=w.prompts.__getitem__) if sort else range(len(w.prompts))
-            outs = llm.generate([{"prompt_token_ids": w.prompts[i]} for i in order], params, use_tqdm=False)
-            outputs: list[list[int]] = [[] for _ in w.prompts]
-            for i, o in zip(order, outs):
-                outputs[i] = list(o.outputs[0].token_ids)
-            wall = time.perf_counter() - start
-        s = llm.stats()
-        steps = s.get("tokens_per_step") or list(llm.engine.stats.tokens_per_step)
-    except Exception as e:  # noqa: BLE001 - a failing condition is a finding, the others still run
-        print(f"{label}: {type(e).__name__}: {e}", flush=True)
-        return Result(label, caching, error=f"{type(e).__name__}: {e}"[:200])
-    finally:
-        llm = None
-        gc.collect()
-    extra = {k: s[k] for k in ("wall_seconds", "schedule_seconds", "model_seconds", "steps", "preemptions",
-                               "peak_kv_blocks", "num_kv_blocks", "computed_prefill_tokens",
-                               "cached_prefill_tokens", "mean_tokens_per_step")}
-    extra |= {"others_cpu": others.fraction, "tokens_per_step": steps, "scheduler": scheduler, "sorted": sort}
-    return Result(label, caching, wall, s["logical_prefill_tokens"], s["generated_tokens"], s["saving_rate"],
-                  outputs=outputs, extra=extra)
+def flock_result(folder: Path, w: Workload, label: str, args: argparse.Namespace, **kw) -> Result:
+    return run_flock(folder, w, label, warmup_prompts(args.seed, 64), attention=args.attention,
+                     max_num_batched_tokens=args.max_batched_tokens, **kw)
 
 
 FLOCK_CONDITIONS = [  # label, run_flock keywords
@@ -145,20 +107,20 @@ def vllm_ref(results: list[Result]) -> Result | None:
 def table(results: list[Result]) -> str:
     head = ["engine / condition", "wall s", "total tok/s", "saving rate", "vs vLLM (caching on)", "steps",
             "preempt.", "others' CPU"]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|--:" * (len(head) - 1) + "|"]
     ref = vllm_ref(results)
+    rows = []
     for r in results:
         name = r.label if r.engine.startswith("vLLM") else r.engine
         if r.error:
-            lines.append(f"| {name} | {r.error} |" + " |" * (len(head) - 2))
+            rows.append([name, r.error] + [""] * (len(head) - 2))
             continue
         ratio = f"{ref.wall_s / r.wall_s:.2f}x" if ref else "-"
         saving = "-" if r.saving_rate is None else f"{r.saving_rate:.1%}"
         others = r.extra.get("others_cpu")
         others = f"{others:.0%}" if others is not None and r.wall_s >= 0.5 else "-"
-        lines.append(f"| {name} | {r.wall_s:.2f} | {r.total_per_s:,.0f} | {saving} | {ratio} | "
-                     f"{r.extra.get('steps', '-')} | {r.extra.get('preemptions', '-')} | {others} |")
-    return "\n".join(lines)
+        rows.append([name, f"{r.wall_s:.2f}", f"{r.total_per_s:,.0f}", saving, ratio, r.extra.get("steps", "-"),
+                     r.extra.get("preemptions", "-"), others])
+    return markdown_table(head, rows)
 
 
 def agreement(results: list[Result]) -> str:
@@ -180,25 +142,20 @@ def agreement(results: list[Result]) -> str:
 def low_kv_table(rows: list[dict]) -> str:
     head = ["workload", "condition", "num_kv_blocks", "wall s", "total tok/s", "saving rate",
             "computed prefill tok", "recomputed vs full budget", "preempt.", "outputs = full budget's"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---" + "|--:" * (len(head) - 2) + "|"]
+    cells = []
     for x in rows:
-        recomputed = "-" if x.get("recomputed") is None else f"{x['recomputed']:+,}"
         if x["error"]:
-            lines.append(f"| {x['workload']} | {x['condition']} | {x['num_kv_blocks']} | {x['error']} |" + " |" * 6)
+            cells.append([x["workload"], x["condition"], x["num_kv_blocks"], x["error"]] + [""] * 6)
             continue
-        lines.append(f"| {x['workload']} | {x['condition']} | {x['num_kv_blocks']} | {x['wall_s']:.2f} | "
-                     f"{x['total_tokens_per_s']:,.0f} | {x['saving_rate']:.1%} | {x['computed_prefill_tokens']:,} | "
-                     f"{recomputed} | {x['preemptions']} | {x['identical']} |")
-    return "\n".join(lines)
+        recomputed = "-" if x.get("recomputed") is None else f"{x['recomputed']:+,}"
+        cells.append([x["workload"], x["condition"], x["num_kv_blocks"], f"{x['wall_s']:.2f}",
+                      f"{x['total_tokens_per_s']:,.0f}", f"{x['saving_rate']:.1%}", f"{x['computed_prefill_tokens']:,}",
+                      recomputed, x["preemptions"], x["identical"]])
+    return markdown_table(head, cells, align="ll" + "r" * (len(head) - 2))
 
 
 def plot(series: dict[str, dict[str, list[int]]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(series), 1, figsize=(10, 3.2 * len(series)), squeeze=False)
+    fig, axes = pyplot().subplots(len(series), 1, figsize=(10, 3.2 * len(series)), squeeze=False)
     for ax, (name, runs) in zip(axes[:, 0], series.items()):
         for label, steps in runs.items():
             ax.plot(range(1, len(steps) + 1), steps, label=f"{label} ({len(steps)} steps)", lw=1.1,
@@ -209,14 +166,12 @@ def plot(series: dict[str, dict[str, list[int]]], path: Path, title: str) -> Non
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------------------------------------
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.batch_speed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(ALL), help=f"comma-separated, from {','.join(ALL)}")
     p.add_argument("--scale", type=float, default=0.25, help="multiplies every prompt length (1 = BatchLLM's)")
     p.add_argument("--prompts", type=int, default=64, help="about this many prompts per workload")
@@ -233,14 +188,13 @@ def main() -> None:
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-off", action=argparse.BooleanOptionalAction, default=True,
                    help="also run vLLM with prefix caching off (one more ~50 s start-up)")
-    p.add_argument("--vllm-venv", type=Path, default=BENCH / "out" / "vllm-venv", help="created if missing")
+    p.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="created if missing")
     p.add_argument("--vllm-timeout", type=float, default=1200, help="seconds per vLLM child process")
     p.add_argument("--wait-quiet", type=float, default=0, help="wait up to this many seconds for an idle CPU")
-    p.add_argument("--out", type=Path, default=BENCH / "out")
+    p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     args.out, args.vllm_venv = args.out.resolve(), args.vllm_venv.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.prefix, args.distinct = 64, 0  # engine_speed.warmup_prompts: 4 random 64-token prompts
     names = [n for n in args.workloads.split(",") if n]
     low_names = [] if args.no_low_kv else [n for n in args.low_kv_workloads.split(",") if n]
     for n in names + low_names + [args.plot_workload]:
@@ -252,24 +206,23 @@ def main() -> None:
     loads: dict[str, str] = {}
 
     def check_load(what: str) -> None:
-        loads[what] = es.load_note(args.wait_quiet)
+        loads[what] = machine.load_note(args.wait_quiet)
         print(f"# before {what}: {loads[what]}", flush=True)
 
+    print(machine.header("batch_speed"))
     check_load("everything")
-    print(f"# batch_speed: torch {torch.__version__}, {torch.get_num_threads()} threads; model {MODEL} (bf16); "
+    print(f"# model {MODEL} (bf16); "
           f"scale {args.scale}, ~{args.prompts} prompts per workload, {args.gen} generated, greedy, ignore_eos; "
           f"Flock attention {args.attention}, max_num_batched_tokens {args.max_batched_tokens}, block 16",
           flush=True)
 
-    from flock.model import save_model
-
-    folder = save_model(MODEL, args.out / "batch-bench-tiny", dtype="bfloat16", seed=0)
-    vllm: Path | str | None = None
+    folder = hf_folder(MODEL, args.out)
+    python: Path | str | None = None  # the venv's python, or why vLLM is unavailable
     if not args.skip_vllm:
         try:
-            vllm = es.vllm_python(args.vllm_venv)
+            python = vllm.vllm_python(args.vllm_venv)
         except (RuntimeError, OSError) as e:
-            vllm = str(e)
+            python = str(e)
             print(f"vLLM unavailable: {e}", flush=True)
 
     workloads: dict[str, Workload] = {}
@@ -290,7 +243,7 @@ def main() -> None:
     by_workload: dict[str, list[Result]] = {n: [] for n in names}
     for n in names:
         for label, kw in FLOCK_CONDITIONS:
-            r = run_flock(folder, workloads[n], label, args, **kw)
+            r = flock_result(folder, workloads[n], label, args, **kw)
             by_workload[n].append(r)
             print(f"  {n:20s} {label:42s} " + (r.error or f"{r.wall_s:6.2f} s  {r.total_per_s:8,.0f} tok/s  "
                                                 f"saving {r.saving_rate:.1%}"), flush=True)
@@ -304,8 +257,8 @@ def main() -> None:
         full = {r.engine: r for r in by_workload.get(n, [])}
         for label, kw in FLOCK_CONDITIONS[1:2] + FLOCK_CONDITIONS[3:]:
             if label not in full:  # the workload is only in the low-KV list: its full-budget run first
-                full[label] = run_flock(folder, w, label, args, **kw)
-            r = run_flock(folder, w, label, args, num_kv_blocks=blocks, **kw)
+                full[label] = flock_result(folder, w, label, args, **kw)
+            r = flock_result(folder, w, label, args, num_kv_blocks=blocks, **kw)
             ok, f = not r.error, full[label]
             row = {"workload": n, "condition": label, "num_kv_blocks": blocks, "error": r.error,
                    "blocks_with_sharing": meta[n]["blocks_with_sharing"], "blocks_alone": meta[n]["blocks_alone"]}
@@ -324,19 +277,21 @@ def main() -> None:
                   f"saving {r.saving_rate:.1%}  computed prefill {r.extra['computed_prefill_tokens']:,}"), flush=True)
 
     # vLLM: one process per caching condition, every workload inside it
-    if vllm is not None:
+    if python is not None:
         fits = [n for n in names if meta[n]["max_prompt_len"] + args.gen <= VLLM_MAX_MODEL_LEN]
         for n in set(names) - set(fits):
-            by_workload[n].append(Result(f"vLLM {es.VLLM_PIN.split('==')[1]} CPU", True,
+            by_workload[n].append(Result(vllm.VLLM_ENGINE, True,
                                          error=f"prompt + gen > max_model_len {VLLM_MAX_MODEL_LEN}"))
         for caching in (True, False) if args.vllm_off else (True,):
-            if fits and isinstance(vllm, Path):
+            if fits and isinstance(python, Path):
                 check_load(f"vLLM (prefix caching {'on' if caching else 'off'})")
-            for n, r in zip(fits, es.run_vllm(folder, [workloads[n] for n in fits], caching, vllm, args)):
+            results = vllm.run_batch(folder, [workloads[n] for n in fits], caching, python,
+                                     warmup=warmup_prompts(args.seed, 64), out=args.out, timeout=args.vllm_timeout)
+            for n, r in zip(fits, results):
                 by_workload[n].append(r)
 
     # report
-    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    report = {"args": args_dict(args), "cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(),
               "model": MODEL, "load": loads, "workloads": {}, "low_kv": low_rows}
     for n in names:
         results, m = by_workload[n], meta[n]
@@ -372,8 +327,7 @@ def main() -> None:
             plot(series, path, f"Tokens per step, FCFS (prefix caching on) vs batchllm; {MODEL}, scale "
                                f"{args.scale}, gen {args.gen}, max_num_batched_tokens {args.max_batched_tokens}")
             print(f"\nwrote {path}")
-    path = args.out / "batch_speed.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = write_json(args.out / "batch_speed.json", report)
     print(f"wrote {path}; total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -1,15 +1,15 @@
 """Online serving: schedulers side by side on arrival-time traces replayed in real time through the engine.
 
-    python bench/online.py                                   # 4 workloads x fcfs,batchllm (~8 min)
-    python bench/online.py --quick                           # a ~40 s smoke run
-    python bench/online.py --workloads groups8 --schedulers fcfs,lpm,feather,feather:ucb --attention torch-cascade,torch
-    python bench/online.py --workloads groups8 --num-kv-blocks 600 --load 4   # KV pressure: the 8 prefixes need 512
+    python -m bench.online                                   # 4 workloads x fcfs,batchllm (~8 min)
+    python -m bench.online --quick                           # a ~40 s smoke run
+    python -m bench.online --workloads groups8 --schedulers fcfs,lpm,feather,feather:ucb --attention torch-cascade,torch
+    python -m bench.online --workloads groups8 --num-kv-blocks 600 --load 4   # KV pressure: the 8 prefixes need 512
                                                                               # blocks; 4x capacity keeps it saturated
-    python bench/online.py --engine-arg max_num_batched_tokens=1024 --threads 1   # 1 thread: a shared machine
-    python bench/online.py --model flock/smollm2 --workloads groups8 --schedulers fcfs,feather --num-requests 200 \
+    python -m bench.online --engine-arg max_num_batched_tokens=1024 --threads 1   # 1 thread: a shared machine
+    python -m bench.online --model flock/smollm2 --workloads groups8 --schedulers fcfs,feather --num-requests 200 \
         --probe-requests 64 --num-kv-blocks 600 --load 4 --out bench/out/smollm2   # the real model (~2 min)
 
-Workloads (flock/traces.py): groups8 (the Feather paper's experiment: 8 prefix groups of ~1,024 tokens, ~32-token
+Workloads (bench/harness/traces.py): groups8 (the Feather paper's experiment: 8 prefix groups of ~1,024 tokens, ~32-token
 suffixes, interleaved), long-prefix (8 groups, prefixes 1K-10K tokens), mixed (half from 4 groups, half
 unshared), nosharing; every length times the workload's scale (--scale, else groups8/mixed/nosharing 1.0,
 long-prefix 0.25 so the longest prompt fits the model's 4,096 positions). Poisson (or --pattern bursty)
@@ -39,23 +39,18 @@ throughput ratios vs fcfs, bench/out/online.json and bench/out/online_groups.png
 
 import argparse
 import gc
-import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(1, str(BENCH.parent))  # the repo, when flock is not installed
-import engine_speed as es  # noqa: E402
-
-from flock import LLM, SamplingParams  # noqa: E402
-from flock.sched import SCHEDULERS  # noqa: E402
-from bench.harness.traces import TRACE_KINDS, ReplayResult, make_trace, replay  # noqa: E402
+from bench.harness import machine
+from bench.harness.report import OUT, args_dict, markdown_table, pyplot, save_figure, write_json
+from bench.harness.traces import TRACE_KINDS, ReplayResult, make_trace, replay
+from flock import LLM, SamplingParams
+from flock.sched import SCHEDULERS
 
 DEFAULT_SCALE = {"groups8": 1.0, "long-prefix": 0.25, "mixed": 1.0, "nosharing": 1.0}
 PLOT_WORKLOAD = "groups8"
@@ -99,7 +94,7 @@ def run(args: argparse.Namespace, trace, spec: str, attention: str) -> tuple[Rep
     engine = None
     try:
         engine = build_engine(args, spec, attention)
-        with es.OthersCPU() as others:
+        with machine.OthersCPU() as others:
             result = replay(engine, trace, time_limit_s=args.time_limit)
         return result, None, others.fraction
     except Exception as e:  # noqa: BLE001 - a failing condition is a finding, the others still run
@@ -155,36 +150,34 @@ def baseline(rows: list[dict], row: dict) -> dict | None:
 def table(rows: list[dict]) -> str:
     head = ["scheduler", "attention", "req/s", "vs fcfs", "out tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 ms",
             "groups/step", "batch", "queue max", "saving", "preempt.", "sched %", "match %", "others' CPU"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---" + "|--:" * (len(head) - 2) + "|"]
+    cells = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['scheduler']} | {r['attention']} | {r['error']} |" + " |" * (len(head) - 3))
+            cells.append([r["scheduler"], r["attention"], r["error"]] + [""] * (len(head) - 3))
             continue
         m, base = r["metrics"], baseline(rows, r)
         ratio = f"{m['requests_per_s'] / base['metrics']['requests_per_s']:.2f}x" if base else "-"
         done = "" if m["finished"] == m["requests"] else f" ({m['finished']}/{m['requests']} done)"
-        lines.append(
-            f"| {r['scheduler']} | {r['attention']} | {m['requests_per_s']:.1f}{done} | {ratio} | "
-            f"{m['output_tokens_per_s']:,.0f} | {m['ttft_p50_s']:.2f} / {m['ttft_p99_s']:.2f} | "
-            f"{1e3 * m['tpot_p50_s']:.0f} / {1e3 * m['tpot_p99_s']:.0f} | {m['mean_groups_per_step']:.2f} | "
-            f"{m['mean_batch']:.0f} | {m['max_queue']} | {m['saving_rate']:.1%} | {m['preemptions']} | "
-            f"{m['schedule_fraction']:.1%} | {m['match_fraction']:.2%} | {r['others_cpu']:.0%} |")
-    return "\n".join(lines)
+        cells.append([
+            r["scheduler"], r["attention"], f"{m['requests_per_s']:.1f}{done}", ratio, f"{m['output_tokens_per_s']:,.0f}",
+            f"{m['ttft_p50_s']:.2f} / {m['ttft_p99_s']:.2f}", f"{1e3 * m['tpot_p50_s']:.0f} / {1e3 * m['tpot_p99_s']:.0f}",
+            f"{m['mean_groups_per_step']:.2f}", f"{m['mean_batch']:.0f}", m["max_queue"], f"{m['saving_rate']:.1%}",
+            m["preemptions"], f"{m['schedule_fraction']:.1%}", f"{m['match_fraction']:.2%}", f"{r['others_cpu']:.0%}"])
+    return markdown_table(head, cells, align="ll" + "r" * (len(head) - 2))
 
 
 def ratio_table(by_workload: dict[str, list[dict]]) -> str:
     """Throughput vs fcfs (same attention), workloads side by side."""
     conds = list(dict.fromkeys((r["scheduler"], r["attention"]) for rows in by_workload.values() for r in rows))
-    head = ["scheduler", "attention"] + list(by_workload)
-    lines = ["| " + " | ".join(head) + " |", "|---|---" + "|--:" * len(by_workload) + "|"]
+    cells = []
     for spec, att in conds:
-        cells = []
+        row = [spec, att]
         for rows in by_workload.values():
             r = next((x for x in rows if x["scheduler"] == spec and x["attention"] == att), None)
             base = baseline(rows, r) if r and not r["error"] else None
-            cells.append(f"{r['metrics']['requests_per_s'] / base['metrics']['requests_per_s']:.2f}x" if base else "-")
-        lines.append(f"| {spec} | {att} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row.append(f"{r['metrics']['requests_per_s'] / base['metrics']['requests_per_s']:.2f}x" if base else "-")
+        cells.append(row)
+    return markdown_table(["scheduler", "attention", *by_workload], cells, align="ll" + "r" * len(by_workload))
 
 
 def moving_average(xs: list[float], n: int) -> np.ndarray:
@@ -195,12 +188,7 @@ def moving_average(xs: list[float], n: int) -> np.ndarray:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.4), sharex=True)
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(10, 6.4), sharex=True)
     for r in rows:
         if r["error"]:
             continue
@@ -216,14 +204,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flock/bench-tiny", help="any model LLM() takes: a built-in (flock/smollm2, "
                    "the real one), a Hugging Face folder or a GGUF file; token ids of the traces are < 8,000")
     p.add_argument("--dtype", default="bfloat16")
@@ -248,7 +234,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (1 is far steadier while other "
                    "processes are busy: 2 threads then lose up to 20x to OpenMP spinning)")
     p.add_argument("--wait-quiet", type=float, default=0, help="wait up to this many seconds for an idle CPU")
-    p.add_argument("--out", type=Path, default=BENCH / "out")
+    p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
@@ -279,13 +265,13 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    load = es.load_note(args.wait_quiet)
-    print(f"# online: torch {torch.__version__}, {torch.get_num_threads()} threads; {load}")
+    load = machine.load_note(args.wait_quiet)
+    print(machine.header("online") + f"\n# {load}")
     print(f"# model {args.model} ({args.dtype}); {args.num_requests} requests per workload, {args.pattern} "
           f"arrivals, {args.max_tokens} generated each (greedy, ignore_eos); max_num_seqs {args.max_num_seqs}, "
           f"num_kv_blocks {args.num_kv_blocks or 'engine default'}, engine args {args.engine_kwargs or '-'}",
           flush=True)
-    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "load": load,
+    report = {"args": args_dict(args), "cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(), "load": load,
               "workloads": {}}
     by_workload: dict[str, list[dict]] = {}
     for kind in args.workload_list:
@@ -344,8 +330,7 @@ def main() -> None:
         plot(by_workload[PLOT_WORKLOAD], path, f"{PLOT_WORKLOAD}: {args.num_requests} requests, {args.pattern} at "
              f"{i['rate']:.1f} req/s; {args.model}, num_kv_blocks {args.num_kv_blocks or 'default'}")
         print(f"\nwrote {path}")
-    path = args.out / "online.json"
-    path.write_text(json.dumps(report))
+    path = write_json(args.out / "online.json", report, indent=None)
     print(f"wrote {path}; total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -4,18 +4,15 @@ Inputs are Python lists of token ids (what a JSONL batch gives), so the time inc
 numpy array. Each row is the best of --repeat runs of `plan_prefixes(prompts)` (BatchLLM's Algorithm 1).
 The industrial-like 8000 x ~1600 row is the size BatchLLM reports 1.51 s for; the goal here is <= 1.5 s.
 
-    python bench/plan_scaling.py [--repeat 3] [--quick]
+    python -m bench.plan_scaling [--repeat 3] [--quick]
 """
 
 import argparse
 import gc
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from flock.prefix import plan_prefixes  # noqa: E402
-from bench.harness.workloads import industrial, microbench, multilevel, no_sharing  # noqa: E402
+from bench.harness import machine
+from bench.harness.workloads import industrial, microbench, multilevel, no_sharing
+from flock.prefix import plan_prefixes
 
 
 def cases(quick: bool):
@@ -34,11 +31,12 @@ def cases(quick: bool):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.plan_scaling", description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer rows")
     ap.add_argument("--optimal", action="store_true", help="also time the exact first-level DP")
     args = ap.parse_args()
+    print(machine.header("plan_scaling", kernels=False))
 
     head = (f"{'workload':<32} {'prompts':>7} {'avg len':>7} {'Mtokens':>8} {'plan s':>7} {'Mtok/s':>7} "
             f"{'(list->np':>9} {'tree':>6} {'lvl1)':>6} {'groups':>6} {'deg':>5} {'saving':>7} {'bound':>7}"
@@ -64,7 +62,7 @@ def main() -> None:
         print(row, flush=True)
         del prompts, plan, best
     print("\nplan s: best of", args.repeat, "runs, Python lists in; list->np / tree / lvl1: its parts (the rest: groups).")
-    print(f"machine: {os.cpu_count()} CPUs; the paper reports 1.51 s for 8000 industrial prompts.")
+    print("The paper reports 1.51 s for 8000 industrial prompts.")
 
 
 if __name__ == "__main__":

@@ -19,27 +19,26 @@ radix: tokens compared + nodes visited; sorts: W log2 W).
 GC is frozen after each build and off while timing, so a collection over millions of index objects does not
 land in one method's numbers.
 
-    python bench/prefix_match_cost.py [--quick] [--mem-gb 8] [--max-s 60]
+    python -m bench.prefix_match_cost [--quick] [--mem-gb 8] [--max-s 60]
 """
 
 import argparse
 import gc
-import json
 import math
 import os
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from flock.kv.hashing import chained_hashes  # noqa: E402
-from flock.prefix.cht import ChunkedHashTree  # noqa: E402
-from flock.prefix.radix import RadixTree  # noqa: E402
+from bench.harness import machine
+from bench.harness.report import OUT, pyplot, save_figure, write_json
+from bench.harness.timing import gc_paused, repeat_within
+from flock.kv.hashing import chained_hashes
+from flock.prefix.cht import ChunkedHashTree
+from flock.prefix.radix import RadixTree
 
 BS = 16  # KV block size = CHT chunk
-OUT = os.path.join(os.path.dirname(__file__), "out")
 
 
 def shape(L: int) -> tuple[int, int, int]:
@@ -97,18 +96,11 @@ class Workload:
 
 
 def timed(fn, min_runs: int, max_runs: int, budget_s: float) -> tuple[float, list]:
-    """One untimed warm-up call, then fn() between min_runs and max_runs times (stopping once budget_s is
-    spent); the median seconds (a baseline's decision costs the same every time, so the spread is noise
-    from the shared machine) and the results."""
-    results, times = [], []
-    gc.disable()
-    fn()
-    while len(results) < max_runs and (len(results) < min_runs or sum(times) < budget_s):
-        t = time.perf_counter()
-        results.append(fn())
-        times.append(time.perf_counter() - t)
-    gc.enable()
-    return float(np.median(times)), results
+    """fn() between min_runs and max_runs times after a warm-up (GC off), the median seconds (a baseline's
+    decision costs the same every time, so the spread is noise from the shared machine) and the results."""
+    with gc_paused():
+        seconds, results = repeat_within(fn, min_runs, max_runs, budget_s)
+    return float(np.median(seconds)), results
 
 
 def bench_cht(wl: Workload, decisions: int) -> dict:
@@ -224,13 +216,8 @@ def ratio(x: float) -> str:
     return f"{x:.1f}x" if x < 10 else f"{x:.0f}x"
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
+def plot(rows: list[dict], path: Path) -> None:
+    fig, ax = pyplot().subplots(figsize=(7, 5))
     lengths = sorted({r["L"] for r in rows})
     styles = ["-", "--", ":", "-."]
     for method, color in (("cht", "tab:green"), ("lpm", "tab:blue"), ("dfs", "tab:red")):
@@ -242,13 +229,11 @@ def plot(rows: list[dict], path: str) -> None:
            title="Prefix-matching cost per decision")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix_match_cost", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="W in {100, 1000}, L in {1000, 4000}")
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--batch", type=int, default=32)
@@ -257,11 +242,12 @@ def main() -> None:
     ap.add_argument("--mem-gb", type=float, default=8.0, help="skip points estimated above this")
     ap.add_argument("--max-s", type=float, default=60.0, help="skip points estimated to take longer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     Ws = (100, 1000) if args.quick else (100, 1000, 10_000, 100_000)
     Ls = (1000, 4000) if args.quick else (1000, 4000, 8000, 10_000)
     mem_cap = min(args.mem_gb, 0.7 * available_gb())
+    print(machine.header("prefix_match_cost", kernels=False))
 
     head = (f"{'W':>7} {'L':>6} | {'CHT us':>8} {'ops':>8} | {'LPM us':>10} {'ops':>10} | "
             f"{'DFS-w us':>10} {'ops':>10} | {'LPM/CHT':>8} {'DFS/CHT':>8}")
@@ -299,12 +285,11 @@ def main() -> None:
     print(f"CHT us: best + add_to_batch + insert(arrival); finish: remove_from_batch, not in the decision. "
           f"Block {BS}, {args.groups} groups, batch {args.batch}. {os.cpu_count()} CPUs, {total:.0f} s total.")
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prefix_match_cost.json"), "w") as f:
-        json.dump(dict(block_size=BS, quick=args.quick, cpus=os.cpu_count(), total_s=total, rows=rows,
-                       skipped=skipped), f, indent=1)
+    write_json(args.out / "prefix_match_cost.json", dict(block_size=BS, quick=args.quick, cpu=machine.cpu_model(),
+                                                         cpus=os.cpu_count(), total_s=total, rows=rows,
+                                                         skipped=skipped))
     if rows:
-        plot(rows, os.path.join(args.out, "prefix_match_cost.png"))
+        plot(rows, args.out / "prefix_match_cost.png")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Scale-out on Ray: (1) this machine, one engine vs Ray workers; (2) the partitioner at cluster scale.
 
-    /work/bin/cpu-exclusive python bench/ray_scale.py local       # (1), a few minutes, on a quiet machine
-    python bench/ray_scale.py partition                            # (2), no model: ~5 min, ~4 GB of memory
+    python -m bench.ray_scale local           # (1), a few minutes, on a quiet machine
+    python -m bench.ray_scale partition       # (2), no model: ~5 min, ~4 GB of memory
 
 (1) One shared-prefix batch (BatchLLM's 2000/200 shape at --scale, sharing degree 16, --groups groups,
 shuffled; --gen tokens each, greedy) through `flock run`'s job: one engine in this process with 2 torch
@@ -29,21 +29,16 @@ import argparse
 import contextlib
 import io
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
+from bench.harness import machine
+from bench.harness.report import OUT, write_json
+from bench.harness.workloads import industrial, microbench
+from flock.prefix import PrefixTree, build_tree, plan_prefixes
 
-from flock.native import cpu_model  # noqa: E402
-from flock.prefix import PrefixTree, build_tree, plan_prefixes  # noqa: E402
-from bench.harness.workloads import industrial, microbench  # noqa: E402
-
-OUT = BENCH / "out" / "ray_scale.json"
 MODEL = "flock/bench-tiny"
 
 
@@ -71,7 +66,7 @@ def local(args) -> list[dict]:
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     single = LLMEngine(EngineConfig.from_kwargs(**engine_kw))
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {MODEL} ({single.runner.dtype}, attention "
+    print(f"{machine.header('ray_scale local')}\n{MODEL} ({single.runner.dtype}, attention "
           f"{single.runner.backend.name}); {len(prompts)} prompts of {len(prompts[0])} tokens "
           f"({args.groups} groups of 16), {args.gen} generated each\n")
     rows = [measure("one engine, 2 threads (no Ray)", jobs, single, time.perf_counter() - t0)]
@@ -139,7 +134,7 @@ def figures(tree: PrefixTree, shards: list[np.ndarray]) -> dict:
 def scale(args) -> list[dict]:
     from flock.distributed.partition import partition
 
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; industrial-like, {args.prompts:,} prompts; ray data batches of "
+    print(f"{machine.header('ray_scale partition', kernels=False)}\nindustrial-like, {args.prompts:,} prompts; ray data batches of "
           f"{args.batch_size} rows\n")
     rows = []
     rng = np.random.default_rng(args.seed)
@@ -177,7 +172,7 @@ def scale(args) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.ray_scale", description=__doc__.splitlines()[0])
     ap.add_argument("part", choices=["local", "partition"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--groups", type=int, default=8, help="local: prefix groups of 16 prompts")
@@ -190,9 +185,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="partition: Ray Data's rows per batch")
     args = ap.parse_args()
     rows = local(args) if args.part == "local" else scale(args)
-    OUT.parent.mkdir(exist_ok=True)
-    old = json.loads(OUT.read_text()) if OUT.exists() else {}
-    OUT.write_text(json.dumps(old | {args.part: {"cpu": cpu_model(), "rows": rows}}, indent=1))
+    path = OUT / "ray_scale.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    write_json(path, old | {args.part: {"cpu": machine.cpu_model(), "rows": rows}})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Closed-loop load on `flock serve`: C concurrent clients, each sending its next request when the last ends.
 
-    python bench/serve_load.py                                  # flock/tiny, C = 1 4 16 64, 10 s each
-    python bench/serve_load.py --concurrency 1 8 --duration 5 --max-tokens 16 --mode whole
-    python bench/serve_load.py --model /path/to/hf-folder --server-args "--dtype bfloat16 --num-kv-blocks 8192"
+    python -m bench.serve_load                                  # flock/tiny, C = 1 4 16 64, 10 s each
+    python -m bench.serve_load --concurrency 1 8 --duration 5 --max-tokens 16 --mode whole
+    python -m bench.serve_load --model /path/to/hf-folder --server-args "--dtype bfloat16 --num-kv-blocks 8192"
 
 The server runs in a child process (`python -m flock.api.server`, loopback, free port); this process is the
 client (httpx, one asyncio loop). Requests are chat completions: one of --systems shared system prompts plus
@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import machine
+from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.server_process import ServerProcess
 
-OUT = Path(__file__).resolve().parent / "out" / "serve_load.json"
 WORDS = ("cache block prefix token batch request stream engine kernel page memory tree hash queue step "
          "decode prefill schedule share group latency budget model layer head query value key").split()
 
@@ -137,19 +137,6 @@ async def warm_up(url: str, args, systems: list[str]) -> None:
             await one_request(http, body, stream=False)
 
 
-def cpu_sample(server_pid: int | None) -> tuple[float, float, float]:
-    """(wall, busy CPU seconds of the machine, CPU seconds of this process and the server)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    hz = os.sysconf("SC_CLK_TCK")
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / hz
-    t = os.times()
-    own = t.user + t.system
-    if server_pid is not None:
-        stat = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
-        own += (int(stat[11]) + int(stat[12])) / hz  # utime, stime
-    return time.perf_counter(), busy, own
-
-
 def wait_drained(url: str, baseline_kv: int, timeout: float = 30.0) -> tuple[dict, bool]:
     deadline = time.monotonic() + timeout
     while True:
@@ -161,7 +148,8 @@ def wait_drained(url: str, baseline_kv: int, timeout: float = 30.0) -> tuple[dic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="flock/tiny")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of issuing requests per level")
@@ -172,9 +160,10 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS of the server (default: torch's)")
     ap.add_argument("--url", help="use a running server instead of starting one (no CPU accounting)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", type=Path, default=OUT)
+    ap.add_argument("--output", type=Path, default=OUT / "serve_load.json")
     args = ap.parse_args()
 
+    print(machine.header("serve_load"), flush=True)
     systems, rng = make_prompts(args.systems, args.seed)
     env = {"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else None
     server = None if args.url else ServerProcess("--model", args.model, *shlex.split(args.server_args), env=env)
@@ -182,13 +171,14 @@ def main() -> int:
         url = args.url or server.start().url
         pid = server.proc.pid if server else None
         asyncio.run(warm_up(url, args, systems))
-        baseline_kv = wait_drained(url, 0, timeout=5)[0]["kv_blocks_used"]
+        health = wait_drained(url, 0, timeout=5)[0]
+        baseline_kv = health["kv_blocks_used"]
+        print(f"# server attention: {health.get('attention', '?')}", flush=True)
         levels = []
         for c in args.concurrency:
-            w0, busy0, own0 = cpu_sample(pid)
-            level = asyncio.run(run_level(url, args, systems, rng, c))
-            w1, busy1, own1 = cpu_sample(pid)
-            level.others_cpu = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((w1 - w0) * (os.cpu_count() or 1))
+            with machine.OthersCPU(*([pid] if pid else [])) as others:
+                level = asyncio.run(run_level(url, args, systems, rng, c))
+            level.others_cpu = others.fraction
             level.health_after, level.leak_free = wait_drained(url, baseline_kv)
             levels.append(level)
             print(f"  C={c}: {level.requests} requests, {level.errors} errors, leak-free: {level.leak_free}",
@@ -199,11 +189,9 @@ def main() -> int:
     summaries = [lv.summary() for lv in levels]
     print(table(summaries, args))
     print(f"prefix saving rate over the run (server-wide): {final_health['saving_rate']:.1%}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "cpus": os.cpu_count(), "server_exit_code": rc, "final_health": final_health,
-        "levels": summaries}, indent=2))
+    write_json(args.output, {"args": args_dict(args), "cpu": machine.cpu_model(), "cpus": os.cpu_count(),
+                             "kernel_paths": machine.kernel_paths(), "server_exit_code": rc,
+                             "final_health": final_health, "levels": summaries}, indent=2)
     print(f"wrote {args.output}")
     return 0 if all(s["leak_free"] and not s["errors"] for s in summaries) else 1
 
@@ -211,16 +199,12 @@ def main() -> int:
 def table(rows: list[dict], args) -> str:
     head = ["C", "requests", "req/s", "out tok/s", "lat p50 ms", "lat p99 ms", "TTFT p50 ms", "TTFT p99 ms",
             "errors", "others CPU", "leak-free"]
-    lines = [f"{args.model}, {args.mode}, {args.max_tokens} new tokens, {args.duration:g} s per level, "
-             f"{args.systems} shared system prompts",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ms = lambda x: "-" if math.isnan(x) else f"{x * 1e3:.0f}"
-    for r in rows:
-        cells = [r["concurrency"], r["requests"], f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.0f}",
-                 ms(r["latency_p50_s"]), ms(r["latency_p99_s"]), ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]),
-                 r["errors"], f"{r['others_cpu']:.0%}", "yes" if r["leak_free"] else "NO"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    cells = [[r["concurrency"], r["requests"], f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.0f}",
+              ms(r["latency_p50_s"]), ms(r["latency_p99_s"]), ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]),
+              r["errors"], f"{r['others_cpu']:.0%}", "yes" if r["leak_free"] else "NO"] for r in rows]
+    return (f"{args.model}, {args.mode}, {args.max_tokens} new tokens, {args.duration:g} s per level, "
+            f"{args.systems} shared system prompts\n" + markdown_table(head, cells, align="l" * len(head)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where a step's time goes, per model and speed path: GEMM, attention, elementwise ops, the rest.
 
-    python bench/step_profile.py                                  # every section, three models (~6 minutes)
-    python bench/step_profile.py --models smollm2 --sections decode,startup
+    python -m bench.step_profile                                  # every section, three models (~6 minutes)
+    python -m bench.step_profile --models smollm2 --sections decode,startup
 
 Sections (--sections, comma-separated):
   peak     this CPU's large-matmul peak, measured in the same run: 4096^3 bf16 and fp32 matmuls, plain
@@ -31,26 +31,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-BENCH = Path(__file__).resolve().parent
-MODELS = {"smollm2": "/work/models/smollm2", "bench-mid": "flock/bench-mid", "bench-tiny": "flock/bench-tiny"}
+from bench.harness import machine, vllm
+from bench.harness.offline import hf_folder, shared_workload, unshared_workload, warmup_prompts
+from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.timing import best_time
+
+MODELS = {"smollm2": "flock/smollm2", "bench-mid": "flock/bench-mid", "bench-tiny": "flock/bench-tiny"}
 OPS = ("torch", "packed", "fused", "auto")
 PARTS = ("gemm", "attention", "elementwise", "step inputs", "scheduler", "sampling", "embedding")
-
-
-def best_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def measure_peak() -> dict[str, float]:
@@ -60,9 +53,9 @@ def measure_peak() -> dict[str, float]:
 
     n, peaks = 4096, {}
     for dtype in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         name = str(dtype).removeprefix("torch.")
-        peaks[f"{name} matmul"] = 2 * n**3 / best_time(lambda: a @ b, 3) / 1e9
+        peaks[f"{name} matmul"] = machine.matmul_peak(dtype, n, repeats=3)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         if linear.unavailable(dtype, torch.device("cpu")) is None:
             w = torch.ops.mkldnn._reorder_linear_weight(b, None)
             peaks[f"{name} prepacked"] = 2 * n**3 / best_time(
@@ -229,43 +222,35 @@ def section_split(models: dict[str, str], args, peak: float, report: dict) -> No
             del llm
 
 
-def model_folder(name: str, model: str, args) -> str:
-    """A Hugging Face folder of the model (built-ins saved once with their dummy weights), for vLLM too."""
-    from flock.model import save_model
-
-    return model if Path(model).is_dir() else str(save_model(model, args.out / f"bench-{name}", dtype="bfloat16"))
-
-
 def ratio(walls: dict[str, float], a: str, b: str) -> str:
     return f"{walls[a] / walls[b]:.2f}x" if a in walls and b in walls and walls[a] == walls[a] else "-"
 
 
 def section_batch(models: dict[str, str], args, report: dict) -> None:
-    """Whole batches (engine_speed.py's workloads, the same token ids for every engine), side by side with
-    vLLM (prefix caching on) when --vllm-venv is given."""
-    import engine_speed
-
-    args.workload, args.vllm_timeout = "both", 1800
-    workloads = engine_speed.make_workloads(args)
-    vllm = args.vllm_venv / "bin" / "python" if args.vllm_venv else None  # an existing vLLM venv (none installed)
-    if vllm and not vllm.exists():
-        raise SystemExit(f"--vllm-venv {args.vllm_venv}: no bin/python there")
+    """Whole batches (bench/engine_speed.py's shared and unshared workloads, the same token ids for every
+    engine), side by side with vLLM (prefix caching on) when --vllm-venv is given."""
+    workloads = [shared_workload("shared", random.Random(args.seed), args.groups, args.per_group, args.prefix,
+                                 args.distinct, args.gen),
+                 unshared_workload("unshared", random.Random(args.seed), args.groups * args.per_group,
+                                   args.prefix + args.distinct, args.gen)]
+    python = vllm.existing_python(args.vllm_venv.resolve()) if args.vllm_venv else None  # installs nothing
     print(f"\n## Whole batches: {args.groups} x {args.per_group} prompts of {args.prefix} + {args.distinct} tokens, "
           f"shuffled, {args.gen} new tokens; Flock batchllm (wall s, unprofiled)\n")
-    print("| model | workload | " + " | ".join(f"ops={o}" for o in args.ops)
-          + " | vLLM | torch / auto | auto vs vLLM |")
-    print("|---|---" + "|--:" * (len(args.ops) + 3) + "|")
+    head = ["model", "workload", *(f"ops={o}" for o in args.ops), "vLLM", "torch / auto", "auto vs vLLM"]
+    print("| " + " | ".join(head) + " |\n|---|---" + "|--:" * (len(head) - 2) + "|")
     for name, model in models.items():
-        folder = model_folder(name, model, args)
+        folder = hf_folder(model, args.out)
         walls = {w.name: {} for w in workloads}
         for ops in args.ops:
-            llm = make_llm(folder, ops)
+            llm = make_llm(str(folder), ops)
             for w in workloads:
                 if w.name == "shared" or ops in ("torch", "auto"):
                     walls[w.name][ops] = generate(llm, w.prompts, args.gen)  # prompts share no block across runs
             del llm
-        if vllm:
-            for w, r in zip(workloads, engine_speed.run_vllm(Path(folder), workloads, True, vllm, args)):
+        if python:
+            results = vllm.run_batch(folder, workloads, True, python, out=args.out, timeout=1800,
+                                     warmup=warmup_prompts(args.seed, args.prefix + args.distinct))
+            for w, r in zip(workloads, results):
                 walls[w.name]["vLLM"] = r.wall_s
                 report.setdefault(name, {})["vllm_startup_s"] = r.extra.get("startup_s")
         for w in workloads:
@@ -346,10 +331,22 @@ def section_startup(models: dict[str, str], report: dict) -> None:
                 report.setdefault(name, {})[f"startup/{state}"] = r
 
 
+def available(model: str) -> str | None:
+    """Why `model` cannot be loaded here (e.g. flock/smollm2 without its wheel), or None."""
+    from flock.model import resolve_model
+
+    try:
+        resolve_model(model)
+    except (OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
-    p.add_argument("--smollm2", default=MODELS["smollm2"], help="SmolLM2's Hugging Face folder")
+    p.add_argument("--smollm2", default=MODELS["smollm2"], help="SmolLM2: the built-in or a Hugging Face folder")
     p.add_argument("--sections", default="peak,split,batch,decode,startup")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated paths to compare: {', '.join(OPS)}")
     p.add_argument("--groups", type=int, default=4)
@@ -360,33 +357,25 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (engine_speed.py's)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--vllm-venv", type=Path, help="run vLLM's CPU build from this venv beside the whole batches")
-    p.add_argument("--out", type=Path, default=BENCH / "out")
+    p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     args.ops = args.ops.split(",")
     sections = args.sections.split(",")
     MODELS["smollm2"] = args.smollm2
     models = {m: MODELS[m] for m in args.models.split(",")}
-    if "smollm2" in models and not Path(models["smollm2"]).is_dir():
-        print(f"SmolLM2 folder {models.pop('smollm2')} not found (see shared/notes/peers.md); skipped")
+    if "smollm2" in models and (why := available(models["smollm2"])):
+        print(f"SmolLM2 ({models.pop('smollm2')}) skipped: {why}")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     args.out.mkdir(parents=True, exist_ok=True)
-    from flock.model import fused_ops, gemm, linear
-    from flock.native import cpu_flags, cpu_model
-
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
-    print(f"# step_profile: {cpu_model()} ({os.cpu_count()} CPUs, {', '.join(bf16) or 'no bf16 instructions'}), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
-    cpu = torch.device("cpu")
-    print(f"# fused kernels: {fused_ops.isa()} path ({fused_ops.unavailable(torch.bfloat16, cpu) or 'ok'}); "
-          f"prepacked GEMMs: {linear.unavailable(torch.bfloat16, cpu) or 'ok'}; "
-          f"Flock's bf16 GEMM: {gemm.unavailable(torch.bfloat16, cpu) or 'ok'}", flush=True)
-    report: dict = {"cpu": cpu_model(), "args": {k: str(v) for k, v in vars(args).items()}}
+    print(machine.header("step_profile") + f"\n# {machine.load_note()}", flush=True)
+    report: dict = {"cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(), "args": args_dict(args)}
     peak = 1.0
     if "peak" in sections or {"split", "decode"} & set(sections):
         report["peak"] = peaks = measure_peak()
         peak = max(v for k, v in peaks.items() if k.startswith("bfloat16"))
-        print("\n## Large-matmul peak (4096^3, GFLOP/s)\n\n| " + " | ".join(peaks) + " |\n|" + "--:|" * len(peaks))
-        print("| " + " | ".join(f"{v:,.0f}" for v in peaks.values()) + f" |\n\nGEMM efficiency is against {peak:,.0f}")
+        print("\n## Large-matmul peak (4096^3, GFLOP/s)\n")
+        print(markdown_table(list(peaks), [[f"{v:,.0f}" for v in peaks.values()]], align="r" * len(peaks)))
+        print(f"\nGEMM efficiency is against {peak:,.0f}")
     if "split" in sections:
         section_split(models, args, peak, report)
     if "batch" in sections:
@@ -395,8 +384,7 @@ def main() -> None:
         section_decode(models["smollm2"], args, peak, report)
     if "startup" in sections:
         section_startup(models, report)
-    (args.out / "step_profile.json").write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {args.out / 'step_profile.json'}")
+    print(f"\nwrote {write_json(args.out / 'step_profile.json', report, indent=2)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Decode-step attention time of the attention backends on a CUDA GPU, on a prefix-sharing batch.
 
-    python bench/triton_decode.py                     # 64 groups x 16 requests, 2,048-token prefix, bf16
-    python bench/triton_decode.py --groups 8 --per-group 4 --prefix 512 --iters 5
-    TRITON_INTERPRET=1 python bench/triton_decode.py --device cpu --groups 2 --per-group 2 --prefix 32 \
+    python -m bench.triton_decode                     # 64 groups x 16 requests, 2,048-token prefix, bf16
+    python -m bench.triton_decode --groups 8 --per-group 4 --prefix 512 --iters 5
+    TRITON_INTERPRET=1 python -m bench.triton_decode --device cpu --groups 2 --per-group 2 --prefix 32 \
         --distinct 8 --heads 4 --kv-heads 2 --head-dim 16 --iters 1 --dtype float32      # smoke test, no GPU
 
 One decode step: GROUPS x PER_GROUP requests, each with its group's PREFIX tokens (shared physical blocks)
@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from bench.harness import machine
 from flock.attention.base import StepLayout
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.torch_paged import TorchPagedBackend
@@ -45,7 +46,7 @@ def decode_layout(rng, groups: int, per_group: int, prefix: int, distinct: int, 
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.triton_decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=2048)
@@ -60,6 +61,9 @@ def main():
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     assert device.type != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU: TRITON_INTERPRET on the CPU"
+    print(f"# triton_decode: {machine.cpu_line()}\n# device: {gpu}; kernel paths: the backends below (triton: "
+          f"the Triton cascade kernel, {'compiled' if device.type == 'cuda' else 'interpreted'})")
     rng = np.random.default_rng(0)
     layout, num_blocks = decode_layout(rng, args.groups, args.per_group, args.prefix, args.distinct,
                                        args.block_size, device)

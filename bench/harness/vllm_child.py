@@ -1,6 +1,6 @@
-"""vLLM side of bench/engine_speed.py; runs under the vLLM virtual environment's python.
+"""vLLM side of bench.harness.vllm.run_batch; runs under the vLLM virtual environment's python.
 
-usage: python _vllm_child.py JOB.json RESULT.json
+usage: python vllm_child.py JOB.json RESULT.json
 
 JOB: {"model", "prefix_caching", "gen", "max_model_len", "kv_cache_memory_bytes" (null: VLLM_CPU_KVCACHE_SPACE),
 "warmup": [[ids]], "workloads": {name: [[ids]]}}
