@@ -18,14 +18,14 @@ from flock.attention.torch_paged import TorchPagedBackend, TorchPagedMetadata
 
 
 @dataclass
-class GroupPrefix:
+class CascadePrefix:
     blocks: torch.Tensor  # the shared prefix's physical blocks
     tokens: torch.Tensor  # offsets, in the step, of every query token of the group's members
 
 
 @dataclass
 class CascadeMetadata(TorchPagedMetadata):
-    groups: list[GroupPrefix] | None = None
+    groups: list[CascadePrefix] | None = None
 
 
 class TorchCascadeBackend(TorchPagedBackend):
@@ -44,7 +44,7 @@ class TorchCascadeBackend(TorchPagedBackend):
             context_start[g.members] = g.num_blocks * bs
             blocks = layout.block_tables[g.members[0]][: g.num_blocks]
             tokens = np.concatenate([np.arange(layout.query_start[i], layout.query_start[i + 1]) for i in g.members])
-            prefixes.append(GroupPrefix(torch.from_numpy(blocks).to(layout.slot_mapping.device),
+            prefixes.append(CascadePrefix(torch.from_numpy(blocks).to(layout.slot_mapping.device),
                                         torch.from_numpy(tokens).to(layout.slot_mapping.device)))
         base = super().build_metadata(layout, context_start)
         return CascadeMetadata(**vars(base), groups=prefixes)

@@ -6,14 +6,14 @@ import numpy as np
 
 
 @dataclass
-class PrefixGroup:
+class SharingGroup:
     members: list[int]  # request indices in the step
     num_blocks: int  # shared leading blocks, all computed before this step
 
 
 def find_prefix_groups(
     block_tables: list[np.ndarray], usable_blocks: np.ndarray, min_blocks: int = 2
-) -> list[PrefixGroup]:
+) -> list[SharingGroup]:
     """Groups that maximise the prefix reads saved, sum over groups of (members - 1) * shared blocks.
 
     `usable_blocks[i]` caps request i's sharable blocks (those fully computed before the step, so that every
@@ -40,7 +40,7 @@ def _common_length(a: tuple, b: tuple) -> int:
     return n
 
 
-def _best(rows: list[int], lcp: list[int], lo: int, hi: int, min_blocks: int) -> tuple[int, list[PrefixGroup]]:
+def _best(rows: list[int], lcp: list[int], lo: int, hi: int, min_blocks: int) -> tuple[int, list[SharingGroup]]:
     """Best grouping of rows[lo..hi]; lcp[j] is the shared depth of rows[j] and rows[j + 1]."""
     if lo >= hi:
         return 0, []
@@ -52,5 +52,5 @@ def _best(rows: list[int], lcp: list[int], lo: int, hi: int, min_blocks: int) ->
             s, g = _best(rows, lcp, start, j, min_blocks)
             saved, groups, start = saved + s, groups + g, j + 1
     if whole > 0 and whole >= saved:
-        return whole, [PrefixGroup(rows[lo : hi + 1], depth)]
+        return whole, [SharingGroup(rows[lo : hi + 1], depth)]
     return saved, groups

@@ -3,7 +3,7 @@
 Only the first level of the tree is shared by the group scheduler and the prefix-sharing kernel, so the tree
 is restructured to maximise first-level reuse, then every root child becomes a group. Two methods:
 
-- ``"batchllm"``: Algorithm 1 of BatchLLM (DESIGN.md §3.2), the authors' greedy bottom-up rule;
+- ``"batchllm"``: Algorithm 1 of BatchLLM (§3.2), the authors' greedy bottom-up rule;
 - ``"optimal"``: an exact tree DP over first-level plans (each group = a set of prompts sharing the prefix at
   one tree node; a prompt joins the deepest opened node above it). It costs O(sum of node depths in nodes),
   small for real batches, and is what tests measure Algorithm 1 against;
@@ -25,13 +25,13 @@ import numpy as np
 
 from flock.prefix.tree import Node, TokenTable, build_tree
 
-__all__ = ["Group", "Plan", "plan_prefixes", "enlarge_first_level", "optimal_first_level", "METHODS"]
+__all__ = ["PrefixGroup", "Plan", "plan_prefixes", "enlarge_first_level", "optimal_first_level", "METHODS"]
 
 METHODS = ("batchllm", "optimal", "none")
 
 
 @dataclass
-class Group:
+class PrefixGroup:
     """A prefix-sharing group. `prefix_ids` / `distinct_ids` are numpy views of the batch's token table;
     `indices[k]` is the input index of the prompt `prefix_ids + distinct_ids[k]`. A group of one has an
     empty prefix. A distinct part can be empty (duplicates, or a prompt that ends where the prefix ends)."""
@@ -58,7 +58,7 @@ class Group:
 
 @dataclass
 class Plan:
-    groups: list[Group]
+    groups: list[PrefixGroup]
     num_prompts: int
     logical_tokens: int
     computed_tokens: int  # single-level plan
@@ -81,7 +81,7 @@ class Plan:
         return len(self.groups)
 
     @property
-    def shared_groups(self) -> list[Group]:
+    def shared_groups(self) -> list[PrefixGroup]:
         return [g for g in self.groups if g.size > 1]
 
     def group_of(self) -> list[tuple[int, int]]:
@@ -256,7 +256,7 @@ def plan_prefixes(prompts: Sequence[Sequence[int]] | TokenTable, method: str = "
     return plan
 
 
-def _make_groups(table: TokenTable, chosen: list[tuple[Node | None, list[int]]]) -> list[Group]:
+def _make_groups(table: TokenTable, chosen: list[tuple[Node | None, list[int]]]) -> list[PrefixGroup]:
     """Groups in order of their smallest input index; members in input order; groups of one unshared."""
     flat, offs, lens = table.flat, table.offsets.tolist(), table.lengths.tolist()
     empty = flat[:0]
@@ -267,10 +267,10 @@ def _make_groups(table: TokenTable, chosen: list[tuple[Node | None, list[int]]])
         members = sorted(members)
         if node is None or len(members) == 1:
             for i in members:
-                groups.append(Group(empty, [flat[offs[i]:offs[i] + lens[i]]], [i]))
+                groups.append(PrefixGroup(empty, [flat[offs[i]:offs[i] + lens[i]]], [i]))
             continue
         d = node.depth
-        groups.append(Group(flat[offs[members[0]]:offs[members[0]] + d],
+        groups.append(PrefixGroup(flat[offs[members[0]]:offs[members[0]] + d],
                             [flat[offs[i] + d:offs[i] + lens[i]] for i in members], members))
     groups.sort(key=lambda g: g.indices[0])
     return groups

@@ -20,7 +20,7 @@ from flock.sched.base import Scheduler, StepPlan
 
 
 @dataclass
-class Group:
+class GroupState:
     prefix_len: int  # shared tokens (whole blocks only without prefix caching, which copies a partial block's)
     waiting: deque[Request]  # members not admitted (or preempted)
     admitted: list[Request] = field(default_factory=list)
@@ -39,9 +39,9 @@ class BatchLLMScheduler(Scheduler):
     def __init__(self, config, kv):
         super().__init__(config, kv)
         self.unplanned: list[Request] = []
-        self.pending: deque[Group] = deque()
-        self.active: list[Group] = []
-        self.group_of: dict[int, Group] = {}
+        self.pending: deque[GroupState] = deque()
+        self.active: list[GroupState] = []
+        self.group_of: dict[int, GroupState] = {}
         self._pseudo_ids = 0
 
     def add(self, req: Request) -> None:
@@ -68,7 +68,7 @@ class BatchLLMScheduler(Scheduler):
             shared = min(g.prefix_len, shortest - 1) if len(members) > 1 else 0
             if not self.kv.enable_prefix_caching:
                 shared = shared // bs * bs
-            group = Group(shared, deque(members), unfinished=len(members))
+            group = GroupState(shared, deque(members), unfinished=len(members))
             groups.append((g.computed_tokens, group))
             for m in members:
                 self.group_of[m.request_id] = group
@@ -127,7 +127,7 @@ class BatchLLMScheduler(Scheduler):
                     budget -= 1
         return budget
 
-    def _members(self, g: Group, plan: StepPlan, budget: int) -> int:
+    def _members(self, g: GroupState, plan: StepPlan, budget: int) -> int:
         scheduled = {r.request_id for r, _ in plan.scheduled}
         for req in g.admitted:  # unfinished prefills (chunked, or recomputing after preemption)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -154,7 +154,7 @@ class BatchLLMScheduler(Scheduler):
             budget -= n
         return budget
 
-    def _prefix(self, g: Group, plan: StepPlan, budget: int) -> int:
+    def _prefix(self, g: GroupState, plan: StepPlan, budget: int) -> int:
         p = g.prefix
         held = self.kv.num_blocks(p)
         cached = self.kv.cached_prefix(p) if not held else CachedPrefix()  # sharing above this group's level
@@ -166,7 +166,7 @@ class BatchLLMScheduler(Scheduler):
             budget -= n
         return budget
 
-    def _shared_blocks(self, g: Group, req: Request) -> CachedPrefix:
+    def _shared_blocks(self, g: GroupState, req: Request) -> CachedPrefix:
         if self.kv.enable_prefix_caching:  # the group prefix, and any sharing deeper in the tree
             return self.kv.cached_prefix(req)
         return CachedPrefix([] if g.prefix is None else self.kv.block_table(g.prefix)[: g.prefix_len // self.kv.block_size])
@@ -177,7 +177,7 @@ class BatchLLMScheduler(Scheduler):
             return False
         return not plan.scheduled or self.kv.pool.num_used + blocks <= self.kv_bound * self.kv.pool.num_blocks
 
-    def _pseudo_request(self, g: Group) -> Request:
+    def _pseudo_request(self, g: GroupState) -> Request:
         self._pseudo_ids -= 1
         ids = g.waiting[0].prompt_token_ids[: g.prefix_len]
         p = Request(self._pseudo_ids, ids, SamplingParams(max_tokens=1), prefix_only=True)
@@ -185,7 +185,7 @@ class BatchLLMScheduler(Scheduler):
         return p
 
     # -- preemption and finishing ------------------------------------------------------------------------------
-    def _make_room(self, g: Group, keep: Request, plan: StepPlan) -> bool:
+    def _make_room(self, g: GroupState, keep: Request, plan: StepPlan) -> bool:
         """Free blocks for `keep` (of group g), newest first: the members of newer groups (nothing of theirs
         is scheduled yet: decode runs oldest group first), then g's own newest members not scheduled in this
         step (`keep` itself last). Pinned prefixes stay. False when `keep` itself was preempted."""
@@ -199,13 +199,13 @@ class BatchLLMScheduler(Scheduler):
         self._preempt_member(g, victim, plan)
         return victim is not keep
 
-    def _preempt_member(self, g: Group, req: Request, plan: StepPlan) -> None:
+    def _preempt_member(self, g: GroupState, req: Request, plan: StepPlan) -> None:
         plan.preempted.append(req)
         self.release(req)
         g.admitted.remove(req)
         g.waiting.appendleft(req)
 
-    def _preempt_group(self, g: Group, plan: StepPlan) -> None:
+    def _preempt_group(self, g: GroupState, plan: StepPlan) -> None:
         for req in reversed(list(g.admitted)):
             self._preempt_member(g, req, plan)
         if g.prefix is not None:
@@ -236,7 +236,7 @@ class BatchLLMScheduler(Scheduler):
         if g is not None:
             self._member_done(g)
 
-    def _member_done(self, g: Group) -> None:
+    def _member_done(self, g: GroupState) -> None:
         g.unfinished -= 1
         if g.unfinished:
             return
