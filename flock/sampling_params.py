@@ -14,15 +14,15 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
-    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already in the output
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
-    repetition_penalty: float = 1.0  # > 0: a token of the prompt or the output has its logit divided (if > 0) or multiplied
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (str ids accepted; clamped to [-100, 100])
+    repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit divided by it (if > 0), else multiplied
+    logit_bias: dict[int, float] | None = None  # token id (or its string) -> added to its logit, clamped to [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):

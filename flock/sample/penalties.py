@@ -39,7 +39,10 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
                     eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
     """The logits with each row's penalties, bias and min_tokens applied: the tensor itself, its adjusted rows
     written in place (half-precision logits are first widened to a float32 copy)."""
-    rows = [i for i, (p, h) in enumerate(zip(params, histories)) if adjusts(p, h)]
+    # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
+    rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
+            or p.frequency_penalty or p.repetition_penalty != 1.0]
+    rows = [i for i in rows if adjusts(params[i], histories[i])]
     if not rows:
         return logits
     if logits.dtype in (torch.float16, torch.bfloat16):

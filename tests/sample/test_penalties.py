@@ -149,7 +149,8 @@ def test_min_tokens_holds_back_eos_then_stops_at_it(tiny, temperature):
         assert len(out.token_ids) == 4 and EOS not in out.token_ids[:3] and out.token_ids[3] == EOS
         assert out.finish_reason == "stop"
     # without min_tokens the biased EOS comes first
-    assert [o.token_ids for o in run(tiny, PROMPTS, SamplingParams(temperature=0, logit_bias={EOS: 100}))] == [[EOS]] * 2
+    eos_first = SamplingParams(temperature=0, logit_bias={EOS: 100})
+    assert [o.token_ids for o in run(tiny, PROMPTS, eos_first)] == [[EOS]] * 2
 
 
 def test_min_tokens_holds_back_stop_token_ids(tiny):
