@@ -20,7 +20,7 @@ log = logging.getLogger("flock")
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
     """Raise ValueError naming the bad field of a request for an engine with these limits."""
-    params.validate()
+    params.validate(vocab_size)
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt is empty")
@@ -53,6 +53,7 @@ class LLMEngine:
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # min_tokens holds them back
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self._next_id = 0
         # what loading made (modules, tokenizer tables) lives as long as the engine: out of the collector's
@@ -118,31 +119,42 @@ class LLMEngine:
 
     def _check_stop(self, req: Request) -> bool:
         token, p = req.token_ids[-1], req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        # as vLLM: no EOS or stop token before min_tokens output tokens, no stop string within them
+        stoppable = req.num_output_tokens >= p.min_tokens
+        if stoppable and not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
-        elif token in p.stop_token_ids:
+        elif stoppable and token in p.stop_token_ids:
             req.finish_reason, req.stop_text = "stop", token
         elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
             req.finish_reason = "length"
         elif req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
-        elif p.stop and self._find_stop_string(req):
+        elif p.stop and req.num_output_tokens > p.min_tokens and self._find_stop_string(req):
             req.finish_reason = "stop"
         return req.finish_reason is not None
 
     def _find_stop_string(self, req: Request) -> bool:
         text = self.decode(req)
         for s in req.params.stop:
-            if s in text:
+            if text.find(s, self._stop_search_start(req, s)) >= 0:
                 req.stop_text = s
                 return True
         return False
+
+    def _stop_search_start(self, req: Request, stop: str) -> int:
+        """Where a stop string may begin: anywhere, or, with min_tokens, ending past the text of the first
+        min_tokens output tokens (vLLM checks only the text that follows them)."""
+        n = req.params.min_tokens
+        if n == 0:
+            return 0
+        held = self.tokenizer.decode(req.output_token_ids[:n], skip_special_tokens=req.params.skip_special_tokens)
+        return max(0, len(held) - len(stop) + 1)
 
     def decode(self, req: Request) -> str:
         """Output text; cut before the stop string that ended the request, as vLLM does."""
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
         if isinstance(req.stop_text, str):
-            text = text[: text.find(req.stop_text)]
+            text = text[: text.find(req.stop_text, self._stop_search_start(req, req.stop_text))]
         return text
 
     def reset_stats(self) -> None:

@@ -74,7 +74,7 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.long)
         sampling = plan.sampling()
         logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling], sampling)
         return tokens.cpu()
 
     @torch.inference_mode()

@@ -1,7 +1,10 @@
+from collections.abc import Iterable, Sequence
+
 import torch
 import torch.nn.functional as F
 
 from flock.model import fused_ops
+from flock.sample.penalties import TokenHistory, apply_penalties
 from flock.sampling_params import SamplingParams
 
 CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF
@@ -23,12 +26,19 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Picks one token per row of logits. Greedy rows take the argmax; sampled rows apply temperature,
     top-k and top-p, then draw with the request's own generator, so a seeded request gives the same
-    tokens whatever batch it runs in."""
+    tokens whatever batch it runs in. Penalties, logit_bias and min_tokens come first, on the rows that ask for
+    them (penalties.py), so the others keep the fast paths."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, eos_token_ids: Iterable[int] = ()):
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = frozenset(eos_token_ids)  # held back by min_tokens
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
+                 histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:
+        """One token per row; `histories` (each row's prompt and output tokens, e.g. its Request) are read by the
+        rows with penalties, a logit_bias or min_tokens, whose logits are adjusted in place."""
+        if histories is not None:
+            logits = apply_penalties(logits, params, histories, self.eos_token_ids)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(rows) == len(params):
             return self._sample(logits, params, generators)

@@ -1,0 +1,123 @@
+"""Penalties, logit biases and min_tokens, with vLLM's semantics, on the rows that ask for them.
+
+In vLLM's order, before temperature, top-k and top-p (and before a greedy row's argmax):
+1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens;
+2. logit_bias: each listed token's bias is added to its logit;
+3. repetition_penalty over the prompt and output tokens: a positive logit is divided by it, a negative one
+   multiplied; then frequency and presence over the output tokens only (the OpenAI definition):
+   logit -= frequency_penalty * count + presence_penalty * (count > 0).
+
+A batch whose rows ask for none of this returns its logits untouched, at the cost of one look at each row's
+params; otherwise only the rows that ask are gathered and adjusted, as one set of tensor ops."""
+
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from typing import Protocol
+
+import torch
+
+from flock.sampling_params import SamplingParams
+
+
+class TokenHistory(Protocol):
+    """A row's tokens so far (a Request is one)."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+def adjusts(p: SamplingParams, history: TokenHistory) -> bool:
+    """Whether this row's logits change in this step."""
+    return (p.has_penalties or bool(p.logit_bias)
+            or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+                    eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
+    """The logits with each row's penalties, bias and min_tokens applied: the tensor itself, its adjusted rows
+    written in place (half-precision logits are first widened to a float32 copy)."""
+    # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
+    rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
+            or p.frequency_penalty or p.repetition_penalty != 1.0]
+    rows = [i for i in rows if adjusts(params[i], histories[i])]
+    if not rows:
+        return logits
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = adjust(logits[index], [params[i] for i in rows], [histories[i] for i in rows], eos_token_ids)
+    return logits
+
+
+def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
+           eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
+    """Every row of `logits` adjusted by its own params and tokens, in place; returns it."""
+    _min_tokens(logits, params, histories, set(eos_token_ids))
+    _logit_bias(logits, params)
+    _penalties(logits, params, histories)
+    return logits
+
+
+def _min_tokens(logits: torch.Tensor, params, histories, eos_token_ids: set[int]) -> None:
+    vocab = logits.shape[-1]
+    rows, ids = [], []
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if p.min_tokens > 0 and len(h.output_token_ids) < p.min_tokens:
+            held = [t for t in eos_token_ids.union(p.stop_token_ids) if 0 <= t < vocab]
+            rows += [i] * len(held)
+            ids += held
+    if rows:
+        logits[_long(rows, logits), _long(ids, logits)] = float("-inf")
+
+
+def _logit_bias(logits: torch.Tensor, params) -> None:
+    rows, ids, biases = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            ids += p.logit_bias.keys()
+            biases += p.logit_bias.values()
+    if rows:
+        bias = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits.index_put_((_long(rows, logits), _long(ids, logits)), bias, accumulate=True)
+
+
+def _penalties(logits: torch.Tensor, params, histories) -> None:
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return
+    sub = logits[_long(rows, logits)]
+    counts = _counts([histories[i].output_token_ids for i in rows], sub)
+    repetition = _values([params[i].repetition_penalty for i in rows], sub)
+    if bool((repetition != 1.0).any()):
+        # the prompt is read only for the rows with a repetition penalty
+        prompts = [histories[i].prompt_token_ids if params[i].repetition_penalty != 1.0 else [] for i in rows]
+        seen = (counts > 0) | (_counts(prompts, sub) > 0)
+        factor = torch.where(seen, repetition, 1.0)
+        sub = torch.where(sub > 0, sub / factor, sub * factor)
+    frequency = _values([params[i].frequency_penalty for i in rows], sub)
+    presence = _values([params[i].presence_penalty for i in rows], sub)
+    sub -= frequency * counts + presence * (counts > 0)
+    logits[_long(rows, logits)] = sub
+
+
+def _counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """How often each token id occurs in each list: one (rows, vocab) bincount, in like's dtype."""
+    n, vocab = like.shape
+    lengths = torch.tensor([len(t) for t in token_lists], device=like.device)
+    flat = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=like.device)
+    where = torch.repeat_interleave(torch.arange(n, device=like.device), lengths) * vocab + flat
+    counts = torch.zeros(n * vocab, dtype=like.dtype, device=like.device)
+    counts.index_add_(0, where, torch.ones_like(where, dtype=like.dtype))
+    return counts.view(n, vocab)
+
+
+def _values(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
