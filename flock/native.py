@@ -1,17 +1,45 @@
-"""Native C kernels: the CPU's feature flags, and a kernel built with gcc on first use, cached by content.
+"""Native C kernels, the one place they are built and loaded: CPU features -> ISA path -> gcc build -> load.
 
-Kernels live as C sources in the package (`*/csrc/*.c`); `build(source, flags)` compiles one into a shared
-library under FLOCK_CACHE_DIR (default ~/.cache/flock)/kernels, named by a hash of the source, the headers
-beside it and the flags, so a changed source, header or flag set is rebuilt and concurrent builders each install
-a whole library.
+Kernels live as C sources in the package (`*/csrc/*.c`). A kernel module declares its library once, as a
+`Library`: the source, the gcc flags of every build, the ISA paths it is built for (names of `ISAS`: the CPU
+flags a path needs and the gcc flags it adds) and the ctypes signatures of the functions it calls. The library
+of a path is compiled on first use by `build` into FLOCK_CACHE_DIR (default ~/.cache/flock)/kernels, named by a
+hash of the source, the headers beside it and the flags, so a changed source, header or flag set is rebuilt and
+concurrent builders each install a whole library; it is loaded once per process, and `unavailable(path)` says
+why it cannot run: the CPU flags the path needs and this CPU lacks, no gcc, or gcc's error.
+FLOCK_CPU_ISA forces an attention path lower than the CPU's best (`forced_isa`).
 """
 
+import ctypes
 import functools
 import hashlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+ISA_ENV = "FLOCK_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Isa:
+    cpu_flags: tuple[str, ...]  # as /proc/cpuinfo names them
+    gcc_flags: tuple[str, ...]
+
+
+_AVX512 = ("avx512f", "avx512bw", "avx512vl")
+_M_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl")
+ISAS = {  # every ISA path a kernel is built for
+    "amx": Isa((*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
+               (*_M_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma")),
+    "avx512bf16": Isa((*_AVX512, "avx512_bf16", "fma"), (*_M_AVX512, "-mavx512bf16", "-mfma")),
+    "avx512dq": Isa((*_AVX512, "avx512dq", "fma"), (*_M_AVX512, "-mavx512dq", "-mfma")),
+    "avx512": Isa((*_AVX512, "fma"), (*_M_AVX512, "-mfma")),
+    "avx2": Isa(("avx2", "fma"), ("-mavx2", "-mfma")),
+    "baseline": Isa((), ()),
+}
 
 
 @functools.cache
@@ -35,6 +63,19 @@ def cpu_model() -> str:
     return line.partition(":")[2].strip() or "unknown CPU"
 
 
+def missing_flags(isa: str) -> list[str]:
+    """The CPU flags ISA path `isa` needs and this CPU lacks."""
+    return [f for f in ISAS[isa].cpu_flags if f not in cpu_flags()]
+
+
+def forced_isa(choices: Sequence[str]) -> str | None:
+    """FLOCK_CPU_ISA, checked against `choices`: the path to force, or None."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if name and name not in choices:
+        raise ValueError(f"{ISA_ENV}={name!r} is not an ISA path; choose one of {', '.join(choices)}")
+    return name or None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock")) / "kernels"
 
@@ -54,3 +95,69 @@ def build(source: Path, flags: list[str]) -> Path:
                            capture_output=True, text=True)
             os.replace(built, lib)
     return lib
+
+
+Signature = tuple[list, type | None]  # ctypes argtypes, restype (None: void)
+
+
+@dataclass(eq=False)
+class Library:
+    """A C source built per ISA path, loaded on first use. `what` names it in messages ("{path}": the path);
+    `ready`, given the loaded library, says why it cannot run after all (None: it can)."""
+
+    source: Path
+    what: str
+    paths: tuple[str, ...]  # names of ISAS, best first
+    signatures: dict[str, Signature]
+    flags: tuple[str, ...] = ("-O3", "-fopenmp")
+    ready: Callable[[ctypes.CDLL], str | None] | None = None
+    _loaded: dict[str, tuple[ctypes.CDLL | None, str | None]] = field(default_factory=dict, init=False, repr=False)
+
+    def gcc_flags(self, path: str) -> list[str]:
+        return [*self.flags, *ISAS[path].gcc_flags]
+
+    def runnable(self) -> list[str]:
+        """The paths this CPU runs, best first."""
+        return [p for p in self.paths if not missing_flags(p)]
+
+    def build(self, path: str) -> Path:
+        return build(self.source, self.gcc_flags(path))
+
+    def unavailable(self, path: str | None = None) -> str | None:
+        """Why the library cannot run on `path` here (default: the best path this CPU runs, else the least
+        demanding), or None when it can."""
+        path = path or next(iter(self.runnable()), self.paths[-1])
+        if path not in self.paths:
+            return f"no ISA path {path!r} here (the paths: {', '.join(self.paths)})"
+        if missing := missing_flags(path):
+            return f"the {path} path needs {', '.join(missing)}, which this CPU lacks"
+        return self._load(path)[1]
+
+    def load(self, path: str) -> ctypes.CDLL:
+        """The library of `path`, its functions typed; RuntimeError where it cannot run."""
+        if (lib := self._loaded.get(path, (None,))[0]) is not None:
+            return lib
+        if why := self.unavailable(path):
+            raise RuntimeError(why)
+        return self._loaded[path][0]
+
+    def clear(self) -> None:
+        """Forget the loaded libraries (their builds stay cached): the next use builds or loads again."""
+        self._loaded.clear()
+
+    def _load(self, path: str) -> tuple[ctypes.CDLL | None, str | None]:
+        if path not in self._loaded:
+            self._loaded[path] = self._open(path)
+        return self._loaded[path]
+
+    def _open(self, path: str) -> tuple[ctypes.CDLL | None, str | None]:
+        try:
+            lib = ctypes.CDLL(str(self.build(path)))  # after torch: binds to its libgomp
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
+            detail = getattr(e, "stderr", "") or str(e)
+            return None, f"could not build {self.what.format(path=path)}: {detail.strip()[:500]}"
+        for name, (argtypes, restype) in self.signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        why = self.ready(lib) if self.ready else None
+        return (None, why) if why else (lib, None)

@@ -33,8 +33,8 @@ def make_backend(name: str, config, device, dtype) -> AttentionBackend:
             name = "cpu"
         else:
             name = "torch-cascade"
-    if name == "cpu" and dtype == torch.bfloat16 and config.head_dim % 32 == 0 and config.head_dim <= 256 \
-            and cpu.forced_isa() in (None, "amx") and amx.kernel_unavailable() is None:
+    if name == "cpu" and amx.takes(dtype, config.head_dim) and cpu.forced_isa() in (None, "amx") \
+            and amx.kernel_unavailable() is None:
         name = "amx"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")

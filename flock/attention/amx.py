@@ -3,8 +3,8 @@
 The kernel (`csrc/cascade_amx.c`) takes the step's segments (`segments.py`: each group's stacked queries
 against its shared prefix, each request's queries against the rest of its context) and runs them on all
 threads of PyTorch's OpenMP pool: matrix products on AMX tiles, softmax in fp32 with AVX-512, KV read from
-the paged blocks in place, then merges each grouped token's two partials. It is compiled with gcc on first
-use and cached (FLOCK_CACHE_DIR, default ~/.cache/flock).
+the paged blocks in place, then merges each grouped token's two partials. It is built and loaded by
+flock.native on first use.
 
 Where the kernel is not used, the backend is TorchCascadeBackend, exactly: another dtype or device, a
 sliding window, a head_dim that is not a multiple of 32 (or above 256), or a CPU without AMX / no gcc
@@ -12,23 +12,16 @@ sliding window, a head_dim that is not a multiple of 32 (or above 256), or a CPU
 """
 
 import ctypes
-import functools
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from flock import native
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.segments import PartialBuffers, build_segments, int32
-from flock.native import build, cpu_flags
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_amx.c"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
-GCC_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-             "-mamx-tile", "-mamx-bf16", "-mfma"]
 
 
 class _Args(ctypes.Structure):
@@ -45,26 +38,24 @@ class _Args(ctypes.Structure):
     ]
 
 
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE, GCC_FLAGS)))  # after torch: binds to its libgomp
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
-        detail = getattr(e, "stderr", "") or str(e)
-        return None, f"could not build the AMX kernel: {detail.strip()[:500]}"
-    if lib.flock_amx_init() != 0:
-        return None, "the kernel refused AMX tile state (Linux >= 5.16 is needed)"
-    lib.flock_amx_cascade.argtypes = [ctypes.POINTER(_Args)]
-    return lib, None
+def _tiles_granted(lib: ctypes.CDLL) -> str | None:
+    return None if lib.flock_amx_init() == 0 else "the kernel refused AMX tile state (Linux >= 5.16 is needed)"
+
+
+KERNEL = native.Library(
+    Path(__file__).resolve().parent / "csrc" / "cascade_amx.c", "the AMX kernel", paths=("amx",),
+    signatures={"flock_amx_init": ([], ctypes.c_int), "flock_amx_cascade": ([ctypes.POINTER(_Args)], ctypes.c_int)},
+    ready=_tiles_granted)
+
+
+def takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs attention of this dtype and head size (on a CPU that has it)."""
+    return dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
 
 
 def kernel_unavailable() -> str | None:
     """Why the AMX kernel cannot run here, or None when it can."""
-    return _load()[1]
-
+    return KERNEL.unavailable("amx")
 
 
 @dataclass
@@ -85,8 +76,8 @@ class AmxCascadeBackend(TorchCascadeBackend):
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
-        return (device.type == "cpu" and self.dtype == torch.bfloat16 and self.sliding_window is None
-                and self.head_dim % 32 == 0 and self.head_dim <= 256 and kernel_unavailable() is None)
+        return (device.type == "cpu" and self.sliding_window is None and takes(self.dtype, self.head_dim)
+                and kernel_unavailable() is None)
 
     def build_metadata(self, layout: StepLayout):
         if not self.uses_kernel(layout.slot_mapping.device):
@@ -115,7 +106,7 @@ class AmxCascadeBackend(TorchCascadeBackend):
             o_part.data_ptr(), lse_part.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
             meta.block_size, self.scale,
         )
-        code = _load()[0].flock_amx_cascade(ctypes.byref(args))
+        code = KERNEL.load("amx").flock_amx_cascade(ctypes.byref(args))
         if code != 0:
             raise RuntimeError(f"AMX cascade kernel failed ({code})")
         return out

@@ -7,7 +7,7 @@ or `avx2` (AVX2 + FMA), each for bf16 and fp32. On CPUs with AMX, bf16 goes to t
 shared prefix, each request's queries against the rest of its context, causal), KV read from the paged
 blocks in place, the partials merged by log-sum-exp in the same call; a segment that would keep one thread
 busy alone (one long context, few KV heads) is split by KV range into pieces merged the same way. It runs on
-PyTorch's OpenMP threads and is compiled with gcc on first use, cached (FLOCK_CACHE_DIR, ~/.cache/flock).
+PyTorch's OpenMP threads and is built and loaded by flock.native on first use.
 
 Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a
 sliding window, a head_dim that is not a multiple of 16 (or above 256), or no usable ISA path or gcc
@@ -15,86 +15,18 @@ sliding window, a head_dim that is not a multiple of 16 (or above 256), or no us
 """
 
 import ctypes
-import functools
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from flock import native
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.segments import DIRECT, PREFIX, PartialBuffers, Segments, build_segments, concat_ranges, int32
-from flock.native import build, cpu_flags
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cascade_cpu.c"
-ISA_ENV = "FLOCK_CPU_ISA"
-# path: (the CPU flags it needs, gcc flags), best first; "amx" (bf16) is the amx backend's
-PATHS = {
-    "avx512bf16": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
-                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]),
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
-    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
-}
-ORDER = ("amx", *PATHS)
 MAX_PARTS = 16  # KV pieces a segment is split into, at most (the kernel merges up to 64 partials per token)
-
-
-def forced_isa() -> str | None:
-    """FLOCK_CPU_ISA, checked: the path to force (a lower one than the CPU's best), or None."""
-    name = os.environ.get(ISA_ENV, "").strip().lower()
-    if name and name not in ORDER:
-        raise ValueError(f"{ISA_ENV}={name!r} is not an ISA path; choose one of {', '.join(ORDER)}")
-    return name or None
-
-
-def isa_paths() -> list[str]:
-    """The kernel paths this CPU runs, best first (without "amx", which is the amx backend's)."""
-    return [p for p in PATHS if not _missing_flags(p)]
-
-
-def _missing_flags(isa: str) -> list[str]:
-    """The CPU flags path `isa` needs and this CPU lacks."""
-    return [f for f in PATHS[isa][0] if f not in cpu_flags()]
-
-
-def chosen_isa() -> str | None:
-    """The non-AMX path the kernel takes here: the forced one, else the best the CPU runs; None if none."""
-    forced = forced_isa()
-    paths = isa_paths()
-    if forced in (None, "amx"):
-        return paths[0] if paths else None
-    return forced if forced in paths else None
-
-
-@functools.cache
-def _load(path: str) -> tuple[ctypes.CDLL | None, str | None]:
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE, ["-O3", "-fopenmp", *PATHS[path][1]])))  # after torch: its libgomp
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
-        detail = getattr(e, "stderr", "") or str(e)
-        return None, f"could not build the {path} kernel: {detail.strip()[:500]}"
-    lib.flock_cpu_cascade.argtypes = [ctypes.POINTER(_Args)]
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.flock_cpu_write_kv.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
-    lib.flock_cpu_write_kv.restype = None
-    return lib, None
-
-
-def kernel_unavailable(isa: str | None = None) -> str | None:
-    """Why the fused CPU kernel cannot run here on path `isa` (default: the chosen one), or None when it can."""
-    if isa is not None:
-        missing = _missing_flags(isa) if isa in PATHS else [f"a path {isa!r}"]
-        return f"the {isa} path needs {', '.join(missing)}, which this CPU lacks" if missing else _load(isa)[1]
-    path = chosen_isa()
-    if path is None:
-        forced = forced_isa()
-        missing = _missing_flags(forced) if forced in PATHS else []
-        return (f"{ISA_ENV}={forced} but this CPU lacks {', '.join(missing)}" if missing
-                else "this CPU has no AVX2 + FMA (nor AVX-512)")
-    return _load(path)[1]
 
 
 class _Args(ctypes.Structure):
@@ -112,6 +44,48 @@ class _Args(ctypes.Structure):
         ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
     ]
 
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+KERNEL = native.Library(
+    Path(__file__).resolve().parent / "csrc" / "cascade_cpu.c", "the {path} kernel",
+    paths=("avx512bf16", "avx512", "avx2"),  # "amx" (bf16) is the amx backend's
+    signatures={"flock_cpu_cascade": ([ctypes.POINTER(_Args)], _int),
+                "flock_cpu_write_kv": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64], None),
+                "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int)})
+PATHS = KERNEL.paths
+ORDER = ("amx", *PATHS)
+
+
+def forced_isa() -> str | None:
+    """FLOCK_CPU_ISA, checked: the path to force (a lower one than the CPU's best), or None."""
+    return native.forced_isa(ORDER)
+
+
+def isa_paths() -> list[str]:
+    """The kernel paths this CPU runs, best first (without "amx", which is the amx backend's)."""
+    return KERNEL.runnable()
+
+
+def chosen_isa() -> str | None:
+    """The non-AMX path the kernel takes here: the forced one, else the best the CPU runs; None if none."""
+    forced = forced_isa()
+    paths = isa_paths()
+    if forced in (None, "amx"):
+        return paths[0] if paths else None
+    return forced if forced in paths else None
+
+
+def kernel_unavailable(isa: str | None = None) -> str | None:
+    """Why the fused CPU kernel cannot run here on path `isa` (default: the chosen one), or None when it can."""
+    if isa is not None:
+        return KERNEL.unavailable(isa)
+    path = chosen_isa()
+    if path is None:
+        forced = forced_isa()
+        missing = native.missing_flags(forced) if forced in PATHS else []
+        return (f"{native.ISA_ENV}={forced} but this CPU lacks {', '.join(missing)}" if missing
+                else "this CPU has no AVX2 + FMA (nor AVX-512)")
+    return KERNEL.unavailable(path)
 
 
 @dataclass
@@ -172,7 +146,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
     def uses_kernel(self, device: torch.device) -> bool:
         return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.sliding_window is None
                 and self.head_dim % 16 == 0 and self.head_dim <= 256 and self.isa is not None
-                and _load(self.isa)[1] is None)
+                and KERNEL.unavailable(self.isa) is None)
 
     def build_metadata(self, layout: StepLayout):
         if not self.uses_kernel(layout.slot_mapping.device):
@@ -185,7 +159,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
 
     def _plan(self, layout: StepLayout, slot_mapping: torch.Tensor, tokens: np.ndarray | None = None) -> CpuMetadata:
         """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
-        lib = _load(self.isa)[0]
+        lib = KERNEL.load(self.isa)
         g = self.num_heads // self.num_kv_heads
         s = build_segments(layout, g, self.min_prefix_blocks)
         if tokens is not None:
@@ -213,7 +187,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
             int(q.dtype == torch.bfloat16),
         )
-        code = _load(self.isa)[0].flock_cpu_cascade(ctypes.byref(args))
+        code = KERNEL.load(self.isa).flock_cpu_cascade(ctypes.byref(args))
         if code != 0:
             raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
         return out
@@ -226,6 +200,6 @@ class CpuCascadeBackend(TorchCascadeBackend):
                 and slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == len(k)):
             return write_kv(k, v, k_cache, v_cache, slots)
         size = k.element_size()
-        _load(self.isa)[0].flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                                              k_cache.data_ptr(), v_cache.data_ptr(), row * size, slots.data_ptr(),
-                                              k.shape[0], row * size)
+        KERNEL.load(self.isa).flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                                 k_cache.data_ptr(), v_cache.data_ptr(), row * size, slots.data_ptr(),
+                                                 k.shape[0], row * size)

@@ -2,33 +2,23 @@
 
 RMSNorm (with the residual add folded in), rotary embedding applied in place to q and k of the fused qkv
 output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by one pass over the
-rows; argmax (greedy sampling) splits its rows over the threads, ~10x faster than PyTorch's here. The source is
-compiled with gcc on first use for the widest ISA the CPU has (AVX-512, AVX2 or the baseline) and cached
-(flock.native). `unavailable(dtype, device)` says why the kernels cannot serve a model;
-the plain PyTorch ops remain the reference and serve float64 and every other case.
+rows; argmax (greedy sampling) splits its rows over the threads. The source is built by flock.native on first
+use for the widest ISA path the CPU has (AVX-512 with DQ, AVX2 or the baseline). `unavailable(dtype, device)`
+says why the kernels cannot serve a model; the plain PyTorch ops remain the reference and serve float64 and
+every other case.
 """
 
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
 
-from flock.native import build, cpu_flags
+from flock import native
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops.c"
-BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
-ISA_FLAGS = {  # widest first: (CPU flags needed, gcc flags)
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]),
-    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
-    "baseline": ((), []),
-}
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-SIGNATURES = {  # each ends with the number of threads
+ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
     "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
@@ -36,28 +26,17 @@ SIGNATURES = {  # each ends with the number of threads
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
+KERNEL = native.Library(
+    Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
+    paths=("avx512dq", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"),
+    signatures={f"flock_{op}_{suffix}": (argtypes, None) for op, argtypes in ARGTYPES.items()
+                for suffix in SUFFIX.values()})
 
 
 @functools.cache
 def isa() -> str:
     """The widest ISA path this CPU runs."""
-    return next(name for name, (needs, _) in ISA_FLAGS.items() if all(f in cpu_flags() for f in needs))
-
-
-@functools.cache
-def load(isa_name: str) -> tuple[dict | None, str | None]:
-    """The kernels built for one ISA path ({(op, dtype): function}, or None and why not)."""
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE, BASE_FLAGS + ISA_FLAGS[isa_name][1])))  # after torch: its libgomp
-    except (OSError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
-        detail = getattr(e, "stderr", "") or str(e)
-        return None, f"could not build the fused ops: {detail.strip()[:500]}"
-    kernels = {}
-    for op, argtypes in SIGNATURES.items():
-        for dtype, suffix in SUFFIX.items():
-            kernels[op, dtype] = fn = getattr(lib, f"flock_{op}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-    return kernels, None
+    return KERNEL.runnable()[0]
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -66,11 +45,11 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"the fused kernels run on CPUs, not {device.type}"
     if dtype not in SUFFIX:
         return f"the fused kernels take bfloat16 and float32, not {dtype}"
-    return load(isa())[1]
+    return KERNEL.unavailable(isa())
 
 
 def _kernel(op: str, dtype: torch.dtype):
-    return load(isa())[0][op, dtype]
+    return getattr(KERNEL.load(isa()), f"flock_{op}_{SUFFIX[dtype]}")
 
 
 def _check_rows(*tensors: torch.Tensor) -> None:

@@ -1,42 +1,26 @@
 """Flock's bf16 GEMM (`csrc/gemm_bf16.c`) for CPUs with AVX512-BF16 and no AMX: Zen 4/5, Cooper Lake.
 
 It multiplies by weights packed once as vdpbf16ps takes them and splits every call's register tiles evenly
-over the threads. On this 2-core Zen 5, against oneDNN's prepacked linear (hot weights): 1.0-1.3x on the
-projections of decode steps (64-200 rows), 2-4x on 1-8 rows, and level at 2,048 rows; ~1,000 GFLOP/s
-(bench/step_profile.py shows it in a model). bf16 only: fp32 models keep oneDNN; CPUs with AMX leave bf16 to
-oneDNN's AMX kernels; `unavailable()` says why it does not run. A Llama MLP's gate_up weight packed with `glu`
-gives silu(gate) * up straight from the GEMM's fp32 sums.
+over the threads; bench/step_profile.py times it against oneDNN's prepacked linear. bf16 only: fp32 models
+keep oneDNN; CPUs with AMX leave bf16 to oneDNN's AMX kernels; `unavailable()` says why it does not run. A
+Llama MLP's gate_up weight packed with `glu` gives silu(gate) * up straight from the GEMM's fp32 sums.
 """
 
 import ctypes
-import functools
-import subprocess
 from pathlib import Path
 
 import torch
 
-from flock.native import build, cpu_flags
+from flock import native
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gemm_bf16.c"
-NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
 OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    try:
-        lib = ctypes.CDLL(str(build(SOURCE, FLAGS)))  # after torch: its libgomp
-    except (OSError, subprocess.CalledProcessError) as e:  # no gcc, no writable cache, ...
-        detail = getattr(e, "stderr", "") or str(e)
-        return None, f"could not build the bf16 GEMM: {detail.strip()[:500]}"
-    lib.flock_gemm_pack.argtypes = [_ptr, _i64, _i64, ctypes.c_int32, _ptr]
-    lib.flock_gemm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int32, ctypes.c_int32]
-    lib.flock_gemm_pack.restype = lib.flock_gemm.restype = None
-    return lib, None
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+KERNEL = native.Library(
+    Path(__file__).resolve().parent / "csrc" / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",),
+    signatures={"flock_gemm_pack": ([_ptr, _i64, _i64, _i32, _ptr], None),
+                "flock_gemm": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], None)})
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -45,12 +29,9 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"the bf16 GEMM is a CPU path, not {device.type}"
     if dtype != torch.bfloat16:
         return f"the bf16 GEMM takes bfloat16, not {dtype}"
-    missing = [f for f in NEEDS if f not in cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    if "amx_bf16" in cpu_flags():
+    if not native.missing_flags("avx512bf16") and "amx_bf16" in native.cpu_flags():
         return "this CPU has AMX, which oneDNN uses for bf16"
-    return _load()[1]
+    return KERNEL.unavailable("avx512bf16")
 
 
 def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
@@ -63,7 +44,7 @@ def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     w = weight.detach().contiguous()
     blocks = -(-n // 2 // (BLOCK // 2)) if glu else -(-n // BLOCK)
     packed = torch.empty(blocks * (k // 2) * BLOCK, dtype=torch.int32)
-    _load()[0].flock_gemm_pack(w.data_ptr(), n, k, int(glu), packed.data_ptr())
+    KERNEL.load("avx512bf16").flock_gemm_pack(w.data_ptr(), n, k, int(glu), packed.data_ptr())
     return packed
 
 
@@ -77,8 +58,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=dtype)
     mode = OUT_GLU if glu else OUT_F32 if dtype == torch.float32 else OUT_BF16
-    _load()[0].flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k,
-                          mode, torch.get_num_threads())
+    KERNEL.load("avx512bf16").flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n,
+                                         rows.shape[0], n, k, mode, torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

@@ -121,15 +121,16 @@ def test_every_attention_call_of_a_bf16_engine_run_is_exact(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("broken", ["no AMX", "no compiler"])
 def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
+    from flock import native
     from flock.attention import amx
 
     if broken == "no AMX":
-        monkeypatch.setattr(amx, "cpu_flags", lambda: {"avx512f"})
+        monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f"})
     else:
-        monkeypatch.setattr(amx, "cpu_flags", lambda: set(amx.CPU_FLAGS))
+        monkeypatch.setattr(native, "cpu_flags", lambda: set(native.ISAS["amx"].cpu_flags))
         monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
         monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
-    amx._load.cache_clear()
+    amx.KERNEL.clear()
     try:
         reason = kernel_unavailable()
         assert reason and ("lacks" in reason if broken == "no AMX" else "could not build" in reason)
@@ -139,4 +140,4 @@ def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
         layout = tb.random_layout(np.random.default_rng(1), [(3, 4)], 1)
         assert not isinstance(AmxCascadeBackend(4, 2, 64, None, torch.bfloat16).build_metadata(layout), AmxMetadata)
     finally:
-        amx._load.cache_clear()
+        amx.KERNEL.clear()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flock import native
 from flock.attention import cpu, make_backend
 from flock.attention.amx import AmxCascadeBackend, kernel_unavailable as amx_unavailable
 from flock.attention.cascade import CascadeMetadata, TorchCascadeBackend
@@ -52,7 +53,7 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype) -> None:
 
 
 def run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs):
-    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    monkeypatch.setenv(native.ISA_ENV, isa)
     backend = make_backend("cpu", tb.config(heads, kv_heads), torch.device("cpu"), inputs[0].dtype)
     assert isinstance(backend, CpuCascadeBackend) and backend.isa == isa
     meta = backend.build_metadata(layout)
@@ -175,7 +176,7 @@ def test_auto_picks_the_kernel_on_x86_cpus():
 
 
 def test_a_path_says_why_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
     assert "avx512_bf16" in cpu.kernel_unavailable("avx512bf16")
     assert "'sse9'" in cpu.kernel_unavailable("sse9")
     if cpu.kernel_unavailable() is None:
@@ -185,14 +186,14 @@ def test_a_path_says_why_it_cannot_run(monkeypatch):
 @pytest.mark.parametrize("broken", ["forced path missing", "no compiler", "no AVX2"])
 def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
     if broken == "forced path missing":
-        monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma"})
-        monkeypatch.setenv(cpu.ISA_ENV, "avx512bf16")
+        monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+        monkeypatch.setenv(native.ISA_ENV, "avx512bf16")
     elif broken == "no AVX2":
-        monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse4_2"})
+        monkeypatch.setattr(native, "cpu_flags", lambda: {"sse4_2"})
     else:
         monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
         monkeypatch.setenv("PATH", str(tmp_path))  # no gcc on it
-    cpu._load.cache_clear()
+    cpu.KERNEL.clear()
     try:
         reason = cpu.kernel_unavailable()
         expected = {"forced path missing": "lacks avx512", "no compiler": "could not build", "no AVX2": "no AVX2"}
@@ -203,11 +204,11 @@ def test_an_unusable_kernel_leaves_torch_cascade(monkeypatch, tmp_path, broken):
         layout = tb.random_layout(np.random.default_rng(1), [(3, 4)], 1)
         assert not isinstance(CpuCascadeBackend(4, 2, 64, None, torch.float32).build_metadata(layout), CpuMetadata)
     finally:
-        cpu._load.cache_clear()
+        cpu.KERNEL.clear()
 
 
 def test_an_unknown_isa_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(cpu.ISA_ENV, "sse9")
+    monkeypatch.setenv(native.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="FLOCK_CPU_ISA='sse9'.*avx2"):
         make_backend("cpu", tb.config(4, 2), torch.device("cpu"), torch.float32)
 

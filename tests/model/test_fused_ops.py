@@ -15,10 +15,9 @@ from flock.model import fused_ops
 from flock.model.config import ModelConfig
 from flock.model.llama import RMSNorm
 from flock.model.rope import RotaryEmbedding
-from flock.native import cpu_flags
 
 CPU = torch.device("cpu")
-ISAS = [name for name, (needs, _) in fused_ops.ISA_FLAGS.items() if all(f in cpu_flags() for f in needs)]
+ISAS = fused_ops.KERNEL.runnable()
 DTYPES = [torch.bfloat16, torch.float32]
 ROWS = [1, 7, 300]  # 300 x 576 elements run on the thread pool
 
@@ -35,8 +34,8 @@ def no_grad():
 
 @pytest.fixture(params=ISAS, autouse=True)
 def isa(request, monkeypatch):
-    if fused_ops.load(request.param)[0] is None:
-        pytest.fail(f"the {request.param} build failed: {fused_ops.load(request.param)[1]}")
+    if why := fused_ops.KERNEL.unavailable(request.param):
+        pytest.fail(f"the {request.param} build failed: {why}")
     monkeypatch.setattr(fused_ops, "isa", lambda: request.param)
     return request.param
 

@@ -13,13 +13,13 @@ from flock.model import fused_ops, gemm, linear
 
 @pytest.fixture
 def no_compiler(monkeypatch):
-    def fail(source, flags):
+    def fail(path):
         raise subprocess.CalledProcessError(1, ["gcc"], stderr="gcc: command not found")
 
-    fused_ops.load.cache_clear()
-    monkeypatch.setattr(fused_ops, "build", fail)
+    fused_ops.KERNEL.clear()
+    monkeypatch.setattr(fused_ops.KERNEL, "build", fail)
     yield
-    fused_ops.load.cache_clear()
+    fused_ops.KERNEL.clear()
 
 
 def paths(**config) -> dict[str, str]:
