@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_main(args)
     if args.command == "analyze":
-        from flock.analyze import analyze_file
+        from flock.api.analyze import analyze_file
 
         return analyze_file(args)
     if args.command == "save-model":
@@ -86,7 +86,7 @@ def run_batch(args) -> int:
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
-                    sampling, {"model": args.model, **engine_kwargs(args)}, args.strict)
+                    sampling, engine_kwargs(args), args.strict)
     if args.workers is None:
         if any(getattr(args, k) is not None for k in RAY_FLAGS):
             print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)

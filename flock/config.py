@@ -1,30 +1,37 @@
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
+
+
+def option(default, help: str, **cli):
+    """A config field with its command-line help (`flock.engine.args` makes the flags from these)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineConfig:
     """Engine settings; names follow vLLM's where vLLM has one."""
 
-    model: str = "flock/tiny"
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float64 (float16 runs as bfloat16 on CPU)
-    load_format: str = "auto"  # auto | safetensors | dummy
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 0
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None  # KV budget in blocks ...
-    kv_cache_memory_bytes: int | None = None  # ... or in bytes (default: up to 2 GiB)
-    scheduler: str = "fcfs"  # fcfs | batchllm | lpm | dfs-weight | feather
-    feather_policy: str = "static"  # static | ucb | qlearning
-    attention: str = "auto"
-    ops: str = "auto"  # auto | torch | fused | packed: fused C elementwise kernels, prepacked GEMM weights
+    model: str = option("flock/tiny", "built-in model (flock/smollm2, a real chat model; flock/tiny, random weights), "
+                        "a local Hugging Face folder, or a GGUF file (or a folder holding one)")
+    tokenizer: str | None = option(None, "tokenizer folder or GGUF file (default: the model's)")
+    dtype: str = option("auto", "auto, float32, bfloat16 or float64 (float16 runs as bfloat16 on CPU)")
+    load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")
+    device: str = option("auto", "auto, cpu or cuda")
+    seed: int = option(0, "seed of random weights and of requests that set none")
+    block_size: int = option(16, "tokens per KV block")
+    enable_prefix_caching: bool = option(True, "turn off the prefix cache", flag="--no-prefix-caching")
+    max_num_seqs: int = option(256, "most requests in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens in one step")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
+    num_kv_blocks: int | None = option(None, "KV budget in blocks ...")
+    kv_cache_memory_bytes: int | None = option(None, "... or in bytes (default: up to 2 GiB)")
+    scheduler: str = option("fcfs", "the scheduling policy")
+    feather_policy: str = option("static", "batching policy of the feather scheduler")
+    attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
+    ops: str = option("auto", "fused C elementwise kernels and prepacked GEMM weights (auto: where the CPU and dtype "
+                      "allow), torch: plain PyTorch (the reference), or only one of the two", choices=OPS)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -1,10 +1,10 @@
-import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
+from flock.engine.loop import run
 from flock.outputs import CompletionOutput, RequestOutput
 from flock.request import Request
 from flock.sampling_params import SamplingParams
@@ -69,20 +69,16 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         engine = self.engine
-        start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=None if use_tqdm else True)
         try:
-            while engine.has_unfinished():
-                finished = engine.step()
-                if finished:
-                    bar.update(len(finished))
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"{engine.stats.generated_tokens / elapsed:.0f} tok/s out")
+            for step in run(engine):
+                if step.finished:
+                    bar.update(len(step.finished))
+                    bar.set_postfix_str(f"{engine.stats.generated_tokens / engine.stats.elapsed:.0f} tok/s out")
         finally:
             bar.close()
             for req in requests:
                 engine.abort(req)  # no-op for finished ones; leaves the engine clean after an exception
-            engine.stats.wall_seconds = time.perf_counter() - start
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:

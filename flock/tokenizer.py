@@ -9,23 +9,19 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 def load_tokenizer(path: str | Path):
-    """A Hugging Face tokenizer from a local folder, or from a GGUF file (or a folder holding one) as
-    transformers converts it: BPE or SentencePiece vocabulary, special tokens, chat template. Never the network."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
+    """A Hugging Face tokenizer from a local folder, or from a GGUF file (or a folder holding one), see
+    `flock.model.load_gguf_tokenizer`. Never the network."""
+    from flock.model import load_gguf_tokenizer
     from flock.model.gguf import find_gguf
 
     gguf_file = find_gguf(Path(path))
-    if gguf_file is None:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    gguf_file = gguf_file.resolve()
-    # the fast class itself: AutoTokenizer would first read the whole file again for its config
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                        local_files_only=True)
-    tokenizer.name_or_path = str(gguf_file)  # loading it again by this name finds the same file
-    return tokenizer
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:

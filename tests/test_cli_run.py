@@ -70,7 +70,7 @@ def test_default_model_without_its_wheel_names_the_pip_command(tmp_path, batch, 
 def test_example_batch_has_two_deliberately_bad_lines():
     from pathlib import Path
 
-    from flock.analyze import read_batch
+    from flock.api.analyze import read_batch
 
     example = Path(__file__).parents[1] / "examples" / "batch.jsonl"
     numbers, prompts, errors, lines = read_batch(str(example), "flock/tiny")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flock.engine.loop import run
 from flock.request import Request, RequestStatus
 from flock.sampling_params import SamplingParams
 
@@ -202,37 +203,41 @@ def replay(engine, trace: list[TraceRequest], *, time_limit_s: float | None = No
     live: list[Request] = []
     steps: list[StepRecord] = []
     start = time.monotonic()
-    i = 0
-    while i < len(trace) or engine.has_unfinished():
+    pending = iter(trace)
+    upcoming = next(pending, None)
+
+    def admit(idle: bool) -> bool:
+        """Add the requests that have arrived; when idle, sleep until the next arrival (or end the replay)."""
+        nonlocal upcoming
         now = time.monotonic() - start
         if time_limit_s is not None and now > time_limit_s:
-            break
-        while i < len(trace) and trace[i].arrival_s <= now:
-            tr = trace[i]
-            req = engine.add_request(tr.token_ids, SamplingParams(temperature=0, max_tokens=tr.max_tokens,
-                                                                  ignore_eos=True))
-            group_of[req.request_id] = tr.group
-            added.append((req, tr))
+            return False
+        while upcoming is not None and upcoming.arrival_s <= now:
+            params = SamplingParams(temperature=0, max_tokens=upcoming.max_tokens, ignore_eos=True)
+            req = engine.add_request(upcoming.token_ids, params)
+            group_of[req.request_id] = upcoming.group
+            added.append((req, upcoming))
             live.append(req)
-            i += 1
+            upcoming = next(pending, None)
         if not engine.has_unfinished():
-            time.sleep(max(0.0, trace[i].arrival_s - (time.monotonic() - start)))
-            continue
-        finished = engine.step()
-        if finished:
-            done = {id(r) for r in finished}
+            if upcoming is None:
+                return False
+            time.sleep(max(0.0, upcoming.arrival_s - (time.monotonic() - start)))
+        return True
+
+    for step in run(engine, admit):
+        if step.finished:
+            done = {id(r) for r in step.finished}
             live = [r for r in live if id(r) not in done]
         size, distinct = _composition(live, group_of)
         steps.append(StepRecord(time.monotonic() - start, size, distinct, engine.stats.tokens_per_step[-1],
                                 len(live) - size))
-    wall = time.monotonic() - start
     for req in live:
         engine.abort(req)
-    engine.stats.wall_seconds = wall
     records = [_record(req, tr, start) for req, tr in added if req.finish_time is not None]
     stats = engine.stats.as_dict() | {"match_seconds": engine.scheduler.match_seconds,
                                       "match_ops": engine.scheduler.match_ops}
-    return ReplayResult(records, steps, wall, stats)
+    return ReplayResult(records, steps, engine.stats.wall_seconds, stats)
 
 
 def _record(req: Request, tr: TraceRequest, start: float) -> RequestRecord:

@@ -12,29 +12,25 @@ max_tokens 16 for completions; a chat runs until EOS or max_model_len).
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from flock.analyze import key_value_table
+from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
-from flock.api.protocol import APIError, new_id, parse_request, response_body, usage
+from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
+from flock.api.protocol import COMPLETION_MAX_TOKENS, APIError, new_id, parse_request, response_body, usage
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
-from flock.request import Request
+from flock.engine.loop import run
 
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
 SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
 ANSWER_WIDTH = 100
-
-
-class EngineError(RuntimeError):
-    """The engine cannot start or go on (e.g. every Ray worker died): the job stops; what is written stays."""
 
 
 @dataclass
@@ -68,12 +64,13 @@ class JobCounts:
     new_errors: int = 0
 
 
-def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Callable[[], LLMEngine] | None = None) -> int:
+def run_job(cfg: JobConfig, engine: JobEngine | None = None, build_engine: Callable[[], JobEngine] | None = None,
+            summary_rows: SummaryRows | None = None) -> int:
     """Run (or resume) the job. 0 when it ran to the end, as OpenAI's Batch API completes a batch with failed
     lines (they are counted in the summary and written to the error file), 1 instead when some failed and
     `cfg.strict`, 2 when it could not start. `engine` (idle) is built by `build_engine` once the files are
-    checked, by default from `cfg.engine` (`flock.distributed.driver.ClusterEngine` is another engine with the
-    same interface)."""
+    checked, by default an LLMEngine from `cfg.engine` (see `flock.api.job_engine`); `summary_rows` adds the
+    engine's own rows to the summary."""
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
@@ -83,7 +80,7 @@ def run_job(cfg: JobConfig, engine: LLMEngine | None = None, build_engine: Calla
     except (CorruptFileError, OSError, ValueError, TypeError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    job = BatchJob(cfg, engine, done, reported)
+    job = BatchJob(cfg, engine, done, reported, summary_rows or list)
     try:
         job.submit_all()
         job.generate()
@@ -131,8 +128,9 @@ def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
 
 
 class BatchJob:
-    def __init__(self, cfg: JobConfig, engine: LLMEngine, done: set[str], reported: set[int]):
-        self.cfg, self.engine = cfg, engine
+    def __init__(self, cfg: JobConfig, engine: JobEngine, done: set[str], reported: set[int],
+                 summary_rows: SummaryRows = list):
+        self.cfg, self.engine, self.summary_rows = cfg, engine, summary_rows
         self.done, self.reported = done, reported
         self.output = JsonlAppender(cfg.output_path)
         self.errors = JsonlAppender(cfg.errors_path)
@@ -187,34 +185,30 @@ class BatchJob:
     def generate(self) -> None:
         ids = [custom_id for custom_id, _ in self.running.values()]  # in input order
         self.answers = {ids[i * len(ids) // SHOWN_ANSWERS]: None for i in range(min(SHOWN_ANSWERS, len(ids)))}
-        engine, skipped = self.engine, self.counts.skipped
+        stats, skipped = self.engine.stats, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
         bar = tqdm(total=len(self.running) + skipped, initial=skipped, desc="flock run", unit="req",
                    disable=True if self.cfg.quiet else None)
-        start = shown = time.perf_counter()
+        shown = 0.0
         try:
-            while engine.has_unfinished():
-                finished = engine.step()
-                for req in finished:
+            for step in run(self.engine):
+                for req in step.finished:
                     self._write(req)
                 self.output.tick()
-                now = time.perf_counter()
-                if finished:
-                    bar.update(len(finished))
-                if now - shown > 0.5:
-                    bar.set_postfix_str(self._progress(now - start), refresh=False)
-                    shown = now
+                if step.finished:
+                    bar.update(len(step.finished))
+                if stats.elapsed - shown > 0.5:
+                    bar.set_postfix_str(self._progress(), refresh=False)
+                    shown = stats.elapsed
         finally:
-            engine.stats.wall_seconds = time.perf_counter() - start
-            bar.set_postfix_str(self._progress(engine.stats.wall_seconds), refresh=False)
+            bar.set_postfix_str(self._progress(), refresh=False)
             bar.close()
 
-    def _progress(self, elapsed: float) -> str:
+    def _progress(self) -> str:
         s = self.engine.stats
-        saving = 1 - s.computed_prefill_tokens / s.logical_prefill_tokens if s.logical_prefill_tokens else 0.0
-        return f"{s.generated_tokens / max(elapsed, 1e-9):.0f} tok/s out, saving {saving:.0%}"
+        return f"{s.generated_tokens / max(s.elapsed, 1e-9):.0f} tok/s out, saving {s.saving_rate:.0%}"
 
-    def _write(self, req: Request) -> None:
+    def _write(self, req: FinishedRequest) -> None:
         custom_id, kind = self.running.pop(req.request_id)
         request_id = new_id(kind)
         text = self.engine.decode(req)
@@ -255,7 +249,7 @@ class BatchJob:
         ]
         if c.failed:
             rows.append(("errors", str(self.cfg.errors_path)))
-        rows += getattr(self.engine, "summary_rows", list)()  # a ClusterEngine: one line per worker
+        rows += self.summary_rows()
         return key_value_table(rows)
 
     def _answers(self) -> str:

@@ -19,6 +19,7 @@ _COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "
                                      "frequency_penalty", "logprobs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class APIError(ValueError):
@@ -48,7 +49,8 @@ class GenerationRequest:
     extra: dict = field(default_factory=dict)
 
 
-def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = 16) -> GenerationRequest:
+def parse_request(kind: str, body, tokenizer,
+                  default_max_tokens: int | None = COMPLETION_MAX_TOKENS) -> GenerationRequest:
     """Check and convert a /v1/completions (kind="completion") or /v1/chat/completions (kind="chat") body.
     Raises APIError naming the bad parameter. `default_max_tokens` applies when the body sets none."""
     if not isinstance(body, dict):

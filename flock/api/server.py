@@ -52,7 +52,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+        config = EngineConfig.from_kwargs(**engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting).start()
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,11 +34,11 @@ import ray
 import torch
 import xxhash
 
-from flock.api.batch import COMPLETION_MAX_TOKENS
-from flock.api.protocol import APIError, parse_request
+from flock.api.protocol import COMPLETION_MAX_TOKENS, APIError, parse_request
 from flock.config import EngineConfig
 from flock.distributed.partition import partition
 from flock.engine.engine import LLMEngine
+from flock.engine.loop import run_to_end
 from flock.model import locate_model
 from flock.tokenizer import load_tokenizer
 
@@ -138,8 +138,7 @@ class _Replica:
         engine = self.engine
         requests = [engine.add_request([int(t) for t in ids], pickle.loads(p))
                     for ids, p in zip(batch[IDS], batch[PARAMS])]
-        while engine.has_unfinished():
-            engine.step()
+        run_to_end(engine)
         return batch.assign(
             generated_text=[engine.decode(r) for r in requests],
             generated_tokens=[r.output_token_ids for r in requests],

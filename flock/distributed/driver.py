@@ -1,6 +1,6 @@
 """`flock run --workers N`: one batch job over N engines on Ray, sharded by prefix group.
 
-`ClusterEngine` is an engine to `flock.api.batch` (add_request, step, stats, ...), so the job reads, checks,
+`ClusterEngine` is a `flock.api.job_engine.JobEngine`, as one LLMEngine is, so the batch job reads, checks,
 writes and resumes exactly as on one engine, and the driver alone writes the output. At the first step the
 requests are partitioned by prefix group (`flock.distributed.partition`) and handed to the workers, Ray
 actors owning one LLMEngine each (`flock.distributed.worker`); each step returns the requests finished on any
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from flock.api.batch import EngineError, JobConfig, run_job
+from flock.api.batch import JobConfig, run_job
+from flock.api.job_engine import EngineError, JobEngine
 from flock.config import EngineConfig
 from flock.distributed.partition import Partition, partition
 from flock.distributed.worker import EngineInfo, EngineWorker, Finished, Progress, Work
@@ -88,13 +89,13 @@ class _Slot:
         return [self.stats, *self.retired]
 
 
-class ClusterEngine:
+class ClusterEngine(JobEngine):
     """N engines on Ray behind the interface of one engine to a batch job."""
 
     def __init__(self, engine_kwargs: dict, cluster: ClusterConfig):
         cluster.validate()
         self.config = EngineConfig.from_kwargs(**engine_kwargs)  # bad engine options fail here, before Ray
-        self.engine_kwargs, self.cluster = engine_kwargs, cluster
+        self.cluster = cluster
         self.started_ray = _connect(cluster.address)
         self.slots = [_Slot(i) for i in range(cluster.workers)]
         try:
@@ -158,6 +159,7 @@ class ClusterEngine:
                 slot.actor.reset_stats.remote()
 
     def summary_rows(self) -> list[tuple[str, str]]:
+        """The job summary's rows about the workers (`run_job(..., summary_rows=...)`)."""
         alive = sum(s.alive for s in self.slots)
         rows = [("workers", f"{len(self.slots)} Ray actors ({alive} alive), {self.info.threads} torch thread(s) each")]
         if self.partition is not None:
@@ -168,12 +170,11 @@ class ClusterEngine:
         for s in self.slots:
             t = RunStats()
             t.set_total(s.all_stats())
-            saving = 1 - t.computed_prefill_tokens / t.logical_prefill_tokens if t.logical_prefill_tokens else 0.0
             where = f"pid {s.info.pid} on {s.info.host}" if s.info else "not started"
             notes = (f", restarted {s.restarts}x" if s.restarts else "") + ("" if s.alive else ", dead")
             busy = sum(r.wall_seconds for r in s.all_stats())
             rows.append((f"worker {s.index}", f"{s.done} requests, {t.computed_prefill_tokens} prefill tokens computed "
-                                              f"(saving {saving:.1%}), {t.generated_tokens} generated, busy "
+                                              f"(saving {t.saving_rate:.1%}), {t.generated_tokens} generated, busy "
                                               f"{busy:.1f} s, {where}{notes}"))
         return rows
 
@@ -185,7 +186,7 @@ class ClusterEngine:
 
     # -- workers ----------------------------------------------------------------------------------------------
     def _start(self, slot: _Slot) -> None:
-        slot.actor = self.remote.remote(self.engine_kwargs, self.cluster.threads)
+        slot.actor = self.remote.remote(self.config, self.cluster.threads)
         slot.info, slot.stats, slot.started = None, RunStats(), time.monotonic()
         slot.call = slot.actor.info.remote()
 
@@ -283,7 +284,7 @@ def run_cluster_job(cfg: JobConfig, cluster: ClusterConfig) -> int:
         return engines[-1]
 
     try:
-        return run_job(cfg, build_engine=build)
+        return run_job(cfg, build_engine=build, summary_rows=lambda: engines[-1].summary_rows())
     finally:
         for e in engines:
             e.shutdown()

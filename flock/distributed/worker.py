@@ -18,6 +18,7 @@ import torch
 
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine, check_prompt
+from flock.engine.loop import run
 from flock.engine.stats import RunStats
 from flock.sampling_params import SamplingParams
 
@@ -65,10 +66,10 @@ class Progress:
 
 
 class EngineWorker:
-    def __init__(self, engine_kwargs: dict, threads: int | None = None):
+    def __init__(self, config: EngineConfig, threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+        self.engine = LLMEngine(config)
         self.keys: dict[int, int] = {}  # engine request id -> driver key
         self.reset_stats()
 
@@ -88,11 +89,10 @@ class EngineWorker:
             req = engine.add_request(w.prompt_token_ids.tolist(), w.params)
             self.keys[req.request_id] = w.key
         finished = []
-        start = time.perf_counter()
-        while engine.has_unfinished() and time.perf_counter() - start < seconds:
-            for req in engine.step():
+        deadline = time.perf_counter() + seconds
+        for step in run(engine, lambda idle: not idle and time.perf_counter() < deadline):
+            for req in step.finished:
                 finished.append(Finished(self.keys.pop(req.request_id), engine.decode(req), req.output_token_ids,
                                          req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
                                          req.num_cached_tokens))
-        engine.stats.wall_seconds += time.perf_counter() - start
         return Progress(finished, engine.stats, len(self.keys))

@@ -18,6 +18,7 @@ from functools import partial
 from flock.engine.text_stream import TextStream
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
+from flock.engine.loop import run
 from flock.request import Request, RequestStatus
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import load_tokenizer
@@ -205,11 +206,18 @@ class AsyncEngine:
             self._publish()
 
     def _loop(self) -> None:
-        engine = self._engine
-        while self._serve_commands(block=not engine.has_unfinished()):
-            if engine.has_unfinished():
-                self._step()
+        for step in run(self._engine, self._admit, self._on_step_error):
+            t0 = time.perf_counter()
+            self._emit()
+            self._busy_seconds += step.seconds + time.perf_counter() - t0
             self._publish()
+
+    def _admit(self, idle: bool) -> bool:
+        """Between steps: run the queued commands, waiting for one when the engine is idle."""
+        go_on = self._serve_commands(block=idle)
+        if go_on and not self._engine.has_unfinished():
+            self._publish()  # no step follows to publish what the commands changed
+        return go_on
 
     def _serve_commands(self, block: bool) -> bool:
         """Run queued submissions and aborts; False once shutdown is asked for."""
@@ -236,15 +244,9 @@ class AsyncEngine:
     def _abort(self, key: int) -> None:
         self._fail(key, "abort")
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._engine.step()
-        except Exception as e:
-            log.exception("engine step failed; failing the requests it was running")
-            self._fail_step(f"engine step failed: {e!r}")
-        self._emit()
-        self._busy_seconds += time.perf_counter() - t0
+    def _on_step_error(self, e: Exception) -> None:
+        log.exception("engine step failed; failing the requests it was running", exc_info=e)
+        self._fail_step(f"engine step failed: {e!r}")
 
     def _emit(self) -> None:
         outputs = []
@@ -283,16 +285,15 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self._engine
         s = e.stats
-        logical = s.logical_prefill_tokens
         self.state = EngineState(
             attention=self._attention,
             num_added=self._num_added,
-            num_waiting=len(e.scheduler.waiting),
+            num_waiting=e.scheduler.num_waiting,
             num_running=len(e.scheduler.running),
             num_active=len(self._tracked),
             kv_blocks_used=e.kv.pool.num_used,
             kv_blocks_total=e.kv.pool.num_blocks,
-            saving_rate=1 - s.computed_prefill_tokens / logical if logical else 0.0,
+            saving_rate=s.saving_rate,
             steps=s.steps,
             step_tokens=s.step_tokens,
             model_seconds=s.model_seconds,

@@ -1,3 +1,4 @@
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
@@ -7,7 +8,9 @@ from flock.sched.base import StepPlan
 
 @dataclass
 class RunStats:
-    """Counters of one run. Saving rate (BatchLLM Eq. 2): 1 - computed / logical prefill tokens."""
+    """Counters of one run. Saving rate (BatchLLM Eq. 2): 1 - computed / logical prefill tokens. The wall time
+    is the time between `start()` and `stop()`, summed over the spans (the run loop, `flock.engine.loop`, starts
+    and stops it)."""
 
     num_requests: int = 0
     logical_prefill_tokens: int = 0
@@ -20,7 +23,7 @@ class RunStats:
     preemptions: int = 0
     schedule_seconds: float = 0.0
     model_seconds: float = 0.0
-    wall_seconds: float = 0.0
+    wall_seconds: float = field(default=0.0, init=False)  # of the finished spans; `elapsed` adds the open one
     peak_kv_blocks: int = 0
     num_kv_blocks: int = 0
     step_tokens: int = 0
@@ -28,6 +31,29 @@ class RunStats:
     max_step_tokens: int = 0
     trace_steps: bool = True  # keep tokens_per_step (off in a long-running server)
     tokens_per_step: list[int] = field(default_factory=list)
+    _span_start: float | None = field(default=None, init=False, repr=False, compare=False)
+
+    def start(self) -> None:
+        """Open a span of wall time (no-op while one is open)."""
+        if self._span_start is None:
+            self._span_start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Close the open span: its seconds join `wall_seconds`."""
+        if self._span_start is not None:
+            self.wall_seconds += time.perf_counter() - self._span_start
+            self._span_start = None
+
+    @property
+    def elapsed(self) -> float:
+        """Wall seconds so far, the open span included."""
+        open_span = time.perf_counter() - self._span_start if self._span_start is not None else 0.0
+        return self.wall_seconds + open_span
+
+    @property
+    def saving_rate(self) -> float:
+        logical = self.logical_prefill_tokens
+        return 1 - self.computed_prefill_tokens / logical if logical else 0.0
 
     def add_request(self, req: Request) -> None:
         self.num_requests += 1
@@ -56,7 +82,7 @@ class RunStats:
         The wall time and the step trace stay."""
         parts = list(parts)
         for f in fields(self):
-            if f.name not in ("wall_seconds", "trace_steps", "tokens_per_step"):
+            if f.name not in ("wall_seconds", "_span_start", "trace_steps", "tokens_per_step"):
                 values = [getattr(p, f.name) for p in parts]
                 setattr(self, f.name, max(values, default=0) if f.name == "max_step_tokens" else sum(values))
 
@@ -70,7 +96,7 @@ class RunStats:
             "computed_prefill_tokens": self.computed_prefill_tokens,
             "cached_prefill_tokens": self.cached_prefill_tokens,
             "copied_prefill_tokens": self.copied_prefill_tokens,
-            "saving_rate": 1 - self.computed_prefill_tokens / logical if logical else 0.0,
+            "saving_rate": self.saving_rate,
             "computed_decode_tokens": self.computed_decode_tokens,
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,

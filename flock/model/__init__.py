@@ -2,6 +2,7 @@
 weights."""
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,6 @@ from flock.model.config import ModelConfig
 from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, read_gguf
 from flock.model.llama import LlamaForCausalLM
 from flock.model.loader import init_dummy, load_safetensors, save_safetensors
-from flock.tokenizer import load_tokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -51,6 +51,21 @@ def locate_model(name: str) -> Path:
         raise FileNotFoundError(f"model {name!r} is not a local folder, a GGUF file or a built-in model "
                                 f"({', '.join([*BUILTIN_MODELS, *WHEEL_MODELS])})")
     return find_gguf(path) or path
+
+
+def load_gguf_tokenizer(gguf_file: Path):
+    """The tokenizer inside a GGUF file as transformers converts it: BPE or SentencePiece vocabulary, special
+    tokens, chat template. Never the network."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import PreTrainedTokenizerFast
+
+    gguf_file = gguf_file.resolve()
+    # the fast class itself: AutoTokenizer would first read the whole file again for its config
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                        local_files_only=True)
+    tokenizer.name_or_path = str(gguf_file)  # loading it again by this name finds the same file
+    return tokenizer
 
 
 def resolve_model(name: str) -> ResolvedModel:
@@ -150,7 +165,7 @@ def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 
     config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if gguf:
-        load_tokenizer(gguf.path).save_pretrained(out)
+        load_gguf_tokenizer(gguf.path).save_pretrained(out)
         return out
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (resolved.folder / f).exists() and resolved.folder.resolve() != out.resolve():

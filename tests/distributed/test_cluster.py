@@ -29,7 +29,7 @@ def test_workers_equal_one_engine(ray_address, batch, tmp_path, workers, capsys)
     inp, reference, computed = batch
     cluster = ClusterEngine(ENGINE, ClusterConfig(workers, **WORKER))
     try:
-        assert run_job(job(inp, tmp_path / "out.jsonl", quiet=False), cluster) == 0
+        assert run_job(job(inp, tmp_path / "out.jsonl", quiet=False), cluster, summary_rows=cluster.summary_rows) == 0
     finally:
         cluster.shutdown()
     assert results(tmp_path / "out.jsonl") == reference  # greedy, float32: line for line

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import sys
 
+from flock.api.batch_input import LineError, read_lines
+from flock.api.protocol import APIError, parse_request
+
 __all__ = ["read_batch", "analyze_file", "format_plan", "plot_plan"]
 
 
 def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[list[int]], list[str], int]:
     """(line numbers, token ids, error messages, number of non-blank lines) of a batch: the lines `flock run`
     would accept, read and checked the same way (flock.api.batch_input, flock.api.protocol)."""
-    from flock.api.batch_input import LineError, read_lines
-    from flock.api.protocol import APIError, parse_request
-
     tokenizer = _tokenizer(model)
     numbers, ids, errors = [], [], []
     for line in read_lines(path):

@@ -1,0 +1,47 @@
+"""What a batch job (`flock.api.batch`) asks of its engine. `LLMEngine` is one (one machine);
+`flock.distributed.driver.ClusterEngine` is another (N engines on Ray), with rows of its own for the job's
+summary."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from flock.config import EngineConfig
+from flock.engine.stats import RunStats
+from flock.sampling_params import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start or go on (e.g. every Ray worker died): the job stops; what is written stays."""
+
+
+class Submitted(Protocol):
+    request_id: int
+
+
+class FinishedRequest(Protocol):
+    """A finished request as the job writes it: `flock.request.Request` has these fields."""
+
+    request_id: int
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class JobEngine(Protocol):
+    config: EngineConfig
+    tokenizer: Any
+    stats: RunStats  # of the job since `reset_stats`
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Submitted: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[FinishedRequest]: ...
+
+    def decode(self, req: FinishedRequest) -> str: ...
+
+    def reset_stats(self) -> None: ...
