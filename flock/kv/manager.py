@@ -1,6 +1,12 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from flock.kv.block_pool import BlockPool
 from flock.kv.hashing import ROOT_HASH
-from flock.request import Request
+
+if TYPE_CHECKING:  # requests are only read here
+    from flock.request import Request
 
 
 class CachedPrefix(list):
