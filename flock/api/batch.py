@@ -22,7 +22,8 @@ from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
-from flock.api.protocol import COMPLETION_MAX_TOKENS, APIError, new_id, parse_request, response_body, usage
+from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, engine_error, new_id, parse_request, response_body,
+                                usage)
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -169,7 +170,7 @@ class BatchJob:
         except APIError as e:
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
         except ValueError as e:
-            raise LineError(line.number, str(e), line.custom_id) from None
+            raise LineError(line.number, str(e), line.custom_id, param=engine_error(e, line.kind).param) from None
         req = self.engine.add_request(parsed.prompt_token_ids, parsed.params)
         self.running[req.request_id] = (line.custom_id, line.kind)
 

@@ -14,9 +14,9 @@ from flock.sampling_params import SamplingParams
 from flock.tokenizer import encode_chat
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                    "skip_special_tokens"}
-_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "presence_penalty",
-                                     "frequency_penalty", "logprobs"}
+                    "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias", "min_tokens"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "logprobs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -73,14 +73,19 @@ def parse_request(kind: str, body, tokenizer,
                              include_usage=bool(options.get("include_usage", False)))
 
 
+def engine_error(e: ValueError, kind: str) -> APIError:
+    """The engine's rejection of a parsed request as an APIError naming the field: a sampling field when the
+    message starts with one, else the prompt (or the messages of a chat)."""
+    first = str(e).split(" ", 1)[0]
+    param = first if first in _SAMPLING_FIELDS else "prompt" if kind == "completion" else "messages"
+    return APIError(str(e), param=param)
+
+
 def _check_unsupported(body: dict) -> None:
     if _typed(body, "n", int, 1) != 1:
         raise APIError("only n=1 is supported", param="n")
     if _typed(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise APIError(f"{name} is not supported (must be 0)", param=name)
     for name in ("logprobs", "top_logprobs", "echo", "suffix"):
         if body.get(name) not in (None, False, 0):
             raise APIError(f"{name} is not supported", param=name)
@@ -156,6 +161,11 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> S
         stop_token_ids=_int_list(body, "stop_token_ids"),
         ignore_eos=_typed(body, "ignore_eos", bool, False),
         skip_special_tokens=_typed(body, "skip_special_tokens", bool, True),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        logit_bias=_typed(body, "logit_bias", dict, None),
+        min_tokens=_typed(body, "min_tokens", int, 0),
     )
     try:
         params.validate()

@@ -18,6 +18,7 @@ from flock.api.protocol import (
     APIError,
     GenerationRequest,
     chunk_body,
+    engine_error,
     new_id,
     parse_request,
     response_body,
@@ -80,7 +81,7 @@ def _submit(gen: GenerationRequest, ctx: ServerContext) -> RequestStream:
     except EngineDead as e:
         raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
     except ValueError as e:
-        raise APIError(str(e), param="prompt" if gen.kind == "completion" else "messages") from None
+        raise engine_error(e, gen.kind) from None
     ctx.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
     return stream
 

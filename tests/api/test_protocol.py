@@ -20,6 +20,15 @@ def test_completion_body(tok):
     assert parse_request("completion", {"prompt": "a"}, tok).params.max_tokens == 16
 
 
+def test_penalties_and_biases_as_vllm_names_them(tok):
+    r = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5,
+                               "frequency_penalty": -0.25, "repetition_penalty": 1.2, "logit_bias": {"7": 100},
+                               "min_tokens": 3}, tok)
+    p = r.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -0.25, 1.2, 3)
+    assert p.logit_bias == {7: 100.0}
+
+
 def test_chat_body_uses_template(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     r = parse_request("chat", {"messages": msgs, "max_completion_tokens": 4, "stream": True,
@@ -50,6 +59,12 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("completion", {"prompt": "a", "logprobs": 3}, "logprobs"),
     ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
     ("completion", {"prompt": "a", "stop": [1]}, "stop"),
+    ("completion", {"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ("completion", {"prompt": "a", "frequency_penalty": "x"}, "frequency_penalty"),
+    ("completion", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, "logit_bias"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "up"}}, "logit_bias"),
+    ("completion", {"prompt": "a", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"content": "x"}]}, "messages[0]"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),

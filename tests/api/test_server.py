@@ -151,6 +151,22 @@ def test_greedy_equals_offline_llm(client):
     assert r.choices[0].message.content == expected.outputs[0].text
 
 
+def test_penalties_and_logit_bias_equal_offline_llm(client):
+    llm = LLM("flock/tiny", num_kv_blocks=256)
+    prompt = "Repeat after me: the cache, the cache, the cache"
+    fields = dict(presence_penalty=0.8, frequency_penalty=0.6, logit_bias={"17": 5.0, "90": -100})
+    extra = dict(repetition_penalty=1.3, min_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, **fields, **extra)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert expected.token_ids != plain.outputs[0].token_ids  # the fields change this output
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, **fields, extra_body=extra)
+    assert r.choices[0].text == expected.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias={"99999999": 1})
+    assert e.value.param == "logit_bias"
+
+
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
 
