@@ -2,6 +2,7 @@
 weights."""
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from flock import native
 from flock.attention.base import AttentionBackend
 from flock.model import fused_ops, gemm, linear
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
@@ -27,6 +29,8 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+log = logging.getLogger("flock")
 
 
 @dataclass
@@ -78,9 +82,17 @@ def resolve_model(name: str) -> ResolvedModel:
     return ResolvedModel(path, ModelConfig.from_folder(path), False)
 
 
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # a CPU without either runs bf16 matmuls slower than float32
+
+
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype a model runs in. "auto" takes the model's own, except that a bf16 or f16 model runs in float32
+    on a CPU with no bf16 dot products (AVX2-only CPUs): widening is exact, and float32 GEMMs are faster there."""
     if name == "auto":
         name = config.torch_dtype or "float32"
+        if device.type == "cpu" and name in ("bfloat16", "float16") and not native.cpu_flags() & set(FAST_BF16_FLAGS):
+            log.info("this CPU has no %s: the %s model runs in float32", " or ".join(FAST_BF16_FLAGS), name)
+            name = "float32"
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported (choose from auto, {', '.join(DTYPES)})")
     dtype = DTYPES[name]
