@@ -50,6 +50,7 @@ from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, pyplot, save_figure, write_json
 from bench.harness.traces import TRACE_KINDS, ReplayResult, make_trace, replay
 from flock import LLM, SamplingParams
+from flock.engine.loop import run_to_end
 from flock.sched import SCHEDULERS
 
 DEFAULT_SCALE = {"groups8": 1.0, "long-prefix": 0.25, "mixed": 1.0, "nosharing": 1.0}
@@ -84,8 +85,7 @@ def build_engine(args: argparse.Namespace, spec: str, attention: str):
     for _ in range(4):
         engine.add_request([rng.randrange(100, 8000) for _ in range(64)],
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    run_to_end(engine)
     return engine
 
 
