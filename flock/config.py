@@ -16,7 +16,8 @@ class EngineConfig:
     model: str = option("flock/tiny", "built-in model (flock/smollm2, a real chat model; flock/tiny, random weights), "
                         "a local Hugging Face folder, or a GGUF file (or a folder holding one)")
     tokenizer: str | None = option(None, "tokenizer folder or GGUF file (default: the model's)")
-    dtype: str = option("auto", "auto, float32, bfloat16 or float64 (float16 runs as bfloat16 on CPU)")
+    dtype: str = option("auto", "auto (the model's; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or "
+                        "float64 (float16 runs as bfloat16 on CPU)")
     load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")
@@ -26,7 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "most tokens in one step")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     num_kv_blocks: int | None = option(None, "KV budget in blocks ...")
-    kv_cache_memory_bytes: int | None = option(None, "... or in bytes (default: up to 2 GiB)")
+    kv_cache_memory_bytes: int | None = option(None, "... or in bytes (default: 1 GiB)")
     scheduler: str = option("fcfs", "the scheduling policy")
     feather_policy: str = option("static", "batching policy of the feather scheduler")
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
