@@ -1,9 +1,10 @@
 """`flock run`: an OpenAI Batch job through the engine, resumable after any crash.
 
-Every line becomes an engine request (bodies are checked by `flock.api.protocol`, as the server checks
-them); results are appended to the output as their requests finish (see `batch_output`). A resumed job
-reads the output back, skips the custom_ids already there and runs the rest; bad lines go to the error
-file once, however often the job is resumed.
+Every line becomes an engine request per choice (n samples of each of its prompts; bodies are checked by
+`flock.api.protocol`, as the server checks them); a line's record, with all its choices, is appended to the
+output once they have all finished (see `batch_output`). A resumed job reads the output back, skips the
+custom_ids already there and runs the rest; bad lines go to the error file once, however often the job is
+resumed.
 
 Sampling defaults for a line that sets none: the CLI flags when given, else OpenAI's (temperature 1,
 max_tokens 16 for completions; a chat runs until EOS or max_model_len).
@@ -22,8 +23,8 @@ from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
-from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, engine_error, new_id, parse_request, response_body,
-                                usage)
+from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, choices_usage, engine_error, new_id, parse_request,
+                                response_body)
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -128,6 +129,17 @@ def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
     return done, {r["error"]["line"] for r in errors if isinstance(r.get("error"), dict) and "line" in r["error"]}
 
 
+@dataclass
+class PendingLine:
+    """A submitted line: its choices' finished requests and texts, filled in as they finish."""
+
+    custom_id: str
+    kind: str
+    n: int
+    finished: list[FinishedRequest | None]
+    texts: list[str]
+
+
 class BatchJob:
     def __init__(self, cfg: JobConfig, engine: JobEngine, done: set[str], reported: set[int],
                  summary_rows: SummaryRows = list):
@@ -135,7 +147,8 @@ class BatchJob:
         self.done, self.reported = done, reported
         self.output = JsonlAppender(cfg.output_path)
         self.errors = JsonlAppender(cfg.errors_path)
-        self.running: dict[int, tuple[str, str]] = {}  # engine request id -> (custom_id, kind)
+        self.pending: dict[str, PendingLine] = {}  # custom_id -> line, in input order
+        self.running: dict[int, tuple[PendingLine, int]] = {}  # engine request id -> (line, choice index)
         self.counts = JobCounts()
         self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
         engine.reset_stats()
@@ -166,13 +179,17 @@ class BatchJob:
             parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max)
             if parsed.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
-            self.engine.check_request(parsed.prompt_token_ids, parsed.params)
+            for ids in parsed.prompts:
+                self.engine.check_request(ids, parsed.params)
         except APIError as e:
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
         except ValueError as e:
             raise LineError(line.number, str(e), line.custom_id, param=engine_error(e, line.kind).param) from None
-        req = self.engine.add_request(parsed.prompt_token_ids, parsed.params)
-        self.running[req.request_id] = (line.custom_id, line.kind)
+        requests = parsed.engine_requests()
+        pending = PendingLine(line.custom_id, line.kind, parsed.n, [None] * len(requests), [""] * len(requests))
+        self.pending[line.custom_id] = pending
+        for i, (ids, params) in enumerate(requests):
+            self.running[self.engine.add_request(ids, params).request_id] = (pending, i)
 
     def _fail(self, e: LineError) -> None:
         self.counts.failed += 1
@@ -184,20 +201,19 @@ class BatchJob:
             print(f"error: {self.cfg.input}:{e.number}: {e.message}", file=sys.stderr)
 
     def generate(self) -> None:
-        ids = [custom_id for custom_id, _ in self.running.values()]  # in input order
+        ids = list(self.pending)  # in input order
         self.answers = {ids[i * len(ids) // SHOWN_ANSWERS]: None for i in range(min(SHOWN_ANSWERS, len(ids)))}
         stats, skipped = self.engine.stats, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
-        bar = tqdm(total=len(self.running) + skipped, initial=skipped, desc="flock run", unit="req",
+        bar = tqdm(total=len(self.pending) + skipped, initial=skipped, desc="flock run", unit="req",
                    disable=True if self.cfg.quiet else None)
         shown = 0.0
         try:
             for step in run(self.engine):
-                for req in step.finished:
-                    self._write(req)
+                written = sum(self._finish(req) for req in step.finished)
                 self.output.tick()
-                if step.finished:
-                    bar.update(len(step.finished))
+                if written:
+                    bar.update(written)
                 if stats.elapsed - shown > 0.5:
                     bar.set_postfix_str(self._progress(), refresh=False)
                     shown = stats.elapsed
@@ -209,16 +225,22 @@ class BatchJob:
         s = self.engine.stats
         return f"{s.generated_tokens / max(s.elapsed, 1e-9):.0f} tok/s out, saving {s.saving_rate:.0%}"
 
-    def _write(self, req: FinishedRequest) -> None:
-        custom_id, kind = self.running.pop(req.request_id)
-        request_id = new_id(kind)
-        text = self.engine.decode(req)
-        body = response_body(kind, request_id, self.engine.config.model, text, req.finish_reason,
-                             usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens))
-        if custom_id in self.answers:
-            self.answers[custom_id] = text
-        self.output.write(result_record(custom_id, request_id, body))
+    def _finish(self, req: FinishedRequest) -> bool:
+        """Note a finished engine request; True when it was its line's last, whose record is then written."""
+        line, i = self.running.pop(req.request_id)
+        line.finished[i], line.texts[i] = req, self.engine.decode(req)
+        if None in line.finished:
+            return False
+        del self.pending[line.custom_id]
+        request_id = new_id(line.kind)
+        choices = [(text, r.finish_reason) for text, r in zip(line.texts, line.finished)]
+        body = response_body(line.kind, request_id, self.engine.config.model, choices,
+                             choices_usage(line.finished, line.n))
+        if line.custom_id in self.answers:
+            self.answers[line.custom_id] = line.texts[0]
+        self.output.write(result_record(line.custom_id, request_id, body))
         self.counts.succeeded += 1
+        return True
 
     def close(self) -> None:
         self.output.close()

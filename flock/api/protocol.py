@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import encode_chat
@@ -20,6 +20,7 @@ _COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # n times the number of prompts, per request
 
 
 class APIError(ValueError):
@@ -37,16 +38,34 @@ class APIError(ValueError):
 
 @dataclass
 class GenerationRequest:
-    """One parsed completion or chat request, ready for the engine."""
+    """One parsed completion or chat request, ready for the engine: n samples of each prompt."""
 
     kind: str  # "completion" | "chat"
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # token ids of each prompt
     params: SamplingParams
-    prompt: str | None = None
+    n: int = 1
+    texts: list[str | None] = field(default_factory=list)  # each prompt as sent, None for token ids
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
     extra: dict = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The one prompt's token ids, for callers that take a body as one engine request."""
+        if len(self.prompts) != 1 or self.n != 1:
+            raise APIError("only one prompt and n=1 are supported here", param="n" if self.n != 1 else "prompt")
+        return self.prompts[0]
+
+    @property
+    def prompt(self) -> str | None:
+        return self.texts[0] if len(self.texts) == 1 else None
+
+    def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
+        """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a
+        seed, sample j uses seed + j, as vLLM's child requests do."""
+        return [(ids, self.params if self.params.seed is None else replace(self.params, seed=self.params.seed + j))
+                for ids in self.prompts for j in range(self.n)]
 
 
 def parse_request(kind: str, body, tokenizer,
@@ -61,14 +80,20 @@ def parse_request(kind: str, body, tokenizer,
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
     _check_unsupported(body)
     if kind == "completion":
-        prompt, ids = _completion_prompt(body, tokenizer)
+        texts, prompts = _completion_prompts(body, tokenizer)
     else:
-        prompt, ids = None, encode_messages(tokenizer, _messages(body))
+        texts, prompts = [None], [encode_messages(tokenizer, _messages(body))]
+    n = _typed(body, "n", int, 1)
+    if n < 1:
+        raise APIError(f"n must be at least 1, got {n}", param="n")
+    if n * len(prompts) > MAX_CHOICES:
+        raise APIError(f"n times the number of prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}",
+                       param="n")
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, None) or {}
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-    return GenerationRequest(kind, ids, _sampling_params(body, kind, default_max_tokens), prompt=prompt,
+    return GenerationRequest(kind, prompts, _sampling_params(body, kind, default_max_tokens), n=n, texts=texts,
                              model=_typed(body, "model", str, None), stream=stream,
                              include_usage=bool(options.get("include_usage", False)))
 
@@ -82,8 +107,6 @@ def engine_error(e: ValueError, kind: str) -> APIError:
 
 
 def _check_unsupported(body: dict) -> None:
-    if _typed(body, "n", int, 1) != 1:
-        raise APIError("only n=1 is supported", param="n")
     if _typed(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
     for name in ("logprobs", "top_logprobs", "echo", "suffix"):
@@ -94,21 +117,24 @@ def _check_unsupported(body: dict) -> None:
         raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
 
 
-def _completion_prompt(body: dict, tokenizer) -> tuple[str | None, list[int]]:
+def _completion_prompts(body: dict, tokenizer) -> tuple[list[str | None], list[list[int]]]:
+    """(texts, token ids) of the prompts: a string, a list of token ids, or a list of either (not mixed)."""
     if "prompt" not in body:
         raise APIError("'prompt' is required", param="prompt")
     p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        if not p:
-            raise APIError("prompt is empty", param="prompt")
-        return p, tokenizer.encode(p, add_special_tokens=True)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return None, list(p)
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise APIError("one prompt per request: send a list of prompts as separate requests", param="prompt")
-    raise APIError("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
+    if isinstance(p, str) or _is_token_ids(p):
+        p = [p]
+    if not isinstance(p, list) or not p or not (all(isinstance(x, str) for x in p) or all(map(_is_token_ids, p))):
+        raise APIError("prompt must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
+                       "either (all strings or all token-id lists)", param="prompt")
+    if any(x == "" for x in p):
+        raise APIError("prompt is empty", param="prompt")
+    texts = [x if isinstance(x, str) else None for x in p]
+    return texts, [tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else list(x) for x in p]
+
+
+def _is_token_ids(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -212,30 +238,40 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def response_body(kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
+def choices_usage(finals: list, n: int) -> dict:
+    """Usage of a request's finished choices (in choice order, each with num_prompt/output/cached_tokens): each
+    prompt counts once however many samples it has, as vLLM counts it."""
+    firsts = finals[::n]
+    return usage(sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in finals),
+                 sum(f.num_cached_tokens for f in firsts))
+
+
+def response_body(kind: str, request_id: str, model: str, choices: list[tuple[str, str | None]],
                   usage_: dict, created: int | None = None) -> dict:
-    """A complete (non-streaming) completion or chat.completion object."""
+    """A complete (non-streaming) completion or chat.completion object; `choices` holds (text, finish_reason)."""
     created = created or int(time.time())
     if kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+               for i, (text, reason) in enumerate(choices)]
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
         obj = "chat.completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage_}
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
 
 
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
-               first: bool = False, usage_: dict | None = None) -> dict:
-    """One streamed chunk. With `usage_` it is the final usage-only chunk (empty choices), as OpenAI sends it."""
+               first: bool = False, usage_: dict | None = None, index: int = 0) -> dict:
+    """One streamed chunk of choice `index`. With `usage_` it is the final usage-only chunk (empty choices), as
+    OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
-        choices = [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-        choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": finish_reason}]
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None:

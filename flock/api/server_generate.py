@@ -1,13 +1,16 @@
 """POST /v1/completions and /v1/chat/completions: parse, submit to the engine, answer whole or as SSE.
 
-A request ends with its client: a streaming response closes its generator when the client goes away, and a
-whole response polls `is_disconnected`; either way the request is aborted and its KV blocks freed.
+A body with several choices (n samples of each of its prompts) is one engine request per choice, their outputs
+merged as they come. A request ends with its client: a streaming response closes its generator when the client
+goes away, and a whole response polls `is_disconnected`; either way all of its engine requests are aborted and
+their KV blocks freed, as they are when one of them fails.
 """
 
 import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -17,12 +20,12 @@ from flock.api.metrics import Metrics
 from flock.api.protocol import (
     APIError,
     GenerationRequest,
+    choices_usage,
     chunk_body,
     engine_error,
     new_id,
     parse_request,
     response_body,
-    usage,
 )
 from flock.engine.async_engine import (
     AsyncEngine,
@@ -50,8 +53,9 @@ class Reply:
     model: str
     created: int
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> str:
-        return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first))
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False) -> str:
+        return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
+                               index=index))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
@@ -59,11 +63,11 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         default_max_tokens=16 if kind == "completion" else None)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
-    stream = _submit(gen, ctx)
+    streams = _submit(gen, ctx)
     reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
     if gen.stream:
-        return _SSEResponse(_stream(reply, gen, stream, ctx.metrics), media_type="text/event-stream")
-    return await _whole(reply, stream, raw, ctx.metrics)
+        return _SSEResponse(_stream(reply, gen, streams, ctx.metrics), media_type="text/event-stream")
+    return await _whole(reply, gen, streams, raw, ctx.metrics)
 
 
 async def _json_body(raw: Request):
@@ -73,52 +77,91 @@ async def _json_body(raw: Request):
         raise APIError(f"the request body is not valid JSON: {e}") from None
 
 
-def _submit(gen: GenerationRequest, ctx: ServerContext) -> RequestStream:
+def _submit(gen: GenerationRequest, ctx: ServerContext) -> list[RequestStream]:
+    """One engine request per choice; if one cannot be added, those already added are aborted."""
+    streams = []
     try:
-        stream = ctx.engine.add_request(gen.prompt_token_ids, gen.params)
+        for ids, params in gen.engine_requests():
+            streams.append(ctx.engine.add_request(ids, params))
+            ctx.metrics.prompt_tokens.inc(len(ids))
     except QueueFull as e:
+        _close(streams, ctx.metrics)
         raise APIError(str(e), status=429, type="rate_limit_error", code="rate_limit_exceeded") from None
     except EngineDead as e:
+        _close(streams, ctx.metrics)
         raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
     except ValueError as e:
+        _close(streams, ctx.metrics)
         raise engine_error(e, gen.kind) from None
-    ctx.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
-    return stream
+    return streams
 
 
-async def _whole(reply: Reply, stream: RequestStream, raw: Request, metrics: Metrics) -> JSONResponse:
-    watcher = asyncio.create_task(_abort_on_disconnect(raw, stream))
-    parts, last = [], None
+async def _whole(reply: Reply, gen: GenerationRequest, streams: list[RequestStream], raw: Request,
+                 metrics: Metrics) -> JSONResponse:
+    watcher = asyncio.create_task(_abort_on_disconnect(raw, streams))
+    parts: list[list[str]] = [[] for _ in streams]
+    last: list[StreamOutput | None] = [None] * len(streams)
     try:
-        async for out in _observed(stream, metrics):
-            parts.append(out.text)
-            last = out
+        async with aclosing(_merged(streams, metrics)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    raise APIError(out.error, status=500, type="server_error")
+                parts[i].append(out.text)
+                last[i] = out
     finally:
         watcher.cancel()
-        _close(stream, metrics)
-    if last.error:
-        raise APIError(last.error, status=500, type="server_error")
-    body = response_body(reply.kind, reply.id, reply.model, "".join(parts), last.finish_reason, _usage(last),
-                         reply.created)
-    return JSONResponse(body)
+        _close(streams, metrics)
+    choices = [("".join(p), out.finish_reason) for p, out in zip(parts, last)]
+    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, choices_usage(last, gen.n),
+                                      reply.created))
 
 
-async def _stream(reply: Reply, gen: GenerationRequest, stream: RequestStream, metrics: Metrics) -> AsyncIterator[str]:
-    first, last = True, None
+async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStream],
+                  metrics: Metrics) -> AsyncIterator[str]:
+    first = [True] * len(streams)
+    last: list[StreamOutput | None] = [None] * len(streams)
     try:
-        async for out in _observed(stream, metrics):
-            last = out
-            if out.error:
-                yield _sse(APIError(out.error, status=500, type="server_error").body())
-                break
-            if out.text or out.finished or (first and reply.kind == "chat"):
-                yield reply.chunk(out.text, out.finish_reason, first=first)
-                first = False
-        if gen.include_usage and last is not None and not last.error:
-            yield _sse(chunk_body(reply.kind, reply.id, reply.model, "", None, reply.created, usage_=_usage(last)))
+        async with aclosing(_merged(streams, metrics)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    yield _sse(APIError(out.error, status=500, type="server_error").body())
+                    break
+                last[i] = out
+                if out.text or out.finished or (first[i] and reply.kind == "chat"):
+                    yield reply.chunk(i, out.text, out.finish_reason, first=first[i])
+                    first[i] = False
+            else:
+                if gen.include_usage:
+                    usage_ = choices_usage(last, gen.n)
+                    yield _sse(chunk_body(reply.kind, reply.id, reply.model, "", None, reply.created, usage_=usage_))
         yield "data: [DONE]\n\n"
     finally:
-        _close(stream, metrics)
+        _close(streams, metrics)
+
+
+async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """The outputs of all the streams as they come, each with its stream's index."""
+    queue: asyncio.Queue[tuple[int, StreamOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in _observed(stream, metrics):
+                queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, None))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    left = len(streams)
+    try:
+        while left:
+            i, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for p in pumps:
+            p.cancel()
 
 
 async def _observed(stream: RequestStream, metrics: Metrics) -> AsyncIterator[StreamOutput]:
@@ -134,16 +177,18 @@ async def _observed(stream: RequestStream, metrics: Metrics) -> AsyncIterator[St
         yield out
 
 
-def _close(stream: RequestStream, metrics: Metrics) -> None:
-    if not stream.finished:
-        stream.abort()
-        metrics.finished.labels("abort").inc()
+def _close(streams: list[RequestStream], metrics: Metrics) -> None:
+    for stream in streams:
+        if not stream.finished:
+            stream.abort()
+            metrics.finished.labels("abort").inc()
 
 
-async def _abort_on_disconnect(raw: Request, stream: RequestStream) -> None:
+async def _abort_on_disconnect(raw: Request, streams: list[RequestStream]) -> None:
     while not await raw.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    stream.abort()
+    for stream in streams:
+        stream.abort()
 
 
 class _SSEResponse(StreamingResponse):
@@ -159,7 +204,3 @@ class _SSEResponse(StreamingResponse):
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _usage(out: StreamOutput) -> dict:
-    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)

@@ -147,3 +147,39 @@ def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
     shown = out.split("answers (8 of 20, all in ")[1].splitlines()[1:]
     assert [line.split()[0] for line in shown] == ["q0", "q2", "q5", "q7", "q10", "q12", "q15", "q17"]
     assert all(" ".join(answers[line.split()[0]].split()) in line for line in shown)
+
+
+def test_n_and_prompt_lists_make_one_record_per_line(engine, tmp_path):
+    a, b = "The pool hands out blocks", "A scheduler plans steps"
+    sampled = {"temperature": 1, "max_tokens": 6, "ignore_eos": True}
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    lines = [batch("seed-3", {"prompt": a, "seed": 3} | sampled), batch("seed-4", {"prompt": a, "seed": 4} | sampled),
+             batch("n2", {"prompt": a, "seed": 3, "n": 2} | sampled),
+             batch("a", {"prompt": a} | greedy), batch("b", {"prompt": b} | greedy),
+             batch("list", {"prompt": [a, b]} | greedy),
+             batch("chat", {"messages": [{"role": "user", "content": b}], "n": 2} | greedy, "/v1/chat/completions")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    assert len(records(tmp_path / "out.jsonl")) == len(lines)
+    texts = {cid: [c["text"] if "text" in c else c["message"]["content"] for c in body["choices"]]
+             for cid, body in got.items()}
+    assert texts["n2"] == texts["seed-3"] + texts["seed-4"] and texts["seed-3"] != texts["seed-4"]
+    assert texts["list"] == texts["a"] + texts["b"]
+    assert len(texts["chat"]) == 2 and texts["chat"][0] == texts["chat"][1]
+    assert [c["index"] for c in got["list"]["choices"]] == [0, 1]
+    usage = {cid: body["usage"] for cid, body in got.items()}
+    assert usage["n2"]["prompt_tokens"] == usage["seed-3"]["prompt_tokens"]  # one prompt, counted once
+    assert usage["n2"]["completion_tokens"] == 12
+    assert usage["list"]["prompt_tokens"] == usage["a"]["prompt_tokens"] + usage["b"]["prompt_tokens"]
+
+
+def test_samples_of_a_prompt_share_its_full_blocks(engine, tmp_path):
+    ids = list(range(100, 130))  # 30 tokens: 3 full blocks of 8 and 6 more, seen by no earlier test
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(batch("n3", {"prompt": ids, "n": 3, "max_tokens": 2, "ignore_eos": True}) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    s = engine.stats.as_dict()
+    assert s["logical_prefill_tokens"] == 3 * len(ids)
+    assert s["computed_prefill_tokens"] == len(ids) + 2 * (len(ids) - 24)  # the copies compute only the tail

@@ -20,6 +20,26 @@ def test_completion_body(tok):
     assert parse_request("completion", {"prompt": "a"}, tok).params.max_tokens == 16
 
 
+def test_prompt_lists_and_n(tok):
+    r = parse_request("completion", {"prompt": ["hello", "a b"], "n": 2, "seed": 7}, tok)
+    assert r.prompts == [tok.encode("hello", add_special_tokens=True), tok.encode("a b", add_special_tokens=True)]
+    assert r.texts == ["hello", "a b"] and r.n == 2 and r.prompt is None
+    pairs = r.engine_requests()  # choice i * n + j is prompt i's sample j, seeded seed + j
+    assert [(ids, p.seed) for ids, p in pairs] == [(r.prompts[0], 7), (r.prompts[0], 8), (r.prompts[1], 7),
+                                                   (r.prompts[1], 8)]
+    assert r.params.seed == 7 and all(p.stop == r.params.stop for _, p in pairs)
+    ids = parse_request("completion", {"prompt": [[5, 6], [7]], "n": 3}, tok)
+    assert ids.prompts == [[5, 6], [7]] and ids.texts == [None, None]
+    assert [p.seed for _, p in ids.engine_requests()] == [None] * 6
+    flat = parse_request("completion", {"prompt": [5, 6, 7]}, tok)  # a flat list of ints is one prompt
+    assert flat.prompts == [[5, 6, 7]] and flat.prompt_token_ids == [5, 6, 7]
+    chat = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "n": 128}, tok)
+    assert len(chat.engine_requests()) == 128
+    with pytest.raises(APIError) as e:
+        r.prompt_token_ids  # callers taking a body as one engine request refuse several choices
+    assert e.value.param == "n"
+
+
 def test_penalties_and_biases_as_vllm_names_them(tok):
     r = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5,
                                "frequency_penalty": -0.25, "repetition_penalty": 1.2, "logit_bias": {"7": 100},
@@ -51,11 +71,20 @@ def test_fallback_template_when_tokenizer_has_none(tok):
 @pytest.mark.parametrize("kind,body,param", [
     ("completion", {}, "prompt"),
     ("completion", {"prompt": ""}, "prompt"),
-    ("completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"prompt": []}, "prompt"),
+    ("completion", {"prompt": ["a", [5, 6]]}, "prompt"),
+    ("completion", {"prompt": [[5, 6], []]}, "prompt"),
+    ("completion", {"prompt": ["a", ""]}, "prompt"),
+    ("completion", {"prompt": [[5, "6"]]}, "prompt"),
     ("completion", {"prompt": "a", "temperature": "hot"}, "temperature"),
     ("completion", {"prompt": "a", "temperature": -1}, "temperature"),
     ("completion", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ("completion", {"prompt": "a", "n": 2}, "n"),
+    ("completion", {"prompt": "a", "n": 0}, "n"),
+    ("completion", {"prompt": "a", "n": "2"}, "n"),
+    ("completion", {"prompt": "a", "n": 1.5}, "n"),
+    ("completion", {"prompt": ["a", "b"], "n": 65}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
+    ("completion", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
     ("completion", {"prompt": "a", "logprobs": 3}, "logprobs"),
     ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
     ("completion", {"prompt": "a", "stop": [1]}, "stop"),
@@ -79,9 +108,13 @@ def test_bad_bodies_name_the_parameter(tok, kind, body, param):
 
 def test_response_shapes():
     u = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert response_body("completion", "id", "m", "ab", "stop", u)["choices"][0]["text"] == "ab"
-    assert response_body("chat", "id", "m", "ab", "length", u)["choices"][0]["message"]["content"] == "ab"
+    assert response_body("completion", "id", "m", [("ab", "stop")], u)["choices"][0]["text"] == "ab"
+    assert response_body("chat", "id", "m", [("ab", "length")], u)["choices"][0]["message"]["content"] == "ab"
+    two = response_body("chat", "id", "m", [("a", "stop"), ("b", "length")], u)["choices"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in two] == [(0, "a", "stop"),
+                                                                                      (1, "b", "length")]
     assert chunk_body("chat", "id", "m", "a", None, 0, first=True)["choices"][0]["delta"]["role"] == "assistant"
+    assert chunk_body("completion", "id", "m", "a", None, 0, index=3)["choices"][0]["index"] == 3
     assert chunk_body("chat", "id", "m", "", None, 0, usage_=u)["choices"] == []
 
 

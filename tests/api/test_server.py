@@ -104,7 +104,8 @@ def test_stream_chat_equals_whole(client):
     assert all(c.choices and c.usage is None for c in plain)
 
 
-@pytest.mark.parametrize("kw,param", [({"n": 2}, "n"), ({"temperature": -1}, "temperature"),
+@pytest.mark.parametrize("kw,param", [({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 2}, "best_of"),
+                                      ({"prompt": ["x", [5]]}, "prompt"), ({"prompt": []}, "prompt"), ({"temperature": -1}, "temperature"),
                                       ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5] * 600}, "prompt"),
                                       ({"extra_body": {"bogus": 1}}, "bogus")])
 def test_bad_request_names_the_parameter(client, kw, param):
@@ -149,6 +150,59 @@ def test_greedy_equals_offline_llm(client):
     expected = llm.generate({"prompt_token_ids": encode_messages(tok, messages)}, params, use_tqdm=False)[0]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
     assert r.choices[0].message.content == expected.outputs[0].text
+
+
+def test_n_and_prompt_lists_equal_offline_llm(client):
+    llm = LLM("flock/tiny", num_kv_blocks=256)
+    prompts = ["Prefix sharing saves work because", "A block table maps"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    r = client.completions.create(model=MODEL, prompt=prompts[0], n=3, max_tokens=8, **GREEDY)
+    assert [(c.index, c.text) for c in r.choices] == [(i, expected[0].text) for i in range(3)]
+    n_ids = len(llm.get_tokenizer().encode(prompts[0], add_special_tokens=True))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_ids, 24)  # the prompt counts once
+
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, **GREEDY)
+    assert [c.text for c in r.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
+    assert r.usage.completion_tokens == 32 and r.usage.prompt_tokens > n_ids
+
+    seeded = [llm.generate(prompts[1], SamplingParams(temperature=1, seed=s, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text for s in (11, 12)]
+    assert seeded[0] != seeded[1]
+    r = client.completions.create(model=MODEL, prompt=prompts[1], n=2, seed=11, temperature=1, max_tokens=8,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == seeded
+
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = llm.generate({"prompt_token_ids": encode_messages(llm.get_tokenizer(), messages)}, greedy,
+                        use_tqdm=False)[0].outputs[0].text
+    r = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=8, **GREEDY)
+    assert [(c.index, c.message.content) for c in r.choices] == [(0, chat), (1, chat)]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_with_n_reassembles_to_whole(client, chat):
+    if chat:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me more."}], n=2, seed=5, temperature=1,
+                  max_tokens=9, extra_body={"ignore_eos": True})
+        create, text_of = client.chat.completions.create, lambda c: c.delta.content or ""
+    else:
+        kw = dict(model=MODEL, prompt=["Streams arrive", "in pieces"], n=2, seed=5, temperature=1, max_tokens=9,
+                  extra_body={"ignore_eos": True})
+        create, text_of = client.completions.create, lambda c: c.text
+    whole = create(**kw)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, reasons = [""] * len(whole.choices), [[] for _ in whole.choices]
+    for c in chunks[:-1]:
+        assert len(c.choices) == 1 and c.usage is None
+        texts[c.choices[0].index] += text_of(c.choices[0])
+        reasons[c.choices[0].index].append(c.choices[0].finish_reason)
+    whole_texts = [c.message.content if chat else c.text for c in whole.choices]
+    assert texts == whole_texts and len(set(whole_texts)) > 1
+    assert all(r[-1] == "length" and r.count("length") == 1 for r in reasons)  # each choice ends once
+    usage, expected = chunks[-1].usage, whole.usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (
+        expected.prompt_tokens, expected.completion_tokens)
 
 
 def test_penalties_and_logit_bias_equal_offline_llm(client):
@@ -203,19 +257,25 @@ def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     assert r.usage.completion_tokens == 3
 
 
-def test_whole_request_is_aborted_when_its_client_leaves(server):
+@pytest.mark.parametrize("n,stream", [(1, False), (3, False), (2, True)])
+def test_request_is_aborted_when_its_client_leaves(server, n, stream):
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
-    body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 5000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.5))
-    wait_idle(server)
-    assert metrics(server)["flock_requests_finished_total{reason=abort}"] - aborted_before == 1
+    body = {"model": MODEL, "prompt": ["a very long answer", "another"][: 1 + stream], "max_tokens": 5000,
+            "ignore_eos": True, "n": n, "stream": stream}
+    if stream:  # the client reads one chunk and closes the connection
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=10) as r:
+            next(r.iter_lines())
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.5))
+    wait_idle(server)  # all of the request's engine requests are aborted
+    assert metrics(server)["flock_requests_finished_total{reason=abort}"] - aborted_before == n * (1 + stream)
 
 
 def test_metrics(server, client):
     client.completions.create(model=MODEL, prompt="count me", max_tokens=2, **GREEDY)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", n=3)
+        client.completions.create(model=MODEL, prompt="x", n=0)
     m = metrics(server)
     assert m["flock_http_requests_total{endpoint=/v1/completions,status=200}"] >= 1
     assert m["flock_http_requests_total{endpoint=/v1/completions,status=400}"] >= 1
