@@ -1,6 +1,6 @@
 from enum import Enum, auto
 
-from flock.kv.hashing import ROOT_HASH, hash_block
+from flock.kv.hashing import ROOT_HASH, chained_hashes
 from flock.sampling_params import SamplingParams
 
 
@@ -53,11 +53,10 @@ class Request:
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks of `block_size` tokens (each computed once: the
         list grows as later calls ask for more)."""
-        hashes = self._block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH,
-                                     self.token_ids[i * block_size : (i + 1) * block_size]))
+        hashes, done = self._block_hashes, len(self._block_hashes)
+        if done < num_blocks:
+            hashes += chained_hashes(self.token_ids[done * block_size : num_blocks * block_size], block_size,
+                                     hashes[-1] if hashes else ROOT_HASH)
         return hashes
 
     @property

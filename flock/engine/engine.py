@@ -42,18 +42,17 @@ class LLMEngine:
         resolved = resolve_model(config.model)
         self.model_config = resolved.config
         max_len = config.max_model_len or resolved.config.max_position_embeddings
-        self.runner = ModelRunner(config, resolved, max_len)
+        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
+        self.eos_token_ids = set(resolved.config.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         if max_len > self.kv.capacity_tokens:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
-        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
-        self.eos_token_ids = set(resolved.config.eos_token_id)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)  # min_tokens holds them back
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self._next_id = 0
         # what loading made (modules, tokenizer tables) lives as long as the engine: out of the collector's

@@ -1,3 +1,5 @@
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -22,7 +24,8 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Turns a step plan into tensors (once per step), runs the model, samples the finished contexts."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
+                 eos_token_ids: Iterable[int] = ()):
         c = resolved.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, c, self.device)
@@ -39,7 +42,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, eos_token_ids)  # min_tokens holds the EOS ids back
         if self.device.type == "cpu":
             self.warm_up(min(config.max_num_batched_tokens, WARM_UP_TOKENS, max_model_len,
                              self.num_blocks * self.block_size))
