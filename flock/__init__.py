@@ -2,7 +2,8 @@
 
 from flock.llm import LLM
 from flock.outputs import CompletionOutput, RequestOutput
-from flock.sampling_params import SamplingParams
+from flock.sample.logprobs import TokenLogprobs
+from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "TokenLogprobs"]
 __version__ = "0.1.0"

@@ -33,6 +33,9 @@ class EngineConfig:
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
     ops: str = option("auto", "fused C elementwise kernels and prepacked GEMM weights (auto: where the CPU and dtype "
                       "allow), torch: plain PyTorch (the reference), or only one of the two", choices=OPS)
+    structured_outputs_any_whitespace: bool = option(
+        False, "let JSON outputs put any whitespace between tokens (a small model can loop on it), for requests "
+        "whose structured_outputs.disable_any_whitespace is not set", flag="--structured-outputs-any-whitespace")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

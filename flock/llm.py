@@ -109,6 +109,7 @@ class LLM:
             token_ids=req.output_token_ids,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_text,
+            logprobs=req.logprobs,
         )
         return RequestOutput(
             request_id=str(req.request_id),
@@ -117,4 +118,5 @@ class LLM:
             outputs=[completion],
             finished=req.is_finished,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs,
         )

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+from flock.sample.logprobs import TokenLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -8,6 +10,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (eos, stop token or string) or "length"
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -18,3 +21,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked

@@ -1,6 +1,7 @@
 from enum import Enum, auto
 
 from flock.kv.hashing import ROOT_HASH, chained_hashes
+from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
 
@@ -31,6 +32,11 @@ class Request:
         self.num_preemptions = 0
         self.generator = None  # torch.Generator of a seeded request
         self.prefix_only = prefix_only  # a scheduler's pseudo-request for a shared prefix: computes KV, never samples
+        self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None  # per output token
+        # per prompt token (the first has none); filled as the prompt is computed
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
         self.finish_time: float | None = None
 
@@ -49,6 +55,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a request whose prompt logprobs need every prompt token's logits computed."""
+        return self.params.prompt_logprobs is None
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks of `block_size` tokens (each computed once: the

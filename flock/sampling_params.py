@@ -2,6 +2,47 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
+MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression, a choice of
+    strings, or an EBNF grammar (xgrammar's GBNF dialect). JSON has no free whitespace between tokens unless
+    `disable_any_whitespace` is False (None: the engine's default, see `--structured-outputs-any-whitespace`),
+    so a small model cannot loop on whitespace."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    @property
+    def kind(self) -> str:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {kinds or 'none'}")
+        return kinds[0]
+
+    def validate(self) -> None:
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object or its text, got {value!r}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (not isinstance(value, list) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+        if self.disable_any_whitespace not in (None, True, False):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a boolean, "
+                             f"got {self.disable_any_whitespace!r}")
 
 
 @dataclass
@@ -23,6 +64,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit divided by it (if > 0), else multiplied
     logit_bias: dict[int, float] | None = None  # token id (or its string) -> added to its logit, clamped to [-100, 100]
+    # the logprob of each sampled (prompt) token and this many most likely alternatives, from the raw logits
+    # (after a grammar's mask, before penalties and temperature, as vLLM's default); None: none
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # a prompt with these is computed whole: it never reads the prefix cache
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,6 +115,15 @@ class SamplingParams:
                 or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         self._validate_logit_bias(vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+            self.structured_outputs.validate()
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

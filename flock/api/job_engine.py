@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from flock.config import EngineConfig
 from flock.engine.stats import RunStats
+from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class FinishedRequest(Protocol):
 
     request_id: int
     finish_reason: str | None
+    output_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # per output token, when the params asked
+    prompt_logprobs: list[TokenLogprobs | None] | None  # per prompt token, when the params asked
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int

@@ -7,10 +7,11 @@ stream back and a dead worker shows up as a failed call.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine, check_prompt
 from flock.engine.loop import run
 from flock.engine.stats import RunStats
+from flock.sample.grammar import GrammarCompiler
+from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
 
@@ -41,6 +44,8 @@ class Finished:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -53,9 +58,17 @@ class EngineInfo:
     pid: int
     host: str
     threads: int
+    stop_token_ids: list[int] = field(default_factory=list)
+    any_whitespace: bool = False  # JSON outputs' default
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids, self.any_whitespace)
 
 
 @dataclass
@@ -80,7 +93,7 @@ class EngineWorker:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
-                          torch.get_num_threads())
+                          torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace)
 
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""
@@ -94,5 +107,5 @@ class EngineWorker:
             for req in step.finished:
                 finished.append(Finished(self.keys.pop(req.request_id), engine.decode(req), req.output_token_ids,
                                          req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
-                                         req.num_cached_tokens))
+                                         req.num_cached_tokens, req.logprobs, req.prompt_logprobs))
         return Progress(finished, engine.stats, len(self.keys))

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from flock.engine.text_stream import TextStream
@@ -20,6 +20,7 @@ from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
 from flock.request import Request, RequestStatus
+from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import load_tokenizer
 
@@ -46,6 +47,9 @@ class StreamOutput:
     num_cached_tokens: int = 0
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the output tokens since the previous event
+    logprobs: list[TokenLogprobs] | None = None  # theirs, when the params asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first event with tokens, when asked
 
     @property
     def finished(self) -> bool:
@@ -106,9 +110,16 @@ class _Tracked:
     text: TextStream
     num_sent: int = 0  # output tokens already reported
 
-    def output(self, text: str, finish_reason: str | None, error: str | None = None) -> StreamOutput:
+    def output(self, text: str, finish_reason: str | None, error: str | None = None, sent: int | None = None
+               ) -> StreamOutput:
+        """The event after `sent` output tokens were reported (None: no tokens in it)."""
         r = self.req
-        return StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
+        out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
+        if sent is not None:
+            out.token_ids = r.output_token_ids[sent:]
+            out.logprobs = None if r.logprobs is None else r.logprobs[sent:]
+            out.prompt_logprobs = r.prompt_logprobs if sent == 0 else None
+        return out
 
 
 class AsyncEngine:
@@ -254,9 +265,9 @@ class AsyncEngine:
             req = t.req
             if req.num_output_tokens == t.num_sent and not req.is_finished:
                 continue
-            t.num_sent = req.num_output_tokens
+            sent, t.num_sent = t.num_sent, req.num_output_tokens
             text = t.text.delta(self._engine.decode(req), req.is_finished)
-            outputs.append((t.stream, t.output(text, req.finish_reason)))
+            outputs.append((t.stream, t.output(text, req.finish_reason, sent=sent)))
             if req.is_finished:
                 del self._tracked[key]
         self._send(outputs)

@@ -6,11 +6,12 @@ import numpy as np
 import torch
 
 from flock.config import EngineConfig
-from flock.engine.runner import ModelRunner
+from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
 from flock.model import resolve_model
 from flock.request import Request
+from flock.sample.grammar import GrammarCompiler
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
 from flock.tokenizer import load_tokenizer
@@ -54,6 +55,8 @@ class LLMEngine:
         self.max_model_len = max_len
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
+        self.grammars = GrammarCompiler(self.tokenizer, resolved.config.vocab_size, sorted(self.eos_token_ids),
+                                        config.structured_outputs_any_whitespace)
         self._next_id = 0
         # what loading made (modules, tokenizer tables) lives as long as the engine: out of the collector's
         # full passes, which otherwise traverse it all, ~2% of a long run (as vLLM and SGLang do)
@@ -61,13 +64,18 @@ class LLMEngine:
         gc.freeze()
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the bad field; changes nothing."""
+        """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
+        changes nothing but the grammar cache."""
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.check_request(prompt_token_ids, params)
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         self._next_id += 1
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.matcher(params.structured_outputs)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         self.scheduler.add(req)
@@ -88,18 +96,20 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not plan:
             raise RuntimeError("the scheduler planned nothing while requests are pending (deadlock)")
-        tokens = self.runner.run(plan)
+        out = self.runner.run(plan)
         self.kv.end_step()
         t2 = time.perf_counter()
         self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
         self.scheduler.observe(plan, t2 - t1)
-        return self._postprocess(plan, tokens.tolist())
+        return self._postprocess(plan, out)
 
-    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> list[Request]:
+    def _postprocess(self, plan: StepPlan, out: StepOutput) -> list[Request]:
         """Apply a step's results, the one place that does: each request's computed tokens advance, the sampled
-        ones get their token, and those that stop finish."""
+        ones get their token (its logprobs, and its grammar advances), and those that stop finish."""
+        for req, first, entries in out.prompt_logprobs:
+            req.prompt_logprobs[first : first + len(entries)] = entries
         finished = []
-        sampled = iter(tokens)
+        sampled = iter(zip(out.tokens, out.logprobs))
         now = time.monotonic()
         for (req, n), samples in zip(plan.scheduled, plan.samples):
             req.num_computed_tokens += n
@@ -108,7 +118,12 @@ class LLMEngine:
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens
                 req.first_token_time = now
-            req.token_ids.append(next(sampled))
+            token, logprobs = next(sampled)
+            req.token_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(logprobs)
+            if req.grammar is not None and not req.grammar.is_terminated():
+                req.grammar.accept_token(token)
             self.stats.generated_tokens += 1
             if self._check_stop(req):
                 req.finish_time = now
@@ -121,6 +136,8 @@ class LLMEngine:
         # as vLLM: no EOS or stop token before min_tokens output tokens, no stop string within them
         stoppable = req.num_output_tokens >= p.min_tokens
         if stoppable and not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif req.grammar is not None and req.grammar.is_terminated():  # its stop token ended the grammar
             req.finish_reason = "stop"
         elif stoppable and token in p.stop_token_ids:
             req.finish_reason, req.stop_text = "stop", token

@@ -1,4 +1,5 @@
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -8,11 +9,24 @@ from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.heap import keep_freed_memory
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
+from flock.request import Request
+from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.sampler import Sampler
 from flock.sched.base import StepPlan
 
 DEFAULT_KV_BYTES = 1 << 30
 WARM_UP_TOKENS = 2048  # at most: a model's start-up pays about one full step for it
+LOGPROB_ROWS = 512  # prompt rows turned into logits at a time (a row of logits is 4 bytes a vocabulary entry)
+
+
+@dataclass
+class StepOutput:
+    """What a step produced: a token (and logprobs, where asked) for each sampling request in plan order, and
+    the prompt logprobs of the prompt tokens it computed, as (request, position of the first, entries)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,7 +56,7 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.sampler = Sampler(config.seed, eos_token_ids)  # min_tokens holds the EOS ids back
+        self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size)  # min_tokens holds the EOS ids back
         if self.device.type == "cpu":
             self.warm_up(min(config.max_num_batched_tokens, WARM_UP_TOKENS, max_model_len,
                              self.num_blocks * self.block_size))
@@ -63,22 +77,55 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Run one forward pass; return the sampled token of every request whose context is now complete,
-        in plan order (see `StepPlan.sampling`)."""
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Run one forward pass; sample every request whose context is now complete (see `StepPlan.sampling`)."""
         input_ids, positions, layout, sample_rows = self._prepare(plan)
+        prompt_rows = self._prompt_rows(plan, layout.query_start)
+        if prompt_rows:
+            layout.sampled = None  # the last layer finishes more rows than the sampled ones
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
-        # the last layer finishes only the sampled rows (all of a decode step: no gather then)
-        rows = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long,
-                                                                             device=self.device)
-        hidden = self.model(input_ids, positions, meta, rows)
-        if not sample_rows:
-            return torch.empty(0, dtype=torch.long)
         sampling = plan.sampling()
-        logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling], sampling)
-        return tokens.cpu()
+        masks = self.sampler.start_masks(sampling)  # grammar bitmasks, filled while the model runs
+        # the last layer finishes only the rows it must (all of a decode step: no gather then)
+        rows = sorted(set(sample_rows).union(*(r for *_, r in prompt_rows)))
+        out_rows = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, meta, out_rows)
+        at = {row: i for i, row in enumerate(rows)}
+        out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if prompt_rows else hidden)
+            sampled = self.sampler.sample(logits, sampling, masks)
+            out.tokens, out.logprobs = sampled.tokens.tolist(), sampled.logprobs
+        return out
+
+    @staticmethod
+    def _prompt_rows(plan: StepPlan, query_start: np.ndarray) -> list[tuple[Request, int, range]]:
+        """(request, first position, step rows) of the prompt tokens whose logprobs this step can give: a row
+        at position p gives the logprob of prompt token p + 1."""
+        out = []
+        for i, ((req, n), start) in enumerate(zip(plan.scheduled, plan.starts)):
+            if req.prompt_logprobs is None or req.prefix_only:
+                continue
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if end > start:
+                first = int(query_start[i])
+                out.append((req, start + 1, range(first, first + end - start)))
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, at: dict[int, int],
+                         prompt_rows: list[tuple[Request, int, range]]) -> list[tuple[Request, int, list[TokenLogprobs]]]:
+        out = []
+        for req, first, rows in prompt_rows:
+            entries = []
+            targets = torch.tensor(req.token_ids[first : first + len(rows)])
+            for lo in range(0, len(rows), LOGPROB_ROWS):
+                chunk = [at[r] for r in rows[lo : lo + LOGPROB_ROWS]]
+                logprobs = log_softmax(self.model.compute_logits(hidden[chunk]))
+                entries += token_logprobs(logprobs, targets[lo : lo + len(chunk)],
+                                          [req.params.prompt_logprobs] * len(chunk))
+            out.append((req, first, entries))
+        return out
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:

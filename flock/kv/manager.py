@@ -53,7 +53,7 @@ class KVCacheManager:
     def cached_prefix(self, req: Request) -> CachedPrefix:
         """The request's longest cached prefix, to the token; at least one token is always left to compute."""
         hits = CachedPrefix()
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not req.reads_prefix_cache:
             return hits
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes(self.block_size, max_blocks)

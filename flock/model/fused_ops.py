@@ -24,6 +24,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
 KERNEL = native.Library(
@@ -102,6 +103,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _kernel("argmax", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1],
                                torch.get_num_threads())
     return out
+
+
+def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: row rows[i] of x keeps the columns whose bit is set in row i of the int32 `bitmask` (xgrammar's
+    layout, 32 columns a word), the others become -inf."""
+    _check_rows(x)
+    rows = rows.to(torch.int64).contiguous()
+    if bitmask.dtype != torch.int32 or bitmask.stride(1) != 1 or len(bitmask) < len(rows):
+        raise ValueError(f"bitmask must be int32 rows, one per row to mask, got {bitmask.dtype} {tuple(bitmask.shape)}")
+    _kernel("apply_bitmask", x.dtype)(x.data_ptr(), x.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                                      rows.data_ptr(), len(rows), x.shape[1], torch.get_num_threads())
 
 
 def sample(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

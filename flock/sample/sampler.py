@@ -1,9 +1,14 @@
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from flock.model import fused_ops
+from flock.sample.grammar import GrammarMasks
+from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.penalties import TokenHistory, apply_penalties
 from flock.sampling_params import SamplingParams
 
@@ -23,15 +28,49 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+class SamplingRow(TokenHistory, Protocol):
+    """What sampling reads of a row's request (a Request is one)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    grammar: object | None  # an xgrammar matcher
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # one per row
+    logprobs: list[TokenLogprobs | None]  # per row: of the rows whose params ask for logprobs
+
+
 class Sampler:
     """Picks one token per row of logits. Greedy rows take the argmax; sampled rows apply temperature,
     top-k and top-p, then draw with the request's own generator, so a seeded request gives the same
     tokens whatever batch it runs in. Penalties, logit_bias and min_tokens come first, on the rows that ask for
     them (penalties.py), so the others keep the fast paths."""
 
-    def __init__(self, seed: int, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, seed: int, eos_token_ids: Iterable[int] = (), vocab_size: int = 0):
         self.default_generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = frozenset(eos_token_ids)  # held back by min_tokens
+        self.masks = GrammarMasks(vocab_size)
+
+    def start_masks(self, rows: Sequence[SamplingRow]) -> Future | None:
+        """Start filling the grammar bitmasks of the constrained rows (before the model runs)."""
+        return self.masks.fill([r.grammar for r in rows if r.grammar is not None])
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: Future | None = None) -> Sampled:
+        """A token per row, with logprobs where asked: the grammar masks (`start_masks`) first, the logprobs from
+        those logits, then penalties and the draw (`__call__`)."""
+        if masks is not None:
+            self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw = log_softmax(logits[asking]) if asking else None
+        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if asking:
+            entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs for i in asking])
+            for i, entry in zip(asking, entries):
+                logprobs[i] = entry
+        return Sampled(tokens, logprobs)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                  histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:

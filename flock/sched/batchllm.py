@@ -167,7 +167,7 @@ class BatchLLMScheduler(Scheduler):
         return budget
 
     def _shared_blocks(self, g: GroupState, req: Request) -> CachedPrefix:
-        if self.kv.enable_prefix_caching:  # the group prefix, and any sharing deeper in the tree
+        if self.kv.enable_prefix_caching or not req.reads_prefix_cache:  # the group prefix, any sharing deeper
             return self.kv.cached_prefix(req)
         return CachedPrefix([] if g.prefix is None else self.kv.block_table(g.prefix)[: g.prefix_len // self.kv.block_size])
 

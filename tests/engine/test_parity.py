@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flock import LLM, SamplingParams
+from flock.engine.runner import StepOutput
 
 MAX_NEW = 8
 
@@ -133,7 +134,8 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
             input_ids, positions, layout, _ = engine.runner._prepare(plan)
             hidden = engine.runner.model(input_ids, positions, engine.runner.backend.build_metadata(layout))
             logits.append(engine.runner.model.compute_logits(hidden))
-            engine._postprocess(plan, [0] * len(plan.sampling()))
+            n = len(plan.sampling())
+            engine._postprocess(plan, StepOutput([0] * n, [None] * n))
     return torch.cat(logits)
 
 

@@ -152,6 +152,26 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
+    /* row rows[i] of x keeps the columns whose bit is set in row i of mask (xgrammar's token bitmask: 32     \
+       columns a word, the lowest bit first); the others become -inf */                                       \
+    void flock_apply_bitmask_##NAME(T *x, int64_t x_stride, const int32_t *mask, int64_t mask_stride,         \
+                                    const int64_t *rows, int64_t n, int64_t cols, int32_t threads) {          \
+        int64_t work = n * cols;                                                                              \
+        const T ninf = STORE(-INFINITY);                                                                      \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                                     \
+            T *r = x + rows[i] * x_stride;                                                                    \
+            const uint32_t *m = (const uint32_t *)(mask + i * mask_stride);                                   \
+            for (int64_t j0 = 0; j0 < cols; j0 += 32) {                                                       \
+                uint32_t bits = m[j0 / 32];                                                                   \
+                if (bits == 0xFFFFFFFFu) continue;                                                            \
+                int64_t len = cols - j0 < 32 ? cols - j0 : 32;                                                \
+                _Pragma("omp simd")                                                                           \
+                for (int64_t b = 0; b < len; b++) r[j0 + b] = (bits >> b) & 1u ? r[j0 + b] : ninf;            \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
     /* out[i] = the first index of row i's largest value, a NaN counting as the largest (torch.argmax) */     \
     void flock_argmax_##NAME(const T *x, int64_t x_stride, int64_t *out, int64_t rows, int64_t cols,          \
                              int32_t threads) {                                                               \

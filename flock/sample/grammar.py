@@ -1,0 +1,119 @@
+"""Structured outputs with xgrammar: grammars compiled once per distinct spec, a matcher per request, and the
+token bitmasks that keep each constrained row of logits inside its grammar.
+
+The engine compiles (`GrammarCompiler.matcher`, which rejects a bad schema before the request is queued) and
+advances each request's matcher by its sampled token; the runner fills the bitmasks of the step's constrained
+rows on a side thread while the model runs (`GrammarMasks.fill`) and applies them to the logits before
+sampling (`GrammarMasks.apply`). Recompute preemption keeps a request's output tokens, so its matcher stays
+where it is."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from flock.model import fused_ops
+from flock.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+
+def _xgrammar():
+    import xgrammar  # imported on the first structured request: it costs ~0.5 s of start-up
+
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer, each distinct spec once."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], any_whitespace: bool = False):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.any_whitespace = any_whitespace  # for a spec that does not say (its disable_any_whitespace None)
+        self._compiler = None
+        self.cache: dict[tuple, xgrammar.CompiledGrammar] = {}
+
+    def matcher(self, spec: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
+        """A fresh matcher at the start of the spec's grammar; ValueError naming the field when xgrammar rejects
+        the spec."""
+        return _xgrammar().GrammarMatcher(self.compile(spec))
+
+    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        spec.validate()
+        key = self._key(spec)
+        grammar = self.cache.get(key)
+        if grammar is None:
+            try:
+                grammar = self._compile(spec, key[-1])
+            except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors carry its source position first
+                raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: "
+                                 f"{str(e).strip().rsplit('] ', 1)[-1]}") from None
+            self.cache[key] = grammar
+        return grammar
+
+    def _key(self, spec: StructuredOutputsParams) -> tuple:
+        value = getattr(spec, spec.kind)
+        if spec.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif spec.kind == "choice":
+            value = tuple(value)
+        any_whitespace = self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
+        return spec.kind, value, any_whitespace
+
+    def _compile(self, spec: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.CompiledGrammar:
+        c = self._xgr_compiler()
+        if spec.kind == "json":
+            return c.compile_json_schema(spec.json, any_whitespace=any_whitespace, strict_mode=True)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.regex)
+        if spec.kind == "choice":
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+        return c.compile_grammar(spec.grammar)
+
+    def _xgr_compiler(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+class GrammarMasks:
+    """The token bitmasks of a step's constrained rows, filled on a side thread while the model runs."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.bitmask: torch.Tensor | None = None  # int32 rows of ceil(vocab / 32) words, grown as needed
+        self.pool: ThreadPoolExecutor | None = None
+        self.batch = None
+
+    def fill(self, matchers: list[xgrammar.GrammarMatcher]) -> Future | None:
+        """Start filling one bitmask row per matcher (in order); None when there is none."""
+        if not matchers:
+            return None
+        xgr = _xgrammar()
+        if self.bitmask is None or len(self.bitmask) < len(matchers):
+            self.bitmask = xgr.allocate_token_bitmask(max(len(matchers), 64), self.vocab_size)
+            self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="flock-grammar")
+            self.batch = self.batch or xgr.BatchGrammarMatcher()
+        bitmask = self.bitmask[: len(matchers)]
+        return self.pool.submit(self.batch.batch_fill_next_token_bitmask, matchers, bitmask)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], filled: Future) -> None:
+        """Mask logits rows `rows` (in place) with the bitmask rows `filled` has made, in the same order."""
+        filled.result()
+        bitmask, index = self.bitmask[: len(rows)], torch.tensor(rows, dtype=torch.long, device=logits.device)
+        if fused_ops.unavailable(logits.dtype, logits.device) is None and logits.stride(1) == 1:
+            fused_ops.apply_bitmask(logits, bitmask, index)
+            return
+        bits = bitmask.to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

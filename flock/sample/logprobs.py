@@ -1,0 +1,34 @@
+"""Logprobs of chosen tokens: each token's log-probability, its rank and the most likely alternatives, from one
+row of logits each (log-softmax in float32, or float64)."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and rank (1: the most likely), and the `top` alternatives as (token id,
+    logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise, in float32 (float64 logits stay float64)."""
+    return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """One entry per row of `logprobs` (log-softmaxed), for the row's `chosen` token with its `num_top[i]`
+    alternatives."""
+    chosen = chosen.to(logprobs.device, torch.long)
+    picked = logprobs.gather(1, chosen[:, None])[:, 0]
+    ranks = (logprobs > picked[:, None]).sum(-1) + 1
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    rows = zip(chosen.tolist(), picked.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
+    return [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]
