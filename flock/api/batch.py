@@ -23,8 +23,9 @@ from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
-from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, choices_usage, engine_error, new_id, parse_request,
-                                response_body)
+from flock.api.logprobs import TokenText
+from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
+                                make_choice, new_id, parse_request, response_body)
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -134,8 +135,7 @@ class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    kind: str
-    n: int
+    request: GenerationRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
 
@@ -151,6 +151,7 @@ class BatchJob:
         self.running: dict[int, tuple[PendingLine, int]] = {}  # engine request id -> (line, choice index)
         self.counts = JobCounts()
         self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
+        self.token_text = TokenText(engine.tokenizer)
         engine.reset_stats()
 
     def submit_all(self) -> None:
@@ -184,9 +185,10 @@ class BatchJob:
         except APIError as e:
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
         except ValueError as e:
-            raise LineError(line.number, str(e), line.custom_id, param=engine_error(e, line.kind).param) from None
+            error = engine_error(e, parsed)
+            raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         requests = parsed.engine_requests()
-        pending = PendingLine(line.custom_id, line.kind, parsed.n, [None] * len(requests), [""] * len(requests))
+        pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
         for i, (ids, params) in enumerate(requests):
             self.running[self.engine.add_request(ids, params).request_id] = (pending, i)
@@ -232,10 +234,12 @@ class BatchJob:
         if None in line.finished:
             return False
         del self.pending[line.custom_id]
-        request_id = new_id(line.kind)
-        choices = [(text, r.finish_reason) for text, r in zip(line.texts, line.finished)]
-        body = response_body(line.kind, request_id, self.engine.config.model, choices,
-                             choices_usage(line.finished, line.n))
+        gen = line.request
+        request_id = new_id(gen.kind)
+        choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,
+                               self.token_text) for i, (text, r) in enumerate(zip(line.texts, line.finished))]
+        body = response_body(gen.kind, request_id, self.engine.config.model, choices,
+                             choices_usage(line.finished, gen.n))
         if line.custom_id in self.answers:
             self.answers[line.custom_id] = line.texts[0]
         self.output.write(result_record(line.custom_id, request_id, body))

@@ -6,19 +6,25 @@ things. Fields Flock cannot honour are rejected with a clear error instead of be
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from flock.sampling_params import SamplingParams
+from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from flock.sample.logprobs import TokenLogprobs
+from flock.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                     "logit_bias", "min_tokens"}
-_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "logprobs"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "logprobs", "prompt_logprobs",
+                                     "response_format", "structured_outputs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+STRUCTURED_FIELDS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
 
@@ -48,6 +54,9 @@ class GenerationRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: the prompt comes back before the output (with its logprobs, if asked)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was set: the response carries them
+    structured_param: str | None = None  # the field that asked for structured outputs
     extra: dict = field(default_factory=dict)
 
     @property
@@ -93,28 +102,95 @@ def parse_request(kind: str, body, tokenizer,
     options = _typed(body, "stream_options", dict, None) or {}
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-    return GenerationRequest(kind, prompts, _sampling_params(body, kind, default_max_tokens), n=n, texts=texts,
-                             model=_typed(body, "model", str, None), stream=stream,
-                             include_usage=bool(options.get("include_usage", False)))
+    params = _sampling_params(body, kind, default_max_tokens)
+    params.logprobs = _logprobs(body, kind)
+    echo = kind == "completion" and _typed(body, "echo", bool, False)
+    params.prompt_logprobs = _bounded(body, "prompt_logprobs")
+    if echo and params.logprobs is not None:
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
+    params.structured_outputs, structured_param = _structured_outputs(body)
+    return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
+                             stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
+                             prompt_logprobs=body.get("prompt_logprobs") is not None,
+                             structured_param=structured_param)
 
 
-def engine_error(e: ValueError, kind: str) -> APIError:
+def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
     """The engine's rejection of a parsed request as an APIError naming the field: a sampling field when the
-    message starts with one, else the prompt (or the messages of a chat)."""
-    first = str(e).split(" ", 1)[0]
-    param = first if first in _SAMPLING_FIELDS else "prompt" if kind == "completion" else "messages"
-    return APIError(str(e), param=param)
+    message starts with one, the field that asked for structured outputs when the grammar engine rejected it,
+    else the prompt (or the messages of a chat)."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    if first.startswith("structured_outputs"):
+        if gen.structured_param == "response_format":
+            message = "response_format: " + message.split(" ", 1)[1]
+        return APIError(message, param=gen.structured_param)
+    param = first if first in _SAMPLING_FIELDS else "prompt" if gen.kind == "completion" else "messages"
+    return APIError(message, param=param)
 
 
 def _check_unsupported(body: dict) -> None:
     if _typed(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix"):
-        if body.get(name) not in (None, False, 0):
-            raise APIError(f"{name} is not supported", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
+    if body.get("suffix") not in (None, ""):
+        raise APIError("suffix is not supported", param="suffix")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per output token: completions' logprobs=N; chat's logprobs=true with top_logprobs."""
+    if kind == "completion":
+        return _bounded(body, "logprobs")
+    top = _bounded(body, "top_logprobs")
+    if not _typed(body, "logprobs", bool, False):
+        if top:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _bounded(body: dict, name: str) -> int | None:
+    value = _typed(body, name, int, None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+    return value
+
+
+def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The constraint of `response_format` (OpenAI's) or `structured_outputs` (vLLM's), and which field set it."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None and fmt != {"type": "text"}:
+        raise APIError("set response_format or structured_outputs, not both", param="structured_outputs")
+    if extra is not None:
+        if not isinstance(extra, dict) or not extra.keys() <= STRUCTURED_FIELDS:
+            raise APIError(f"structured_outputs must be an object with some of {sorted(STRUCTURED_FIELDS)}",
+                           param="structured_outputs")
+        spec = StructuredOutputsParams(**extra)
+        return _checked(spec, "structured_outputs"), "structured_outputs"
+    if fmt is None:
+        return None, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    if kind != "json_schema":
+        raise APIError("response_format.type must be text, json_object or json_schema", param="response_format")
+    schema = fmt.get("json_schema")
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), (dict, str)):
+        raise APIError("response_format.json_schema must be an object with a 'schema' object",
+                       param="response_format")
+    spec = StructuredOutputsParams(json=schema.get("schema", {}))  # no schema: any JSON value
+    return _checked(spec, "response_format"), "response_format"
+
+
+def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    try:
+        spec.validate()
+        if isinstance(spec.json, str):
+            spec.json = json.loads(spec.json)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+    return spec
 
 
 def _completion_prompts(body: dict, tokenizer) -> tuple[list[str | None], list[list[int]]]:
@@ -246,32 +322,64 @@ def choices_usage(finals: list, n: int) -> dict:
                  sum(f.num_cached_tokens for f in firsts))
 
 
-def response_body(kind: str, request_id: str, model: str, choices: list[tuple[str, str | None]],
+class Choice(NamedTuple):
+    """One choice of a response: its text and finish reason, and its logprobs in the response's shape."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
+    prompt_logprobs: list | None = None
+
+
+def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: str | None, output_ids: list[int],
+                logprobs: list[TokenLogprobs] | None, prompt_entries: list[TokenLogprobs | None] | None,
+                token_text: TokenText) -> Choice:
+    """Choice `index` of a finished request (prompt index // n), echoed and with logprobs as the body asked."""
+    prompt_ids = gen.prompts[index // gen.n]
+    if gen.echo:
+        prompt_text = gen.texts[index // gen.n]
+        text = (prompt_text if prompt_text is not None else token_text.tokenizer.decode(prompt_ids)) + text
+    shaped = None
+    if logprobs is not None and gen.kind == "chat":
+        shaped = chat_logprobs(token_text, logprobs)
+    elif logprobs is not None:
+        ids, entries = (prompt_ids + output_ids, prompt_entries + logprobs) if gen.echo else (output_ids, logprobs)
+        shaped = completion_logprobs(token_text, ids, entries)
+    prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) if gen.prompt_logprobs else None
+    return Choice(text, finish_reason, shaped, prompt)
+
+
+def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
                   usage_: dict, created: int | None = None) -> dict:
-    """A complete (non-streaming) completion or chat.completion object; `choices` holds (text, finish_reason)."""
+    """A complete (non-streaming) completion or chat.completion object."""
     created = created or int(time.time())
+    choices = [Choice(*c) for c in choices]
     if kind == "completion":
-        out = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-               for i, (text, reason) in enumerate(choices)]
+        out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+               | ({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {})
+               for i, c in enumerate(choices)]
         obj = "text_completion"
     else:
-        out = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+        out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
         obj = "chat.completion"
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
+    if kind == "chat" and choices and choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = choices[0].prompt_logprobs  # vLLM's place for a chat's
+    return body
 
 
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
-               first: bool = False, usage_: dict | None = None, index: int = 0) -> dict:
-    """One streamed chunk of choice `index`. With `usage_` it is the final usage-only chunk (empty choices), as
-    OpenAI sends it."""
+               first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked). With `usage_` it is the
+    final usage-only chunk (empty choices), as OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
-        choices = [{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason}]
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None:

@@ -11,11 +11,12 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
     APIError,
@@ -23,6 +24,7 @@ from flock.api.protocol import (
     choices_usage,
     chunk_body,
     engine_error,
+    make_choice,
     new_id,
     parse_request,
     response_body,
@@ -44,6 +46,10 @@ class ServerContext:
     metrics: Metrics
     model_names: list[str]  # the first one is reported in responses
     api_key: str | None = None
+    token_text: TokenText = field(init=False)
+
+    def __post_init__(self):
+        self.token_text = TokenText(self.engine.tokenizer)
 
 
 @dataclass
@@ -53,9 +59,10 @@ class Reply:
     model: str
     created: int
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False) -> str:
+    def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False,
+              logprobs: dict | None = None) -> str:
         return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
-                               index=index))
+                               index=index, logprobs=logprobs))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
@@ -66,8 +73,8 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     streams = _submit(gen, ctx)
     reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
     if gen.stream:
-        return _SSEResponse(_stream(reply, gen, streams, ctx.metrics), media_type="text/event-stream")
-    return await _whole(reply, gen, streams, raw, ctx.metrics)
+        return _SSEResponse(_stream(reply, gen, streams, ctx), media_type="text/event-stream")
+    return await _whole(reply, gen, streams, raw, ctx)
 
 
 async def _json_body(raw: Request):
@@ -92,43 +99,75 @@ def _submit(gen: GenerationRequest, ctx: ServerContext) -> list[RequestStream]:
         raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
     except ValueError as e:
         _close(streams, ctx.metrics)
-        raise engine_error(e, gen.kind) from None
+        raise engine_error(e, gen) from None
     return streams
 
 
+@dataclass
+class ChoiceParts:
+    """A choice's outputs so far."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    last: StreamOutput | None = None
+
+    def add(self, out: StreamOutput) -> None:
+        self.texts.append(out.text)
+        self.token_ids += out.token_ids
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        self.last = out
+
+
 async def _whole(reply: Reply, gen: GenerationRequest, streams: list[RequestStream], raw: Request,
-                 metrics: Metrics) -> JSONResponse:
+                 ctx: ServerContext) -> JSONResponse:
     watcher = asyncio.create_task(_abort_on_disconnect(raw, streams))
-    parts: list[list[str]] = [[] for _ in streams]
-    last: list[StreamOutput | None] = [None] * len(streams)
+    parts = [ChoiceParts() for _ in streams]
     try:
-        async with aclosing(_merged(streams, metrics)) as outs:
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
             async for i, out in outs:
                 if out.error:
                     raise APIError(out.error, status=500, type="server_error")
-                parts[i].append(out.text)
-                last[i] = out
+                parts[i].add(out)
     finally:
         watcher.cancel()
-        _close(streams, metrics)
-    choices = [("".join(p), out.finish_reason) for p, out in zip(parts, last)]
-    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, choices_usage(last, gen.n),
-                                      reply.created))
+        _close(streams, ctx.metrics)
+    choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
+                           p.prompt_logprobs, ctx.token_text) for i, p in enumerate(parts)]
+    usage_ = choices_usage([p.last for p in parts], gen.n)
+    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
 
 
 async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStream],
-                  metrics: Metrics) -> AsyncIterator[str]:
+                  ctx: ServerContext) -> AsyncIterator[str]:
     first = [True] * len(streams)
+    offsets = [0] * len(streams)  # completions' text_offset of each choice's next token
     last: list[StreamOutput | None] = [None] * len(streams)
     try:
-        async with aclosing(_merged(streams, metrics)) as outs:
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
             async for i, out in outs:
                 if out.error:
                     yield _sse(APIError(out.error, status=500, type="server_error").body())
                     break
                 last[i] = out
-                if out.text or out.finished or (first[i] and reply.kind == "chat"):
-                    yield reply.chunk(i, out.text, out.finish_reason, first=first[i])
+                text, ids, entries = out.text, out.token_ids, out.logprobs
+                if first[i] and gen.echo:
+                    prompt = gen.prompts[i // gen.n]
+                    echoed = gen.texts[i // gen.n]
+                    text = (echoed if echoed is not None else ctx.engine.tokenizer.decode(prompt)) + text
+                    if entries is not None:
+                        ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
+                logprobs = None
+                if entries is not None and gen.kind == "chat":
+                    logprobs = chat_logprobs(ctx.token_text, entries)
+                elif entries is not None:
+                    logprobs = completion_logprobs(ctx.token_text, ids, entries, offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                if text or ids or out.finished or (first[i] and reply.kind == "chat"):
+                    yield reply.chunk(i, text, out.finish_reason, first=first[i], logprobs=logprobs)
                     first[i] = False
             else:
                 if gen.include_usage:
@@ -136,7 +175,7 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield _sse(chunk_body(reply.kind, reply.id, reply.model, "", None, reply.created, usage_=usage_))
         yield "data: [DONE]\n\n"
     finally:
-        _close(streams, metrics)
+        _close(streams, ctx.metrics)
 
 
 async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterator[tuple[int, StreamOutput]]:

@@ -183,3 +183,33 @@ def test_samples_of_a_prompt_share_its_full_blocks(engine, tmp_path):
     s = engine.stats.as_dict()
     assert s["logical_prefill_tokens"] == 3 * len(ids)
     assert s["computed_prefill_tokens"] == len(ids) + 2 * (len(ids) - 24)  # the copies compute only the tail
+
+
+def test_structured_and_logprob_lines(engine, tmp_path):
+    """json_schema lines give schema-valid records; a schema the grammar engine rejects is an error record naming
+    response_format; echo and logprobs come back in OpenAI's shapes; the other lines are untouched."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    bad = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "required": 5}}}
+    chat = lambda **kw: {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 20} | kw
+    lines = [batch(f"json-{i}", chat(response_format=fmt, seed=i, temperature=1), "/v1/chat/completions")
+             for i in range(6)]
+    lines += [batch("bad-schema", chat(response_format=bad), "/v1/chat/completions"),
+              batch("lp", {"prompt": [5, 6, 7, 8], "max_tokens": 2, "logprobs": 2, "echo": True, "temperature": 0}),
+              batch("plain", chat(), "/v1/chat/completions")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    out = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    for i in range(6):
+        choice = out[f"json-{i}"]["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        value = json.loads(choice["message"]["content"])
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    lp = out["lp"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 6 and lp["token_logprobs"][0] is None and all(x < 0 for x in lp["token_logprobs"][1:])
+    assert "plain" in out
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert error["custom_id"] == "bad-schema" and error["error"]["param"] == "response_format"
+    assert "rejected by the grammar engine" in error["error"]["message"]

@@ -2,6 +2,7 @@
 and by httpx."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -219,6 +220,76 @@ def test_penalties_and_logit_bias_equal_offline_llm(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logit_bias={"99999999": 1})
     assert e.value.param == "logit_bias"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("flock/tiny", num_kv_blocks=256)
+
+
+def test_completion_logprobs_and_echo_equal_offline_llm(client, offline):
+    tok = offline.get_tokenizer()
+    prompt = "Prefix sharing saves work because"
+    ids = tok.encode(prompt, add_special_tokens=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    out = offline.generate(prompt, params, use_tqdm=False)[0]
+    expected = [e.logprob for e in out.prompt_logprobs[1:]] + [e.logprob for e in out.outputs[0].logprobs]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=3, echo=True, **GREEDY)
+    c = r.choices[0]
+    assert c.text == prompt + out.outputs[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 6 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert "".join(lp.tokens) == tok.decode(ids + out.outputs[0].token_ids)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 3 <= len(top) <= 4 and top[token] == pytest.approx(logprob)
+    # what lm-evaluation-harness sends for a loglikelihood: token ids, echo, logprobs=1, max_tokens=1
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert r.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected[: len(ids) - 1], abs=1e-4)
+    # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and [got[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(
+        expected[: len(ids) - 1], abs=1e-4)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_equal_whole(client, chat):
+    if chat:
+        kw = dict(messages=[{"role": "user", "content": "Tell me more."}], logprobs=True, top_logprobs=2)
+        create = client.chat.completions.create
+    else:
+        kw = dict(prompt="Streams arrive in pieces", logprobs=2, echo=True)
+        create = client.completions.create
+    whole = create(model=MODEL, max_tokens=7, n=2, seed=3, temperature=1, extra_body={"ignore_eos": True}, **kw)
+    chunks = list(create(model=MODEL, max_tokens=7, n=2, seed=3, temperature=1, extra_body={"ignore_eos": True},
+                         stream=True, **kw))
+    for i, choice in enumerate(whole.choices):
+        mine = [c.choices[0].logprobs for c in chunks if c.choices[0].index == i and c.choices[0].logprobs]
+        if chat:
+            assert [t.model_dump() for lp in mine for t in lp.content] == [t.model_dump() for t in choice.logprobs.content]
+            assert len(choice.logprobs.content) == 7 and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        else:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert [x for lp in mine for x in getattr(lp, name)] == getattr(choice.logprobs, name)
+
+
+def test_structured_outputs_over_the_api(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Yes?"}], max_tokens=40,
+                                       temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert r.choices[0].text in ("red", "green")
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strng"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format=bad)
+    assert e.value.param == "response_format" and "rejected by the grammar engine" in str(e.value)
 
 
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):

@@ -1,0 +1,59 @@
+"""Logprobs in OpenAI's response shapes (and vLLM's `prompt_logprobs`), from the engine's TokenLogprobs."""
+
+from __future__ import annotations
+
+from flock.sample.logprobs import TokenLogprobs
+
+
+class TokenText:
+    """Each token id's own text (as vLLM's decoded_token), decoded once per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None],
+                        text_offset: int = 0) -> dict:
+    """/v1/completions' `logprobs`: token texts, their logprobs, the top alternatives (the chosen token among
+    them, as vLLM gives them) and each token's offset in the text; an entry of None (an echoed prompt's first
+    token) has null logprobs."""
+    tokens, offsets, logprobs, tops = [], [], [], []
+    for token_id, e in zip(token_ids, entries):
+        token = text(token_id)
+        tokens.append(token)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        logprobs.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {text(t): lp for t, lp in e.top} | {token: e.logprob})
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(text: TokenText, entries: list[TokenLogprobs]) -> dict:
+    """/v1/chat/completions' `logprobs`: {"content": one item per output token}."""
+    return {"content": [_chat_item(text(e.token_id), e.logprob)
+                        | {"top_logprobs": [_chat_item(text(t), lp) for t, lp in e.top]} for e in entries]}
+
+
+def _chat_item(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode())}
+
+
+def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
+    the prompt's own token and its top alternatives."""
+    out = []
+    for token_id, e in zip(token_ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {t: i + 1 for i, (t, _) in enumerate(e.top)}
+        items = {t: (lp, ranks[t]) for t, lp in e.top} | {token_id: (e.logprob, e.rank)}
+        out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": text(t)} for t, (lp, r) in items.items()})
+    return out
