@@ -2,6 +2,7 @@
 
     python -m bench.structured_batch --vllm-venv V --model HF_FOLDER            # 60 documents x 6 questions
     python -m bench.structured_batch --model flock/smollm2 --docs 4 --questions 3 --skip-vllm     # a smoke run
+    python -m bench.structured_batch --model HF_FOLDER --flock-tree ../other-checkout ...   # another flock
 
 Two OpenAI Batch input files (`/v1/chat/completions`, one shared system prompt, each line a document of the
 standard library's reference text (bench.harness.documents) and one question about it, the lines shuffled):
