@@ -162,9 +162,10 @@ def run_lm_eval(url: str, task: str, folder: Path, out: Path, args) -> dict:
 
 def why(log: str) -> str:
     """The line of lm-eval's log that says why it stopped: the server's HTTP error where there is one."""
+    if m := re.search(r"Status code: (\d+), Response text: (.{0,300})", log):
+        return f"HTTP {m[1]}: {m[2].removesuffix('. Retrying...')}"
     lines = log.strip().splitlines() or [""]
-    hits = [x for x in lines if re.search(r"\b[45]\d\d\b.*(error|Request)|not supported|Error:", x, re.I)]
-    return (hits or lines)[0].strip()[-300:]
+    return next((x for x in lines if re.search(r"Error:|Exception:", x)), lines[-1]).strip()[-300:]
 
 
 def measure(name: str, folder: Path, args) -> dict:
