@@ -20,7 +20,6 @@ Results and the raw responses: bench/out/openai_fields.json.
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
