@@ -200,7 +200,7 @@ def loglikelihood_diffs(a: dict, b: dict) -> dict:
     """Per choice |loglikelihood diff| between two servers' logged samples of the multiple-choice task."""
     diffs, same_pick = [], 0
     for ra, rb in zip(a["resps"], b["resps"]):
-        la, lb = [c[0][0] for c in ra], [c[0][0] for c in rb]
+        la, lb = [float(c[0][0]) for c in ra], [float(c[0][0]) for c in rb]  # lm-eval logs them as strings
         diffs += [abs(x - y) for x, y in zip(la, lb)]
         same_pick += la.index(max(la)) == lb.index(max(lb))
     return {"choices": len(diffs), "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
@@ -259,10 +259,10 @@ def main() -> int:
         counts = write_tasks(folder, args)
         print(f"# {args.model}; tasks {counts}", flush=True)
         results = {name: measure(name, folder, args) for name in args.servers}
-    print("\n" + markdown_table(*score_rows(results)))
-    print(compare(results))
     path = write_json(args.output, {"cpu": machine.cpu_model(), "kernel_paths": machine.kernel_paths(torch.float32),
                                     "args": args_dict(args), "tasks": counts, "results": results})
+    print("\n" + markdown_table(*score_rows(results)))
+    print(compare(results))
     print(f"wrote {path}")
     return 0
 
