@@ -115,14 +115,15 @@ def kv_bytes_per_token(folder: Path) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2  # K and V, bf16
 
 
-def hf_folder(model: str, out: Path) -> Path:
+def hf_folder(model: str, out: Path, dtype: str = "bfloat16") -> Path:
     """A Hugging Face folder both engines load: a folder as given, or a built-in (flock/bench-mid,
-    flock/smollm2, ...) saved under `out` as bf16 (random weights for the bench shapes; a few seconds)."""
+    flock/smollm2, ...) saved under `out` in `dtype` (random weights for the bench shapes; a few seconds)."""
     if Path(model).is_dir():
         return Path(model).resolve()
     from flock.model import save_model
 
-    return save_model(model, out / model.replace("/", "-"), dtype="bfloat16", seed=0)
+    name = model.replace("/", "-") + ("" if dtype == "bfloat16" else f"-{dtype}")
+    return save_model(model, out / name, dtype=dtype, seed=0)
 
 
 # -- Flock -----------------------------------------------------------------------------------------------------
