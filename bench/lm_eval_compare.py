@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,11 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import machine, vllm
-from bench.harness.offline import hf_folder
+from bench.harness import float32_servers as servers
+from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
-from bench.harness.server_process import ServerProcess
 from bench.harness.stdlib_text import member_docs, module_docs, sentences, zen_lines
 
-NAME = "model"  # the served model name on both servers
 BAR = 0.05
 MC_TASK, GEN_TASK = "docstring_next", "zen_complete"
 MC_YAML = """task: {task}
@@ -127,17 +124,9 @@ def write_tasks(folder: Path, args) -> dict[str, int]:
 
 
 # -- running lm-eval -------------------------------------------------------------------------------------------
-def start(name: str, args):
-    if name == "flock":
-        return ServerProcess("--model", args.model, "--dtype", "float32", "--served-model-name", NAME,
-                             *shlex.split(args.flock_args), ready_timeout=args.ready_timeout).start()
-    return vllm.VLLMServer(args.vllm_python, args.model, ["--dtype", "float32", "--served-model-name", NAME,
-                                                          *shlex.split(args.vllm_args)], args.ready_timeout)
-
-
 def run_lm_eval(url: str, task: str, folder: Path, out: Path, args) -> dict:
     """One task through lm-eval against `url`: its metrics and logged samples, or the error it stopped with."""
-    model_args = (f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+    model_args = (f"model={servers.NAME},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
                   f"tokenizer={args.model},num_concurrent={args.concurrency},tokenized_requests=True,max_retries=1")
     cmd = [str(args.lm_eval_venv / "bin" / "lm_eval"), "--model", "local-completions", "--model_args", model_args,
            "--tasks", task, "--include_path", str(folder), "--log_samples", "--output_path", str(out)]
@@ -170,7 +159,7 @@ def why(log: str) -> str:
 
 def measure(name: str, folder: Path, args) -> dict:
     t0 = time.perf_counter()
-    server = start(name, args)
+    server = servers.start(name, args)
     ready_s = time.perf_counter() - t0
     try:
         runs = {task: run_lm_eval(server.url, task, folder, folder / f"out-{name}-{task}", args)
@@ -233,25 +222,18 @@ def compare(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lm_eval_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flock/smollm2", help="a Hugging Face folder (or a built-in, saved as float32)")
-    ap.add_argument("--servers", nargs="+", default=["vllm", "flock"], choices=["vllm", "flock"])
-    ap.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing vLLM venv")
+    servers.add_args(ap)
     ap.add_argument("--lm-eval-venv", type=Path, required=True, help="a venv with lm-eval[api] and transformers")
-    ap.add_argument("--flock-args", default="", help="extra `flock serve` options")
-    ap.add_argument("--vllm-args", default="", help="extra `vllm serve` options")
     ap.add_argument("--mc-items", type=int, default=100)
     ap.add_argument("--gen-items", type=int, default=30)
     ap.add_argument("--concurrency", type=int, default=2, help="lm-eval's num_concurrent")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--task-timeout", type=float, default=1800)
     ap.add_argument("--output", type=Path, default=OUT / "lm_eval_compare.json")
     args = ap.parse_args()
-    args.model = str(hf_folder(args.model, OUT, dtype="float32"))
+    servers.resolve(args)
     args.lm_eval_venv = args.lm_eval_venv.resolve()
     args.log_dir = args.output.with_suffix("")  # lm-eval's logs, one per server and task
-    if "vllm" in args.servers:
-        args.vllm_python = vllm.existing_python(args.vllm_venv.resolve())
 
     print(machine.header("lm_eval_compare", dtype=torch.float32), flush=True)
     with tempfile.TemporaryDirectory(prefix="lm-eval-tasks-") as tmp:

@@ -21,7 +21,6 @@ Results and the raw responses: bench/out/openai_fields.json.
 import argparse
 import json
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,11 @@ import httpx
 import openai
 import torch
 
-from bench.harness import machine, vllm
-from bench.harness.offline import hf_folder
+from bench.harness import float32_servers as servers
+from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
-from bench.harness.server_process import ServerProcess
 from bench.harness.stdlib_text import module_docs
 
-NAME = "model"  # the served model name on both servers
 GEN = 16
 PENALTIES = [{}, {"presence_penalty": 0.5}, {"presence_penalty": 2.0}, {"frequency_penalty": 0.5},
              {"frequency_penalty": 2.0}, {"repetition_penalty": 1.1}, {"repetition_penalty": 1.3},
@@ -107,7 +104,7 @@ def prompt_tokens_computed(server_name: str, url: str) -> float:
 def run_checks(server_name: str, url: str, prompts: list[dict], n_prompt: dict, tokenizer, args) -> dict:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=args.request_timeout)
     comp, chat = client.completions.create, client.chat.completions.create
-    greedy = {"model": NAME, "temperature": 0}
+    greedy = {"model": servers.NAME, "temperature": 0}
     r = {"echo": [call(comp, prompt=p["ids"], echo=True, logprobs=5, max_tokens=1, **greedy) for p in prompts]}
     chat_kw = [dict(messages=chat_messages(p["text"]), logprobs=True, top_logprobs=5, max_tokens=GEN, **greedy)
                for p in prompts]
@@ -119,7 +116,7 @@ def run_checks(server_name: str, url: str, prompts: list[dict], n_prompt: dict, 
     r["chat_settings"] = [call(chat, messages=q, **greedy, **openai_kw({"max_tokens": 24} | s))
                           for s in chat_settings(tokenizer)]
     before = prompt_tokens_computed(server_name, url)
-    r["n"] = call(comp, prompt=n_prompt["ids"], n=3, temperature=0.8, seed=7, max_tokens=GEN, model=NAME)
+    r["n"] = call(comp, prompt=n_prompt["ids"], n=3, temperature=0.8, seed=7, max_tokens=GEN, model=servers.NAME)
     r["n_computed"] = prompt_tokens_computed(server_name, url) - before
     r["stream"] = [stream_chat(client, **kw) for kw in chat_kw[:args.stream_prompts]]
     return r
@@ -138,18 +135,9 @@ def chat_settings(tokenizer) -> list[dict]:
 
 
 # -- servers ---------------------------------------------------------------------------------------------------
-def start(name: str, args):
-    if name == "flock":
-        return ServerProcess("--model", args.model, "--dtype", "float32", "--served-model-name", NAME,
-                             *shlex.split(args.flock_args), ready_timeout=args.ready_timeout).start()
-    return vllm.VLLMServer(args.vllm_python, args.model, ["--dtype", "float32", "--served-model-name", NAME,
-                                                          "--enable-prompt-tokens-details",
-                                                          *shlex.split(args.vllm_args)], args.ready_timeout)
-
-
 def measure(name: str, prompts: list[dict], tokenizer, args) -> dict:
     t0 = time.perf_counter()
-    server = start(name, args)
+    server = servers.start(name, args, ("--enable-prompt-tokens-details",))
     ready_s = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()
@@ -329,23 +317,16 @@ def report(results: dict, prompts: list[dict], n_prompt: dict, tokenizer, args) 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.openai_fields", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flock/smollm2", help="a Hugging Face folder (or a built-in, saved as float32)")
-    ap.add_argument("--servers", nargs="+", default=["vllm", "flock"], choices=["vllm", "flock"])
-    ap.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing vLLM venv")
-    ap.add_argument("--flock-args", default="", help="extra `flock serve` options")
-    ap.add_argument("--vllm-args", default="", help="extra `vllm serve` options")
+    servers.add_args(ap)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--min-tokens", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--penalty-prompts", type=int, default=3, help="prompts per penalty setting")
     ap.add_argument("--stream-prompts", type=int, default=3)
-    ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--output", type=Path, default=OUT / "openai_fields.json")
     args = ap.parse_args()
-    args.model = str(hf_folder(args.model, OUT, dtype="float32"))
-    if "vllm" in args.servers:
-        args.vllm_python = vllm.existing_python(args.vllm_venv.resolve())
+    servers.resolve(args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -8,16 +8,9 @@ import importlib.util
 import inspect
 import re
 
-__all__ = ["MODULES", "module_docs", "member_docs", "sentences", "zen_lines"]
+from bench.harness.documents import MODULES  # modules whose docstrings are long prose
 
-# modules whose docstrings are long prose (not just a signature), in a fixed order
-MODULES = ("argparse", "json", "logging", "subprocess", "pickle", "re", "textwrap", "difflib", "heapq", "bisect",
-           "csv", "shutil", "tempfile", "dataclasses", "inspect", "string", "random", "statistics", "functools",
-           "contextlib", "threading", "unittest", "zipfile", "tarfile", "decimal", "fractions", "typing", "enum",
-           "abc", "ast", "base64", "calendar", "configparser", "copy", "fnmatch", "glob", "gzip", "hashlib", "hmac",
-           "ipaddress", "locale", "mimetypes", "optparse", "pdb", "platform", "pprint", "queue", "sched", "secrets",
-           "selectors", "shlex", "signal", "smtplib", "socket", "struct", "tokenize", "trace", "traceback",
-           "urllib.parse", "uuid", "warnings", "weakref", "zipimport", "http.client", "email.message", "sqlite3")
+__all__ = ["module_docs", "member_docs", "sentences", "zen_lines"]
 
 
 def _import(name: str):
