@@ -28,7 +28,6 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
     chosen = chosen.to(logprobs.device, torch.long)
     picked = logprobs.gather(1, chosen[:, None])[:, 0]
     ranks = (logprobs > picked[:, None]).sum(-1) + 1
-    k = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
     rows = zip(chosen.tolist(), picked.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
     return [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]
