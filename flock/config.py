@@ -2,6 +2,7 @@ from dataclasses import dataclass, field, fields
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
+QUANTIZATION = ("auto", "none", "q8_0", "q4_0")  # see flock.model.quant
 
 
 def option(default, help: str, **cli):
@@ -19,6 +20,10 @@ class EngineConfig:
     dtype: str = option("auto", "auto (the model's; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or "
                         "float64 (float16 runs as bfloat16 on CPU)")
     load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")
+    quantization: str = option("auto", "auto: a GGUF file's quantized weights stay in their blocks and run on int8 "
+                               "kernels (float64 models and GPUs dequantize them); none: dequantize every weight at "
+                               "load; q8_0 or q4_0: also quantize float weights to that type at load",
+                               choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")
     block_size: int = option(16, "tokens per KV block")
@@ -56,5 +61,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.ops not in OPS:
             raise ValueError(f"ops must be one of {', '.join(OPS)}, got {self.ops!r}")
+        if self.quantization not in QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -48,7 +48,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config.attention, c, self.device, self.dtype)
         self.model = build_model(
-            resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed
+            resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed,
+            config.quantization,
         )
         self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
         self.num_blocks = self._num_blocks(config)

@@ -12,10 +12,10 @@ import torch
 
 from flock import native
 from flock.attention.base import AttentionBackend
-from flock.model import fused_ops, gemm, linear
+from flock.model import fused_ops, gemm, linear, quant
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
-from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, read_gguf
+from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, quantized_layers, read_gguf
 from flock.model.llama import LlamaForCausalLM
 from flock.model.loader import init_dummy, load_safetensors, save_safetensors
 
@@ -109,15 +109,25 @@ def build_model(
     device: torch.device,
     max_positions: int,
     seed: int,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
+    """The model with its weights; `quantization` as EngineConfig.quantization says."""
     if load_format == "auto":
         load_format = "dummy" if resolved.builtin else "gguf" if resolved.gguf else "safetensors"
     allowed = ("dummy", "gguf" if resolved.gguf else "safetensors")
     if load_format not in allowed:
         raise ValueError(f"load_format {load_format!r} is not supported for {resolved.tokenizer_path} "
                          f"(auto, {', '.join(allowed)})")
+    why = quant.unavailable(dtype, device) if quantization != "none" else None
+    if why and quantization != "auto":
+        raise ValueError(f"quantization={quantization!r}: {why}")
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.config, backend)
+    in_blocks = quantized_layers(model, resolved.gguf) if load_format == "gguf" and not why and quantization != "none" else {}
+    for name in in_blocks:  # never allocated as floats
+        model.get_submodule(name).weight.data = torch.empty(0, device="meta")
+    if why and resolved.gguf:
+        log.info("%s: the weights are dequantized (%s)", resolved.gguf.path.name, why)
     model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
     model.to_empty(device=device)
     model.finish_init(max_positions, dtype, device)
@@ -125,16 +135,31 @@ def build_model(
         if load_format == "dummy":
             init_dummy(model, seed)
         elif load_format == "gguf":
-            load_gguf_weights(model, resolved.gguf)
+            load_gguf_weights(model, resolved.gguf, in_blocks)
         else:
             load_safetensors(model, resolved.folder)
+        if quantization in quant.LOAD_TYPES:
+            quantize_float_layers(model, quantization)
     return model.eval()
+
+
+def quantize_float_layers(model: LlamaForCausalLM, kind: str) -> None:
+    """Quantize the projections and the embedding still in floats (of a width the blocks divide) to `kind`."""
+    from flock.model.linear import Embedding, Linear
+
+    tied = model.config.tie_word_embeddings
+    model.use_quantized({name: quant.QuantWeight([quant.quantize(m.weight, kind)]) for name, m in model.named_modules()
+                         if isinstance(m, (Linear, Embedding)) and m.qweight is None and m.weight.shape[-1] % 32 == 0
+                         and not (tied and name == "lm_head")})
 
 
 def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     """Switch a loaded model to the fused elementwise kernels and prepacked GEMM weights as `ops` asks
     (EngineConfig.ops: "auto" takes each where it can run). Returns the path each part runs on."""
     paths = {"elementwise": "PyTorch ops", "gemm": "F.linear"}
+    if types := model.quantized_types():
+        layers = ", ".join(f"{n} {t}" for t, n in sorted(types.items()))
+        paths["quantized"] = f"int8 GEMM on GGUF blocks ({quant.isa()}): {layers}"
     if ops in ("auto", "fused"):
         why = fused_ops.unavailable(dtype, device)
         if why is None:

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, dequantized at load (the
+"""GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, quantized ones kept in their
+blocks where Flock has kernels for their type (flock.model.quant), the rest dequantized at load (the
 tokenizer: flock/tokenizer.py).
 
 The file is read with the `gguf` package (llama.cpp's reader) and converted the way `transformers` converts
@@ -6,6 +7,7 @@ it: its config-key mapping, its tensor-name table and its un-permutation of llam
 """
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,8 +21,11 @@ if TYPE_CHECKING:
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 ROPE_SCALING_TYPES = ("none", "linear")
+FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+log = logging.getLogger("flock")
 
 
 @dataclass(frozen=True)
@@ -168,23 +173,56 @@ def _file_dtype(reader) -> str:
     return "bfloat16" if T.BF16 in types else "float16" if T.F16 in types else "float32"
 
 
-def load_gguf_weights(model, ckpt: GGUFCheckpoint) -> None:
-    """Dequantize every tensor into `model` (converted to its dtype), un-permuting q/k as transformers does."""
+def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
+    """The projections and the embedding whose every part the file stores in a type the int8 kernels take:
+    module name -> its GGUF tensor names in row order. `load_gguf_weights` keeps them quantized."""
+    from flock.model.linear import Embedding, Linear
+    from flock.model.loader import hf_tensor_slots
+    from flock.model.quant import TYPE_NAMES
+
+    slots = hf_tensor_slots(model)
+    names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
+    modules = dict(model.named_modules())
+    layer_of = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()
+                if name.endswith(".weight") and isinstance(modules[name.removesuffix(".weight")], (Linear, Embedding))}
+    tensors = {names[t.name]: t for t in ckpt.reader.tensors if t.name in names}
+    layers: dict[str, list] = {}
+    for hf_name, slot in slots.items():
+        if id(slot.param) in layer_of:
+            layers.setdefault(layer_of[id(slot.param)], []).append((slot.offset, slot.rows, tensors.get(hf_name)))
+    return {layer: [t.name for _, _, t in sorted(parts, key=lambda part: part[0])] for layer, parts in layers.items()
+            if all(t is not None and int(t.tensor_type) in TYPE_NAMES and t.data.shape[0] == rows
+                   for _, rows, t in parts)}
+
+
+def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str]] | None = None) -> None:
+    """Load every tensor into `model`, un-permuting q/k as transformers does: those of `quantized` layers
+    (`quantized_layers`) as their blocks, the others dequantized (converted to the model's dtype)."""
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
+    from flock.model.quant import KERNEL_TYPES, QuantWeight, from_gguf
 
+    quantized = quantized or {}
     slots = hf_tensor_slots(model)
     names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
-    loaded = set()
+    in_blocks = {name for parts in quantized.values() for name in parts}
+    blocks, loaded, expanded = {}, set(), set()
     for tensor in ckpt.reader.tensors:
         if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
             continue
         name = names.get(tensor.name)
         if name is None:
             raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")
+        if tensor.name in in_blocks:
+            raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
+            blocks[tensor.name] = from_gguf(int(tensor.tensor_type), raw)
+            loaded.add(name)
+            continue
+        if quantized and tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
+            expanded.add(tensor.tensor_type.name)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
@@ -194,6 +232,10 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint) -> None:
         copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)
+    model.use_quantized({m: QuantWeight([blocks[name] for name in parts]) for m, parts in quantized.items()})
+    if expanded:
+        log.info("%s: tensors of type %s are dequantized at load (Flock has no kernel for them)", ckpt.path.name,
+                 ", ".join(sorted(expanded)))
 
 
 def _gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Linear layers whose weights can be prepacked for oneDNN's CPU GEMM.
+"""Linear layers whose weights can be prepacked for oneDNN's CPU GEMM, or kept quantized (flock.model.quant).
 
 PyTorch's plain CPU linear hands oneDNN (bf16) or MKL (fp32) a row-major weight on every call; oneDNN reorders
 it into its blocked layout each time, and MKL takes a slow path on AMD CPUs. A weight reordered once after
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flock.model import gemm
+from flock.model import gemm, quant
 
 
 @functools.cache
@@ -48,7 +48,15 @@ class Linear(nn.Linear):
 
     prepacked: torch.Tensor | None = None
     pairs: torch.Tensor | None = None
+    qweight: quant.QuantWeight | None = None
     silu_and_mul = False  # packed so: forward gives silu(gate) * up of the outputs [gate | up]
+
+    def use_quantized(self, weight: quant.QuantWeight, silu_and_mul: bool = False) -> None:
+        """Multiply by quantized blocks from now on (the float weight is released); `silu_and_mul` as in
+        `prepack`, where gate and up share one quant type."""
+        self.qweight = weight
+        self.silu_and_mul = silu_and_mul and self.bias is None and len(weight.parts) == 1
+        self.weight.data = self.weight.data.new_empty(0)
 
     def prepack(self, keep_weight: bool = False, pairs: bool = False, silu_and_mul: bool = False) -> None:
         """Pack the weight for oneDNN, or with `pairs` (bf16, an even width) for Flock's GEMM, there with
@@ -64,6 +72,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
         """x W^T + b; `float32`: Flock's GEMM returns its fp32 sums unrounded (other paths: the model's dtype)."""
+        if self.qweight is not None:
+            return quant.linear(x, self.qweight, self.bias, torch.float32 if float32 else x.dtype, self.silu_and_mul)
         if self.silu_and_mul:
             return gemm.linear(x, self.pairs, self.out_features // 2, glu=True)
         if self.pairs is not None:
@@ -71,3 +81,18 @@ class Linear(nn.Linear):
         if self.prepacked is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding that can look its rows up in quantized blocks (`use_quantized`)."""
+
+    qweight: quant.QuantWeight | None = None
+
+    def use_quantized(self, weight: quant.QuantWeight) -> None:
+        self.qweight = weight
+        self.weight.data = self.weight.data.new_empty(0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return super().forward(ids)
+        return quant.dequantize_rows(self.qweight, ids, self.weight.dtype)

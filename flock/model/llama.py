@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from flock.attention.base import AttentionBackend, AttentionMetadata
 from flock.model import fused_ops
 from flock.model.config import ModelConfig
-from flock.model.linear import Linear
+from flock.model.linear import Embedding, Linear
+from flock.model.quant import QuantWeight
 from flock.model.rope import RotaryEmbedding
 
 
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         # _weight: no random init (on the meta device its Python decomposition imports torch._dynamo: ~1.4 s)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -173,6 +174,28 @@ class LlamaForCausalLM(nn.Module):
         lm_head of tied embeddings keeps its weight, which the embedding reads."""
         gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.qweight is None:
                 module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs,
                                silu_and_mul=id(module) in gate_ups)
+
+    def use_quantized(self, weights: dict[str, QuantWeight]) -> None:
+        """Multiply by (and look up embeddings in) quantized weights: module name -> its weight; the MLPs'
+        SiLU-and-mul fused into their gate_up GEMM; a tied lm_head takes the embedding's."""
+        if self.config.tie_word_embeddings and "embed_tokens" in weights:
+            weights = {**weights, "lm_head": weights["embed_tokens"]}
+        gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
+        modules = dict(self.named_modules())
+        for name, weight in weights.items():
+            module = modules[name]
+            if isinstance(module, Linear):
+                module.use_quantized(weight, silu_and_mul=id(module) in gate_ups)
+            else:
+                module.use_quantized(weight)
+
+    def quantized_types(self) -> dict[str, int]:
+        """How many layers run on each quant type ("Q4_K+Q6_K": a fused weight of two)."""
+        counts: dict[str, int] = {}
+        for module in self.modules():
+            if isinstance(module, Linear) and module.qweight is not None:
+                counts[module.qweight.types] = counts.get(module.qweight.types, 0) + 1
+        return counts

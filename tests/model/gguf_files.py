@@ -84,13 +84,36 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
+K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+
+
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """gguf's quantizer; zero blocks of the right size for types it cannot write (a type Flock must refuse)."""
+    """gguf's quantizer; for the K-quants, which it cannot write, random blocks (weights unrelated to w, of
+    its size); zero blocks for other types it cannot write (a type Flock must refuse)."""
     try:
         return gguf.quants.quantize(w, qtype)
     except NotImplementedError:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if qtype in K_QUANT_SCALES:
+            return random_blocks(qtype, w.shape[0], w.shape[1], float(np.abs(w).mean()))
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
+
+
+def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0) -> np.ndarray:
+    """Random bytes as blocks of `qtype` (any bytes are valid blocks but their float16 scales), [rows, bytes],
+    scaled so the weights' mean size is about `size`."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed + rows + k)
+    blocks = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
+    for at in K_QUANT_SCALES.get(qtype, (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)):
+        scales = rng.uniform(-1, 1, (rows, k // block)).astype(np.float16)
+        blocks[:, :, at:at + 2] = scales.view(np.uint8).reshape(rows, k // block, 2)
+    out = blocks.reshape(rows, -1)
+    mean = np.abs(gguf.quants.dequantize(out, qtype)).mean()
+    for at in K_QUANT_SCALES.get(qtype, (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)):
+        scales = blocks[:, :, at:at + 2].copy().view(np.float16) * np.float16(size / mean)
+        blocks[:, :, at:at + 2] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:

@@ -225,9 +225,17 @@ def test_smollm2_greedy_equals_transformers(smollm2_reference, scheduler):
 
 
 @needs_smollm2
-def test_smollm2_known_answers():
-    llm = LLM("flock/smollm2", dtype="float32")
-    outs = llm.chat([CHATS[0], CHATS[2]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    paris, eight = (o.outputs[0] for o in outs)
-    assert "Paris" in paris.text and paris.finish_reason == "stop"
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_smollm2_known_answers(quantization):
+    """Dequantized, and on its Q4_1 blocks with int8 activations as llama.cpp runs it. There its first answer
+    starts as llama-server's does ("L'Étoile, la Marseillaise,": "L" -1.92, "The" -2.01), so it is not asked."""
+    llm = LLM("flock/smollm2", dtype="float32", quantization=quantization)
+    outs = llm.chat(CHATS[:3], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    france, tokyo, eight = (o.outputs[0] for o in outs)
+    assert "Tokyo" in tokyo.text and tokyo.finish_reason == "stop"
     assert "8" in eight.text and eight.finish_reason == "stop"
+    if quantization == "none":
+        assert "Paris" in france.text and france.finish_reason == "stop"
+    else:
+        assert france.text.startswith("L'Étoile, la Marseillaise,")
+        assert "quantized" in llm.engine.runner.paths

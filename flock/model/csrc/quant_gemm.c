@@ -1,0 +1,490 @@
+// GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q4_K, Q5_K, Q6_K (super-blocks of 256), row-major, each row
+// its K / block blocks.
+//
+// As in llama.cpp, the activations are quantized per row to int8 first (flock_quantize_rows): blocks of 32 with
+// a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
+// scale and the integer sums of each 16 for the K-quants. A weight block and an activation block then meet in
+// integer dot products (vpmaddubsw: unsigned weight bytes times signed activation bytes, pairs summed to int16,
+// then vpmaddwd into int32 with each sub-block's integer scale), one float multiply per block, and the
+// weights' offsets (Q4_0's 8, Q6_K's 32, a K-quant's minimum) come from the activation sums.
+//
+// A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
+// the 4 rows. The call's tiles, weight-row major, are split evenly over the threads. Built for AVX2 (the floor
+// of every x86 CPU Flock runs on) and for the baseline (portable C, the same integer arithmetic: the reference).
+// A Llama MLP's gate_up weight ([gate | up], 2I rows) gives silu(gate) * up straight from the float sums (glu).
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#pragma GCC target("f16c")  // every AVX2 CPU has it
+#include <immintrin.h>
+#endif
+
+typedef uint16_t f16;
+typedef uint16_t bf16;
+
+typedef struct { f16 d; int8_t qs[32]; } blk_q8_0;
+typedef struct { f16 d; uint8_t qs[16]; } blk_q4_0;
+typedef struct { f16 d, m; uint8_t qs[16]; } blk_q4_1;
+typedef struct { f16 d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;
+typedef struct { f16 d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
+typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
+typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } blk_q6_K;
+
+typedef struct { float d, s; int8_t q[32]; } act32;                  // s = d * sum(q)
+typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } act256;  // bsums: the sums of each 16 of q
+
+// ggml's type ids
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+#define NT 16  // weight rows of a tile
+#define MT 4   // activation rows of a tile
+#define AI static inline __attribute__((always_inline))
+
+static inline float f16_to_f32(f16 h) {
+#ifdef __AVX2__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  // subnormal: value = man * 2^-24
+        float v = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float bf16_to_f32(bf16 h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {  // nearest even
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (bf16)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32, each a 6-bit scale and a 6-bit minimum packed in 12 bytes; out: the 8
+// scales, then the 8 minimums, a byte each. Sub-blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7
+// (minimums); 4-7 take the nibbles of bytes 8-11 and, above them, the top 2 bits of bytes 0-3 / 4-7.
+static inline void k_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t a, b, c, o[4];
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    o[0] = a & six;
+    o[1] = (c & four) | ((a >> 6) & two) << 4;
+    o[2] = b & six;
+    o[3] = ((c >> 4) & four) | ((b >> 6) & two) << 4;
+    memcpy(out, o, 16);
+}
+
+static int block_size(int type) { return type >= Q4_K ? 256 : 32; }
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+        case Q8_0: return sizeof(blk_q8_0);
+        case Q4_0: return sizeof(blk_q4_0);
+        case Q4_1: return sizeof(blk_q4_1);
+        case Q5_0: return sizeof(blk_q5_0);
+        case Q5_1: return sizeof(blk_q5_1);
+        case Q4_K: return sizeof(blk_q4_K);
+        case Q5_K: return sizeof(blk_q5_K);
+        case Q6_K: return sizeof(blk_q6_K);
+        default: return 0;
+    }
+}
+
+// ---- dequantization (embedding rows; the tests' view of the formats) -------------------------------------------
+// The values of one block as unsigned integers u and, per 16 of them, a scale and an offset: w = s u + o.
+static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, float *o) {
+    switch (type) {
+        case Q8_0: {
+            const blk_q8_0 *b = (const blk_q8_0 *)blk;
+            for (int i = 0; i < 32; i++) u[i] = (uint8_t)(b->qs[i] + 128);
+            s[0] = s[1] = f16_to_f32(b->d), o[0] = o[1] = -128 * s[0];
+            return;
+        }
+        case Q4_0: case Q4_1: {
+            const uint8_t *qs = type == Q4_0 ? ((const blk_q4_0 *)blk)->qs : ((const blk_q4_1 *)blk)->qs;
+            for (int i = 0; i < 16; i++) u[i] = qs[i] & 0xf, u[i + 16] = qs[i] >> 4;
+            s[0] = s[1] = f16_to_f32(*(const f16 *)blk);
+            o[0] = o[1] = type == Q4_0 ? -8 * s[0] : f16_to_f32(((const blk_q4_1 *)blk)->m);
+            return;
+        }
+        case Q5_0: case Q5_1: {
+            const uint8_t *qh = type == Q5_0 ? ((const blk_q5_0 *)blk)->qh : ((const blk_q5_1 *)blk)->qh;
+            const uint8_t *qs = type == Q5_0 ? ((const blk_q5_0 *)blk)->qs : ((const blk_q5_1 *)blk)->qs;
+            uint32_t h;
+            memcpy(&h, qh, 4);
+            for (int i = 0; i < 16; i++) {
+                u[i] = (qs[i] & 0xf) | ((h >> i) & 1) << 4;
+                u[i + 16] = (qs[i] >> 4) | ((h >> (i + 16)) & 1) << 4;
+            }
+            s[0] = s[1] = f16_to_f32(*(const f16 *)blk);
+            o[0] = o[1] = type == Q5_0 ? -16 * s[0] : f16_to_f32(((const blk_q5_1 *)blk)->m);
+            return;
+        }
+        case Q4_K: case Q5_K: {
+            const int five = type == Q5_K;
+            const blk_q4_K *b4 = (const blk_q4_K *)blk;
+            const blk_q5_K *b5 = (const blk_q5_K *)blk;
+            const uint8_t *qs = five ? b5->qs : b4->qs;
+            uint8_t sm[16];
+            k_scales(five ? b5->scales : b4->scales, sm);
+            const float d = f16_to_f32(b4->d), dmin = f16_to_f32(b4->dmin);
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t q = qs[32 * j + l];
+                    const int hl = five ? (b5->qh[l] >> (2 * j)) & 1 : 0, hh = five ? (b5->qh[l] >> (2 * j + 1)) & 1 : 0;
+                    u[64 * j + l] = (q & 0xf) | hl << 4;
+                    u[64 * j + 32 + l] = (q >> 4) | hh << 4;
+                }
+            for (int t = 0; t < 16; t++) s[t] = d * sm[t / 2], o[t] = -dmin * sm[8 + t / 2];
+            return;
+        }
+        case Q6_K: {
+            const blk_q6_K *b = (const blk_q6_K *)blk;
+            const float d = f16_to_f32(b->d);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
+                uint8_t *uh = u + 128 * h;
+                for (int l = 0; l < 32; l++) {
+                    uh[l] = (ql[l] & 0xf) | ((qh[l] >> 0) & 3) << 4;
+                    uh[l + 32] = (ql[l + 32] & 0xf) | ((qh[l] >> 2) & 3) << 4;
+                    uh[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+                    uh[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+                }
+            }
+            for (int t = 0; t < 16; t++) s[t] = d * b->scales[t], o[t] = -32 * s[t];
+            return;
+        }
+    }
+}
+
+// Rows `ids` of W ([.][k], row_bytes apart) as floats: fp32, or bf16 with out_bf16.
+void flock_dequantize_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids, int64_t n_ids,
+                           int64_t k, void *out, int32_t out_bf16, int32_t threads) {
+    const int bs = block_size(type);
+    const int64_t bb = block_bytes(type), nb = k / bs;
+#pragma omp parallel for num_threads(threads) if(threads > 1 && n_ids * k >= 65536)
+    for (int64_t r = 0; r < n_ids; r++) {
+        uint8_t u[256];
+        float s[16], o[16];
+        for (int64_t b = 0; b < nb; b++) {
+            decode_block(type, w + ids[r] * row_bytes + b * bb, u, s, o);
+            for (int i = 0; i < bs; i++) {
+                const float v = s[i / 16] * u[i] + o[i / 16];
+                const int64_t at = r * k + b * bs + i;
+                if (out_bf16) ((bf16 *)out)[at] = f32_to_bf16(v);
+                else ((float *)out)[at] = v;
+            }
+        }
+    }
+}
+
+// ---- activation quantization ---------------------------------------------------------------------------------
+static inline float load_x(const void *x, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
+}
+
+// n values of x as int8 with the scale d = max |x| / 127 (nearest, ties away from zero).
+static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
+    float v[256], amax = 0.0f;
+    for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i]));
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < n; i++) q[i] = (int8_t)roundf(v[i] * id);
+    return d;
+}
+
+// m rows of x (k floats each, ldx apart; bf16 with is_bf16) as act32 (blocks 32) or act256 (blocks 256) rows.
+void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m, int64_t k, int32_t blocks,
+                         void *out, int32_t threads) {
+    const int64_t nb = k / blocks;
+#pragma omp parallel for num_threads(threads) if(threads > 1 && m * k >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            if (blocks == 32) {
+                act32 *a = (act32 *)out + r * nb + b;
+                a->d = quantize_span(x, r * ldx + b * 32, 32, is_bf16, a->q);
+                int sum = 0;
+                for (int i = 0; i < 32; i++) sum += a->q[i];
+                a->s = a->d * (float)sum;
+            } else {
+                act256 *a = (act256 *)out + r * nb + b;
+                a->d = quantize_span(x, r * ldx + b * 256, 256, is_bf16, a->q);
+                for (int t = 0; t < 16; t++) {
+                    int sum = 0;
+                    for (int i = 0; i < 16; i++) sum += a->q[16 * t + i];
+                    a->bsums[t] = (int16_t)sum;
+                }
+            }
+        }
+}
+
+// ---- dot products of one weight row with R activation rows ----------------------------------------------------
+// x[r]: row r's activation blocks; out[r] = the dot product.
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 32 bytes 0xff where bit i of `bits` is set
+static inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// The 32 unsigned weights of a 32-block and its scale and offset: w = d u + o.
+AI __m256i small_block(int type, const uint8_t *blk, float *d, float *o) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    *d = f16_to_f32(*(const f16 *)blk);
+    if (type == Q8_0) {
+        *o = 0.0f;  // signed: see dot_small
+        return _mm256_loadu_si256((const __m256i *)((const blk_q8_0 *)blk)->qs);
+    }
+    const uint8_t *qs = type == Q4_0 ? ((const blk_q4_0 *)blk)->qs : type == Q4_1 ? ((const blk_q4_1 *)blk)->qs
+                        : type == Q5_0 ? ((const blk_q5_0 *)blk)->qs : ((const blk_q5_1 *)blk)->qs;
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+    if (type == Q5_0 || type == Q5_1) {
+        uint32_t h;
+        memcpy(&h, type == Q5_0 ? ((const blk_q5_0 *)blk)->qh : ((const blk_q5_1 *)blk)->qh, 4);
+        u = _mm256_or_si256(u, _mm256_and_si256(bit_bytes(h), _mm256_set1_epi8(0x10)));
+    }
+    *o = type == Q4_0 ? -8 * *d : type == Q5_0 ? -16 * *d : f16_to_f32(((const f16 *)blk)[1]);
+    return u;
+}
+
+AI void dot_small(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, float *out) {
+    const int64_t bb = block_bytes(type);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    float off[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        float d, o;
+        __m256i u = small_block(type, w + b * bb, &d, &o);
+        const __m256i wq = u;
+        if (type == Q8_0) u = _mm256_sign_epi8(wq, wq);  // |w|; the activations take w's sign
+        for (int r = 0; r < R; r++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)x[r][b].q);
+            if (type == Q8_0) a = _mm256_sign_epi8(a, wq);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+            if (type != Q8_0) off[r] += o * x[r][b].s;
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + off[r];
+}
+
+// Q4_K and Q5_K
+AI void dot_q45_K(const int R, int type, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+    const int five = type == Q5_K;
+    const int64_t bb = block_bytes(type);
+    const __m256i low4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q4_K *b4 = (const blk_q4_K *)(w + b * bb);
+        const blk_q5_K *b5 = (const blk_q5_K *)b4;
+        const uint8_t *qs = five ? b5->qs : b4->qs;
+        uint8_t sm[16];
+        k_scales(five ? b5->scales : b4->scales, sm);
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)b4));  // d, dmin
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)sm));
+        __attribute__((aligned(32))) int16_t sc[16];
+        _mm256_store_si256((__m256i *)sc, sm16);
+        const __m128i mn = _mm256_extracti128_si256(sm16, 1);  // each sub-block's minimum for its 2 bsums
+        const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)b5->qh) : _mm256_setzero_si256();
+        __m256i sum[MT];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            if (five) {
+                const __m256i hl = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one);
+                const __m256i hh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(hl, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(hh, 4));
+            }
+            const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+            for (int r = 0; r < R; r++) {
+                const __m256i a0 = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 64 * j));
+                const __m256i a1 = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 64 * j + 32));
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), slo),
+                                                   _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), shi));
+                sum[r] = _mm256_add_epi32(sum[r], p);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r][b].bsums), mins);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x[r][b].d), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
+AI void dot_q6_K(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0xf), low2 = _mm256_set1_epi8(3);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q6_K *blk = (const blk_q6_K *)w + b;
+        const float d = f16_to_f32(blk->d);
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+        __m256i sum[MT];
+        for (int r = 0; r < R; r++) {  // the offset 32: -32 sum(scale * bsum)
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
+            sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales), 5));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+            __m256i u[4];
+            u[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4));
+            u[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4));
+            u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4));
+            u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4));
+            __m256i s[4];
+            for (int t = 0; t < 4; t++)
+                s[t] = _mm256_set_m128i(_mm_set1_epi16(blk->scales[8 * h + 2 * t + 1]),
+                                        _mm_set1_epi16(blk->scales[8 * h + 2 * t]));
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < 4; t++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * t));
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], a), s[t]));
+                }
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+#endif
+
+// The baseline: per block, the integer dot product of each 16 weights with the activations, then w = s u + o.
+static void dot_scalar(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+    const int bs = block_size(type);
+    const int64_t bb = block_bytes(type);
+    double acc[MT] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t u[256];
+        float s[16], o[16];
+        decode_block(type, w + b * bb, u, s, o);
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = bs == 32 ? ((const act32 *)x[r])[b].q : ((const act256 *)x[r])[b].q;
+            const float da = bs == 32 ? ((const act32 *)x[r])[b].d : ((const act256 *)x[r])[b].d;
+            float sum = 0.0f;
+            for (int t = 0; t < bs / 16; t++) {
+                int32_t dot = 0, qsum = 0;
+                for (int i = 16 * t; i < 16 * t + 16; i++) dot += u[i] * q[i], qsum += q[i];
+                sum += s[t] * (float)dot + o[t] * (float)qsum;
+            }
+            acc[r] += (double)(da * sum);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = (float)acc[r];
+}
+
+static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+#ifdef __AVX2__
+    // R and the type as constants of each inlined body
+#define ROWS(call, T)                 \
+    switch (R) {                      \
+        case 1: call(1, T); return;   \
+        case 2: call(2, T); return;   \
+        case 3: call(3, T); return;   \
+        default: call(4, T); return;  \
+    }
+#define SMALL(r, T) dot_small(r, T, w, (const act32 *const *)x, nb, out)
+#define K45(r, T) dot_q45_K(r, T, w, (const act256 *const *)x, nb, out)
+#define K6(r, T) dot_q6_K(r, w, (const act256 *const *)x, nb, out)
+    switch (type) {
+        case Q8_0: ROWS(SMALL, Q8_0)
+        case Q4_0: ROWS(SMALL, Q4_0)
+        case Q4_1: ROWS(SMALL, Q4_1)
+        case Q5_0: ROWS(SMALL, Q5_0)
+        case Q5_1: ROWS(SMALL, Q5_1)
+        case Q4_K: ROWS(K45, Q4_K)
+        case Q5_K: ROWS(K45, Q5_K)
+        default: ROWS(K6, Q6_K)
+    }
+#else
+    dot_scalar(R, type, w, x, nb, out);
+#endif
+}
+
+// 1 on the AVX2 build, 0 on the baseline: the path this library runs.
+int32_t flock_qgemm_avx2(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// The scalar dot products on any build (the reference the AVX2 ones are tested against).
+void flock_qdot_scalar(int32_t type, const uint8_t *w, const void *x, int64_t k, float *out) {
+    const void *rows[1] = {x};
+    dot_scalar(1, type, w, rows, k / block_size(type), out);
+}
+
+static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// y (m rows, ldy apart; fp32, or bf16 with out_bf16) = xq W^T for the n weight rows of w (row_bytes each), xq
+// the activation rows of flock_quantize_rows (act32 or act256 as the type needs). With glu, w holds 2n rows
+// [gate | up] and y gets silu(gate) * up.
+void flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *xq, int64_t m,
+                 void *y, int64_t ldy, int32_t out_bf16, int32_t glu, int32_t threads) {
+    const int bs = block_size(type);
+    const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
+    const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
+#pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
+            const int64_t n0 = i / m_tiles * NT, m0 = i % m_tiles * MT;
+            const int R = m - m0 < MT ? (int)(m - m0) : MT;
+            const void *x[MT];
+            for (int r = 0; r < R; r++) x[r] = (const uint8_t *)xq + (m0 + r) * act_row;
+            for (int64_t j = n0; j < n0 + NT && j < n; j++) {
+                float sums[MT], up[MT];
+                dot_rows(R, type, w + j * row_bytes, x, nb, sums);
+                if (glu) {
+                    dot_rows(R, type, w + (j + n) * row_bytes, x, nb, up);
+                    for (int r = 0; r < R; r++) sums[r] = silu_mul(sums[r], up[r]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int64_t at = (m0 + r) * ldy + j;
+                    if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[r]);
+                    else ((float *)y)[at] = sums[r];
+                }
+            }
+        }
+    }
+}

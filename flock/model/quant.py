@@ -1,0 +1,190 @@
+"""Weights kept in GGUF's quantized blocks (as llama.cpp stores them) and the int8 GEMMs on them
+(`csrc/quant_gemm.c`).
+
+A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` per quant type, stacked on rows
+(a fused qkv whose v part is Q6_K and q, k Q4_K). `linear` quantizes the activations per row to int8 (blocks of
+32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
+dot products; `embedding` dequantizes the rows it looks up. `quantize` makes Q8_0 / Q4_0 blocks from float
+weights with the gguf package's quantizer, for models that come as floats. The kernels are built for AVX2 and
+for the baseline (portable C: the reference path); `isa()` says which one runs.
+"""
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flock import native
+
+# ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
+KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+                "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
+LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
+ACT_BYTES = {32: 40, 256: 292}  # an activation block: its scale (and sums) and int8 values
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+KERNEL = native.Library(
+    Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
+    paths=("avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    signatures={"flock_qgemm": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32], None),
+                "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
+                "flock_dequantize_rows": ([_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
+                "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
+                "flock_qgemm_avx2": ([], _i32)})
+
+
+@functools.cache
+def isa() -> str:
+    """The ISA path the kernels run here (avx2, else baseline)."""
+    return KERNEL.runnable()[0]
+
+
+def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why quantized weights cannot serve a model of this dtype on this device, or None when they can."""
+    if device.type != "cpu":
+        return f"the quantized GEMM is a CPU path, not {device.type}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the quantized GEMM takes float32 and bfloat16 activations, not {dtype}"
+    return KERNEL.unavailable(isa())
+
+
+def _lib(path: str | None):
+    return KERNEL.load(path or isa())
+
+
+@dataclass
+class QuantTensor:
+    """`rows` rows of k values in one quant type: `blocks` uint8 [rows, k / block * block bytes]."""
+
+    qtype: int  # ggml's type id
+    blocks: torch.Tensor
+
+    @property
+    def name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def k(self) -> int:
+        _, values, size = KERNEL_TYPES[self.name]
+        return self.blocks.shape[1] // size * values
+
+    @property
+    def act_block(self) -> int:
+        return KERNEL_TYPES[self.name][1]
+
+
+@dataclass
+class QuantWeight:
+    """An [n, k] weight as quantized tensors stacked on rows; adjacent parts of one type are merged."""
+
+    parts: list[QuantTensor]
+
+    def __post_init__(self):
+        merged = [self.parts[0]]
+        for part in self.parts[1:]:
+            if part.qtype == merged[-1].qtype:
+                merged[-1] = QuantTensor(part.qtype, torch.cat([merged[-1].blocks, part.blocks]))
+            else:
+                merged.append(part)
+        self.parts = merged
+        if len({p.k for p in merged}) != 1:
+            raise ValueError(f"quantized parts of different widths: {[p.k for p in merged]}")
+
+    @property
+    def n(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.blocks.numel() for p in self.parts)
+
+    @property
+    def types(self) -> str:
+        return "+".join(p.name for p in self.parts)
+
+
+def from_gguf(qtype: int, data: np.ndarray) -> QuantTensor:
+    """A tensor of the gguf reader's raw blocks (uint8 [rows, row bytes]), copied out of the file's mapping."""
+    return QuantTensor(qtype, torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)))
+
+
+def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
+    """Float [n, k] weights (k a multiple of 32) as Q8_0 or Q4_0 blocks, by the gguf package's quantizer."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind.upper()]
+    blocks = quants.quantize(weight.detach().float().numpy(), qtype)
+    return QuantTensor(int(qtype), torch.from_numpy(np.ascontiguousarray(blocks)))
+
+
+def quantize_activations(rows: torch.Tensor, block: int, path: str | None = None) -> torch.Tensor:
+    """int8 activation blocks of float32/bf16 rows [m, k]: the operand flock_qgemm takes."""
+    m, k = rows.shape
+    out = torch.empty(m * (k // block) * ACT_BYTES[block], dtype=torch.uint8)
+    _lib(path).flock_quantize_rows(rows.data_ptr(), rows.stride(0), int(rows.dtype == torch.bfloat16), m, k, block,
+                                   out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+           glu: bool = False, path: str | None = None) -> torch.Tensor:
+    """x W^T (+ bias), x: float32 or bf16 [..., k]; out in `dtype` (default x's). `glu` (one part of 2I rows
+    [gate | up]): silu(gate) * up, I outputs."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the quantized GEMM takes float32 or bfloat16 activations, not {x.dtype}")
+    if glu and len(weight.parts) != 1:
+        raise ValueError(f"glu needs one quant type for gate and up, not {weight.types}")
+    dtype = dtype or x.dtype
+    rows = x.reshape(-1, weight.k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = weight.n // 2 if glu else weight.n
+    out = torch.empty((rows.shape[0], n), dtype=dtype)
+    if rows.shape[0]:
+        lib, threads, acts, col = _lib(path), torch.get_num_threads(), {}, 0
+        for part in weight.parts:
+            if part.act_block not in acts:
+                acts[part.act_block] = quantize_activations(rows, part.act_block, path)
+            cols = part.rows // 2 if glu else part.rows
+            lib.flock_qgemm(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], cols, weight.k,
+                            acts[part.act_block].data_ptr(), rows.shape[0], out[:, col:].data_ptr(), n,
+                            int(dtype == torch.bfloat16), int(glu), threads)
+            col += cols
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
+
+
+def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                    path: str | None = None) -> torch.Tensor:
+    """Rows `ids` of the weight as floats (float32, or bf16); an embedding lookup."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.numel(), weight.k), dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    start = 0
+    for part in weight.parts:
+        mine = (flat >= start) & (flat < start + part.rows)
+        picked = (flat[mine] - start).contiguous()
+        got = torch.empty((picked.numel(), weight.k), dtype=out.dtype)
+        _lib(path).flock_dequantize_rows(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], picked.data_ptr(),
+                                         picked.numel(), weight.k, got.data_ptr(), int(out.dtype == torch.bfloat16),
+                                         torch.get_num_threads())
+        out[mine] = got
+        start += part.rows
+    return out.to(dtype).view(*ids.shape, weight.k)
+
+
+def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole [n, k] weight as floats."""
+    return dequantize_rows(weight, torch.arange(weight.n), dtype)

@@ -1,0 +1,103 @@
+"""The quantized GEMM (flock.model.quant) against float64 references on the gguf package's dequantized weights,
+for every quant type the kernels take, on every ISA path this CPU runs (the baseline included)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flock.model import quant
+from flock.model.quant import KERNEL_TYPES, QuantTensor, QuantWeight
+from tests.model import gguf_files
+
+TYPES = list(KERNEL_TYPES)
+PATHS = quant.KERNEL.runnable()
+
+
+def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> QuantTensor:
+    qtype = gguf.GGMLQuantizationType[name]
+    return QuantTensor(int(qtype), torch.from_numpy(gguf_files.random_blocks(qtype, rows, k, 0.02, seed)))
+
+
+def reference(t: QuantTensor) -> np.ndarray:
+    return gguf.quants.dequantize(t.blocks.numpy(), gguf.GGMLQuantizationType(t.qtype)).astype(np.float64)
+
+
+def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """The activations as the kernels see them: int8 per block of `block`, scale max|x| / 127."""
+    b = x.reshape(x.shape[0], -1, block)
+    d = np.abs(b).max(-1, keepdims=True) / 127
+    q = np.where(d > 0, np.round(b / np.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantized_rows_equal_the_gguf_package(name, path):
+    t = random_blocks(name, 37, 512)
+    ids = torch.tensor([[3, 0], [36, 3]])
+    got = quant.dequantize_rows(QuantWeight([t]), ids, path=path)
+    assert torch.equal(got, torch.from_numpy(reference(t)[ids.numpy()]).float())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_gemm_equals_float64_on_the_kernels_activations(name, path, m):
+    """Bound 1: against x-as-quantized-by-the-kernel times the dequantized weight, only float32 rounding.
+    Bound 2: against the float x, at most half an activation step per value times |w|."""
+    n, k = 45, 768
+    t = random_blocks(name, n, k, seed=m)
+    w = reference(t)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = quant.linear(torch.from_numpy(x), QuantWeight([t]), path=path).double().numpy()
+    block = t.act_block
+    xq = quantized_rows(x.astype(np.float64), block)
+    scale = np.abs(xq) @ np.abs(w).T
+    assert np.abs(got - xq @ w.T).max() <= 2e-6 * scale.max()
+    step = (np.abs(x).reshape(m, -1, block).max(-1) / 127 / 2).repeat(block, 1)
+    assert (np.abs(got - x.astype(np.float64) @ w.T) <= step @ np.abs(w).T * 1.01 + 2e-6 * scale).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_scalar_dot_equals_the_avx2_gemm(name):
+    if "avx2" not in PATHS:
+        pytest.skip("this CPU has no AVX2")
+    t = random_blocks(name, 1, 1024, seed=5)
+    x = torch.randn(1, 1024)
+    acts = quant.quantize_activations(x, t.act_block)
+    out = torch.empty(1)
+    quant.KERNEL.load("baseline").flock_qdot_scalar(t.qtype, t.blocks.data_ptr(), acts.data_ptr(), 1024,
+                                                    out.data_ptr())
+    assert torch.allclose(quant.linear(x, QuantWeight([t]), path="avx2")[0], out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mixed_parts_glu_bias_and_bf16(path):
+    k = 512
+    q, v = random_blocks("Q4_K", 48, k, 1), random_blocks("Q6_K", 16, k, 2)
+    weight = QuantWeight([q, random_blocks("Q4_K", 16, k, 3), v])
+    assert weight.types == "Q4_K+Q6_K" and weight.n == 80
+    x, bias = torch.randn(5, k), torch.randn(80)
+    full = quant.linear(x, weight, bias, path=path)
+    parts = [quant.linear(x, QuantWeight([p]), path=path) for p in weight.parts]
+    assert torch.equal(full, torch.cat(parts, 1) + bias)
+    gate_up = QuantWeight([random_blocks("Q8_0", 64, k, 4)])
+    both = quant.linear(x, gate_up, path=path)
+    glu = quant.linear(x, gate_up, glu=True, path=path)
+    assert torch.allclose(glu, torch.nn.functional.silu(both[:, :32]) * both[:, 32:], rtol=1e-5, atol=1e-6)
+    bf16 = quant.linear(x.bfloat16(), QuantWeight([q]), path=path)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.allclose(bf16.float(), quant.linear(x.bfloat16().float(), QuantWeight([q]), path=path),
+                          rtol=1e-2, atol=1e-2)
+    assert quant.linear(x[:0], weight, path=path).shape == (0, 80)
+
+
+def test_quantize_at_load_round_trips():
+    w = torch.randn(64, 256) * 0.02
+    # half a step (Q8_0, plus the scale's float16 rounding); Q4_0's step is max / 8, and +max rounds to 7 steps
+    for kind, bound in (("q8_0", 0.6 / 127), ("q4_0", 1.01 / 8)):
+        t = quant.quantize(w, kind)
+        back = quant.dequantize(QuantWeight([t]))
+        amax = w.abs().reshape(64, -1, 32).amax(-1, keepdim=True)
+        assert ((back - w).abs().reshape(64, -1, 32) <= amax * bound + 1e-6).all()
