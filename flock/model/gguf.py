@@ -7,6 +7,7 @@ it: its config-key mapping, its tensor-name table and its un-permutation of llam
 """
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +203,14 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
-    from flock.model.quant import KERNEL_TYPES, QuantWeight, from_gguf
+    from flock.model.quant import KERNEL_TYPES
 
     quantized = quantized or {}
     slots = hf_tensor_slots(model)
     names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
     in_blocks = {name for parts in quantized.values() for name in parts}
-    blocks, loaded, expanded = {}, set(), set()
+    loaded, expanded = {names[name] for name in in_blocks}, set()
     for tensor in ckpt.reader.tensors:
         if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
             continue
@@ -217,9 +218,6 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         if name is None:
             raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")
         if tensor.name in in_blocks:
-            raw = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
-            blocks[tensor.name] = from_gguf(int(tensor.tensor_type), raw)
-            loaded.add(name)
             continue
         if quantized and tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
             expanded.add(tensor.tensor_type.name)
@@ -232,10 +230,36 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)
-    model.use_quantized({m: QuantWeight([blocks[name] for name in parts]) for m, parts in quantized.items()})
+    model.use_quantized(_read_blocks(ckpt, quantized, processor))
     if expanded:
         log.info("%s: tensors of type %s are dequantized at load (Flock has no kernel for them)", ckpt.path.name,
                  ", ".join(sorted(expanded)))
+
+
+def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) -> dict:
+    """Each layer's quantized blocks, read from the file straight into one tensor per run of parts of one type
+    (a fused gate_up is never copied, the file's mapping never touched), q/k rows un-permuted."""
+    from flock.model.quant import QuantTensor, QuantWeight
+
+    tensors = {t.name: t for t in ckpt.reader.tensors}
+    weights = {}
+    with open(ckpt.path, "rb") as f:
+        for layer, names in layers.items():
+            parts = []
+            for qtype, run in itertools.groupby((tensors[n] for n in names), key=lambda t: int(t.tensor_type)):
+                run = list(run)
+                blocks = torch.empty((sum(t.data.shape[0] for t in run), run[0].data.shape[1]), dtype=torch.uint8)
+                row = 0
+                for t in run:
+                    rows = blocks[row:row + t.data.shape[0]].numpy()
+                    f.seek(t.data_offset)
+                    if f.readinto(memoryview(rows).cast("B")) != t.n_bytes:
+                        raise ValueError(f"{ckpt.path.name}: tensor {t.name!r} is truncated")
+                    rows[...] = processor.process(weights=rows, name=t.name).weights
+                    row += len(rows)
+                parts.append(QuantTensor(qtype, blocks))
+            weights[layer] = QuantWeight(parts)
+    return weights
 
 
 def _gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:

@@ -30,7 +30,8 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
     paths=("avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
-    signatures={"flock_qgemm": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32], None),
+    signatures={"flock_qgemm": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32, _i32],
+                                _i32),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
@@ -115,11 +116,6 @@ class QuantWeight:
         return "+".join(p.name for p in self.parts)
 
 
-def from_gguf(qtype: int, data: np.ndarray) -> QuantTensor:
-    """A tensor of the gguf reader's raw blocks (uint8 [rows, row bytes]), copied out of the file's mapping."""
-    return QuantTensor(qtype, torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)))
-
-
 def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
     """Float [n, k] weights (k a multiple of 32) as Q8_0 or Q4_0 blocks, by the gguf package's quantizer."""
     from gguf import GGMLQuantizationType, quants
@@ -151,16 +147,17 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n = weight.n // 2 if glu else weight.n
-    out = torch.empty((rows.shape[0], n), dtype=dtype)
-    if rows.shape[0]:
-        lib, threads, acts, col = _lib(path), torch.get_num_threads(), {}, 0
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=dtype)
+    if m:
+        lib, threads, col = _lib(path), torch.get_num_threads(), 0
+        x_bf16, out_bf16 = int(rows.dtype == torch.bfloat16), int(dtype == torch.bfloat16)
         for part in weight.parts:
-            if part.act_block not in acts:
-                acts[part.act_block] = quantize_activations(rows, part.act_block, path)
             cols = part.rows // 2 if glu else part.rows
-            lib.flock_qgemm(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], cols, weight.k,
-                            acts[part.act_block].data_ptr(), rows.shape[0], out[:, col:].data_ptr(), n,
-                            int(dtype == torch.bfloat16), int(glu), threads)
+            if lib.flock_qgemm(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], cols, weight.k,
+                               rows.data_ptr(), rows.stride(0), x_bf16, m, out.data_ptr() + col * out.element_size(),
+                               n, out_bf16, int(glu), threads):
+                raise MemoryError(f"no memory for the int8 activations of {m} rows")
             col += cols
     if bias is not None:
         out += bias

@@ -16,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #pragma GCC target("f16c")  // every AVX2 CPU has it
@@ -200,22 +201,18 @@ static inline float load_x(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-// n values of x as int8 with the scale d = max |x| / 127 (nearest, ties away from zero).
+// n values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even).
 static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
     float v[256], amax = 0.0f;
     for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i]));
     const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < n; i++) q[i] = (int8_t)roundf(v[i] * id);
+    for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
     return d;
 }
 
-// m rows of x (k floats each, ldx apart; bf16 with is_bf16) as act32 (blocks 32) or act256 (blocks 256) rows.
-void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m, int64_t k, int32_t blocks,
-                         void *out, int32_t threads) {
+static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int64_t k, int blocks, void *out) {
     const int64_t nb = k / blocks;
-#pragma omp parallel for num_threads(threads) if(threads > 1 && m * k >= 65536)
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb; b++) {
             if (blocks == 32) {
                 act32 *a = (act32 *)out + r * nb + b;
                 a->d = quantize_span(x, r * ldx + b * 32, 32, is_bf16, a->q);
@@ -232,6 +229,13 @@ void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m,
                 }
             }
         }
+}
+
+// m rows of x (k floats each, ldx apart; bf16 with is_bf16) as act32 (blocks 32) or act256 (blocks 256) rows.
+void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m, int64_t k, int32_t blocks,
+                         void *out, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if(threads > 1 && m * k >= 65536)
+    for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, is_bf16, r, k, blocks, out);
 }
 
 // ---- dot products of one weight row with R activation rows ----------------------------------------------------
@@ -456,16 +460,21 @@ void flock_qdot_scalar(int32_t type, const uint8_t *w, const void *x, int64_t k,
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// y (m rows, ldy apart; fp32, or bf16 with out_bf16) = xq W^T for the n weight rows of w (row_bytes each), xq
-// the activation rows of flock_quantize_rows (act32 or act256 as the type needs). With glu, w holds 2n rows
-// [gate | up] and y gets silu(gate) * up.
-void flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *xq, int64_t m,
-                 void *y, int64_t ldy, int32_t out_bf16, int32_t glu, int32_t threads) {
+// y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
+// x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each). With glu, w holds 2n
+// rows [gate | up] and y gets silu(gate) * up. Returns -1 where the activations' memory cannot be had.
+int32_t flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x,
+                    int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16, int32_t glu,
+                    int32_t threads) {
     const int bs = block_size(type);
     const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
+    void *xq = malloc((size_t)(m * act_row));
+    if (!xq) return -1;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
             const int64_t n0 = i / m_tiles * NT, m0 = i % m_tiles * MT;
@@ -487,4 +496,6 @@ void flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, i
             }
         }
     }
+    free(xq);
+    return 0;
 }
