@@ -62,11 +62,15 @@ def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
 
 
 def compare_tokens(flock_ids: list[int], llama_ids: list[int]) -> dict:
-    first = next((i for i, (a, b) in enumerate(zip(flock_ids, llama_ids)) if a != b), None)
-    if first is None and len(flock_ids) != len(llama_ids):
-        first = min(len(flock_ids), len(llama_ids))
-    return {"flock_tokens": len(flock_ids), "llama_tokens": len(llama_ids), "identical": first is None,
-            "first_difference": first}
+    """Where Flock's tokenizer and llama.cpp's part: the first position and the differing spans (llama.cpp's
+    pre-tokenizers are regex ports of Hugging Face's and part in places, e.g. around newlines)."""
+    import difflib
+
+    spans = [op for op in difflib.SequenceMatcher(None, flock_ids, llama_ids, autojunk=False).get_opcodes()
+             if op[0] != "equal"]
+    return {"flock_tokens": len(flock_ids), "llama_tokens": len(llama_ids), "identical": not spans,
+            "first_difference": spans[0][3] if spans else None, "differing_spans": len(spans),
+            "spans": [{"flock": flock_ids[a:b], "llama": llama_ids[c:d], "at": c} for _, a, b, c, d in spans[:20]]}
 
 
 # -- Flock -------------------------------------------------------------------------------------------------------
@@ -146,7 +150,9 @@ def main() -> None:
     print(f"# text: {len(text):,} characters of standard-library docstrings ({text_file}); llama.cpp's tokens "
           f"(llama-server /tokenize): {len(ids):,}, BOS {'added' if bos is not None else 'not added'}; Flock's "
           f"tokenizer: {tokens['flock_tokens']:,} tokens, "
-          + ("identical ids" if tokens["identical"] else f"first difference at {tokens['first_difference']}"))
+          + ("identical ids" if tokens["identical"] else
+             f"{tokens['differing_spans']} differing spans, the first at {tokens['first_difference']} (Flock "
+             "scores llama.cpp's ids)"))
     print(f"# {len(parts)} chunks of {args.ctx}, {args.ctx - args.ctx // 2 - 1} tokens scored in each")
 
     results, rows = {}, []

@@ -160,7 +160,14 @@ def vocab_size(gguf: Path) -> int:
 
 
 # -- llama.cpp ---------------------------------------------------------------------------------------------------
+def quiet(args) -> None:
+    """Before a measurement: wait up to --wait-quiet seconds for other processes to leave the CPUs."""
+    if args.wait_quiet:
+        machine.wait_quiet(args.wait_quiet, machine.QUIET * (os.cpu_count() or 1), window_s=1.0, pause_s=2.0)
+
+
 def llama_decode(llama: llama_cpp.LlamaCpp, gguf: Path, args) -> dict:
+    quiet(args)
     with machine.OthersCPU() as others:
         result = llama.bench_decode(gguf, args.threads, args.decode_tokens, args.bench_repetitions)
     return {**result, "others_cpu": others.fraction}
@@ -171,6 +178,7 @@ def llama_batch(llama: llama_cpp.LlamaCpp, gguf: Path, batch: list[list[int]], w
     ctx = max(map(len, batch)) + args.gen + 16
     with llama.server(gguf, args.threads, slots, ctx) as server:
         llama_cpp.send_prompts(server, warmup[:1], 4, 1)
+        quiet(args)
         with machine.OthersCPU(server.pid) as others:
             result = llama_cpp.send_prompts(server, batch, args.gen, slots)
     return {**result, "slots": slots, "ctx_per_slot": ctx, "others_cpu": others.fraction}
@@ -185,6 +193,11 @@ def _bar(ok: bool | None) -> str:
     return "-" if ok is None else ("yes" if ok else "NO")
 
 
+def _others(*parts: dict | None) -> str:
+    """Other processes' share of the CPUs during each measurement (llama.cpp / quantized / none)."""
+    return " / ".join("-" if not p or p.get("others_cpu") is None else f"{p['others_cpu']:.0%}" for p in parts)
+
+
 def table_rows(quant: str, r: dict) -> list[list]:
     rows = []
     flock = r.get("flock", {})
@@ -195,19 +208,22 @@ def table_rows(quant: str, r: dict) -> list[list]:
         cell = lambda mode: "-" if mode not in above else f"{above[mode] / MB:,.0f} ({above[mode] / size:.2f}x file)"  # noqa: E731
         ok = above["quantized"] / size <= 1.25 if "quantized" in above else None
         rows.append([quant, f"resident above flock/tiny, MB (file {size / MB:,.0f} MB)", "-", cell("quantized"),
-                     cell("none"), "-", _x(above.get("quantized"), above.get("none")), f"<= 1.25x file: {_bar(ok)}"])
+                     cell("none"), "-", _x(above.get("quantized"), above.get("none")), f"<= 1.25x file: {_bar(ok)}",
+                     "-"])
     if "decode" in q or "decode" in n or "llama_decode" in r:
         ll = r.get("llama_decode", {}).get("tokens_per_s")
         fq, fn = q.get("decode", {}).get("tokens_per_s"), n.get("decode", {}).get("tokens_per_s")
         ok = None if fq is None or ll is None or fn is None else (fq >= ll and fq >= 2.5 * fn)
         rows.append([quant, f"decode tokens/s, {r['decode_tokens']} tokens", _f(ll, ".1f"), _f(fq, ".1f"),
-                     _f(fn, ".1f"), _x(fq, ll), _x(fq, fn), f">= 1.0x and >= 2.5x: {_bar(ok)}"])
+                     _f(fn, ".1f"), _x(fq, ll), _x(fq, fn), f">= 1.0x and >= 2.5x: {_bar(ok)}",
+                     _others(r.get("llama_decode"), q.get("decode"), n.get("decode"))])
     if "batch" in q or "batch" in n or "llama_batch" in r:
         ll = r.get("llama_batch", {}).get("wall_s")
         fq, fn = q.get("batch", {}).get("wall_s"), n.get("batch", {}).get("wall_s")
         ok = None if fq is None or ll is None or fn is None else (ll >= 10 * fq and fn >= 1.5 * fq)
         rows.append([quant, f"shared-prefix batch of {r['batch_prompts']}, s", _f(ll, ".1f"), _f(fq, ".2f"),
-                     _f(fn, ".2f"), _x(ll, fq), _x(fn, fq), f">= 10x and >= 1.5x: {_bar(ok)}"])
+                     _f(fn, ".2f"), _x(ll, fq), _x(fn, fq), f">= 10x and >= 1.5x: {_bar(ok)}",
+                     _others(r.get("llama_batch"), q.get("batch"), n.get("batch"))])
     return rows
 
 
@@ -249,7 +265,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tail-len", type=int, default=40)
     p.add_argument("--gen", type=int, default=32, help="new tokens per batch prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to S seconds for a quiet machine")
+    p.add_argument("--wait-quiet", type=float, default=0.0, help="before each measurement, wait up to S seconds for a quiet machine")
     p.add_argument("--out", type=Path, default=OUT / "gguf_quant.json")
     return p.parse_args()
 
@@ -292,6 +308,7 @@ def main() -> None:
             r["llama_batch"] = llama_batch(llama, gguf, batch, warmup, args)
         if decode_tokens or "batch" in sections:
             for mode in modes:
+                quiet(args)
                 r["flock"][mode] = in_child(child_speed, str(gguf), args.threads, engine_kwargs(mode), decode_tokens,
                                             args.decode_repeats, batch if "batch" in sections else [], args.gen,
                                             warmup)
@@ -303,10 +320,11 @@ def main() -> None:
     print_paths(results)
     print()
     head = ["file", "measure", "llama.cpp", "Flock quantized", "Flock none", "quantized vs llama.cpp",
-            "quantized vs none", "bar"]
-    print(markdown_table(head, [row for q, r in results.items() for row in table_rows(q, r)], "llrrrrrl"))
+            "quantized vs none", "bar", "others' CPU"]
+    print(markdown_table(head, [row for q, r in results.items() for row in table_rows(q, r)], "llrrrrrlr"))
     print("\nSpeed ratios are Flock quantized's advantage (tokens/s over tokens/s; the other's seconds over its "
-          "seconds); memory: quantized's resident bytes over none's.")
+          "seconds); memory: quantized's resident bytes over none's. Others' CPU: the share of the machine other "
+          "processes took during the llama.cpp / quantized / none measurement (above ~10% the figure is noisy).")
     path = write_json(args.out, {"args": args_dict(args), "cpu": machine.cpu_line(),
                                  "quantization_field": has_quantization_field(), "results": results})
     print(f"# wrote {path}")
