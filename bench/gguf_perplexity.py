@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import gguf_models, llama_cpp, machine
+from bench.harness.quant_engine import engine_paths, has_quantization_field
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.stdlib_text import member_docs, module_docs
 
@@ -80,7 +81,8 @@ def flock_perplexity(gguf: Path, parts: list[list[int]], ctx: int, threads: int,
 
     torch.set_num_threads(threads)
     llm = LLM(str(gguf), **kwargs)
-    dtype, paths = str(llm.engine.runner.dtype).removeprefix("torch."), llm.engine.runner.paths
+    paths = engine_paths(llm, str(gguf))
+    dtype, paths = paths["dtype"].removeprefix("torch."), paths["paths"]
     first = ctx // 2
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": c} for c in parts],
@@ -98,9 +100,8 @@ def flock_perplexity(gguf: Path, parts: list[list[int]], ctx: int, threads: int,
     return {"ppl": math.exp(nll / count), "scored_tokens": count, "wall_s": wall, "dtype": dtype, "paths": paths}
 
 
-def engine_kwargs(mode: str, dtype: str) -> dict:
-    from bench.gguf_quant import has_quantization_field
-
+def flock_kwargs(mode: str, dtype: str) -> dict:
+    """quantized: `dtype` (auto: the engine's choice); none: dequantized at load, float32."""
     if mode == "none":
         return {"dtype": "float32", **({"quantization": "none"} if has_quantization_field() else {})}
     return {"dtype": dtype}
@@ -131,7 +132,6 @@ def main() -> None:
     files = gguf_models.ensure("smollm2", args.quants.split(","), llama, args.work)
     print(f"# gguf_perplexity: {machine.cpu_line()}")
     print(f"# threads: {args.threads} for both engines; {machine.load_note()}")
-    from bench.gguf_quant import has_quantization_field
     from flock.model import resolve_model
     from flock.tokenizer import load_tokenizer
 
@@ -164,8 +164,8 @@ def main() -> None:
         if r["llama"]["chunks"] != len(parts):
             print(f"# WARNING {quant}: llama-perplexity used {r['llama']['chunks']} chunks, Flock {len(parts)}: "
                   "the token counts differ")
-        r["quantized"] = flock_perplexity(gguf, parts, args.ctx, args.threads, **engine_kwargs("quantized", args.dtype))
-        r["none"] = flock_perplexity(gguf, parts, args.ctx, args.threads, **engine_kwargs("none", args.dtype))
+        r["quantized"] = flock_perplexity(gguf, parts, args.ctx, args.threads, **flock_kwargs("quantized", args.dtype))
+        r["none"] = flock_perplexity(gguf, parts, args.ctx, args.threads, **flock_kwargs("none", args.dtype))
         ll, fq, fn = r["llama"]["ppl"], r["quantized"]["ppl"], r["none"]["ppl"]
         rows.append([quant, f"{ll:.4f} ± {r['llama']['ppl_error']:.4f}", f"{fq:.4f}", f"{fn:.4f}",
                      _ratio(fq, ll), _ratio(fq, fn), _ratio(fn, ll)])

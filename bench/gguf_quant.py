@@ -22,12 +22,12 @@ import random
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from bench.harness import gguf_models, llama_cpp, machine
+from bench.harness.quant_engine import engine_kwargs, engine_paths, has_quantization_field, rss_bytes
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 
 QUANTS = ("Q4_K_M", "Q8_0")
@@ -39,44 +39,10 @@ MB = 1e6
 
 
 # -- Flock, each case in a fresh child process ------------------------------------------------------------------
-def has_quantization_field() -> bool:
-    from flock.config import EngineConfig
-
-    return "quantization" in {f.name for f in fields(EngineConfig)}
-
-
-def engine_kwargs(mode: str) -> dict:
-    """quantized: the default ("auto"); none: dequantized at load. Before EngineConfig has the field, both run
-    without it (today's dequantizing engine), and the header says so."""
-    if mode == "none" and has_quantization_field():
-        return {"quantization": "none"}
-    return {}
-
-
 def in_child(fn, *args):
     """`fn(*args)` in a fresh spawned interpreter (own RSS, no allocator state carried from an earlier case)."""
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
-
-
-def rss_bytes() -> dict:
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
-
-
-def quant_path() -> str | None:
-    """The quantized GEMM path `flock.model.quant` reports, where the module has such a function."""
-    try:
-        import flock.model.quant as quant
-    except ImportError:
-        return None
-    for name in ("kernel_path", "path", "chosen_path", "chosen_isa", "isa"):
-        if callable(fn := getattr(quant, name, None)):
-            try:
-                return str(fn())
-            except TypeError:
-                continue
-    return None
 
 
 def _engine(model: str, threads: int, **kwargs):
@@ -93,7 +59,7 @@ def child_memory(model: str, threads: int, kwargs: dict) -> dict:
 
     llm, load_s = _engine(model, threads, kv_cache_memory_bytes=KV_BYTES_MEMORY, **kwargs)
     gc.collect()
-    return {**rss_bytes(), "load_s": load_s, "paths": llm.engine.runner.paths, "dtype": str(llm.engine.runner.dtype)}
+    return {**rss_bytes(), "load_s": load_s, **engine_paths(llm, model)}
 
 
 def _greedy(n: int):
@@ -120,8 +86,7 @@ def child_speed(model: str, threads: int, kwargs: dict, decode_tokens: int, deco
                 batch: list[list[int]], gen: int, warmup: list[list[int]]) -> dict:
     """One Flock engine (batchllm): warmed up, then the single-stream decode runs and the shared-prefix batch."""
     llm, load_s = _engine(model, threads, scheduler="batchllm", **kwargs)
-    out = {"load_s": load_s, "paths": llm.engine.runner.paths, "dtype": str(llm.engine.runner.dtype),
-           "quant_path": quant_path()}
+    out = {"load_s": load_s, **engine_paths(llm, model)}
     llm.generate(warmup, _greedy(4), use_tqdm=False)
     if decode_tokens:
         prompt = llm.get_tokenizer().encode(DECODE_PROMPT, add_special_tokens=True)
@@ -236,8 +201,6 @@ def print_paths(results: dict) -> None:
     for quant, r in results.items():
         for mode, f in r.get("flock", {}).items():
             line = f"{f['dtype'].removeprefix('torch.')}, " + "; ".join(f"{k}: {v}" for k, v in f["paths"].items())
-            if f.get("quant_path"):
-                line += f"; flock.model.quant: {f['quant_path']}"
             if (mode, line) not in seen:
                 seen.add((mode, line))
                 print(f"# Flock {mode} ({quant}): {line}")
