@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import gguf_models, llama_cpp, machine
-from bench.harness.quant_engine import engine_paths, has_quantization_field
+from bench.harness.quant_engine import engine_paths, has_quantization_field, quant_path
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.stdlib_text import member_docs, module_docs
 
@@ -132,6 +132,7 @@ def main() -> None:
     files = gguf_models.ensure("smollm2", args.quants.split(","), llama, args.work)
     print(f"# gguf_perplexity: {machine.cpu_line()}")
     print(f"# threads: {args.threads} for both engines; {machine.load_note()}")
+    print(f"# Flock's quantized GEMM (flock.model.quant): {quant_path()}")
     from flock.model import resolve_model
     from flock.tokenizer import load_tokenizer
 

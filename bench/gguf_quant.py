@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import gguf_models, llama_cpp, machine
-from bench.harness.quant_engine import engine_kwargs, engine_paths, has_quantization_field, rss_bytes
+from bench.harness.quant_engine import engine_kwargs, engine_paths, has_quantization_field, quant_path, rss_bytes
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 
 QUANTS = ("Q4_K_M", "Q8_0")
@@ -246,6 +246,7 @@ def main() -> None:
     print(f"# gguf_quant: {machine.cpu_line()}")
     print(f"# threads: {args.threads} for both engines (torch.set_num_threads / llama.cpp -t {args.threads}); "
           f"{machine.load_note(args.wait_quiet)}")
+    print(f"# Flock's quantized GEMM (flock.model.quant): {quant_path()}")
     if not has_quantization_field():
         print("# NOTE: this Flock has no `quantization` engine field: both Flock runs dequantize at load")
     print(f"# model: {args.model}; files: " + ", ".join(f"{q} {p} ({p.stat().st_size / MB:,.0f} MB)"

@@ -4,6 +4,8 @@ has it, the engine's kernel paths (the quantized GEMM's included) and its reside
 from dataclasses import fields
 from pathlib import Path
 
+import torch
+
 from bench.harness import machine
 
 __all__ = ["has_quantization_field", "engine_kwargs", "rss_bytes", "quant_path", "engine_paths"]
@@ -28,26 +30,19 @@ def rss_bytes() -> dict:
     return {k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def quant_path() -> str | None:
-    """The quantized GEMM path `flock.model.quant` reports, where the module has such a function."""
+def quant_path() -> str:
+    """The ISA path of Flock's quantized GEMM here (flock.model.quant), or why there is none."""
     try:
-        import flock.model.quant as quant
+        from flock.model import quant
     except ImportError:
-        return None
-    for name in ("kernel_path", "path", "chosen_path", "chosen_isa", "isa"):
-        if callable(fn := getattr(quant, name, None)):
-            try:
-                return str(fn())
-            except TypeError:
-                continue
-    return None
+        return "none (this Flock has no flock.model.quant)"
+    why = quant.unavailable(torch.float32, torch.device("cpu"))
+    return f"{quant.isa()}" if why is None else f"unavailable ({why})"
 
 
 def engine_paths(llm, model: str) -> dict:
-    """The engine's dtype and kernel paths: attention (as an engine of that dtype picks it), elementwise, GEMMs
-    (the runner's own record; the quantized GEMM shows there), and flock.model.quant's path where it has one."""
+    """The engine's dtype and kernel paths: attention (as an engine of that dtype picks it), then the runner's own
+    record (elementwise, GEMMs, and the quantized GEMM with the layers it serves)."""
     dtype = llm.engine.runner.dtype
     paths = {"attention": machine.attention_path("auto", model, dtype), **llm.engine.runner.paths}
-    if (quant := quant_path()) is not None:
-        paths["flock.model.quant"] = quant
     return {"dtype": str(dtype), "paths": paths}
