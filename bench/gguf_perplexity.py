@@ -127,8 +127,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    llama = llama_cpp.find_or_exit(args.llama_cpp)
     torch.set_num_threads(args.threads)
-    llama = llama_cpp.LlamaCpp.find(args.llama_cpp)
     files = gguf_models.ensure("smollm2", args.quants.split(","), llama, args.work)
     print(f"# gguf_perplexity: {machine.cpu_line()}")
     print(f"# threads: {args.threads} for both engines; {machine.load_note()}")

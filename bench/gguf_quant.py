@@ -11,8 +11,8 @@ llama.cpp's own tools on first use):
   with 16 slots driven by 16 concurrent requests vs Flock scheduler="batchllm" (bars: >= 10x, >= 1.5x "none").
 
     python -m bench.gguf_quant                     # the full run (first use: minutes to make the 1B files)
-    python -m bench.gguf_quant --model smollm2 --quants Q8_0 --decode-tokens 16 --prefix-len 64 --tail-len 8 \\
-        --gen 4 --bench-repetitions 1               # a dry run in about two minutes
+    python -m bench.gguf_quant --model smollm2 --quants Q8_0 --decode-tokens 16 --decode-repeats 1 \\
+        --bench-repetitions 1 --prefix-len 64 --tail-len 8 --gen 4     # a dry run in about three minutes
 """
 
 import argparse
@@ -149,6 +149,31 @@ def llama_batch(llama: llama_cpp.LlamaCpp, gguf: Path, batch: list[list[int]], w
     return {**result, "slots": slots, "ctx_per_slot": ctx, "others_cpu": others.fraction}
 
 
+def measure(gguf: Path, args, llama: llama_cpp.LlamaCpp, sections: list[str], modes: list[str],
+            batch: list[list[int]], warmup: list[list[int]], tiny: dict | None) -> dict:
+    """Every section asked for, on one file: Flock's resident memory (each mode), llama.cpp's decode and batch,
+    then Flock's decode and batch (an engine per mode)."""
+    decode_tokens = args.decode_tokens if "decode" in sections else 0
+    r = {"file": str(gguf), "file_bytes": gguf.stat().st_size, "decode_tokens": decode_tokens,
+         "batch_prompts": len(batch), "flock": {}}
+    if tiny is not None:
+        r["memory"] = {"tiny": tiny}
+        for mode in modes:
+            m = in_child(child_memory, str(gguf), args.threads, engine_kwargs(mode))
+            r["memory"][mode] = {**m, "above_tiny": m["VmRSS"] - tiny["VmRSS"]}
+            r["flock"][mode] = {"dtype": m["dtype"], "paths": m["paths"]}
+    if decode_tokens and not args.skip_llama:
+        r["llama_decode"] = llama_decode(llama, gguf, args)
+    if "batch" in sections and not (args.skip_llama or args.skip_server):
+        r["llama_batch"] = llama_batch(llama, gguf, batch, warmup, args)
+    if decode_tokens or "batch" in sections:
+        for mode in modes:
+            quiet(args)
+            r["flock"][mode] = in_child(child_speed, str(gguf), args.threads, engine_kwargs(mode), decode_tokens,
+                                        args.decode_repeats, batch if "batch" in sections else [], args.gen, warmup)
+    return r
+
+
 # -- report ------------------------------------------------------------------------------------------------------
 def _x(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
@@ -170,11 +195,11 @@ def table_rows(quant: str, r: dict) -> list[list]:
     if "memory" in r:
         m, size = r["memory"], r["file_bytes"]
         above = {mode: m[mode]["above_tiny"] for mode in MODES if mode in m}
-        cell = lambda mode: "-" if mode not in above else f"{above[mode] / MB:,.0f} ({above[mode] / size:.2f}x file)"  # noqa: E731
+        cell = {mode: f"{b / MB:,.0f} ({b / size:.2f}x file)" for mode, b in above.items()}
         ok = above["quantized"] / size <= 1.25 if "quantized" in above else None
-        rows.append([quant, f"resident above flock/tiny, MB (file {size / MB:,.0f} MB)", "-", cell("quantized"),
-                     cell("none"), "-", _x(above.get("quantized"), above.get("none")), f"<= 1.25x file: {_bar(ok)}",
-                     "-"])
+        rows.append([quant, f"resident above flock/tiny, MB (file {size / MB:,.0f} MB)", "-",
+                     cell.get("quantized", "-"), cell.get("none", "-"), "-",
+                     _x(above.get("quantized"), above.get("none")), f"<= 1.25x file: {_bar(ok)}", "-"])
     if "decode" in q or "decode" in n or "llama_decode" in r:
         ll = r.get("llama_decode", {}).get("tokens_per_s")
         fq, fn = q.get("decode", {}).get("tokens_per_s"), n.get("decode", {}).get("tokens_per_s")
@@ -228,18 +253,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tail-len", type=int, default=40)
     p.add_argument("--gen", type=int, default=32, help="new tokens per batch prompt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-quiet", type=float, default=0.0, help="before each measurement, wait up to S seconds for a quiet machine")
+    p.add_argument("--wait-quiet", type=float, default=0.0,
+                   help="before each measurement, wait up to S seconds for a quiet machine")
     p.add_argument("--out", type=Path, default=OUT / "gguf_quant.json")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    llama = llama_cpp.find_or_exit(args.llama_cpp) if not args.skip_llama else llama_cpp.LlamaCpp(args.llama_cpp)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's OpenMP pools, as torch.set_num_threads
     torch.set_num_threads(args.threads)
     quants, sections = args.quants.split(","), args.sections.split(",")
     modes = args.modes.split(",")
-    llama = llama_cpp.LlamaCpp.find(args.llama_cpp) if not args.skip_llama else llama_cpp.LlamaCpp(args.llama_cpp)
     files = gguf_models.ensure(args.model, quants, llama, args.work) if not args.skip_llama else \
         {q: gguf_models.gguf_file(args.model, q, args.work) for q in quants}
 
@@ -255,31 +281,8 @@ def main() -> None:
     vocab = vocab_size(next(iter(files.values())))
     batch = shared_prefix_batch(args.seed, vocab, args.prefixes, args.tails, args.prefix_len, args.tail_len)
     warmup = shared_prefix_batch(args.seed + 1, vocab, 1, 2, 32, 8)
-    decode_tokens = args.decode_tokens if "decode" in sections else 0
-    results: dict[str, dict] = {}
     tiny = in_child(child_memory, "flock/tiny", args.threads, {}) if "memory" in sections else None
-    for quant, gguf in files.items():
-        r = results[quant] = {"file": str(gguf), "file_bytes": gguf.stat().st_size, "decode_tokens": decode_tokens,
-                              "batch_prompts": len(batch), "flock": {}}
-        if tiny is not None:
-            r["memory"] = {"tiny": tiny}
-            for mode in modes:
-                m = in_child(child_memory, str(gguf), args.threads, engine_kwargs(mode))
-                r["memory"][mode] = {**m, "above_tiny": m["VmRSS"] - tiny["VmRSS"]}
-        if decode_tokens and not args.skip_llama:
-            r["llama_decode"] = llama_decode(llama, gguf, args)
-        if "batch" in sections and not (args.skip_llama or args.skip_server):
-            r["llama_batch"] = llama_batch(llama, gguf, batch, warmup, args)
-        if decode_tokens or "batch" in sections:
-            for mode in modes:
-                quiet(args)
-                r["flock"][mode] = in_child(child_speed, str(gguf), args.threads, engine_kwargs(mode), decode_tokens,
-                                            args.decode_repeats, batch if "batch" in sections else [], args.gen,
-                                            warmup)
-        for mode in modes:
-            if mode in r.get("memory", {}):
-                r["flock"].setdefault(mode, {}).setdefault("paths", r["memory"][mode]["paths"])
-                r["flock"][mode].setdefault("dtype", r["memory"][mode]["dtype"])
+    results = {quant: measure(gguf, args, llama, sections, modes, batch, warmup, tiny) for quant, gguf in files.items()}
 
     print_paths(results)
     print()

@@ -18,7 +18,7 @@ import httpx
 
 from bench.harness.server_process import free_port
 
-__all__ = ["DEFAULT_TREE", "TOOLS", "LlamaCpp", "LlamaServer", "add_argument", "send_prompts", "file_type"]
+__all__ = ["DEFAULT_TREE", "TOOLS", "LlamaCpp", "LlamaServer", "add_argument", "find_or_exit", "send_prompts", "file_type"]
 
 DEFAULT_TREE = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
 TOOLS = ("llama-server", "llama-bench", "llama-quantize", "llama-perplexity")
@@ -35,6 +35,14 @@ FLOAT_FILE_TYPES = {0, 1, 32}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_BF16
 def add_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp", type=Path, default=DEFAULT_TREE,
                         help="llama.cpp source tree with its binaries under build/bin (default: %(default)s)")
+
+
+def find_or_exit(tree: Path | str = DEFAULT_TREE) -> "LlamaCpp":
+    """`LlamaCpp.find(tree)`, or the script ends with the message saying how to build llama.cpp."""
+    try:
+        return LlamaCpp.find(tree)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
 
 
 def file_type(gguf: Path) -> int | None:
@@ -172,8 +180,9 @@ class LlamaServer:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """llama.cpp's own token ids of `text` (its /tokenize endpoint; add_special: BOS where the vocabulary
-        adds one)."""
-        r = httpx.post(f"{self.url}/tokenize", json={"content": text, "add_special": add_special}, timeout=600)
+        adds one); special-token text stays plain text, as llama-perplexity tokenizes its file."""
+        body = {"content": text, "add_special": add_special, "parse_special": False}
+        r = httpx.post(f"{self.url}/tokenize", json=body, timeout=600)
         r.raise_for_status()
         return r.json()["tokens"]
 
