@@ -1,0 +1,117 @@
+"""The GGUF files the quantized benchmarks run, made with llama.cpp's own tools and cached under a work folder
+(rebuilt only when missing; the 1B model takes minutes the first time):
+
+- `llama-1b`: a ~1B Llama-shaped model with random weights N(0, 0.02) (hidden 2048, 16 layers, intermediate
+  8192, 32 q / 8 kv heads, head_dim 64, tied embeddings) and SmolLM2's tokenizer and vocabulary, so the converter
+  knows its pre-tokenizer; saved as a bf16 HF folder, converted to F16 GGUF, quantized to Q4_K_M and Q8_0;
+- `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder) as F16 GGUF, then Q8_0 and Q4_K_M.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from bench.harness.llama_cpp import LlamaCpp
+
+__all__ = ["WORK", "SMOLLM2_F32", "LLAMA_1B", "random_llama_folder", "gguf_file", "ensure"]
+
+WORK = Path("/work/models/qbench")
+SMOLLM2_F32 = Path("/work/models/smollm2-f32")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
+STD = 0.02
+ROWS = 1024  # rows drawn at a time (float32), so drawing never holds a whole tensor twice
+
+
+def _random(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    for r in range(0, shape[0], ROWS):
+        out[r:r + ROWS] = (torch.randn(min(ROWS, shape[0] - r), shape[1], generator=g) * STD).to(torch.bfloat16)
+    return out
+
+
+def _layer(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
+    h, m, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    p = f"model.layers.{i}."
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
+    tensors = {f"{p}{name}.weight": _random(shape, g) for name, shape in shapes.items()}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    return tensors
+
+
+def random_llama_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict = LLAMA_1B,
+                        seed: int = 0) -> Path:
+    """A bf16 HF folder of a Llama of `shape` with random weights and `tokenizer_folder`'s tokenizer (its
+    config gives the vocabulary, special tokens and rope), one safetensors shard per layer."""
+    from safetensors.torch import save_file
+
+    config = {**json.loads((tokenizer_folder / "config.json").read_text()), **shape, "torch_dtype": "bfloat16"}
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    n = config["num_hidden_layers"]
+    shards = {f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors": i for i in range(n + 1)}
+    weight_map = {}
+    for name, i in shards.items():
+        if i < n:
+            tensors = _layer(i, config, g)
+        else:
+            tensors = {"model.embed_tokens.weight": _random((config["vocab_size"], config["hidden_size"]), g),
+                       "model.norm.weight": torch.ones(config["hidden_size"], dtype=torch.bfloat16)}
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in TOKENIZER_FILES:
+        if (tokenizer_folder / f).is_file():
+            shutil.copy(tokenizer_folder / f, tmp / f)
+    tmp.rename(out)
+    return out
+
+
+def gguf_file(model: str, kind: str, work: Path = WORK) -> Path:
+    return work / f"{model}-{kind}.gguf"
+
+
+def _atomic(dst: Path, make) -> Path:
+    """`make(tmp)` writes the file; it becomes `dst` only once complete (an interrupted build leaves no file)."""
+    if dst.is_file():
+        return dst
+    tmp = dst.with_name(dst.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    make(tmp)
+    tmp.rename(dst)
+    return dst
+
+
+def ensure(model: str, kinds: list[str], llama: LlamaCpp, work: Path = WORK, log=print) -> dict[str, Path]:
+    """The GGUF files of `model` ("llama-1b" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M, ...), made
+    where missing: the HF folder (random for llama-1b), the F16 conversion, then llama-quantize from F16."""
+    work.mkdir(parents=True, exist_ok=True)
+    if model == "llama-1b":
+        folder = work / "llama-1b-hf"
+        if not folder.is_dir():
+            log(f"# making {folder} (random bf16 weights, a few minutes)")
+            random_llama_folder(folder)
+    elif model == "smollm2":
+        folder = SMOLLM2_F32
+    else:
+        raise ValueError(f"unknown model {model!r}: llama-1b or smollm2")
+    f16 = gguf_file(model, "F16", work)
+    if not f16.is_file():
+        log(f"# converting {folder} -> {f16}")
+    _atomic(f16, lambda tmp: llama.convert(folder, tmp, "f16"))
+    files = {}
+    for kind in kinds:
+        dst = gguf_file(model, kind, work)
+        if not dst.is_file():
+            log(f"# llama-quantize {f16.name} -> {dst.name}")
+        files[kind] = _atomic(dst, lambda tmp, kind=kind: llama.quantize(f16, tmp, kind))
+    return files
