@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness.server_process import free_port
+from bench.harness.server_process import free_port, wait_healthy
 
 __all__ = ["DEFAULT_TREE", "TOOLS", "LlamaCpp", "LlamaServer", "add_argument", "find_or_exit", "send_prompts", "file_type"]
 
@@ -147,16 +147,8 @@ class LlamaServer:
 
     def __enter__(self) -> "LlamaServer":
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        if wait_healthy(self.proc, self.url, self.ready_timeout, "llama-server", lambda: self.logs()[-3000:]):
+            return self
         self.__exit__()
         raise RuntimeError(f"llama-server was not ready within {self.ready_timeout} s:\n{self.logs()[-3000:]}")
 

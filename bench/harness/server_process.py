@@ -21,6 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, logs) -> bool:
+    """Poll `url`/health until it answers 200 (True) or `timeout` passes (False); RuntimeError with the
+    process's `logs()` if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{logs()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 class ServerProcess:
     """Starts `python -m flock.api.server ARGS --port P`, waits for /health; `stop()` sends SIGTERM (graceful).
     After a graceful shutdown uvicorn re-raises the signal, so the exit code is -SIGTERM."""
@@ -46,16 +62,8 @@ class ServerProcess:
         path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, **(self.env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flock serve exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.proc, self.url, self.ready_timeout, "flock serve", self.logs):
+            return self
         self.stop()
         raise RuntimeError(f"flock serve was not ready within {self.ready_timeout} s:\n{self.logs()}")
 

@@ -123,7 +123,8 @@ def build_model(
         raise ValueError(f"quantization={quantization!r}: {why}")
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.config, backend)
-    in_blocks = quantized_layers(model, resolved.gguf) if load_format == "gguf" and not why and quantization != "none" else {}
+    keep_blocks = load_format == "gguf" and quantization != "none" and not why
+    in_blocks = quantized_layers(model, resolved.gguf) if keep_blocks else {}
     for name in in_blocks:  # never allocated as floats
         model.get_submodule(name).weight.data = torch.empty(0, device="meta")
     if why and resolved.gguf:
