@@ -126,7 +126,8 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
 
 
 def quantize_activations(rows: torch.Tensor, block: int, path: str | None = None) -> torch.Tensor:
-    """int8 activation blocks of float32/bf16 rows [m, k]: the operand flock_qgemm takes."""
+    """The int8 activation blocks of float32/bf16 rows [m, k], as flock_qgemm makes them inside its call (for
+    the scalar reference dot product, flock_qdot_scalar)."""
     m, k = rows.shape
     out = torch.empty(m * (k // block) * ACT_BYTES[block], dtype=torch.uint8)
     _lib(path).flock_quantize_rows(rows.data_ptr(), rows.stride(0), int(rows.dtype == torch.bfloat16), m, k, block,

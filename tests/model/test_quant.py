@@ -59,6 +59,11 @@ def test_gemm_equals_float64_on_the_kernels_activations(name, path, m):
     assert (np.abs(got - x.astype(np.float64) @ w.T) <= step @ np.abs(w).T * 1.01 + 2e-6 * scale).all()
 
 
+def test_each_path_runs_its_own_build():
+    assert [quant.KERNEL.load(p).flock_qgemm_avx2() for p in PATHS] == [int(p == "avx2") for p in PATHS]
+    assert quant.isa() == PATHS[0]
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_scalar_dot_equals_the_avx2_gemm(name):
     if "avx2" not in PATHS:
