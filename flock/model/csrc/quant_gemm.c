@@ -2,7 +2,7 @@
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q4_K, Q5_K, Q6_K (super-blocks of 256), row-major, each row
 // its K / block blocks.
 //
-// As in llama.cpp, the activations are quantized per row to int8 first (flock_quantize_rows): blocks of 32 with
+// As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
 // scale and the integer sums of each 16 for the K-quants. A weight block and an activation block then meet in
 // integer dot products (vpmaddubsw: unsigned weight bytes times signed activation bytes, pairs summed to int16,
