@@ -219,7 +219,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
             raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")
         if tensor.name in in_blocks:
             continue
-        if quantized and tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
+        if tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
             expanded.add(tensor.tensor_type.name)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)

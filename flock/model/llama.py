@@ -1,5 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache."""
 
+from collections import Counter
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -194,8 +196,4 @@ class LlamaForCausalLM(nn.Module):
 
     def quantized_types(self) -> dict[str, int]:
         """How many layers run on each quant type ("Q4_K+Q6_K": a fused weight of two)."""
-        counts: dict[str, int] = {}
-        for module in self.modules():
-            if isinstance(module, Linear) and module.qweight is not None:
-                counts[module.qweight.types] = counts.get(module.qweight.types, 0) + 1
-        return counts
+        return dict(Counter(m.qweight.types for m in self.modules() if isinstance(m, Linear) and m.qweight is not None))
