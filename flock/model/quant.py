@@ -24,16 +24,18 @@ KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
-ACT_BYTES = {32: 40, 256: 292}  # an activation block: its scale (and sums) and int8 values
+ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
+X8_BYTES = {"Q4_K": 148, "Q6_K": 210}  # a row's share of 8 rows' interleaved super-block
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
     paths=("avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
-    signatures={"flock_qgemm": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32, _i32],
-                                _i32),
+    signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
+                                 _i32], _i32),
+                "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
-                "flock_dequantize_rows": ([_i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
+                "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
                 "flock_qgemm_avx2": ([], _i32)})
 
@@ -59,10 +61,12 @@ def _lib(path: str | None):
 
 @dataclass
 class QuantTensor:
-    """`rows` rows of k values in one quant type: `blocks` uint8 [rows, k / block * block bytes]."""
+    """`rows` rows of k values in one quant type: `blocks` uint8 [rows, k / block * block bytes], or with
+    `interleaved` each 8 rows' super-blocks side by side (`interleave`)."""
 
     qtype: int  # ggml's type id
     blocks: torch.Tensor
+    interleaved: bool = False
 
     @property
     def name(self) -> str:
@@ -75,7 +79,7 @@ class QuantTensor:
     @property
     def k(self) -> int:
         _, values, size = KERNEL_TYPES[self.name]
-        return self.blocks.shape[1] // size * values
+        return self.blocks.shape[1] // (X8_BYTES[self.name] if self.interleaved else size) * values
 
     @property
     def act_block(self) -> int:
@@ -91,8 +95,8 @@ class QuantWeight:
     def __post_init__(self):
         merged = [self.parts[0]]
         for part in self.parts[1:]:
-            if part.qtype == merged[-1].qtype:
-                merged[-1] = QuantTensor(part.qtype, torch.cat([merged[-1].blocks, part.blocks]))
+            if (part.qtype, part.interleaved) == (merged[-1].qtype, merged[-1].interleaved):
+                merged[-1] = QuantTensor(part.qtype, torch.cat([merged[-1].blocks, part.blocks]), part.interleaved)
             else:
                 merged.append(part)
         self.parts = merged
@@ -114,6 +118,24 @@ class QuantWeight:
     @property
     def types(self) -> str:
         return "+".join(p.name for p in self.parts)
+
+
+def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
+    """Q4_K / Q6_K rows, 8 at a time, as the interleaved super-blocks the 8-row kernels read; other types and
+    row counts that are not a multiple of 8 as they are."""
+    if tensor.interleaved or tensor.name not in X8_BYTES or tensor.rows % 8:
+        return tensor
+    out = torch.empty((tensor.rows, tensor.k // 256 * X8_BYTES[tensor.name]), dtype=torch.uint8)
+    _lib(path).flock_interleave(tensor.qtype, tensor.blocks.data_ptr(), tensor.blocks.stride(0), tensor.rows, tensor.k,
+                                out.data_ptr(), torch.get_num_threads())
+    return QuantTensor(tensor.qtype, out, interleaved=True)
+
+
+def for_kernels(weight: QuantWeight) -> QuantWeight:
+    """The weight in the layout the kernels here read fastest: Q4_K / Q6_K interleaved on the AVX2 path."""
+    if isa() == "baseline":
+        return weight
+    return QuantWeight([interleave(part) for part in weight.parts])
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
@@ -155,9 +177,9 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         x_bf16, out_bf16 = int(rows.dtype == torch.bfloat16), int(dtype == torch.bfloat16)
         for part in weight.parts:
             cols = part.rows // 2 if glu else part.rows
-            if lib.flock_qgemm(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], cols, weight.k,
-                               rows.data_ptr(), rows.stride(0), x_bf16, m, out.data_ptr() + col * out.element_size(),
-                               n, out_bf16, int(glu), threads):
+            if lib.flock_qgemm(part.qtype, int(part.interleaved), part.blocks.data_ptr(), part.blocks.shape[1], cols,
+                               weight.k, rows.data_ptr(), rows.stride(0), x_bf16, m,
+                               out.data_ptr() + col * out.element_size(), n, out_bf16, int(glu), threads):
                 raise MemoryError(f"no memory for the int8 activations of {m} rows")
             col += cols
     if bias is not None:
@@ -175,9 +197,9 @@ def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype =
         mine = (flat >= start) & (flat < start + part.rows)
         picked = (flat[mine] - start).contiguous()
         got = torch.empty((picked.numel(), weight.k), dtype=out.dtype)
-        _lib(path).flock_dequantize_rows(part.qtype, part.blocks.data_ptr(), part.blocks.shape[1], picked.data_ptr(),
-                                         picked.numel(), weight.k, got.data_ptr(), int(out.dtype == torch.bfloat16),
-                                         torch.get_num_threads())
+        _lib(path).flock_dequantize_rows(part.qtype, int(part.interleaved), part.blocks.data_ptr(), part.blocks.shape[1],
+                                         picked.data_ptr(), picked.numel(), weight.k, got.data_ptr(),
+                                         int(out.dtype == torch.bfloat16), torch.get_num_threads())
         out[mine] = got
         start += part.rows
     return out.to(dtype).view(*ids.shape, weight.k)

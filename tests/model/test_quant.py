@@ -12,14 +12,22 @@ from tests.model import gguf_files
 
 TYPES = list(KERNEL_TYPES)
 PATHS = quant.KERNEL.runnable()
+# every type in its file's row layout, and the types the 8-row kernels also take interleaved
+LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8_BYTES]
 
 
-def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> QuantTensor:
+def random_blocks(name: str, rows: int, k: int, seed: int = 0, interleaved: bool = False) -> QuantTensor:
     qtype = gguf.GGMLQuantizationType[name]
-    return QuantTensor(int(qtype), torch.from_numpy(gguf_files.random_blocks(qtype, rows, k, 0.02, seed)))
+    t = QuantTensor(int(qtype), torch.from_numpy(gguf_files.random_blocks(qtype, rows, k, 0.02, seed)))
+    if interleaved:
+        x8 = quant.interleave(t)
+        assert x8.interleaved and x8.k == k and x8.rows == rows
+        return x8
+    return t
 
 
 def reference(t: QuantTensor) -> np.ndarray:
+    assert not t.interleaved
     return gguf.quants.dequantize(t.blocks.numpy(), gguf.GGMLQuantizationType(t.qtype)).astype(np.float64)
 
 
@@ -32,25 +40,27 @@ def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", TYPES)
-def test_dequantized_rows_equal_the_gguf_package(name, path):
-    t = random_blocks(name, 37, 512)
-    ids = torch.tensor([[3, 0], [36, 3]])
+@pytest.mark.parametrize("name, interleaved", LAYOUTS)
+def test_dequantized_rows_equal_the_gguf_package(name, interleaved, path):
+    rows = 40 if interleaved else 37
+    t = random_blocks(name, rows, 512, interleaved=interleaved)
+    ids = torch.tensor([[3, 0], [rows - 1, 3], [9, 14]])
     got = quant.dequantize_rows(QuantWeight([t]), ids, path=path)
-    assert torch.equal(got, torch.from_numpy(reference(t)[ids.numpy()]).float())
+    assert torch.equal(got, torch.from_numpy(reference(random_blocks(name, rows, 512))[ids.numpy()]).float())
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name, interleaved", LAYOUTS)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
-def test_gemm_equals_float64_on_the_kernels_activations(name, path, m):
+def test_gemm_equals_float64_on_the_kernels_activations(name, interleaved, path, m):
     """Bound 1: against x-as-quantized-by-the-kernel times the dequantized weight, only float32 rounding.
     Bound 2: against the float x, at most half an activation step per value times |w|."""
-    n, k = 45, 768
+    n, k = (48 if interleaved else 45), 768
     t = random_blocks(name, n, k, seed=m)
     w = reference(t)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
-    got = quant.linear(torch.from_numpy(x), QuantWeight([t]), path=path).double().numpy()
+    weight = QuantWeight([quant.interleave(t) if interleaved else t])
+    got = quant.linear(torch.from_numpy(x), weight, path=path).double().numpy()
     block = t.act_block
     xq = quantized_rows(x.astype(np.float64), block)
     scale = np.abs(xq) @ np.abs(w).T
@@ -96,6 +106,28 @@ def test_mixed_parts_glu_bias_and_bf16(path):
     assert torch.allclose(bf16.float(), quant.linear(x.bfloat16().float(), QuantWeight([q]), path=path),
                           rtol=1e-2, atol=1e-2)
     assert quant.linear(x[:0], weight, path=path).shape == (0, 80)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", list(quant.X8_BYTES))
+def test_interleaved_rows_multiply_as_the_file_rows(name, path):
+    """Both layouts sum the same integer products per block; glu, bf16 and a fused weight whose parts are
+    interleaved or not (the row count no multiple of 8) as well."""
+    k = 512
+    rows, x8 = random_blocks(name, 32, k, 6), random_blocks(name, 32, k, 6, interleaved=True)
+    x = torch.randn(7, k)
+    for glu in (False, True):
+        want = quant.linear(x, QuantWeight([rows]), glu=glu, path=path)
+        assert torch.allclose(quant.linear(x, QuantWeight([x8]), glu=glu, path=path), want, rtol=1e-5, atol=1e-5)
+    bf16 = quant.linear(x.bfloat16(), QuantWeight([x8]), path=path)
+    assert torch.allclose(bf16.float(), quant.linear(x.bfloat16(), QuantWeight([rows]), path=path).float(),
+                          rtol=1e-2, atol=1e-2)
+    odd = random_blocks("Q6_K" if name == "Q4_K" else "Q4_K", 12, k, 7)
+    assert quant.interleave(odd) is odd
+    fused = quant.for_kernels(QuantWeight([odd, rows]))
+    assert [p.interleaved for p in fused.parts] == [False, quant.isa() != "baseline"]
+    assert torch.allclose(quant.linear(x, fused, path=path), quant.linear(x, QuantWeight([odd, rows]), path=path),
+                          rtol=1e-5, atol=1e-5)
 
 
 def test_quantize_at_load_round_trips():

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from flock import LLM, SamplingParams
+from flock.model import quant
 from flock.model.linear import Embedding, Linear
+from flock.model.quant import KERNEL_TYPES, QuantWeight
 from tests.engine.test_parity import flock_greedy, shared_prefix_prompts
 from tests.model.gguf_files import Q, write_gguf
 
@@ -34,14 +36,22 @@ def file_bytes(path) -> dict[str, int]:
     return {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
 
 
+def in_file_layout(weight: QuantWeight) -> int:
+    """The bytes of the weight's blocks in the file's row layout."""
+    return sum(p.rows * p.k // p.act_block * KERNEL_TYPES[p.name][2] for p in weight.parts)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
     llm = LLM(str(gguf_models[case]), dtype="float32", kv_cache_memory_bytes=1 << 20)
     found = layers(llm)
     assert all(m.qweight is not None and m.weight.numel() == 0 for m in found.values())
-    held = {id(m.qweight): m.qweight.nbytes for m in found.values()}  # a tied lm_head holds the embedding's
+    held = {id(m.qweight): m.qweight for m in found.values()}  # a tied lm_head holds the embedding's
     matrices = {name: n for name, n in file_bytes(gguf_models[case]).items() if not name.endswith(("norm.weight", "bias"))}
-    assert sum(held.values()) == sum(matrices.values())
+    assert sum(map(in_file_layout, held.values())) == sum(matrices.values())
+    interleaved = [p for w in held.values() for p in w.parts if p.interleaved]
+    assert bool(interleaved) == (case == "K-quants" and quant.isa() != "baseline")
+    assert sum(w.nbytes for w in held.values()) <= 1.03 * sum(matrices.values())
     types = llm.engine.runner.model.quantized_types()
     if case == "K-quants":
         assert types == {"Q4_K+Q6_K": 1, "Q4_K": 6, "Q5_K": 1, "Q6_K": 1}  # qkv of layer 0 mixes two

@@ -9,6 +9,11 @@
 // then vpmaddwd into int32 with each sub-block's integer scale), one float multiply per block, and the
 // weights' offsets (Q4_0's 8, Q6_K's 32, a K-quant's minimum) come from the activation sums.
 //
+// Q4_K and Q6_K weights can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for
+// its CPU kernels: 8 rows' super-blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the
+// integer scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once, each
+// sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
+//
 // A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
 // the 4 rows. The call's tiles, weight-row major, are split evenly over the threads. Built for AVX2 (the floor
 // of every x86 CPU Flock runs on) and for the baseline (portable C, the same integer arithmetic: the reference).
@@ -35,8 +40,16 @@ typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } blk_q6_K;
 
-typedef struct { float d, s; int8_t q[32]; } act32;                  // s = d * sum(q)
-typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } act256;  // bsums: the sums of each 16 of q
+// 8 rows interleaved (x8): pair p of sub-blocks holds, per row, the sub-blocks 2p and 2p + 1's byte scales
+// (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
+// 8 v + 4 + t (high nibble) of the sub-block in row r.
+typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs[8][4][32]; } blk_q4_Kx8;
+// Q6_K's 16 sub-blocks of 16: qs vector v holds weights 8 v + t and 8 v + 4 + t as Q4_K's do, and bits 2 g of
+// qh byte 4 r + t the top 2 bits of weight 4 g + t.
+typedef struct { f16 d[8]; int8_t sc[8][8][2]; uint8_t qs[16][2][32]; uint8_t qh[16][32]; } blk_q6_Kx8;
+
+typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
+typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
 
 // ggml's type ids
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -108,6 +121,11 @@ static int64_t block_bytes(int type) {
     }
 }
 
+// The bytes of one row's share of an interleaved super-block (a blk_*x8 holds 8 rows'); 0: not interleaved.
+static int64_t x8_row_bytes(int type) {
+    return type == Q4_K ? (int64_t)sizeof(blk_q4_Kx8) / 8 : type == Q6_K ? (int64_t)sizeof(blk_q6_Kx8) / 8 : 0;
+}
+
 // ---- dequantization (embedding rows; the tests' view of the formats) -------------------------------------------
 // The values of one block as unsigned integers u and, per 16 of them, a scale and an offset: w = s u + o.
 static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, float *o) {
@@ -175,17 +193,112 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
     }
 }
 
-// Rows `ids` of W ([.][k], row_bytes apart) as floats: fp32, or bf16 with out_bf16.
-void flock_dequantize_rows(int32_t type, const uint8_t *w, int64_t row_bytes, const int64_t *ids, int64_t n_ids,
-                           int64_t k, void *out, int32_t out_bf16, int32_t threads) {
+// decode_block for row `lane` of an interleaved super-block.
+static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float *s, float *o) {
+    if (type == Q4_K) {
+        const blk_q4_Kx8 *b = (const blk_q4_Kx8 *)blk;
+        const float d = f16_to_f32(b->d[lane]), dmin = f16_to_f32(b->dmin[lane]);
+        for (int sb = 0; sb < 8; sb++) {
+            for (int v = 0; v < 4; v++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t q = b->qs[sb][v][4 * lane + t];
+                    u[32 * sb + 8 * v + t] = q & 0xf, u[32 * sb + 8 * v + 4 + t] = q >> 4;
+                }
+            s[2 * sb] = s[2 * sb + 1] = d * b->sc[sb / 2][lane][sb % 2];
+            o[2 * sb] = o[2 * sb + 1] = -dmin * b->mn[sb / 2][lane][sb % 2];
+        }
+    } else {
+        const blk_q6_Kx8 *b = (const blk_q6_Kx8 *)blk;
+        const float d = f16_to_f32(b->d[lane]);
+        for (int sb = 0; sb < 16; sb++) {
+            for (int v = 0; v < 2; v++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t q = b->qs[sb][v][4 * lane + t];
+                    u[16 * sb + 8 * v + t] = q & 0xf, u[16 * sb + 8 * v + 4 + t] = q >> 4;
+                }
+            for (int i = 0; i < 16; i++) u[16 * sb + i] |= ((b->qh[sb][4 * lane + i % 4] >> (2 * (i / 4))) & 3) << 4;
+            s[sb] = d * b->sc[sb / 2][lane][sb % 2], o[sb] = -32 * s[sb];
+        }
+    }
+}
+
+// One row of Q4_K / Q6_K blocks into row `lane` of interleaved super-blocks.
+static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, uint8_t *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t u[256];
+        float s[16], o[16];
+        decode_block(type, row + b * block_bytes(type), u, s, o);
+        if (type == Q4_K) {
+            const blk_q4_K *src = (const blk_q4_K *)row + b;
+            blk_q4_Kx8 *dst = (blk_q4_Kx8 *)out + b;
+            uint8_t sm[16];
+            k_scales(src->scales, sm);
+            dst->d[lane] = src->d, dst->dmin[lane] = src->dmin;
+            for (int sb = 0; sb < 8; sb++) {
+                dst->sc[sb / 2][lane][sb % 2] = sm[sb], dst->mn[sb / 2][lane][sb % 2] = sm[8 + sb];
+                for (int v = 0; v < 4; v++)
+                    for (int t = 0; t < 4; t++)
+                        dst->qs[sb][v][4 * lane + t] = u[32 * sb + 8 * v + t] | u[32 * sb + 8 * v + 4 + t] << 4;
+            }
+        } else {
+            const blk_q6_K *src = (const blk_q6_K *)row + b;
+            blk_q6_Kx8 *dst = (blk_q6_Kx8 *)out + b;
+            dst->d[lane] = src->d;
+            for (int sb = 0; sb < 16; sb++) {
+                dst->sc[sb / 2][lane][sb % 2] = src->scales[sb];
+                for (int v = 0; v < 2; v++)
+                    for (int t = 0; t < 4; t++)
+                        dst->qs[sb][v][4 * lane + t] = (u[16 * sb + 8 * v + t] & 0xf) | (u[16 * sb + 8 * v + 4 + t] & 0xf) << 4;
+                for (int t = 0; t < 4; t++) {
+                    uint8_t h = 0;
+                    for (int g = 0; g < 4; g++) h |= (u[16 * sb + 4 * g + t] >> 4) << (2 * g);
+                    dst->qh[sb][4 * lane + t] = h;
+                }
+            }
+        }
+    }
+}
+
+// n rows (n a multiple of 8) of Q4_K / Q6_K blocks, row_bytes apart, as interleaved super-blocks: 8 rows'
+// super-block b at out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
+void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out,
+                      int32_t threads) {
+    const int64_t nb = k / 256, octet_bytes = 8 * nb * x8_row_bytes(type);
+#pragma omp parallel for num_threads(threads) if(threads > 1)
+    for (int64_t o = 0; o < n / 8; o++)
+        for (int lane = 0; lane < 8; lane++)
+            interleave_row(type, w + (8 * o + lane) * row_bytes, nb, lane, out + o * octet_bytes);
+}
+
+// Where block b of row j starts, and the row's lane in its interleaved super-block (-1: rows layout).
+static inline const uint8_t *block_at(int type, int x8, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t b,
+                                      int *lane) {
+    if (!x8) {
+        *lane = -1;
+        return w + j * row_bytes + b * block_bytes(type);
+    }
+    *lane = (int)(j % 8);
+    return w + (j - j % 8) * row_bytes + b * 8 * x8_row_bytes(type);
+}
+
+static inline void decode_any(int type, const uint8_t *blk, int lane, uint8_t *u, float *s, float *o) {
+    if (lane < 0) decode_block(type, blk, u, s, o);
+    else decode_x8(type, blk, lane, u, s, o);
+}
+
+// Rows `ids` of W ([.][k], row_bytes apart; interleaved with x8) as floats: fp32, or bf16 with out_bf16.
+void flock_dequantize_rows(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
+                           int64_t n_ids, int64_t k, void *out, int32_t out_bf16, int32_t threads) {
     const int bs = block_size(type);
-    const int64_t bb = block_bytes(type), nb = k / bs;
+    const int64_t nb = k / bs;
 #pragma omp parallel for num_threads(threads) if(threads > 1 && n_ids * k >= 65536)
     for (int64_t r = 0; r < n_ids; r++) {
         uint8_t u[256];
         float s[16], o[16];
         for (int64_t b = 0; b < nb; b++) {
-            decode_block(type, w + ids[r] * row_bytes + b * bb, u, s, o);
+            int lane;
+            const uint8_t *blk = block_at(type, x8, w, row_bytes, ids[r], b, &lane);
+            decode_any(type, blk, lane, u, s, o);
             for (int i = 0; i < bs; i++) {
                 const float v = s[i / 16] * u[i] + o[i / 16];
                 const int64_t at = r * k + b * bs + i;
@@ -227,6 +340,7 @@ static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int
                     for (int i = 0; i < 16; i++) sum += a->q[16 * t + i];
                     a->bsums[t] = (int16_t)sum;
                 }
+                for (int t = 0; t < 8; t++) a->sums32[t] = (int16_t)(a->bsums[2 * t] + a->bsums[2 * t + 1]);
             }
         }
 }
@@ -399,17 +513,111 @@ AI void dot_q6_K(const int R, const uint8_t *w, const act256 *const *x, int64_t 
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
+
+// ---- 8 interleaved rows with R activation rows: acc[r] gets the 8 rows' dot products with row r ---------------
+static inline __m256i bcast4(const int8_t *q) {  // 4 activation bytes to each 32-bit lane
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Each row's pair (s, s') of int16 scales as (s, s) (even) or (s', s') (odd) in its 32-bit lane.
+static inline __m256i pair_scale(__m256i pairs, int odd) {
+    const __m256i even = _mm256_set_epi32(0x0d0c0d0c, 0x09080908, 0x05040504, 0x01000100, 0x0d0c0d0c, 0x09080908,
+                                          0x05040504, 0x01000100);
+    return _mm256_shuffle_epi8(pairs, odd ? _mm256_add_epi8(even, _mm256_set1_epi8(2)) : even);
+}
+
+AI void dot_q4_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q4_Kx8 *blk = (const blk_q4_Kx8 *)w + b;
+        if (R == 1) prefetch_ahead((const uint8_t *)blk, sizeof(*blk));
+        __m256i isum[MT];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int sb = 0; sb < 8; sb++) {
+            // 16 products of at most 15 * 127 per int16: no saturation before the scale
+            __m256i s16[MT];
+            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
+                const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(a)),
+                                                                       _mm256_maddubs_epi16(hi, bcast4(a + 4))));
+                }
+            }
+            const __m256i scale = pair_scale(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[sb / 2])),
+                                             sb % 2);
+            for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], scale));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
+        for (int r = 0; r < R; r++) {
+            __m256i mins = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->mn[p]));
+                mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mn, bcast4((const int8_t *)(x[r][b].sums32 + 2 * p))));
+            }
+            const __m256 xd = _mm256_set1_ps(x[r][b].d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, xd), acc[r]);
+        }
+    }
+}
+
+AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0xf), top2 = _mm256_set1_epi8(0x30);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q6_Kx8 *blk = (const blk_q6_Kx8 *)w + b;
+        if (R == 1) prefetch_ahead((const uint8_t *)blk, sizeof(*blk));
+        __m256i isum[MT];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            const __m256i pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[p]));
+            for (int r = 0; r < R; r++)  // the offset 32: -32 sum(scale * bsum)
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(
+                    _mm256_madd_epi16(pairs, bcast4((const int8_t *)(x[r][b].bsums + 2 * p))), 5));
+            for (int h = 0; h < 2; h++) {
+                const int sb = 2 * p + h;
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)blk->qs[sb][0]);
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)blk->qs[sb][1]);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)blk->qh[sb]);
+                const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+                const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+                const __m256i g2 = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(qh, top2));
+                const __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+                const __m256i scale = pair_scale(pairs, h);
+                for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before each scale
+                    const int8_t *a = x[r][b].q + 16 * sb;
+                    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(g0, bcast4(a)), _mm256_maddubs_epi16(g1, bcast4(a + 4)));
+                    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(g2, bcast4(a + 8)), _mm256_maddubs_epi16(g3, bcast4(a + 12)));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s0, scale), _mm256_madd_epi16(s1, scale)));
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+    }
+}
 #endif
 
 // The baseline: per block, the integer dot product of each 16 weights with the activations, then w = s u + o.
-static void dot_scalar(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+// w: the row's first block, or with lane >= 0 its interleaved super-blocks' (row `lane` of each).
+static void dot_scalar(int R, int type, const uint8_t *w, int lane, const void *const *x, int64_t nb, float *out) {
     const int bs = block_size(type);
-    const int64_t bb = block_bytes(type);
+    const int64_t bb = lane < 0 ? block_bytes(type) : 8 * x8_row_bytes(type);
     double acc[MT] = {0};
     for (int64_t b = 0; b < nb; b++) {
         uint8_t u[256];
         float s[16], o[16];
-        decode_block(type, w + b * bb, u, s, o);
+        decode_any(type, w + b * bb, lane, u, s, o);
         for (int r = 0; r < R; r++) {
             const int8_t *q = bs == 32 ? ((const act32 *)x[r])[b].q : ((const act256 *)x[r])[b].q;
             const float da = bs == 32 ? ((const act32 *)x[r])[b].d : ((const act256 *)x[r])[b].d;
@@ -449,7 +657,30 @@ static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, in
         default: ROWS(K6, Q6_K)
     }
 #else
-    dot_scalar(R, type, w, x, nb, out);
+    dot_scalar(R, type, w, -1, x, nb, out);
+#endif
+}
+
+// The dot products of 8 interleaved rows with R activation rows: out[8 r + i] for row i.
+static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+#ifdef __AVX2__
+    __m256 acc[MT];
+#define KX4(r, T) dot_q4_K_x8(r, w, (const act256 *const *)x, nb, acc)
+#define KX6(r, T) dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc)
+#define OCTET(r, T) (type == Q4_K ? KX4(r, T) : KX6(r, T))
+    switch (R) {
+        case 1: OCTET(1, 0); break;
+        case 2: OCTET(2, 0); break;
+        case 3: OCTET(3, 0); break;
+        default: OCTET(4, 0); break;
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+#else
+    for (int i = 0; i < 8; i++) {
+        float sums[MT];
+        dot_scalar(R, type, w, i, x, nb, sums);
+        for (int r = 0; r < R; r++) out[8 * r + i] = sums[r];
+    }
 #endif
 }
 
@@ -465,18 +696,19 @@ int32_t flock_qgemm_avx2(void) {
 // The scalar dot products on any build (the reference the AVX2 ones are tested against).
 void flock_qdot_scalar(int32_t type, const uint8_t *w, const void *x, int64_t k, float *out) {
     const void *rows[1] = {x};
-    dot_scalar(1, type, w, rows, k / block_size(type), out);
+    dot_scalar(1, type, w, -1, rows, k / block_size(type), out);
 }
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
-// x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each). With glu, w holds 2n
-// rows [gate | up] and y gets silu(gate) * up. Returns -1 where the activations' memory cannot be had.
-int32_t flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x,
-                    int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16, int32_t glu,
-                    int32_t threads) {
-    const int bs = block_size(type);
+// x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
+// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Returns -1 where the activations' memory
+// cannot be had.
+int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                    const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
+                    int32_t glu, int32_t threads) {
+    const int bs = block_size(type), step = x8 ? 8 : 1;
     const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
     void *xq = malloc((size_t)(m * act_row));
@@ -491,18 +723,21 @@ int32_t flock_qgemm(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
             const void *x[MT];
             for (int r = 0; r < R; r++) x[r] = (const uint8_t *)xq + (m0 + r) * act_row;
-            for (int64_t j = n0; j < n0 + NT && j < n; j++) {
-                float sums[MT], up[MT];
-                dot_rows(R, type, w + j * row_bytes, x, nb, sums);
+            for (int64_t j = n0; j < n0 + NT && j < n; j += step) {
+                float sums[MT * 8], up[MT * 8];  // sums[step * r + i]: row j + i
+                if (x8) dot_octet(R, type, w + j * row_bytes, x, nb, sums);
+                else dot_rows(R, type, w + j * row_bytes, x, nb, sums);
                 if (glu) {
-                    dot_rows(R, type, w + (j + n) * row_bytes, x, nb, up);
-                    for (int r = 0; r < R; r++) sums[r] = silu_mul(sums[r], up[r]);
+                    if (x8) dot_octet(R, type, w + (j + n) * row_bytes, x, nb, up);
+                    else dot_rows(R, type, w + (j + n) * row_bytes, x, nb, up);
+                    for (int e = 0; e < R * step; e++) sums[e] = silu_mul(sums[e], up[e]);
                 }
-                for (int r = 0; r < R; r++) {
-                    const int64_t at = (m0 + r) * ldy + j;
-                    if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[r]);
-                    else ((float *)y)[at] = sums[r];
-                }
+                for (int r = 0; r < R; r++)
+                    for (int e = 0; e < step; e++) {
+                        const int64_t at = (m0 + r) * ldy + j + e;
+                        if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[step * r + e]);
+                        else ((float *)y)[at] = sums[step * r + e];
+                    }
             }
         }
     }
