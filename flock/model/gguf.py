@@ -238,17 +238,25 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
 
 def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) -> dict:
     """Each layer's quantized blocks, read from the file straight into one tensor per run of parts of one type
-    (a fused gate_up is never copied, the file's mapping never touched), q/k rows un-permuted."""
-    from flock.model.quant import QuantTensor, QuantWeight
+    (a fused gate_up is never copied, the file's mapping never touched), q/k rows un-permuted; runs the kernels
+    read interleaved go through one scratch buffer, reused, so that no freed block is left behind in the heap."""
+    from flock.model.quant import QuantTensor, QuantWeight, for_kernels, interleaves
 
     tensors = {t.name: t for t in ckpt.reader.tensors}
-    weights = {}
+    weights, scratch = {}, torch.empty(0, dtype=torch.uint8)
     with open(ckpt.path, "rb") as f:
         for layer, names in layers.items():
             parts = []
             for qtype, run in itertools.groupby((tensors[n] for n in names), key=lambda t: int(t.tensor_type)):
                 run = list(run)
-                blocks = torch.empty((sum(t.data.shape[0] for t in run), run[0].data.shape[1]), dtype=torch.uint8)
+                shape = (sum(t.data.shape[0] for t in run), run[0].data.shape[1])
+                if interleaves(qtype, shape[0]):
+                    if scratch.numel() < shape[0] * shape[1]:
+                        scratch = torch.empty(0, dtype=torch.uint8)
+                        scratch = torch.empty(shape[0] * shape[1], dtype=torch.uint8)
+                    blocks = scratch[:shape[0] * shape[1]].view(shape)
+                else:
+                    blocks = torch.empty(shape, dtype=torch.uint8)
                 row = 0
                 for t in run:
                     rows = blocks[row:row + t.data.shape[0]].numpy()
@@ -257,7 +265,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) 
                         raise ValueError(f"{ckpt.path.name}: tensor {t.name!r} is truncated")
                     rows[...] = processor.process(weights=rows, name=t.name).weights
                     row += len(rows)
-                parts.append(QuantTensor(qtype, blocks))
+                parts.append(for_kernels(QuantTensor(qtype, blocks)))
             weights[layer] = QuantWeight(parts)
     return weights
 

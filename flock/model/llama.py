@@ -7,7 +7,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata
-from flock.model import fused_ops, quant
+from flock.model import fused_ops
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
@@ -182,9 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_quantized(self, weights: dict[str, QuantWeight]) -> None:
         """Multiply by (and look up embeddings in) quantized weights: module name -> its weight; the MLPs'
-        SiLU-and-mul fused into their gate_up GEMM; a tied lm_head takes the embedding's. Each weight is
-        laid out once as the kernels read it fastest (quant.for_kernels)."""
-        weights = {name: quant.for_kernels(weight) for name, weight in weights.items()}
+        SiLU-and-mul fused into their gate_up GEMM; a tied lm_head takes the embedding's."""
         if self.config.tie_word_embeddings and "embed_tokens" in weights:
             weights = {**weights, "lm_head": weights["embed_tokens"]}
         gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}

@@ -131,11 +131,14 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     return QuantTensor(tensor.qtype, out, interleaved=True)
 
 
-def for_kernels(weight: QuantWeight) -> QuantWeight:
-    """The weight in the layout the kernels here read fastest: Q4_K / Q6_K interleaved on the AVX2 path."""
-    if isa() == "baseline":
-        return weight
-    return QuantWeight([interleave(part) for part in weight.parts])
+def for_kernels(tensor: QuantTensor) -> QuantTensor:
+    """The tensor in the layout the kernels here read fastest: Q4_K / Q6_K interleaved on the AVX2 path."""
+    return interleave(tensor) if interleaves(tensor.qtype, tensor.rows) else tensor
+
+
+def interleaves(qtype: int, rows: int) -> bool:
+    """Whether `for_kernels` interleaves rows of this type."""
+    return TYPE_NAMES[qtype] in X8_BYTES and rows % 8 == 0 and isa() != "baseline"
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:

@@ -124,7 +124,7 @@ def test_interleaved_rows_multiply_as_the_file_rows(name, path):
                           rtol=1e-2, atol=1e-2)
     odd = random_blocks("Q6_K" if name == "Q4_K" else "Q4_K", 12, k, 7)
     assert quant.interleave(odd) is odd
-    fused = quant.for_kernels(QuantWeight([odd, rows]))
+    fused = QuantWeight([quant.for_kernels(odd), quant.for_kernels(rows)])
     assert [p.interleaved for p in fused.parts] == [False, quant.isa() != "baseline"]
     assert torch.allclose(quant.linear(x, fused, path=path), quant.linear(x, QuantWeight([odd, rows]), path=path),
                           rtol=1e-5, atol=1e-5)
