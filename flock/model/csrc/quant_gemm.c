@@ -44,9 +44,10 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } bl
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
 // 8 v + 4 + t (high nibble) of the sub-block in row r.
 typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs[8][4][32]; } blk_q4_Kx8;
-// Q6_K's 16 sub-blocks of 16: qs vector v holds weights 8 v + t and 8 v + 4 + t as Q4_K's do, and bits 2 g of
-// qh byte 4 r + t the top 2 bits of weight 4 g + t.
-typedef struct { f16 d[8]; int8_t sc[8][8][2]; uint8_t qs[16][2][32]; uint8_t qh[16][32]; } blk_q6_Kx8;
+// Q6_K's 16 sub-blocks of 16, each its 96 bytes in a row (read in order): qs vector v holds weights 8 v + t
+// and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
+typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
+typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
 
 typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
@@ -213,10 +214,10 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
         for (int sb = 0; sb < 16; sb++) {
             for (int v = 0; v < 2; v++)
                 for (int t = 0; t < 4; t++) {
-                    const uint8_t q = b->qs[sb][v][4 * lane + t];
+                    const uint8_t q = b->sub[sb].qs[v][4 * lane + t];
                     u[16 * sb + 8 * v + t] = q & 0xf, u[16 * sb + 8 * v + 4 + t] = q >> 4;
                 }
-            for (int i = 0; i < 16; i++) u[16 * sb + i] |= ((b->qh[sb][4 * lane + i % 4] >> (2 * (i / 4))) & 3) << 4;
+            for (int i = 0; i < 16; i++) u[16 * sb + i] |= ((b->sub[sb].qh[4 * lane + i % 4] >> (2 * (i / 4))) & 3) << 4;
             s[sb] = d * b->sc[sb / 2][lane][sb % 2], o[sb] = -32 * s[sb];
         }
     }
@@ -248,11 +249,11 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                 dst->sc[sb / 2][lane][sb % 2] = src->scales[sb];
                 for (int v = 0; v < 2; v++)
                     for (int t = 0; t < 4; t++)
-                        dst->qs[sb][v][4 * lane + t] = (u[16 * sb + 8 * v + t] & 0xf) | (u[16 * sb + 8 * v + 4 + t] & 0xf) << 4;
+                        dst->sub[sb].qs[v][4 * lane + t] = (u[16 * sb + 8 * v + t] & 0xf) | (u[16 * sb + 8 * v + 4 + t] & 0xf) << 4;
                 for (int t = 0; t < 4; t++) {
                     uint8_t h = 0;
                     for (int g = 0; g < 4; g++) h |= (u[16 * sb + 4 * g + t] >> 4) << (2 * g);
-                    dst->qh[sb][4 * lane + t] = h;
+                    dst->sub[sb].qh[4 * lane + t] = h;
                 }
             }
         }
@@ -583,9 +584,9 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
                     _mm256_madd_epi16(pairs, bcast4((const int8_t *)(x[r][b].bsums + 2 * p))), 5));
             for (int h = 0; h < 2; h++) {
                 const int sb = 2 * p + h;
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)blk->qs[sb][0]);
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)blk->qs[sb][1]);
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)blk->qh[sb]);
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[0]);
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[1]);
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qh);
                 const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
                 const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
                                                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
@@ -713,12 +714,21 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
     void *xq = malloc((size_t)(m * act_row));
     if (!xq) return -1;
+    // a few rows are quantized before the threads start: the barrier after a shared quantization would hold
+    // the first thread until the others have woken up
+    const int few = m * k < 65536;
+    if (few)
+        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
+        if (!few) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
+            for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
+        }
+        // whole bands of one weight tile's m tiles (its weights stay in cache), taken as threads come free: a
+        // thread that starts late (woken from sleep) or shares its core leaves no other waiting at the end
+#pragma omp for schedule(dynamic, m_tiles >= 4 ? m_tiles : 4 * m_tiles)
+        for (int64_t i = 0; i < tiles; i++) {
             const int64_t n0 = i / m_tiles * NT, m0 = i % m_tiles * MT;
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
             const void *x[MT];
