@@ -365,7 +365,8 @@ static inline float hsum(__m256 v) {
 // Ask for the weight bytes a block ahead of [p, p + bytes) (the hardware prefetcher alone leaves a
 // single-row decode short of the memory bandwidth while the core is busy with the products).
 #define PREFETCH_AHEAD 2048
-static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+// always inlined: a call to it left standing looks free of side effects to gcc, which then deletes it
+AI void prefetch_ahead(const void *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + at, _MM_HINT_T0);
 }
 
@@ -534,7 +535,7 @@ AI void dot_q4_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q4_Kx8 *blk = (const blk_q4_Kx8 *)w + b;
-        if (R == 1) prefetch_ahead((const uint8_t *)blk, sizeof(*blk));
+        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
         __m256i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int sb = 0; sb < 8; sb++) {
@@ -574,7 +575,7 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q6_Kx8 *blk = (const blk_q6_Kx8 *)w + b;
-        if (R == 1) prefetch_ahead((const uint8_t *)blk, sizeof(*blk));
+        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
         __m256i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
