@@ -106,13 +106,14 @@ class LlamaCpp:
 
     # -- measurements --------------------------------------------------------------------------------------------
     def bench_decode(self, gguf: Path, threads: int, n: int, repetitions: int = 5) -> dict:
-        """llama-bench's text generation test (-p 0 -n N): tokens/s, mean and standard deviation over the
+        """llama-bench's text generation test (-p 0 -n N): tokens/s, mean, standard deviation and best over the
         repetitions, decoding from an empty context after its warm-up run."""
         out = _run([self.tool("llama-bench"), "-m", gguf, "-p", 0, "-n", n, "-t", threads, "-r", repetitions,
                     "-o", "json"]).stdout
         runs = json.loads(out[out.index("["):out.rindex("]") + 1])
         run = next(r for r in runs if r.get("n_gen") == n and not r.get("n_prompt"))
         return {"tokens_per_s": run["avg_ts"], "stddev_tokens_per_s": run["stddev_ts"], "n_gen": n,
+                "best_tokens_per_s": max(run.get("samples_ts") or [run["avg_ts"]]),
                 "threads": run.get("n_threads", threads), "repetitions": repetitions,
                 "backend": run.get("backends"), "cpu": run.get("cpu_info"), "build": run.get("build_commit")}
 
