@@ -103,11 +103,11 @@ class QuantWeight:
         if len({p.k for p in merged}) != 1:
             raise ValueError(f"quantized parts of different widths: {[p.k for p in merged]}")
 
-    @property
+    @functools.cached_property
     def n(self) -> int:
         return sum(p.rows for p in self.parts)
 
-    @property
+    @functools.cached_property
     def k(self) -> int:
         return self.parts[0].k
 

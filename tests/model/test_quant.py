@@ -87,6 +87,15 @@ def test_scalar_dot_equals_the_avx2_gemm(name):
     assert torch.allclose(quant.linear(x, QuantWeight([t]), path="avx2")[0], out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_quantize_alike_on_every_path(dtype):
+    x = (torch.randn(9, 512) * torch.rand(9, 1) * 4).to(dtype)
+    x[2] = 0
+    for block in (32, 256):
+        got = [quant.quantize_activations(x, block, path=p) for p in PATHS]
+        assert all(torch.equal(g, got[-1]) for g in got)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_mixed_parts_glu_bias_and_bf16(path):
     k = 512

@@ -315,7 +315,33 @@ static inline float load_x(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-// n values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even).
+// n (a multiple of 32) values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even).
+#ifdef __AVX2__
+static inline __m256 load8(const void *x, int64_t at, int is_bf16) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const bf16 *)x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8(x, at + i, is_bf16)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(x, at + i + 8 * j, is_bf16), _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // the packs work within 128-bit lanes: 4-byte groups come out in the order 0 2 4 6 1 3 5 7
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + i),
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    return d;
+}
+#else
 static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
     float v[256], amax = 0.0f;
     for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i]));
@@ -323,6 +349,7 @@ static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t
     for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
     return d;
 }
+#endif
 
 static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int64_t k, int blocks, void *out) {
     const int64_t nb = k / blocks;

@@ -1,0 +1,107 @@
+"""The quantized GEMM alone (flock.model.quant), per quant type and weight layout, side by side with torch's
+float32 matmul on the same shape, in one run:
+- GFLOP/s at M activation rows (1: decode, 16 and 256: prefill) on one N x K weight that stays in cache;
+- GB/s of single-row GEMMs over weights streamed from memory (copies of the weight past the last-level cache),
+  the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
+
+    python -m bench.quant_gemm                          # about a minute
+    python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048
+"""
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from bench.harness import machine
+from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from flock.model import quant
+
+SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}  # float16 fields
+
+
+def random_weight(name: str, n: int, k: int, seed: int = 0) -> quant.QuantTensor:
+    """Random bytes as blocks of `name`, their float16 scales small and finite (any other bytes are valid)."""
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in SCALE_AT.get(name, (0,)):
+        blocks[:, :, at:at + 2] = rng.uniform(1e-4, 1e-3, (n, k // block, 1)).astype(np.float16).view(np.uint8)
+    return quant.QuantTensor(int(qtype), torch.from_numpy(blocks.reshape(n, -1)))
+
+
+def layouts(name: str, n: int, k: int) -> dict[str, quant.QuantWeight]:
+    rows = random_weight(name, n, k)
+    out = {"rows": quant.QuantWeight([rows])}
+    if name in quant.X8_BYTES:
+        out["x8"] = quant.QuantWeight([quant.interleave(rows)])
+    return out
+
+
+def seconds(fn, min_s: float = 0.3) -> float:
+    """Mean seconds of fn() over at least min_s, after a warm-up call."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_s or calls < 3:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def gflops(args) -> list[list]:
+    rows = []
+    w32 = torch.randn(args.n, args.k) * 0.02
+    for m in args.m:
+        x = torch.randn(m, args.k)
+        flop = 2 * m * args.n * args.k
+        row = [m, f"{flop / seconds(lambda: x @ w32.T) / 1e9:.1f}"]
+        for name in args.types:
+            for layout, w in layouts(name, args.n, args.k).items():
+                row.append(f"{layout} {flop / seconds(lambda: quant.linear(x, w)) / 1e9:.1f}")
+        rows.append(row)
+    return rows
+
+
+def streamed(args) -> list[list]:
+    rows = []
+    x = torch.randn(1, args.k)
+    for name in args.types:
+        for layout, w in layouts(name, args.n, args.k).items():
+            copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
+                                               for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
+            s = seconds(lambda: [quant.linear(x, c) for c in copies]) / len(copies)
+            rows.append([name, layout, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}", f"{w.nbytes / s / 1e9:.1f}"])
+            del copies
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", type=lambda s: s.split(","), default=["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+    p.add_argument("--n", type=int, default=2048, help="weight rows")
+    p.add_argument("--k", type=int, default=2048, help="weight columns")
+    p.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 256])
+    p.add_argument("--stream-mb", type=float, default=400.0, help="weights streamed per single-row pass")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=OUT / "quant_gemm.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine.header("quant_gemm", dtype=torch.float32))
+    print(f"# quantized GEMM path: {quant.isa()}; weight {args.n} x {args.k}")
+    head = ["M", "fp32 matmul"] + [f"{name} {layout}" for name in args.types for layout in layouts(name, 8, 256)]
+    table = gflops(args)
+    print("\nGFLOP/s, weight in cache\n")
+    print(markdown_table(head, [r[:2] + [c.split(" ", 1)[1] for c in r[2:]] for r in table]))
+    bandwidth = machine.memory_bandwidth(0.5)["read_sum_GBps"]
+    stream = streamed(args)
+    print(f"\nSingle-row GEMM, weights streamed from memory (this machine's read bandwidth, best of 7 sums: "
+          f"{bandwidth:.1f} GB/s)\n")
+    print(markdown_table(["type", "layout", "weight MB", "us per GEMM", "GB/s"], stream, "llrrr"))
+    print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'gflops': table, 'streamed': stream})}")
+
+
+if __name__ == "__main__":
+    main()
