@@ -1,7 +1,8 @@
 """The quantized GEMM alone (flock.model.quant), per quant type and weight layout, side by side with torch's
 float32 matmul on the same shape, in one run:
 - GFLOP/s at M activation rows (1: decode, 16 and 256: prefill) on one N x K weight that stays in cache;
-- GB/s of single-row GEMMs over weights streamed from memory (copies of the weight past the last-level cache),
+- GB/s of single-row GEMMs over weights streamed from memory (copies of a --stream-n x K weight past the
+  last-level cache),
   the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
 
     python -m bench.quant_gemm                          # about a minute
@@ -69,7 +70,7 @@ def streamed(args) -> list[list]:
     rows = []
     x = torch.randn(1, args.k)
     for name in args.types:
-        for layout, w in layouts(name, args.n, args.k).items():
+        for layout, w in layouts(name, args.stream_n, args.k).items():
             copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
                                                for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
             s = seconds(lambda: [quant.linear(x, c) for c in copies]) / len(copies)
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048, help="weight rows")
     p.add_argument("--k", type=int, default=2048, help="weight columns")
     p.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 256])
+    p.add_argument("--stream-n", type=int, default=8192, help="weight rows of the streamed single-row GEMMs")
     p.add_argument("--stream-mb", type=float, default=400.0, help="weights streamed per single-row pass")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=OUT / "quant_gemm.json")
