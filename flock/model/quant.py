@@ -125,28 +125,10 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     row counts that are not a multiple of 8 as they are."""
     if tensor.interleaved or tensor.name not in X8_BYTES or tensor.rows % 8:
         return tensor
-    out = huge_pages(torch.empty((tensor.rows, tensor.k // 256 * X8_BYTES[tensor.name]), dtype=torch.uint8))
+    out = torch.empty((tensor.rows, tensor.k // 256 * X8_BYTES[tensor.name]), dtype=torch.uint8)
     _lib(path).flock_interleave(tensor.qtype, tensor.blocks.data_ptr(), tensor.blocks.stride(0), tensor.rows, tensor.k,
                                 out.data_ptr(), torch.get_num_threads())
     return QuantTensor(tensor.qtype, out, interleaved=True)
-
-
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """Ask the kernel for 2 MiB pages behind a new (untouched) tensor's memory, where it can: a decode step
-    streams every weight once, and with 4 KiB pages it misses the TLB every 4 KiB."""
-    start, end = -(-t.data_ptr() // _HUGE) * _HUGE, (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return t
-
-
-@functools.cache
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def for_kernels(tensor: QuantTensor) -> QuantTensor:
