@@ -4,7 +4,8 @@
 A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` per quant type, stacked on rows
 (a fused qkv whose v part is Q6_K and q, k Q4_K). `linear` quantizes the activations per row to int8 (blocks of
 32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
-dot products; `embedding` dequantizes the rows it looks up. `quantize` makes Q8_0 / Q4_0 blocks from float
+dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves Q4_K / Q6_K rows 8 at a time
+for the AVX2 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float
 weights with the gguf package's quantizer, for models that come as floats. The kernels are built for AVX2 and
 for the baseline (portable C: the reference path); `isa()` says which one runs.
 """
