@@ -411,6 +411,10 @@ static inline __m256i bit_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
+// An accumulator's sum as it stands, in a register. Without it gcc computes every row's products first and sums
+// them in a tree, which spills most of them to the stack (20-30% slower).
+AI void settle(__m256i *v) { __asm__("" : "+x"(*v)); }
+
 // The 32 unsigned weights of a 32-block and its scale and offset: w = d u + o.
 AI __m256i small_block(int type, const uint8_t *blk, float *d, float *o) {
     const __m256i low4 = _mm256_set1_epi8(0xf);
@@ -495,6 +499,7 @@ AI void dot_q45_K(const int R, int type, const uint8_t *w, const act256 *const *
                 const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), slo),
                                                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), shi));
                 sum[r] = _mm256_add_epi32(sum[r], p);
+                settle(&sum[r]);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -540,6 +545,7 @@ AI void dot_q6_K(const int R, const uint8_t *w, const act256 *const *x, int64_t 
                 for (int t = 0; t < 4; t++) {
                     const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * t));
                     sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], a), s[t]));
+                    settle(&sum[r]);
                 }
         }
         for (int r = 0; r < R; r++)
@@ -579,8 +585,9 @@ AI void dot_q4_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
                 const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(a)),
-                                                                       _mm256_maddubs_epi16(hi, bcast4(a + 4))));
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a)));
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(a + 4)));
+                    settle(&s16[r]);
                 }
             }
             const __m256i scale = pair_scale(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[sb / 2])),
@@ -617,21 +624,21 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
                     _mm256_madd_epi16(pairs, bcast4((const int8_t *)(x[r][b].bsums + 2 * p))), 5));
             for (int h = 0; h < 2; h++) {
                 const int sb = 2 * p + h;
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[0]);
-                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[1]);
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qh);
-                const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
-                const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
-                const __m256i g2 = _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(qh, top2));
-                const __m256i g3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
                 const __m256i scale = pair_scale(pairs, h);
-                for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before each scale
-                    const int8_t *a = x[r][b].q + 16 * sb;
-                    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(g0, bcast4(a)), _mm256_maddubs_epi16(g1, bcast4(a + 4)));
-                    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(g2, bcast4(a + 8)), _mm256_maddubs_epi16(g3, bcast4(a + 12)));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(s0, scale), _mm256_madd_epi16(s1, scale)));
+                for (int half = 0; half < 2; half++) {  // weights 8 v + t, then 8 v + 4 + t, of vectors v = 2 half, + 1
+                    const __m256i ql = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[half]);
+                    const __m256i hi = half ? qh : _mm256_slli_epi16(qh, 4);
+                    const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(hi, top2));
+                    const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4),
+                                                       _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2));
+                    for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before the scale
+                        const int8_t *a = x[r][b].q + 16 * sb + 8 * half;
+                        __m256i s16 = _mm256_maddubs_epi16(g0, bcast4(a));
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g1, bcast4(a + 4)));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16, scale));
+                        settle(&isum[r]);
+                    }
                 }
             }
         }
