@@ -8,7 +8,9 @@
 // polynomial uses explicit ones where the ISA has FMA), so products and sums round as PyTorch's do: RoPE and
 // the residual add are bit-exact; RMSNorm sums its squares in another order and SiLU uses its own exp, so a
 // rounding of theirs may flip (a unit or two in the last place, rarely).
-// Compiled once per ISA (AVX-512, AVX2 or baseline flags, chosen at run time); gcc vectorizes the loops.
+// Compiled once per ISA (AVX-512, AVX2 or baseline flags, chosen at run time); gcc vectorizes the loops. Built
+// with -fno-trapping-math too: exp's range checks are selects that gcc would otherwise keep as branches (a
+// multiply under a condition "could trap"), leaving SiLU scalar.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
