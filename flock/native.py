@@ -37,6 +37,8 @@ ISAS = {  # every ISA path a kernel is built for
     "avx512bf16": Isa((*_AVX512, "avx512_bf16", "fma"), (*_M_AVX512, "-mavx512bf16", "-mfma")),
     "avx512dq": Isa((*_AVX512, "avx512dq", "fma"), (*_M_AVX512, "-mavx512dq", "-mfma")),
     "avx512": Isa((*_AVX512, "fma"), (*_M_AVX512, "-mfma")),
+    "avx512vnni": Isa((*_AVX512, "avx512_vnni", "fma"), (*_M_AVX512, "-mavx512vnni", "-mfma")),
+    "avxvnni": Isa(("avx2", "fma", "avx_vnni"), ("-mavx2", "-mfma", "-mavxvnni")),
     "avx2": Isa(("avx2", "fma"), ("-mavx2", "-mfma")),
     "baseline": Isa((), ()),
 }

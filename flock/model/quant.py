@@ -5,14 +5,14 @@ A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` pe
 (a fused qkv whose v part is Q6_K and q, k Q4_K). `linear` quantizes the activations per row to int8 (blocks of
 32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves Q4_K / Q6_K rows 8 at a time
-for the AVX2 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float
-weights with the gguf package's quantizer, for models that come as floats. The kernels are built for AVX2 and
-for the baseline (portable C: the reference path); `isa()` says which one runs.
+for the kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float
+weights with the gguf package's quantizer, for models that come as floats. The kernels are built for VNNI
+(AVX512-VNNI or AVX-VNNI), AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,19 +31,23 @@ X8_BYTES = {"Q4_K": 148, "Q6_K": 210}  # a row's share of 8 rows' interleaved su
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
-    paths=("avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    paths=("avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
                 "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
-                "flock_qgemm_avx2": ([], _i32)})
+                "flock_qgemm_level": ([], _i32)})
+# The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI): how a CPU without VNNI
+# tests them.
+EMULATED_VNNI = "avx2-emulated-vnni"
+_EMULATED = replace(KERNEL, flags=(*KERNEL.flags, "-DFLOCK_EMULATED_VNNI"), paths=("avx2",))
 
 
 @functools.cache
 def isa() -> str:
-    """The ISA path the kernels run here (avx2, else baseline)."""
+    """The ISA path the kernels run here (avx512vnni, avxvnni, avx2, else baseline)."""
     return KERNEL.runnable()[0]
 
 
@@ -57,7 +61,7 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def _lib(path: str | None):
-    return KERNEL.load(path or isa())
+    return _EMULATED.load("avx2") if path == EMULATED_VNNI else KERNEL.load(path or isa())
 
 
 @dataclass
@@ -133,7 +137,8 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
 
 
 def for_kernels(tensor: QuantTensor) -> QuantTensor:
-    """The tensor in the layout the kernels here read fastest: Q4_K / Q6_K interleaved on the AVX2 path."""
+    """The tensor in the layout the kernels here read fastest: Q4_K / Q6_K interleaved on every path but the
+    baseline."""
     return interleave(tensor) if interleaves(tensor.qtype, tensor.rows) else tensor
 
 

@@ -11,7 +11,10 @@ from flock.model.quant import KERNEL_TYPES, QuantTensor, QuantWeight
 from tests.model import gguf_files
 
 TYPES = list(KERNEL_TYPES)
-PATHS = quant.KERNEL.runnable()
+RUNNABLE = quant.KERNEL.runnable()
+# the VNNI kernels run everywhere AVX2 does, natively or with vpdpbusd emulated
+PATHS = RUNNABLE + [quant.EMULATED_VNNI] * ("avx2" in RUNNABLE)
+LEVELS = {"avx512vnni": 2, "avxvnni": 2, quant.EMULATED_VNNI: 2, "avx2": 1, "baseline": 0}
 # every type in its file's row layout, and the types the 8-row kernels also take interleaved
 LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8_BYTES]
 
@@ -70,8 +73,14 @@ def test_gemm_equals_float64_on_the_kernels_activations(name, interleaved, path,
 
 
 def test_each_path_runs_its_own_build():
-    assert [quant.KERNEL.load(p).flock_qgemm_avx2() for p in PATHS] == [int(p == "avx2") for p in PATHS]
-    assert quant.isa() == PATHS[0]
+    assert [quant._lib(p).flock_qgemm_level() for p in PATHS] == [LEVELS[p] for p in PATHS]
+    assert quant.isa() == RUNNABLE[0]
+
+
+def test_vnni_paths_build_here():
+    """The VNNI builds compile on any machine with gcc, whether or not its CPU runs them."""
+    for path in ("avx512vnni", "avxvnni"):
+        assert quant.KERNEL.build(path).exists()
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -16,7 +16,10 @@
 //
 // A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
 // the 4 rows. The call's tiles, weight-row major, are split evenly over the threads. Built for AVX2 (the floor
-// of every x86 CPU Flock runs on) and for the baseline (portable C, the same integer arithmetic: the reference).
+// of every x86 CPU Flock runs on), for VNNI (vpdpbusd: 4 products summed straight into int32, on 256-bit
+// vectors: AVX-VNNI, or AVX512-VNNI with VL) and for the baseline (portable C, the same integer arithmetic: the
+// reference). FLOCK_EMULATED_VNNI builds the VNNI kernels on AVX2 with vpdpbusd emulated exactly: how CPUs
+// without VNNI test them.
 // A Llama MLP's gate_up weight ([gate | up], 2I rows) gives silu(gate) * up straight from the float sums (glu).
 #include <math.h>
 #include <omp.h>
@@ -27,6 +30,13 @@
 #ifdef __AVX2__
 #pragma GCC target("f16c")  // every AVX2 CPU has it
 #include <immintrin.h>
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(FLOCK_EMULATED_VNNI) && defined(__AVX2__)
+#define DPBUSD(acc, u, s) dpbusd_emulated(acc, u, s)
 #endif
 
 typedef uint16_t f16;
@@ -415,6 +425,45 @@ static inline __m256i bit_bytes(uint32_t bits) {
 // them in a tree, which spills most of them to the stack (20-30% slower).
 AI void settle(__m256i *v) { __asm__("" : "+x"(*v)); }
 
+#if defined(FLOCK_EMULATED_VNNI) && !defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
+// acc + the sums of each 4 products of unsigned u and signed s bytes, as vpdpbusd: the bytes widened to int16,
+// multiplied and summed in int32 by vpmaddwd (exact, no saturation)
+AI __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
+    const __m256i even_u = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd_u = _mm256_srli_epi16(u, 8);
+    const __m256i even_s = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), odd_s = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(even_u, even_s), _mm256_madd_epi16(odd_u, odd_s)));
+}
+#endif
+
+// A sub-block's running sum of unsigned weight bytes u times signed activation bytes s, and that sum times the
+// sub-block's scale: on VNNI int32 lanes of 4 products each (vpdpbusd), times the scale with vpmulld; on AVX2
+// int16 pairs (vpmaddubsw, saturating: the callers bound their sums), into int32 by vpmaddwd with the scale.
+// `pairs`: each 32-bit lane the scale of its lane twice, as int16 (s, s).
+AI __m256i products(__m256i acc, __m256i u, __m256i s) {
+#ifdef DPBUSD
+    return DPBUSD(acc, u, s);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+AI __m256i scaled(__m256i sums, __m256i pairs) {
+#ifdef DPBUSD
+    return _mm256_mullo_epi32(sums, _mm256_srai_epi32(pairs, 16));
+#else
+    return _mm256_madd_epi16(sums, pairs);
+#endif
+}
+
+// The sums of each 4 products of u and s (u times s at most 2 * 128 * 127 per pair on AVX2).
+AI __m256i dot4(__m256i u, __m256i s) {
+#ifdef DPBUSD
+    return DPBUSD(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 // The 32 unsigned weights of a 32-block and its scale and offset: w = d u + o.
 AI __m256i small_block(int type, const uint8_t *blk, float *d, float *o) {
     const __m256i low4 = _mm256_set1_epi8(0xf);
@@ -438,7 +487,6 @@ AI __m256i small_block(int type, const uint8_t *blk, float *d, float *o) {
 
 AI void dot_small(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, float *out) {
     const int64_t bb = block_bytes(type);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MT];
     float off[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
@@ -451,7 +499,7 @@ AI void dot_small(const int R, int type, const uint8_t *w, const act32 *const *x
         for (int r = 0; r < R; r++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)x[r][b].q);
             if (type == Q8_0) a = _mm256_sign_epi8(a, wq);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
+            const __m256i p = dot4(u, a);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[r][b].d), acc[r]);
             if (type != Q8_0) off[r] += o * x[r][b].s;
         }
@@ -578,21 +626,20 @@ AI void dot_q4_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int sb = 0; sb < 8; sb++) {
             // 16 products of at most 15 * 127 per int16: no saturation before the scale
-            __m256i s16[MT];
-            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+            __m256i sums[MT];
+            for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
                 const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(a)));
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(a + 4)));
-                    settle(&s16[r]);
+                    sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
+                    settle(&sums[r]);
                 }
             }
             const __m256i scale = pair_scale(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[sb / 2])),
                                              sb % 2);
-            for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], scale));
+            for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
@@ -634,9 +681,8 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
                                                        _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2));
                     for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before the scale
                         const int8_t *a = x[r][b].q + 16 * sb + 8 * half;
-                        __m256i s16 = _mm256_maddubs_epi16(g0, bcast4(a));
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(g1, bcast4(a + 4)));
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16, scale));
+                        const __m256i sums = products(products(_mm256_setzero_si256(), g0, bcast4(a)), g1, bcast4(a + 4));
+                        isum[r] = _mm256_add_epi32(isum[r], scaled(sums, scale));
                         settle(&isum[r]);
                     }
                 }
@@ -725,9 +771,11 @@ static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, i
 #endif
 }
 
-// 1 on the AVX2 build, 0 on the baseline: the path this library runs.
-int32_t flock_qgemm_avx2(void) {
-#ifdef __AVX2__
+// The kernels this build runs: 2 VNNI, 1 AVX2, 0 the baseline.
+int32_t flock_qgemm_level(void) {
+#ifdef DPBUSD
+    return 2;
+#elif defined(__AVX2__)
     return 1;
 #else
     return 0;
