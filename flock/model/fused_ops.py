@@ -29,7 +29,8 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
 }
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
-    paths=("avx512dq", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"),
+    paths=("avx512dq", "avx2", "baseline"),
+    flags=("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"),
     signatures={f"flock_{op}_{suffix}": (argtypes, None) for op, argtypes in ARGTYPES.items()
                 for suffix in SUFFIX.values()})
 

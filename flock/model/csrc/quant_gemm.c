@@ -681,7 +681,8 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
                                                        _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2));
                     for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before the scale
                         const int8_t *a = x[r][b].q + 16 * sb + 8 * half;
-                        const __m256i sums = products(products(_mm256_setzero_si256(), g0, bcast4(a)), g1, bcast4(a + 4));
+                        const __m256i sums =
+                            products(products(_mm256_setzero_si256(), g0, bcast4(a)), g1, bcast4(a + 4));
                         isum[r] = _mm256_add_epi32(isum[r], scaled(sums, scale));
                         settle(&isum[r]);
                     }
