@@ -4,9 +4,10 @@ float32 matmul on the same shape, in one run:
 - GB/s of single-row GEMMs over weights streamed from memory (copies of a --stream-n x K weight past the
   last-level cache),
   the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
+Every kernel path this CPU runs but the baseline, side by side (on a VNNI CPU: avx2 and the VNNI path).
 
-    python -m bench.quant_gemm                          # about a minute
-    python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048
+    python -m bench.quant_gemm                          # about a minute per path
+    python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048 --paths avx2
 """
 
 import argparse
@@ -60,8 +61,8 @@ def gflops(args) -> list[list]:
         flop = 2 * m * args.n * args.k
         row = [m, f"{flop / seconds(lambda: x @ w32.T) / 1e9:.1f}"]
         for name in args.types:
-            for layout, w in layouts(name, args.n, args.k).items():
-                row.append(f"{layout} {flop / seconds(lambda: quant.linear(x, w)) / 1e9:.1f}")
+            for w in layouts(name, args.n, args.k).values():
+                row += [f"{flop / seconds(lambda: quant.linear(x, w, path=path)) / 1e9:.1f}" for path in args.paths]
         rows.append(row)
     return rows
 
@@ -73,9 +74,11 @@ def streamed(args) -> list[list]:
         for layout, w in layouts(name, args.stream_n, args.k).items():
             copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
                                                for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
-            s = seconds(lambda: [quant.linear(x, c) for c in copies]) / len(copies)
-            rows.append([name, layout, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}", f"{w.nbytes / s / 1e9:.1f}"])
-            del copies
+            for path in args.paths:
+                s = seconds(lambda: [quant.linear(x, c, path=path) for c in copies]) / len(copies)
+                rows.append([name, layout, path, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
+                             f"{w.nbytes / s / 1e9:.1f}"])
+            copies.clear()
     return rows
 
 
@@ -87,21 +90,25 @@ def main() -> None:
     p.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 256])
     p.add_argument("--stream-n", type=int, default=8192, help="weight rows of the streamed single-row GEMMs")
     p.add_argument("--stream-mb", type=float, default=400.0, help="weights streamed per single-row pass")
+    p.add_argument("--paths", type=lambda s: s.split(","),
+                   default=[p for p in quant.KERNEL.runnable() if p != "baseline"] or ["baseline"],
+                   help="comma-separated kernel paths (default: every one this CPU runs but the baseline)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=OUT / "quant_gemm.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(machine.header("quant_gemm", dtype=torch.float32))
-    print(f"# quantized GEMM path: {quant.isa()}; weight {args.n} x {args.k}")
-    head = ["M", "fp32 matmul"] + [f"{name} {layout}" for name in args.types for layout in layouts(name, 8, 256)]
+    print(f"# quantized GEMM paths: {', '.join(args.paths)} (the engine's: {quant.isa()}); weight {args.n} x {args.k}")
+    head = ["M", "fp32 matmul"] + [f"{name} {layout} {path}" for name in args.types for layout in layouts(name, 8, 256)
+                                   for path in args.paths]
     table = gflops(args)
     print("\nGFLOP/s, weight in cache\n")
-    print(markdown_table(head, [r[:2] + [c.split(" ", 1)[1] for c in r[2:]] for r in table]))
+    print(markdown_table(head, table))
     bandwidth = machine.memory_bandwidth(0.5)["read_sum_GBps"]
     stream = streamed(args)
     print(f"\nSingle-row GEMM, weights streamed from memory (this machine's read bandwidth, best of 7 sums: "
           f"{bandwidth:.1f} GB/s)\n")
-    print(markdown_table(["type", "layout", "weight MB", "us per GEMM", "GB/s"], stream, "llrrr"))
+    print(markdown_table(["type", "layout", "path", "weight MB", "us per GEMM", "GB/s"], stream, "lllrrr"))
     print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'gflops': table, 'streamed': stream})}")
 
 
