@@ -149,7 +149,8 @@ def quantize_float_layers(model: LlamaForCausalLM, kind: str) -> None:
     from flock.model.linear import Embedding, Linear
 
     tied = model.config.tie_word_embeddings
-    model.use_quantized({name: quant.QuantWeight([quant.quantize(m.weight, kind)]) for name, m in model.named_modules()
+    model.use_quantized({name: quant.QuantWeight([quant.for_kernels(quant.quantize(m.weight, kind))])
+                         for name, m in model.named_modules()
                          if isinstance(m, (Linear, Embedding)) and m.qweight is None and m.weight.shape[-1] % 32 == 0
                          and not (tied and name == "lm_head")})
 

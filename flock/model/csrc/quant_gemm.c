@@ -9,10 +9,10 @@
 // then vpmaddwd into int32 with each sub-block's integer scale), one float multiply per block, and the
 // weights' offsets (Q4_0's 8, Q6_K's 32, a K-quant's minimum) come from the activation sums.
 //
-// Q4_K and Q6_K weights can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for
-// its CPU kernels: 8 rows' super-blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the
-// integer scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once, each
-// sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
+// Q4_K, Q6_K, Q8_0 and Q4_0 weights can also be interleaved once at load (flock_interleave), as llama.cpp
+// repacks them for its CPU kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8
+// rows, the integer scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once,
+// each sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
 //
 // A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
 // the 4 rows. The call's tiles, weight-row major, are split evenly over the threads. Built for AVX2 (the floor
@@ -59,6 +59,10 @@ typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
 typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
 typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
+// Q8_0's 32-blocks: vector v holds at byte 4 r + t weight 4 v + t of row r plus 128 (unsigned). Q4_0's: vector v
+// holds weights 8 v + t and 8 v + 4 + t as a Q4_K sub-block's do.
+typedef struct { f16 d[8]; uint8_t qs[8][32]; } blk_q8_0x8;
+typedef struct { f16 d[8]; uint8_t qs[4][32]; } blk_q4_0x8;
 
 typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
@@ -135,7 +139,13 @@ static int64_t block_bytes(int type) {
 
 // The bytes of one row's share of an interleaved super-block (a blk_*x8 holds 8 rows'); 0: not interleaved.
 static int64_t x8_row_bytes(int type) {
-    return type == Q4_K ? (int64_t)sizeof(blk_q4_Kx8) / 8 : type == Q6_K ? (int64_t)sizeof(blk_q6_Kx8) / 8 : 0;
+    switch (type) {
+        case Q4_K: return sizeof(blk_q4_Kx8) / 8;
+        case Q6_K: return sizeof(blk_q6_Kx8) / 8;
+        case Q8_0: return sizeof(blk_q8_0x8) / 8;
+        case Q4_0: return sizeof(blk_q4_0x8) / 8;
+        default: return 0;
+    }
 }
 
 // ---- dequantization (embedding rows; the tests' view of the formats) -------------------------------------------
@@ -207,7 +217,18 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
 
 // decode_block for row `lane` of an interleaved super-block.
 static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float *s, float *o) {
-    if (type == Q4_K) {
+    if (type == Q8_0 || type == Q4_0) {
+        const float d = f16_to_f32(*((const f16 *)blk + lane));  // both begin with the 8 rows' scales
+        for (int v = 0; v < (type == Q8_0 ? 8 : 4); v++)
+            for (int t = 0; t < 4; t++) {
+                if (type == Q8_0) u[4 * v + t] = ((const blk_q8_0x8 *)blk)->qs[v][4 * lane + t];
+                else {
+                    const uint8_t q = ((const blk_q4_0x8 *)blk)->qs[v][4 * lane + t];
+                    u[8 * v + t] = q & 0xf, u[8 * v + 4 + t] = q >> 4;
+                }
+            }
+        s[0] = s[1] = d, o[0] = o[1] = (type == Q8_0 ? -128 : -8) * d;
+    } else if (type == Q4_K) {
         const blk_q4_Kx8 *b = (const blk_q4_Kx8 *)blk;
         const float d = f16_to_f32(b->d[lane]), dmin = f16_to_f32(b->dmin[lane]);
         for (int sb = 0; sb < 8; sb++) {
@@ -234,13 +255,20 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
     }
 }
 
-// One row of Q4_K / Q6_K blocks into row `lane` of interleaved super-blocks.
+// One row of Q4_K / Q6_K / Q8_0 / Q4_0 blocks into row `lane` of interleaved blocks.
 static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
         uint8_t u[256];
         float s[16], o[16];
         decode_block(type, row + b * block_bytes(type), u, s, o);
-        if (type == Q4_K) {
+        if (type == Q8_0 || type == Q4_0) {
+            uint8_t *dst = out + b * 8 * x8_row_bytes(type);
+            memcpy(dst + 2 * lane, row + b * block_bytes(type), 2);  // the scale d, first in both blocks
+            uint8_t (*qs)[32] = (uint8_t (*)[32])(dst + 16);
+            for (int v = 0; v < (type == Q8_0 ? 8 : 4); v++)
+                for (int t = 0; t < 4; t++)
+                    qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : u[8 * v + t] | u[8 * v + 4 + t] << 4;
+        } else if (type == Q4_K) {
             const blk_q4_K *src = (const blk_q4_K *)row + b;
             blk_q4_Kx8 *dst = (blk_q4_Kx8 *)out + b;
             uint8_t sm[16];
@@ -271,12 +299,12 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
     }
 }
 
-// n rows (n a multiple of 8) of Q4_K / Q6_K blocks, row_bytes apart, as interleaved super-blocks: 8 rows'
-// super-block b at out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
+// n rows (n a multiple of 8) of Q4_K / Q6_K / Q8_0 / Q4_0 blocks, row_bytes apart, as interleaved blocks: 8
+// rows' block b at out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
 // `out` (not yet written) is asked for on 2 MiB pages first: a decode step streams every weight once.
 void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out,
                       int32_t threads) {
-    const int64_t nb = k / 256, octet_bytes = 8 * nb * x8_row_bytes(type);
+    const int64_t nb = k / block_size(type), octet_bytes = 8 * nb * x8_row_bytes(type);
     const uintptr_t huge = 2 << 20, start = ((uintptr_t)out + huge - 1) / huge * huge;
     const uintptr_t end = ((uintptr_t)out + (uintptr_t)(n / 8 * octet_bytes)) / huge * huge;
     if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
@@ -452,6 +480,15 @@ AI __m256i scaled(__m256i sums, __m256i pairs) {
     return _mm256_mullo_epi32(sums, _mm256_srai_epi32(pairs, 16));
 #else
     return _mm256_madd_epi16(sums, pairs);
+#endif
+}
+
+// products' running sums as int32
+AI __m256i widened(__m256i sums) {
+#ifdef DPBUSD
+    return sums;
+#else
+    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -694,6 +731,73 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
     }
 }
+
+// Q8_0: the weights plus 128 (unsigned bytes) times the activations, less 128 times their sum. On AVX2 the int16
+// pairs of bytes up to 255 would saturate, so each byte is split into its nibbles (w + 128 = 16 h + l), which
+// meet the same broadcast activations.
+AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q8_0x8 *blk = (const blk_q8_0x8 *)w + b;
+        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
+        __m256i lo[MT], hi[MT];
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 8; v++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[v]);
+#ifdef DPBUSD
+            for (int r = 0; r < R; r++) {
+                lo[r] = products(lo[r], q, bcast4(x[r][b].q + 4 * v));
+                settle(&lo[r]);
+            }
+#else
+            const __m256i l = _mm256_and_si256(q, low4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            for (int r = 0; r < R; r++) {  // 16 products of at most 15 * 127 per int16
+                const __m256i a = bcast4(x[r][b].q + 4 * v);
+                lo[r] = products(lo[r], l, a), hi[r] = products(hi[r], h, a);
+                settle(&lo[r]), settle(&hi[r]);
+            }
+#endif
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < R; r++) {
+#ifdef DPBUSD
+            const __m256i sum = lo[r];
+#else
+            const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(hi[r], _mm256_set1_epi16(16)), widened(lo[r]));
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(d, _mm256_set1_ps(128 * x[r][b].s), acc[r]);
+        }
+    }
+}
+
+// Q4_0: the weights' nibbles times the activations, less 8 times their sum.
+AI void dot_q4_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q4_0x8 *blk = (const blk_q4_0x8 *)w + b;
+        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
+        __m256i sums[MT];  // 16 products of at most 15 * 127 per int16
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[v]);
+            const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = x[r][b].q + 8 * v;
+                sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
+                settle(&sums[r]);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < R; r++) {
+            const __m256 p = _mm256_cvtepi32_ps(widened(sums[r]));
+            acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(d, _mm256_set1_ps(8 * x[r][b].s), acc[r]);
+        }
+    }
+}
 #endif
 
 // The baseline: per block, the integer dot product of each 16 weights with the activations, then w = s u + o.
@@ -753,14 +857,18 @@ static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, in
 static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     __m256 acc[MT];
-#define KX4(r, T) dot_q4_K_x8(r, w, (const act256 *const *)x, nb, acc)
-#define KX6(r, T) dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc)
-#define OCTET(r, T) (type == Q4_K ? KX4(r, T) : KX6(r, T))
+#define OCTET(r)                                                                     \
+    switch (type) {                                                                  \
+        case Q4_K: dot_q4_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
+        case Q6_K: dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
+        case Q8_0: dot_q8_0_x8(r, w, (const act32 *const *)x, nb, acc); break;       \
+        default: dot_q4_0_x8(r, w, (const act32 *const *)x, nb, acc); break;         \
+    }
     switch (R) {
-        case 1: OCTET(1, 0); break;
-        case 2: OCTET(2, 0); break;
-        case 3: OCTET(3, 0); break;
-        default: OCTET(4, 0); break;
+        case 1: OCTET(1); break;
+        case 2: OCTET(2); break;
+        case 3: OCTET(3); break;
+        default: OCTET(4); break;
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 #else
