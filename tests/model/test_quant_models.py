@@ -50,7 +50,7 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
     matrices = {name: n for name, n in file_bytes(gguf_models[case]).items() if not name.endswith(("norm.weight", "bias"))}
     assert sum(map(in_file_layout, held.values())) == sum(matrices.values())
     interleaved = [p for w in held.values() for p in w.parts if p.interleaved]
-    assert bool(interleaved) == (case in ("K-quants", "Q8_0", "Q4_0", "Q4_1") and quant.isa() != "baseline")
+    assert bool(interleaved) == (quant.isa() != "baseline")
     assert sum(w.nbytes for w in held.values()) <= 1.03 * sum(matrices.values())
     types = llm.engine.runner.model.quantized_types()
     if case == "K-quants":

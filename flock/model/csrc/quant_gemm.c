@@ -9,9 +9,9 @@
 // then vpmaddwd into int32 with each sub-block's integer scale), one float multiply per block, and the
 // weights' offsets (Q4_0's 8, Q6_K's 32, a K-quant's minimum) come from the activation sums.
 //
-// Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights can also be interleaved once at load (flock_interleave), as llama.cpp
-// repacks them for its CPU kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8
-// rows, the integer scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once,
+// Every type but Q5_K can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for its
+// CPU kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the integer
+// scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once,
 // each sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
 //
 // A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
@@ -60,11 +60,14 @@ typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
 typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
 typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
-// Q8_0's 32-blocks: vector v holds at byte 4 r + t weight 4 v + t of row r plus 128 (unsigned). Q4_0's and
-// Q4_1's: vector v holds weights 8 v + t and 8 v + 4 + t as a Q4_K sub-block's do.
+// The 32-blocks, after the 8 rows' scales d (and minimums m): Q8_0's vector v holds at byte 4 r + t weight 4 v + t
+// of row r plus 128 (unsigned); the 4- and 5-bit types' vector v holds the low 4 bits of weights 8 v + t and
+// 8 v + 4 + t as a Q4_K sub-block's do, and bits 2 v and 2 v + 1 of qh byte 4 r + t their fifth bits.
 typedef struct { f16 d[8]; uint8_t qs[8][32]; } blk_q8_0x8;
 typedef struct { f16 d[8]; uint8_t qs[4][32]; } blk_q4_0x8;
 typedef struct { f16 d[8], m[8]; uint8_t qs[4][32]; } blk_q4_1x8;
+typedef struct { f16 d[8]; uint8_t qh[32], qs[4][32]; } blk_q5_0x8;
+typedef struct { f16 d[8], m[8]; uint8_t qh[32], qs[4][32]; } blk_q5_1x8;
 
 typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
@@ -147,6 +150,8 @@ static int64_t x8_row_bytes(int type) {
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
+        case Q5_0: return sizeof(blk_q5_0x8) / 8;
+        case Q5_1: return sizeof(blk_q5_1x8) / 8;
         default: return 0;
     }
 }
@@ -218,21 +223,26 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
     }
 }
 
-// Where an interleaved 32-block's weight vectors begin: after the 8 rows' scales d (and Q4_1's minimums m).
-static inline int x8_qs_at(int type) { return type == Q4_1 ? offsetof(blk_q4_1x8, qs) : offsetof(blk_q8_0x8, qs); }
+// An interleaved 32-block's parts: the minimums m (Q4_1, Q5_1) after the 16 bytes of scales, then the fifth bits
+// (Q5_0, Q5_1), then the weight vectors.
+static inline int has_min(int type) { return type == Q4_1 || type == Q5_1; }
+static inline int has_qh(int type) { return type == Q5_0 || type == Q5_1; }
+static inline int x8_qh_at(int type) { return has_min(type) ? 32 : 16; }
+static inline int x8_qs_at(int type) { return x8_qh_at(type) + (has_qh(type) ? 32 : 0); }
+static inline float x8_offset(int type) { return type == Q8_0 ? -128.0f : type == Q5_0 ? -16.0f : -8.0f; }  // x d
 
 // decode_block for row `lane` of an interleaved block.
 static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float *s, float *o) {
-    if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
-        const uint8_t(*qs)[32] = (const uint8_t(*)[32])(blk + x8_qs_at(type));
+    if (block_size(type) == 32) {
+        const uint8_t(*qs)[32] = (const uint8_t(*)[32])(blk + x8_qs_at(type)), *qh = blk + x8_qh_at(type);
         for (int v = 0; v < (type == Q8_0 ? 8 : 4); v++)
             for (int t = 0; t < 4; t++) {
-                const uint8_t q = qs[v][4 * lane + t];
+                const uint8_t q = qs[v][4 * lane + t], h = has_qh(type) ? qh[4 * lane + t] >> (2 * v) : 0;
                 if (type == Q8_0) u[4 * v + t] = q;
-                else u[8 * v + t] = q & 0xf, u[8 * v + 4 + t] = q >> 4;
+                else u[8 * v + t] = (q & 0xf) | (h & 1) << 4, u[8 * v + 4 + t] = q >> 4 | (h >> 1 & 1) << 4;
             }
         s[0] = s[1] = f16_to_f32(((const f16 *)blk)[lane]);
-        o[0] = o[1] = type == Q4_1 ? f16_to_f32(((const blk_q4_1x8 *)blk)->m[lane]) : (type == Q8_0 ? -128 : -8) * s[0];
+        o[0] = o[1] = has_min(type) ? f16_to_f32(((const f16 *)blk)[8 + lane]) : x8_offset(type) * s[0];
     } else if (type == Q4_K) {
         const blk_q4_Kx8 *b = (const blk_q4_Kx8 *)blk;
         const float d = f16_to_f32(b->d[lane]), dmin = f16_to_f32(b->dmin[lane]);
@@ -260,21 +270,25 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
     }
 }
 
-// One row of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 blocks into row `lane` of interleaved blocks.
+// One row of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks into row `lane` of interleaved blocks.
 static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
         uint8_t u[256];
         float s[16], o[16];
         decode_block(type, row + b * block_bytes(type), u, s, o);
-        if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
-            uint8_t *dst = out + b * 8 * x8_row_bytes(type);
-            const f16 *dm = (const f16 *)(row + b * block_bytes(type));  // the scale d (and Q4_1's minimum m)
+        if (block_size(type) == 32) {
+            uint8_t *dst = out + b * 8 * x8_row_bytes(type), *qh = dst + x8_qh_at(type);
+            const f16 *dm = (const f16 *)(row + b * block_bytes(type));  // the scale d (and the minimum m)
             ((f16 *)dst)[lane] = dm[0];
-            if (type == Q4_1) ((blk_q4_1x8 *)dst)->m[lane] = dm[1];
+            if (has_min(type)) ((f16 *)dst)[8 + lane] = dm[1];
             uint8_t(*qs)[32] = (uint8_t(*)[32])(dst + x8_qs_at(type));
+            for (int t = 0; has_qh(type) && t < 4; t++) qh[4 * lane + t] = 0;
             for (int v = 0; v < (type == Q8_0 ? 8 : 4); v++)
-                for (int t = 0; t < 4; t++)
-                    qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : u[8 * v + t] | u[8 * v + 4 + t] << 4;
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t lo = u[8 * v + t], hi = u[8 * v + 4 + t];
+                    qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : (lo & 0xf) | (hi & 0xf) << 4;
+                    if (has_qh(type)) qh[4 * lane + t] |= (lo >> 4) << (2 * v) | (hi >> 4) << (2 * v + 1);
+                }
         } else if (type == Q4_K) {
             const blk_q4_K *src = (const blk_q4_K *)row + b;
             blk_q4_Kx8 *dst = (blk_q4_Kx8 *)out + b;
@@ -306,7 +320,7 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
     }
 }
 
-// n rows (n a multiple of 8) of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 blocks, row_bytes apart, as interleaved blocks: 8
+// n rows (n a multiple of 8) of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks, row_bytes apart, as interleaved blocks: 8
 // rows' block b at out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
 // `out` (not yet written) is asked for on 2 MiB pages first: a decode step streams every weight once.
 void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out,
@@ -779,31 +793,40 @@ AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_
     }
 }
 
-// Q4_0 and Q4_1: the weights' nibbles times the activations, plus the offset (Q4_0's -8 d, Q4_1's m) times their
-// sum.
-AI void dot_q4_x8(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0xf);
+// Q4_0, Q4_1, Q5_0 and Q5_1: the weights times the activations, plus the offset (-8 d, -16 d, or the minimum m)
+// times their sum.
+AI void dot_q45_x8(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
+    const int five = has_qh(type);
+    const __m256i low4 = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
     const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + x8_qs_at(type);
         if (R == 1) prefetch_ahead(blk, bb);
-        __m256i sums[MT];  // 16 products of at most 15 * 127 per int16
-        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        __m256i h = five ? _mm256_loadu_si256((const __m256i *)(blk + x8_qh_at(type))) : _mm256_setzero_si256();
+        // per int16 at most 16 products of 15 * 127; 5 bits: 8 of 31 * 127, then into int32 (wide)
+        __m256i sums[MT], wide[MT];
+        for (int r = 0; r < R; r++) sums[r] = wide[r] = _mm256_setzero_si256();
         for (int v = 0; v < 4; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
-            const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            if (five) {  // bits 0 and 1 of each byte of h, shifted down 2 a vector (a byte's lowest bits stay its own)
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                h = _mm256_srli_epi16(h, 2);
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *a = x[r][b].q + 8 * v;
                 sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
                 settle(&sums[r]);
+                if (five && v == 1) wide[r] = widened(sums[r]), sums[r] = _mm256_setzero_si256();
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 o = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                                      : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 o = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                       : _mm256_mul_ps(d, _mm256_set1_ps(x8_offset(type)));
         for (int r = 0; r < R; r++) {
-            const __m256 p = _mm256_cvtepi32_ps(widened(sums[r]));
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(wide[r], widened(sums[r])));
             acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
             acc[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(x[r][b].s), acc[r]);
         }
@@ -873,8 +896,10 @@ static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, i
         case Q4_K: dot_q4_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
         case Q6_K: dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
         case Q8_0: dot_q8_0_x8(r, w, (const act32 *const *)x, nb, acc); break;       \
-        case Q4_0: dot_q4_x8(r, Q4_0, w, (const act32 *const *)x, nb, acc); break;   \
-        default: dot_q4_x8(r, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
+        case Q4_0: dot_q45_x8(r, Q4_0, w, (const act32 *const *)x, nb, acc); break;  \
+        case Q4_1: dot_q45_x8(r, Q4_1, w, (const act32 *const *)x, nb, acc); break;  \
+        case Q5_0: dot_q45_x8(r, Q5_0, w, (const act32 *const *)x, nb, acc); break;  \
+        default: dot_q45_x8(r, Q5_1, w, (const act32 *const *)x, nb, acc); break;    \
     }
     switch (R) {
         case 1: OCTET(1); break;
