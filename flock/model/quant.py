@@ -4,10 +4,10 @@
 A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` per quant type, stacked on rows
 (a fused qkv whose v part is Q6_K and q, k Q4_K). `linear` quantizes the activations per row to int8 (blocks of
 32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
-dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves rows of every type but Q5_K
-8 at a time for the kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from
-float weights with the gguf package's quantizer, for models that come as floats. The kernels are built for VNNI
-(AVX512-VNNI or AVX-VNNI), AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
+dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
+kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
+the gguf package's quantizer, for models that come as floats. The kernels are built for VNNI (AVX512-VNNI or
+AVX-VNNI), AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
 import ctypes
@@ -27,7 +27,7 @@ TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks
-X8_BYTES = {"Q4_K": 148, "Q6_K": 210, "Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 KERNEL = native.Library(
@@ -127,8 +127,8 @@ class QuantWeight:
 
 
 def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
-    """Rows of every type but Q5_K, 8 at a time, as the interleaved blocks the 8-row kernels read; Q5_K and row
-    counts that are not a multiple of 8 as they are."""
+    """The rows, 8 at a time, as the interleaved blocks the 8-row kernels read; a row count that is not a multiple
+    of 8 as it is."""
     if tensor.interleaved or tensor.name not in X8_BYTES or tensor.rows % 8:
         return tensor
     out = torch.empty((tensor.rows, tensor.k // tensor.act_block * X8_BYTES[tensor.name]), dtype=torch.uint8)
@@ -138,8 +138,7 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
 
 
 def for_kernels(tensor: QuantTensor) -> QuantTensor:
-    """The tensor in the layout the kernels here read fastest: interleaved (every type but Q5_K) on every path but
-    the baseline."""
+    """The tensor in the layout the kernels here read fastest: interleaved on every path but the baseline."""
     return interleave(tensor) if interleaves(tensor.qtype, tensor.rows) else tensor
 
 

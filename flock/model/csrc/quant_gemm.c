@@ -9,8 +9,8 @@
 // then vpmaddwd into int32 with each sub-block's integer scale), one float multiply per block, and the
 // weights' offsets (Q4_0's 8, Q6_K's 32, a K-quant's minimum) come from the activation sums.
 //
-// Every type but Q5_K can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for its
-// CPU kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the integer
+// Every type can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for its CPU
+// kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the integer
 // scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once,
 // each sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
 //
@@ -56,6 +56,8 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } bl
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
 // 8 v + 4 + t (high nibble) of the sub-block in row r.
 typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs[8][4][32]; } blk_q4_Kx8;
+// Q5_K: Q4_K's, then per sub-block the fifth bits as the 32-blocks keep theirs (bits 2 v and 2 v + 1 of byte 4 r + t)
+typedef struct { blk_q4_Kx8 low; uint8_t qh[8][32]; } blk_q5_Kx8;
 // Q6_K's 16 sub-blocks of 16, each its 96 bytes in a row (read in order): qs vector v holds weights 8 v + t
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
 typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
@@ -146,6 +148,7 @@ static int64_t block_bytes(int type) {
 static int64_t x8_row_bytes(int type) {
     switch (type) {
         case Q4_K: return sizeof(blk_q4_Kx8) / 8;
+        case Q5_K: return sizeof(blk_q5_Kx8) / 8;
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
@@ -243,14 +246,15 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             }
         s[0] = s[1] = f16_to_f32(((const f16 *)blk)[lane]);
         o[0] = o[1] = has_min(type) ? f16_to_f32(((const f16 *)blk)[8 + lane]) : x8_offset(type) * s[0];
-    } else if (type == Q4_K) {
+    } else if (type == Q4_K || type == Q5_K) {
         const blk_q4_Kx8 *b = (const blk_q4_Kx8 *)blk;
         const float d = f16_to_f32(b->d[lane]), dmin = f16_to_f32(b->dmin[lane]);
         for (int sb = 0; sb < 8; sb++) {
             for (int v = 0; v < 4; v++)
                 for (int t = 0; t < 4; t++) {
                     const uint8_t q = b->qs[sb][v][4 * lane + t];
-                    u[32 * sb + 8 * v + t] = q & 0xf, u[32 * sb + 8 * v + 4 + t] = q >> 4;
+                    const uint8_t h = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb][4 * lane + t] >> (2 * v) : 0;
+                    u[32 * sb + 8 * v + t] = (q & 0xf) | (h & 1) << 4, u[32 * sb + 8 * v + 4 + t] = q >> 4 | (h >> 1 & 1) << 4;
                 }
             s[2 * sb] = s[2 * sb + 1] = d * b->sc[sb / 2][lane][sb % 2];
             o[2 * sb] = o[2 * sb + 1] = -dmin * b->mn[sb / 2][lane][sb % 2];
@@ -270,7 +274,7 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
     }
 }
 
-// One row of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks into row `lane` of interleaved blocks.
+// One row's blocks into row `lane` of interleaved blocks.
 static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
         uint8_t u[256];
@@ -289,17 +293,23 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : (lo & 0xf) | (hi & 0xf) << 4;
                     if (has_qh(type)) qh[4 * lane + t] |= (lo >> 4) << (2 * v) | (hi >> 4) << (2 * v + 1);
                 }
-        } else if (type == Q4_K) {
-            const blk_q4_K *src = (const blk_q4_K *)row + b;
-            blk_q4_Kx8 *dst = (blk_q4_Kx8 *)out + b;
+        } else if (type == Q4_K || type == Q5_K) {  // Q5_K's d, dmin and scales where Q4_K has them
+            const blk_q4_K *src = (const blk_q4_K *)(row + b * block_bytes(type));
+            uint8_t *at = out + b * 8 * x8_row_bytes(type);
+            blk_q4_Kx8 *dst = (blk_q4_Kx8 *)at;
             uint8_t sm[16];
             k_scales(src->scales, sm);
             dst->d[lane] = src->d, dst->dmin[lane] = src->dmin;
             for (int sb = 0; sb < 8; sb++) {
                 dst->sc[sb / 2][lane][sb % 2] = sm[sb], dst->mn[sb / 2][lane][sb % 2] = sm[8 + sb];
+                uint8_t *qh = type == Q5_K ? ((blk_q5_Kx8 *)at)->qh[sb] + 4 * lane : NULL;
+                for (int t = 0; qh && t < 4; t++) qh[t] = 0;
                 for (int v = 0; v < 4; v++)
-                    for (int t = 0; t < 4; t++)
-                        dst->qs[sb][v][4 * lane + t] = u[32 * sb + 8 * v + t] | u[32 * sb + 8 * v + 4 + t] << 4;
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t lo = u[32 * sb + 8 * v + t], hi = u[32 * sb + 8 * v + 4 + t];
+                        dst->qs[sb][v][4 * lane + t] = (lo & 0xf) | (hi & 0xf) << 4;
+                        if (qh) qh[t] |= (lo >> 4) << (2 * v) | (hi >> 4) << (2 * v + 1);
+                    }
             }
         } else {
             const blk_q6_K *src = (const blk_q6_K *)row + b;
@@ -320,8 +330,8 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
     }
 }
 
-// n rows (n a multiple of 8) of Q4_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks, row_bytes apart, as interleaved blocks: 8
-// rows' block b at out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
+// n rows (n a multiple of 8) of blocks, row_bytes apart, as interleaved blocks: 8 rows' block b at
+// out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
 // `out` (not yet written) is asked for on 2 MiB pages first: a decode step streams every weight once.
 void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out,
                       int32_t threads) {
@@ -674,29 +684,41 @@ static inline __m256i pair_scale(__m256i pairs, int odd) {
     return _mm256_shuffle_epi8(pairs, odd ? _mm256_add_epi8(even, _mm256_set1_epi8(2)) : even);
 }
 
-AI void dot_q4_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0xf);
+// Q4_K and Q5_K (whose fifth bits join the nibbles as the 32-blocks' do)
+AI void dot_q45_K_x8(const int R, int type, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+    const int five = type == Q5_K;
+    const __m256i low4 = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const blk_q4_Kx8 *blk = (const blk_q4_Kx8 *)w + b;
-        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
+        const blk_q4_Kx8 *blk = (const blk_q4_Kx8 *)(w + b * bb);
+        if (R == 1) prefetch_ahead(blk, bb);
         __m256i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int sb = 0; sb < 8; sb++) {
-            // 16 products of at most 15 * 127 per int16: no saturation before the scale
+            const __m256i scale = pair_scale(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[sb / 2])),
+                                             sb % 2);
+            __m256i h = five ? _mm256_loadu_si256((const __m256i *)((const blk_q5_Kx8 *)blk)->qh[sb])
+                             : _mm256_setzero_si256();
+            // per int16 at most 16 products of 15 * 127 before the scale; 5 bits: 8 of 31 * 127
             __m256i sums[MT];
             for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
-                const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+                    h = _mm256_srli_epi16(h, 2);
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
                     sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
                     settle(&sums[r]);
+                    if (five && v == 1)
+                        isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale)), sums[r] = _mm256_setzero_si256();
                 }
             }
-            const __m256i scale = pair_scale(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[sb / 2])),
-                                             sb % 2);
             for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
@@ -891,15 +913,16 @@ static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, in
 static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     __m256 acc[MT];
-#define OCTET(r)                                                                     \
-    switch (type) {                                                                  \
-        case Q4_K: dot_q4_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
-        case Q6_K: dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc); break;      \
-        case Q8_0: dot_q8_0_x8(r, w, (const act32 *const *)x, nb, acc); break;       \
-        case Q4_0: dot_q45_x8(r, Q4_0, w, (const act32 *const *)x, nb, acc); break;  \
-        case Q4_1: dot_q45_x8(r, Q4_1, w, (const act32 *const *)x, nb, acc); break;  \
-        case Q5_0: dot_q45_x8(r, Q5_0, w, (const act32 *const *)x, nb, acc); break;  \
-        default: dot_q45_x8(r, Q5_1, w, (const act32 *const *)x, nb, acc); break;    \
+#define OCTET(r)                                                                        \
+    switch (type) {                                                                     \
+        case Q4_K: dot_q45_K_x8(r, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q5_K: dot_q45_K_x8(r, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q6_K: dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc); break;         \
+        case Q8_0: dot_q8_0_x8(r, w, (const act32 *const *)x, nb, acc); break;          \
+        case Q4_0: dot_q45_x8(r, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
+        case Q4_1: dot_q45_x8(r, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
+        case Q5_0: dot_q45_x8(r, Q5_0, w, (const act32 *const *)x, nb, acc); break;     \
+        default: dot_q45_x8(r, Q5_1, w, (const act32 *const *)x, nb, acc); break;       \
     }
     switch (R) {
         case 1: OCTET(1); break;
