@@ -11,8 +11,8 @@
 //
 // Every type can also be interleaved once at load (flock_interleave), as llama.cpp repacks them for its CPU
 // kernels: 8 rows' blocks side by side, each 32-byte vector 4 weights of each of the 8 rows, the integer
-// scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once,
-// each sub-block's products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
+// scales unpacked to bytes. A 4-byte broadcast of the activations then meets 8 rows at once, each sub-block's
+// products add up in int16 before its scale, and the 8 rows' sums leave as one float vector.
 //
 // A tile is 16 weight rows x up to 4 activation rows: each weight block is decoded once into bytes and used for
 // the 4 rows. The call's tiles, weight-row major, are split evenly over the threads. Built for AVX2 (the floor
@@ -56,7 +56,8 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } bl
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
 // 8 v + 4 + t (high nibble) of the sub-block in row r.
 typedef struct { f16 d[8], dmin[8]; uint8_t sc[4][8][2], mn[4][8][2]; uint8_t qs[8][4][32]; } blk_q4_Kx8;
-// Q5_K: Q4_K's, then per sub-block the fifth bits as the 32-blocks keep theirs (bits 2 v and 2 v + 1 of byte 4 r + t)
+// Q5_K: Q4_K's, then per sub-block the fifth bits as the 32-blocks keep theirs (bits 2 v and 2 v + 1 of
+// byte 4 r + t)
 typedef struct { blk_q4_Kx8 low; uint8_t qh[8][32]; } blk_q5_Kx8;
 // Q6_K's 16 sub-blocks of 16, each its 96 bytes in a row (read in order): qs vector v holds weights 8 v + t
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
@@ -254,7 +255,8 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
                 for (int t = 0; t < 4; t++) {
                     const uint8_t q = b->qs[sb][v][4 * lane + t];
                     const uint8_t h = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb][4 * lane + t] >> (2 * v) : 0;
-                    u[32 * sb + 8 * v + t] = (q & 0xf) | (h & 1) << 4, u[32 * sb + 8 * v + 4 + t] = q >> 4 | (h >> 1 & 1) << 4;
+                    u[32 * sb + 8 * v + t] = (q & 0xf) | (h & 1) << 4;
+                    u[32 * sb + 8 * v + 4 + t] = q >> 4 | (h >> 1 & 1) << 4;
                 }
             s[2 * sb] = s[2 * sb + 1] = d * b->sc[sb / 2][lane][sb % 2];
             o[2 * sb] = o[2 * sb + 1] = -dmin * b->mn[sb / 2][lane][sb % 2];
@@ -514,6 +516,15 @@ AI __m256i scaled(__m256i sums, __m256i pairs) {
 #endif
 }
 
+// The 5-bit types: bits 0 and 1 of each byte of h (a vector's fifth bits) as bit 4 of the low and high nibbles'
+// bytes; h then shifted down 2 for the next vector (a byte's lowest bits stay its own for 4 vectors).
+AI void fifth_bits(__m256i *lo, __m256i *hi, __m256i *h) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(*h, 4), bit4));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_slli_epi16(*h, 3), bit4));
+    *h = _mm256_srli_epi16(*h, 2);
+}
+
 // products' running sums as int32
 AI __m256i widened(__m256i sums) {
 #ifdef DPBUSD
@@ -687,7 +698,7 @@ static inline __m256i pair_scale(__m256i pairs, int odd) {
 // Q4_K and Q5_K (whose fifth bits join the nibbles as the 32-blocks' do)
 AI void dot_q45_K_x8(const int R, int type, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
     const int five = type == Q5_K;
-    const __m256i low4 = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i low4 = _mm256_set1_epi8(0xf);
     const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -706,11 +717,7 @@ AI void dot_q45_K_x8(const int R, int type, const uint8_t *w, const act256 *cons
             for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
                 __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-                if (five) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-                    h = _mm256_srli_epi16(h, 2);
-                }
+                if (five) fifth_bits(&lo, &hi, &h);
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
                     sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
@@ -819,7 +826,7 @@ AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_
 // times their sum.
 AI void dot_q45_x8(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
     const int five = has_qh(type);
-    const __m256i low4 = _mm256_set1_epi8(0xf), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i low4 = _mm256_set1_epi8(0xf);
     const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -832,11 +839,7 @@ AI void dot_q45_x8(const int R, int type, const uint8_t *w, const act32 *const *
         for (int v = 0; v < 4; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
             __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-            if (five) {  // bits 0 and 1 of each byte of h, shifted down 2 a vector (a byte's lowest bits stay its own)
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-                h = _mm256_srli_epi16(h, 2);
-            }
+            if (five) fifth_bits(&lo, &hi, &h);
             for (int r = 0; r < R; r++) {
                 const int8_t *a = x[r][b].q + 8 * v;
                 sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
