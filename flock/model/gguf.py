@@ -250,7 +250,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) 
             for qtype, run in itertools.groupby((tensors[n] for n in names), key=lambda t: int(t.tensor_type)):
                 run = list(run)
                 shape = (sum(t.data.shape[0] for t in run), run[0].data.shape[1])
-                if interleaves(qtype, shape[0]):
+                if interleaves(shape[0]):
                     if scratch.numel() < shape[0] * shape[1]:
                         scratch = torch.empty(0, dtype=torch.uint8)  # the smaller one freed before the next
                         scratch = torch.empty(shape[0] * shape[1], dtype=torch.uint8)

@@ -26,7 +26,7 @@ KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
-# a row's share of 8 rows' interleaved blocks
+# a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -129,7 +129,7 @@ class QuantWeight:
 def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     """The rows, 8 at a time, as the interleaved blocks the 8-row kernels read; a row count that is not a multiple
     of 8 as it is."""
-    if tensor.interleaved or tensor.name not in X8_BYTES or tensor.rows % 8:
+    if tensor.interleaved or tensor.rows % 8:
         return tensor
     out = torch.empty((tensor.rows, tensor.k // tensor.act_block * X8_BYTES[tensor.name]), dtype=torch.uint8)
     _lib(path).flock_interleave(tensor.qtype, tensor.blocks.data_ptr(), tensor.blocks.stride(0), tensor.rows, tensor.k,
@@ -139,12 +139,12 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
 
 def for_kernels(tensor: QuantTensor) -> QuantTensor:
     """The tensor in the layout the kernels here read fastest: interleaved on every path but the baseline."""
-    return interleave(tensor) if interleaves(tensor.qtype, tensor.rows) else tensor
+    return interleave(tensor) if interleaves(tensor.rows) else tensor
 
 
-def interleaves(qtype: int, rows: int) -> bool:
-    """Whether `for_kernels` interleaves rows of this type."""
-    return TYPE_NAMES[qtype] in X8_BYTES and rows % 8 == 0 and isa() != "baseline"
+def interleaves(rows: int) -> bool:
+    """Whether `for_kernels` interleaves a tensor of this many rows."""
+    return rows % 8 == 0 and isa() != "baseline"
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
