@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from gguf import ReaderTensor
 
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -32,7 +32,7 @@ log = logging.getLogger("flock")
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path
-    reader: "GGUFReader"
+    tensors: list["ReaderTensor"]  # the metadata fields are not kept: a vocabulary's are ~100 MB of numpy views
     config: dict  # as a Hugging Face config.json would hold it
 
     @property
@@ -69,7 +69,7 @@ def _read(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ValueError(f"{path} is truncated or corrupt, the gguf reader failed: {e}") from None
-    return GGUFCheckpoint(Path(path), reader, hf_config(reader, path))
+    return GGUFCheckpoint(Path(path), reader.tensors, hf_config(reader, path))
 
 
 def _field(reader, key: str, default=None):
@@ -186,7 +186,7 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
     modules = dict(model.named_modules())
     layer_of = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()
                 if name.endswith(".weight") and isinstance(modules[name.removesuffix(".weight")], (Linear, Embedding))}
-    tensors = {names[t.name]: t for t in ckpt.reader.tensors if t.name in names}
+    tensors = {names[t.name]: t for t in ckpt.tensors if t.name in names}
     layers: dict[str, list] = {}
     for hf_name, slot in slots.items():
         if id(slot.param) in layer_of:
@@ -211,7 +211,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
     in_blocks = {name for parts in quantized.values() for name in parts}
     loaded, expanded = {names[name] for name in in_blocks}, set()
-    for tensor in ckpt.reader.tensors:
+    for tensor in ckpt.tensors:
         if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
             continue
         name = names.get(tensor.name)
@@ -242,7 +242,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) 
     read interleaved go through one scratch buffer, reused, so that no freed block is left behind in the heap."""
     from flock.model.quant import QuantTensor, QuantWeight, for_kernels, interleaves
 
-    tensors = {t.name: t for t in ckpt.reader.tensors}
+    tensors = {t.name: t for t in ckpt.tensors}
     weights, scratch = {}, torch.empty(0, dtype=torch.uint8)
     with open(ckpt.path, "rb") as f:
         for layer, names in layers.items():
