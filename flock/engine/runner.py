@@ -135,7 +135,7 @@ class ModelRunner:
         """A forward pass of a full token budget of dummy tokens, written to the first blocks (nothing is cached
         or sampled): a step's activations then reuse heap pages already mapped, where the first full steps
         would fault them in (2% of a bench-mid run). Every layer needs the same activations, so the pass runs
-        the first and the last layer only: a full pass of a 1B model would add ~20 s to its start on 2 cores."""
+        the first and the last layer only: a full pass would cost a large model a full step's compute at start."""
         bs = self.block_size
         blocks = np.arange((num_tokens + bs - 1) // bs)
         layout = StepLayout(query_start=np.array([0, num_tokens]), seq_lens=np.array([num_tokens]),
