@@ -117,6 +117,8 @@ def parse_args() -> argparse.Namespace:
     llama_cpp.add_argument(p)
     p.add_argument("--work", type=Path, default=gguf_models.WORK, help="where the GGUF files are kept (%(default)s)")
     p.add_argument("--quants", default=",".join(QUANTS), help="comma-separated llama-quantize types (F16 too)")
+    p.add_argument("--files", help="comma-separated GGUF files of one vocabulary to score instead of SmolLM2's (any "
+                                   "Llama / Qwen2 / Mistral file)")
     p.add_argument("--tokens", type=int, default=30000, help="length of the text, in tokens (about)")
     p.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c")
     p.add_argument("--threads", type=int, default=2)
@@ -129,7 +131,8 @@ def main() -> None:
     args = parse_args()
     llama = llama_cpp.find_or_exit(args.llama_cpp)
     torch.set_num_threads(args.threads)
-    files = gguf_models.ensure("smollm2", args.quants.split(","), llama, args.work)
+    files = ({Path(f).name: Path(f) for f in args.files.split(",")} if args.files
+             else gguf_models.ensure("smollm2", args.quants.split(","), llama, args.work))
     print(f"# gguf_perplexity: {machine.cpu_line()}")
     print(f"# threads: {args.threads} for both engines; {machine.load_note()}")
     print(f"# Flock's quantized GEMM (flock.model.quant): {quant_path()}")

@@ -4,8 +4,9 @@ A step allocates the same large activations every time (a prefill step's MLP inp
 blocks above its adaptive mmap threshold back to the OS when they are freed and maps them anew, zero-filled, on
 the next step: ~66,000 page faults a second on bench-mid, 2-4% of a run. Fixing the threshold at glibc's
 64-bit ceiling and never trimming the heap top keeps them for reuse, as tcmalloc and jemalloc (which vLLM's
-CPU build is run with) do. The heap then stays at its peak size, so what loading freed (a GGUF file's metadata,
-read-time copies) is handed back once, before the first step: `release_freed_memory`.
+CPU build is run with) do. The heap then stays at its peak size, so what loading freed (read-time copies; the
+float tensors of a checkpoint quantized at load) is handed back once, before the first step:
+`release_freed_memory`.
 """
 
 import ctypes

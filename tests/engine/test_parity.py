@@ -115,6 +115,20 @@ def test_start_up_pass_leaves_nothing_behind(hf_folders, references):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+def test_start_up_pass_runs_two_layers_and_keeps_all():
+    """The start-up pass goes through the first and the last layer only (every layer needs the same activations)
+    and leaves the model whole."""
+    llm = LLM("flock/tiny", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda m, _: ran.append(m.self_attn.layer_id)) for layer in model.layers]
+    llm.engine.runner.warm_up(32)
+    for hook in hooks:
+        hook.remove()
+    assert ran == [0, model.config.num_hidden_layers - 1] and model.config.num_hidden_layers > 2
+    assert [layer.self_attn.layer_id for layer in model.layers] == list(range(model.config.num_hidden_layers))
+
+
 def test_max_num_seqs_and_single_prompt(hf_folders, references):
     prompts, expected = references("mistral")
     got, _ = flock_greedy(hf_folders["mistral"], prompts, max_num_seqs=2, block_size=16)
