@@ -78,8 +78,13 @@ def forced_isa(choices: Sequence[str]) -> str | None:
     return name or None
 
 
+def cache_root() -> Path:
+    """FLOCK_CACHE_DIR, default ~/.cache/flock: what Flock builds once and keeps (kernels, GGUF tables)."""
+    return Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock"))
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def build(source: Path, flags: list[str]) -> Path:

@@ -2,8 +2,9 @@
 blocks where Flock has kernels for their type (flock.model.quant), the rest dequantized at load (the
 tokenizer: flock/tokenizer.py).
 
-The file is read with the `gguf` package (llama.cpp's reader) and converted the way `transformers` converts
-it: its config-key mapping, its tensor-name table and its un-permutation of llama.cpp's q/k rows.
+The file is read with the `gguf` package (llama.cpp's reader; the config and tensor table it gives are kept on
+disk, `gguf_table`) and converted the way `transformers` converts it: its config-key mapping, its tensor-name
+table and its un-permutation of llama.cpp's q/k rows.
 """
 
 import functools
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from flock.model import gguf_table
 
 if TYPE_CHECKING:
     from gguf import ReaderTensor
@@ -32,7 +35,7 @@ log = logging.getLogger("flock")
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     path: Path
-    tensors: list["ReaderTensor"]  # the metadata fields are not kept: a vocabulary's are ~100 MB of numpy views
+    tensors: list["ReaderTensor | gguf_table.Tensor"]  # not the metadata fields: a vocabulary's are ~100 MB
     config: dict  # as a Hugging Face config.json would hold it
 
     @property
@@ -65,11 +68,16 @@ def _read(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    cached = gguf_table.load(path, mtime_ns, size)
+    if cached is not None:
+        return GGUFCheckpoint(Path(path), *cached)
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ValueError(f"{path} is truncated or corrupt, the gguf reader failed: {e}") from None
-    return GGUFCheckpoint(Path(path), reader.tensors, hf_config(reader, path))
+    ckpt = GGUFCheckpoint(Path(path), reader.tensors, hf_config(reader, path))
+    gguf_table.save(path, mtime_ns, size, ckpt.tensors, ckpt.config)
+    return ckpt
 
 
 def _field(reader, key: str, default=None):

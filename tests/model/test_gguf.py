@@ -121,6 +121,38 @@ def test_save_model_writes_a_folder_transformers_loads(hf_folders, tmp_path):
     assert load_tokenizer(out).encode("the cache") == gguf_tokenizer.encode("the cache")
 
 
+def test_a_parsed_table_is_kept_and_a_changed_file_parsed_again(hf_folders, tmp_path, monkeypatch):
+    """The config and tensor table come from FLOCK_CACHE_DIR/gguf the second time, the same as the reader's
+    (names, types, offsets, data views); rewriting the file parses it again; the engine from the kept table gives
+    the reader's tokens."""
+    import os
+
+    import gguf
+
+    from flock.model import gguf as flock_gguf
+
+    monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(hf_folders["qwen2"], tmp_path / "m.gguf", Q.Q8_0)
+    parsed = flock_gguf.read_gguf(path)
+    prompts = shared_prefix_prompts(seed=6)[:2]
+    expected = flock_greedy(path, prompts)[0]
+    flock_gguf._read.cache_clear()
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: pytest.fail("parsed again"))
+    kept = flock_gguf.read_gguf(path)
+    assert kept.config == parsed.config and len(kept.tensors) == len(parsed.tensors)
+    for a, b in zip(parsed.tensors, kept.tensors):
+        assert (a.name, a.tensor_type, int(a.data_offset), int(a.n_bytes)) == (b.name, b.tensor_type, b.data_offset,
+                                                                                 b.n_bytes)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    flock_gguf._read.cache_clear()
+    assert flock_greedy(path, prompts)[0] == expected
+    write_gguf(hf_folders["llama"], path, Q.Q8_0)
+    os.utime(path, ns=(1, 1))
+    assert flock_gguf.read_gguf(path).config["model_type"] == "llama"
+
+
 def test_bad_files_give_clear_errors(hf_folders, tmp_path):
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")

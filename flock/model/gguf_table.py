@@ -1,0 +1,71 @@
+"""A GGUF file's config and tensor table, kept under FLOCK_CACHE_DIR/gguf once parsed.
+
+The `gguf` package's reader builds a numpy view for every string of the vocabulary (seconds for a 49k-token
+one, before any weight is read); the config and the tensor table are a few KB. An entry is named by a hash of
+the file's path, size and mtime, of the `gguf` package's version and of Flock's GGUF code, so a changed file or
+a new Flock parses again. The tensors' data are views of one memory map of the file, as the reader makes them.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flock import native
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """What Flock reads of the gguf reader's ReaderTensor."""
+
+    name: str
+    tensor_type: "GGMLQuantizationType"  # noqa: F821
+    data_offset: int  # from the start of the file
+    n_bytes: int
+    data: np.ndarray
+
+
+def _entry(path: str, mtime_ns: int, size: int) -> Path:
+    from importlib.metadata import version
+
+    code = b"".join((Path(__file__).parent / f).read_bytes() for f in ("gguf.py", "gguf_table.py"))
+    key = f"{path}\0{mtime_ns}\0{size}\0{version('gguf')}\0{hashlib.sha256(code).hexdigest()}"
+    return native.cache_root() / "gguf" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def load(path: str, mtime_ns: int, size: int) -> tuple[list[Tensor], dict] | None:
+    """(tensors, config) as an earlier parse of this file left them, or None."""
+    try:
+        table = json.loads(_entry(path, mtime_ns, size).read_text())
+    except (OSError, ValueError):
+        return None
+    from gguf import GGMLQuantizationType
+
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = [Tensor(name, GGMLQuantizationType(qtype), offset, n_bytes,
+                      blob[offset:offset + n_bytes].view(np.dtype(dtype)).reshape(shape))
+               for name, qtype, offset, n_bytes, dtype, shape in table["tensors"]]
+    return tensors, table["config"]
+
+
+def save(path: str, mtime_ns: int, size: int, tensors, config: dict) -> None:
+    """Keep the parse (a little-endian file's; nothing where the cache cannot be written)."""
+    rows = [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str, list(t.data.shape)]
+            for t in tensors]
+    if any(not dtype.startswith(("<", "|")) for *_, dtype, _ in rows):
+        return
+    entry = _entry(path, mtime_ns, size)
+    try:
+        text = json.dumps({"tensors": rows, "config": config})
+        if json.loads(text)["config"] != config:  # a tuple or a non-string key would come back changed
+            return
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, entry)
+    except (OSError, TypeError, ValueError):
+        pass
