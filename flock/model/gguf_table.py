@@ -2,8 +2,9 @@
 
 The `gguf` package's reader builds a numpy view for every string of the vocabulary (seconds for a 49k-token
 one, before any weight is read); the config and the tensor table are a few KB. An entry is named by a hash of
-the file's path, size and mtime, of the `gguf` package's version and of Flock's GGUF code, so a changed file or
-a new Flock parses again. The tensors' data are views of one memory map of the file, as the reader makes them.
+the file's path, size and mtime, of the versions of `gguf` and `transformers` (whose key mapping makes the
+config) and of Flock's GGUF code, so a changed file, package or Flock parses again. The tensors' data are views
+of one memory map of the file, as the reader makes them.
 """
 
 import hashlib
@@ -12,10 +13,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flock import native
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,7 @@ class Tensor:
     """What Flock reads of the gguf reader's ReaderTensor."""
 
     name: str
-    tensor_type: "GGMLQuantizationType"  # noqa: F821
+    tensor_type: "GGMLQuantizationType"
     data_offset: int  # from the start of the file
     n_bytes: int
     data: np.ndarray
@@ -33,7 +38,8 @@ def _entry(path: str, mtime_ns: int, size: int) -> Path:
     from importlib.metadata import version
 
     code = b"".join((Path(__file__).parent / f).read_bytes() for f in ("gguf.py", "gguf_table.py"))
-    key = f"{path}\0{mtime_ns}\0{size}\0{version('gguf')}\0{hashlib.sha256(code).hexdigest()}"
+    parts = (path, mtime_ns, size, version("gguf"), version("transformers"), hashlib.sha256(code).hexdigest())
+    key = "\0".join(map(str, parts))
     return native.cache_root() / "gguf" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
