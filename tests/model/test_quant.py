@@ -127,6 +127,18 @@ def test_mixed_parts_glu_bias_and_bf16(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_glu_of_interleaved_rows_holds_over_the_float_range(path):
+    """The 8-lane SiLU (its own exp) against float64, for gate sums from ~1e-3 to ~1e4 of both signs."""
+    k = 256
+    gate_up = QuantWeight([random_blocks("Q8_0", 64, k, 8, interleaved=True)])
+    x = torch.randn(7, k) * torch.logspace(-1, 5, 7)[:, None]
+    both = quant.linear(x, gate_up, path=path).double()
+    want = torch.nn.functional.silu(both[:, :32]) * both[:, 32:]
+    assert both[:, :32].abs().max() > 1000 and both[:, :32].min() < -100
+    assert torch.allclose(quant.linear(x, gate_up, glu=True, path=path).double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(quant.X8_BYTES))
 def test_interleaved_rows_multiply_as_the_file_rows(name, path):
     """Both layouts sum the same integer products per block; glu, bf16 and a fused weight whose parts are

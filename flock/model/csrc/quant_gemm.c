@@ -962,6 +962,34 @@ void flock_qdot_scalar(int32_t type, const uint8_t *w, const void *x, int64_t k,
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+#ifdef __AVX2__
+// silu(g) * u of 8 lanes: g u / (1 + e^-g), e^-g = 2^t by t's integer part (t clamped to the float exponents)
+// and a degree-5 polynomial of its fraction (1.6e-7 relative error); scalar expf costs a prefill's GLU ~15%.
+AI __m256 silu_mul8(__m256 g, __m256 u) {
+    __m256 t = _mm256_mul_ps(g, _mm256_set1_ps(-1.4426950408889634f));
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.3276471e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6755410e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507131e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022120e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314694e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+    return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+}
+#endif
+
+static void silu_mul_rows(float *g, const float *u, int count) {
+    int e = 0;
+#ifdef __AVX2__
+    for (; e + 8 <= count; e += 8)
+        _mm256_storeu_ps(g + e, silu_mul8(_mm256_loadu_ps(g + e), _mm256_loadu_ps(u + e)));
+#endif
+    for (; e < count; e++) g[e] = silu_mul(g[e], u[e]);
+}
+
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
 // x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
 // With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Returns -1 where the activations' memory
@@ -1000,7 +1028,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
                 if (glu) {
                     if (x8) dot_octet(R, type, w + (j + n) * row_bytes, x, nb, up);
                     else dot_rows(R, type, w + (j + n) * row_bytes, x, nb, up);
-                    for (int e = 0; e < R * step; e++) sums[e] = silu_mul(sums[e], up[e]);
+                    silu_mul_rows(sums, up, R * step);
                 }
                 for (int r = 0; r < R; r++)
                     for (int e = 0; e < step; e++) {
