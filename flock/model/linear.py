@@ -55,7 +55,7 @@ class Linear(nn.Linear):
         """Multiply by quantized blocks from now on (the float weight is released); `silu_and_mul` as in
         `prepack`, where gate and up share one quant type."""
         self.qweight = weight
-        self.silu_and_mul = silu_and_mul and self.bias is None and len(weight.parts) == 1
+        self.silu_and_mul = silu_and_mul and self.bias is None and quant.fuses_glu(weight)
         self.weight.data = self.weight.data.new_empty(0)
 
     def prepack(self, keep_weight: bool = False, pairs: bool = False, silu_and_mul: bool = False) -> None:

@@ -166,14 +166,21 @@ def quantize_activations(rows: torch.Tensor, block: int, path: str | None = None
     return out
 
 
+def fuses_glu(weight: QuantWeight) -> bool:
+    """Whether `linear(glu=True)` takes this [gate | up] weight: one part, whose octets of interleaved rows do not
+    straddle gate and up."""
+    return len(weight.parts) == 1 and not (weight.parts[0].interleaved and weight.n // 2 % 8)
+
+
 def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
            glu: bool = False, path: str | None = None) -> torch.Tensor:
     """x W^T (+ bias), x: float32 or bf16 [..., k]; out in `dtype` (default x's). `glu` (one part of 2I rows
     [gate | up]): silu(gate) * up, I outputs."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the quantized GEMM takes float32 or bfloat16 activations, not {x.dtype}")
-    if glu and len(weight.parts) != 1:
-        raise ValueError(f"glu needs one quant type for gate and up, not {weight.types}")
+    if glu and not fuses_glu(weight):
+        raise ValueError(f"glu needs gate and up in one quant type ({weight.types}), interleaved only where each "
+                         f"is a multiple of 8 rows ({weight.n} rows)")
     dtype = dtype or x.dtype
     rows = x.reshape(-1, weight.k)
     if rows.stride(-1) != 1:

@@ -136,6 +136,10 @@ def test_glu_of_interleaved_rows_holds_over_the_float_range(path):
     want = torch.nn.functional.silu(both[:, :32]) * both[:, 32:]
     assert both[:, :32].abs().max() > 1000 and both[:, :32].min() < -100
     assert torch.allclose(quant.linear(x, gate_up, glu=True, path=path).double(), want, rtol=1e-5, atol=1e-6)
+    straddling = QuantWeight([random_blocks("Q4_K", 40, k, 9, interleaved=True)])  # octet 2: gate 16..19, up 0..3
+    assert not quant.fuses_glu(straddling)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.linear(x, straddling, glu=True, path=path)
 
 
 @pytest.mark.parametrize("path", PATHS)
