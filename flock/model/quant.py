@@ -121,6 +121,20 @@ class QuantWeight:
     def nbytes(self) -> int:
         return sum(p.blocks.numel() for p in self.parts)
 
+    @functools.cached_property
+    def calls(self) -> dict[bool, list[tuple[int, bool, int, int, int, int]]]:
+        """flock_qgemm's arguments of each part, without and with glu: type, interleaved, address, row bytes,
+        outputs, first output (worked out once: a decode step makes ~65 calls)."""
+        calls = {}
+        for glu in (False, True):
+            calls[glu], col = [], 0
+            for part in self.parts:
+                cols = part.rows // 2 if glu else part.rows
+                calls[glu].append((part.qtype, part.interleaved, part.blocks.data_ptr(), part.blocks.shape[1], cols,
+                                   col))
+                col += cols
+        return calls
+
     @property
     def types(self) -> str:
         return "+".join(p.name for p in self.parts)
@@ -182,25 +196,25 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         raise ValueError(f"glu needs gate and up in one quant type ({weight.types}), interleaved only where each "
                          f"is a multiple of 8 rows ({weight.n} rows)")
     dtype = dtype or x.dtype
-    rows = x.reshape(-1, weight.k)
+    flat = x.dim() == 2  # the model's rows: no reshape and view back (each costs a few us of ~65 calls a step)
+    if x.shape[-1] != weight.k:
+        raise ValueError(f"activations of width {x.shape[-1]} for a weight of width {weight.k}")
+    rows = x if flat else x.reshape(-1, weight.k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n = weight.n // 2 if glu else weight.n
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=dtype)
     if m:
-        lib, threads, col = _lib(path), torch.get_num_threads(), 0
-        x_bf16, out_bf16 = int(rows.dtype == torch.bfloat16), int(dtype == torch.bfloat16)
-        for part in weight.parts:
-            cols = part.rows // 2 if glu else part.rows
-            if lib.flock_qgemm(part.qtype, int(part.interleaved), part.blocks.data_ptr(), part.blocks.shape[1], cols,
-                               weight.k, rows.data_ptr(), rows.stride(0), x_bf16, m,
-                               out.data_ptr() + col * out.element_size(), n, out_bf16, int(glu), threads):
+        lib, threads, out_at, x_at = _lib(path), torch.get_num_threads(), out.data_ptr(), rows.data_ptr()
+        ldx, x_bf16, out_bf16 = rows.stride(0), rows.dtype == torch.bfloat16, dtype == torch.bfloat16
+        for qtype, x8, blocks_at, row_bytes, cols, col in weight.calls[glu]:
+            if lib.flock_qgemm(qtype, x8, blocks_at, row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
+                               out_at + col * out.element_size(), n, out_bf16, glu, threads):
                 raise MemoryError(f"no memory for the int8 activations of {m} rows")
-            col += cols
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], n)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -124,6 +124,9 @@ def test_mixed_parts_glu_bias_and_bf16(path):
     assert torch.allclose(bf16.float(), quant.linear(x.bfloat16().float(), QuantWeight([q]), path=path),
                           rtol=1e-2, atol=1e-2)
     assert quant.linear(x[:0], weight, path=path).shape == (0, 80)
+    assert torch.equal(quant.linear(x.view(1, 5, k), weight, bias, path=path), full.view(1, 5, 80))
+    with pytest.raises(ValueError, match="width 256 for a weight of width 512"):
+        quant.linear(x.view(10, 256), weight, path=path)
 
 
 @pytest.mark.parametrize("path", PATHS)
