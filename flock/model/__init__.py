@@ -65,10 +65,13 @@ def load_gguf_tokenizer(gguf_file: Path):
     from transformers import PreTrainedTokenizerFast
 
     gguf_file = gguf_file.resolve()
-    kept = gguf_table.tokenizer_folder(gguf_file)
+    kept, tokenizer = gguf_table.tokenizer_folder(gguf_file), None
     if (kept / "tokenizer.json").is_file():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
-    else:
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(kept), local_files_only=True)
+        except Exception:  # tokenizers raises its own kinds: a damaged copy, converted again
+            shutil.rmtree(kept, ignore_errors=True)
+    if tokenizer is None:
         # the fast class itself: AutoTokenizer would first read the whole file again for its config
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                             local_files_only=True)

@@ -12,6 +12,7 @@ of one memory map of the file, as the reader makes them.
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +58,13 @@ def keep_tokenizer(tokenizer, folder: Path) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         aside = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".tmp"))
-        tokenizer.save_pretrained(aside)
-        os.replace(aside, folder)
     except OSError:
-        pass
+        return
+    try:
+        tokenizer.save_pretrained(aside)
+        os.replace(aside, folder)  # another process may have kept it first: then this copy goes
+    except OSError:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def load(path: str, mtime_ns: int, size: int) -> tuple[list[Tensor], dict] | None:

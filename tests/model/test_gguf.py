@@ -187,6 +187,9 @@ def test_the_converted_tokenizer_is_kept_and_tokenizes_alike(source, hf_folders,
         chat = [{"role": "user", "content": "What is 2 + 2?"}]
         assert kept.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    (gguf_table.tokenizer_folder(path) / "tokenizer.json").write_text("{not json")
+    assert load_gguf_tokenizer(path).encode(texts[0]) == fresh.encode(texts[0])  # a damaged copy: converted again
+    assert load_gguf_tokenizer(path).encode(texts[2]) == fresh.encode(texts[2])
 
 
 def test_bad_files_give_clear_errors(hf_folders, tmp_path):
