@@ -63,7 +63,7 @@ def keep_tokenizer(tokenizer, folder: Path) -> None:
     try:
         tokenizer.save_pretrained(aside)
         os.replace(aside, folder)  # another process may have kept it first: then this copy goes
-    except OSError:
+    except Exception:  # keeping it is optional: whatever save_pretrained or the rename raises, the load goes on
         shutil.rmtree(aside, ignore_errors=True)
 
 
