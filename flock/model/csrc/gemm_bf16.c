@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp2_poly.h"
+
 typedef uint16_t bf16;
 
 #define MR 6    // rows of a register tile
@@ -30,12 +32,7 @@ enum { OUT_BF16, OUT_F32, OUT_GLU };  // what a tile writes: its sums rounded to
 static inline __m512 silu_mul(__m512 g, __m512 u) {
     const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3276471e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755410e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507131e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+    const __m512 p = EXP2_POLY5(f, _mm512_fmadd_ps, _mm512_set1_ps);
     const __m512 e = _mm512_scalef_ps(p, n);
     return _mm512_div_ps(_mm512_mul_ps(g, u), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
 }

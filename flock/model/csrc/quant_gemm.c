@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "exp2_poly.h"
 #ifdef __AVX2__
 #pragma GCC target("f16c")  // every AVX2 CPU has it
 #include <immintrin.h>
@@ -969,12 +971,7 @@ AI __m256 silu_mul8(__m256 g, __m256 u) {
     __m256 t = _mm256_mul_ps(g, _mm256_set1_ps(-1.4426950408889634f));
     t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(126.0f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.3276471e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6755410e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507131e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022120e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314694e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001f));
+    const __m256 p = EXP2_POLY5(f, _mm256_fmadd_ps, _mm256_set1_ps);
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
     return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
