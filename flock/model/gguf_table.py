@@ -1,12 +1,12 @@
 """A GGUF file's config, tensor table and converted tokenizer, kept under FLOCK_CACHE_DIR/gguf once parsed.
 
 The `gguf` package's reader builds a numpy view for every string of the vocabulary (seconds for a 49k-token
-one, before any weight is read); the config and the tensor table are a few KB. transformers converts the file's tokenizer again on every load
-(it reads the metadata with the same reader, then builds the BPE or SentencePiece model); the converted one is
-kept as save_pretrained writes it. An entry is named by a hash of
-the file's path, size and mtime, of the versions of `gguf` and `transformers` (whose key mapping makes the
-config) and of Flock's GGUF code, so a changed file, package or Flock parses again. The tensors' data are views
-of one memory map of the file, as the reader makes them.
+one, before any weight is read); the config and the tensor table are a few KB. transformers converts the
+file's tokenizer again on every load (it reads the metadata, then builds the BPE or SentencePiece model); the
+converted one is kept as save_pretrained writes it. An entry is named by a hash of the file's path, size and
+mtime, of the versions of `gguf` and `transformers` (whose key mapping makes the config) and of Flock's GGUF
+code, so a changed file, package or Flock parses again. The tensors' data are views of one memory map of the
+file, as the reader makes them.
 """
 
 import hashlib

@@ -122,16 +122,15 @@ class QuantWeight:
         return sum(p.blocks.numel() for p in self.parts)
 
     @functools.cached_property
-    def calls(self) -> dict[bool, list[tuple[int, bool, int, int, int, int]]]:
-        """flock_qgemm's arguments of each part, without and with glu: type, interleaved, address, row bytes,
+    def calls(self) -> dict[bool, list[tuple[int, bool, torch.Tensor, int, int, int]]]:
+        """flock_qgemm's arguments of each part, without and with glu: type, interleaved, blocks, row bytes,
         outputs, first output (worked out once: a decode step makes ~65 calls)."""
         calls = {}
         for glu in (False, True):
             calls[glu], col = [], 0
             for part in self.parts:
                 cols = part.rows // 2 if glu else part.rows
-                calls[glu].append((part.qtype, part.interleaved, part.blocks.data_ptr(), part.blocks.shape[1], cols,
-                                   col))
+                calls[glu].append((part.qtype, part.interleaved, part.blocks, part.blocks.shape[1], cols, col))
                 col += cols
         return calls
 
@@ -208,8 +207,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     if m:
         lib, threads, out_at, x_at = _lib(path), torch.get_num_threads(), out.data_ptr(), rows.data_ptr()
         ldx, x_bf16, out_bf16 = rows.stride(0), rows.dtype == torch.bfloat16, dtype == torch.bfloat16
-        for qtype, x8, blocks_at, row_bytes, cols, col in weight.calls[glu]:
-            if lib.flock_qgemm(qtype, x8, blocks_at, row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
+        for qtype, x8, blocks, row_bytes, cols, col in weight.calls[glu]:
+            if lib.flock_qgemm(qtype, x8, blocks.data_ptr(), row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
                                out_at + col * out.element_size(), n, out_bf16, glu, threads):
                 raise MemoryError(f"no memory for the int8 activations of {m} rows")
     if bias is not None:
