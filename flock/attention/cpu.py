@@ -51,7 +51,8 @@ KERNEL = native.Library(
     paths=("avx512bf16", "avx512", "avx2"),  # "amx" (bf16) is the amx backend's
     signatures={"flock_cpu_cascade": ([ctypes.POINTER(_Args)], _int),
                 "flock_cpu_write_kv": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64], None),
-                "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int)})
+                "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int),
+                "flock_cpu_write_kv_op": ([_p], ctypes.c_int32), "flock_cpu_cascade_op": ([_p], ctypes.c_int32)})
 PATHS = KERNEL.paths
 ORDER = ("amx", *PATHS)
 

@@ -191,6 +191,9 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
             raise ValueError(f"ops='packed': {why}")
         else:
             paths["gemm"] += f" ({why})"
+    if ops in ("auto", "fused") and types:
+        why = model.use_step_program()
+        paths["step"] = "decode steps' layers in one C call" if why is None else f"Python between the kernels ({why})"
     return paths
 
 

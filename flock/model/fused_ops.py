@@ -27,12 +27,15 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
+PROGRAM_OPS = ("rms_norm", "add_rms_norm", "rope", "add_bias")  # as step-program ops (flock.model.program)
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
     paths=("avx512dq", "avx2", "baseline"),
     flags=("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"),
-    signatures={f"flock_{op}_{suffix}": (argtypes, None) for op, argtypes in ARGTYPES.items()
-                for suffix in SUFFIX.values()})
+    signatures={**{f"flock_{op}_{suffix}": (argtypes, None) for op, argtypes in ARGTYPES.items()
+                   for suffix in SUFFIX.values()},
+                **{f"flock_{op}_op_{suffix}": ([_ptr], _i32) for op in PROGRAM_OPS for suffix in SUFFIX.values()},
+                "flock_run_program": ([_ptr, _i64, _i64], _i64)})
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata
-from flock.model import fused_ops
+from flock.model import fused_ops, program
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
@@ -122,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    step_program: program.StepProgram | None = None  # see use_step_program
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -149,6 +150,9 @@ class LlamaForCausalLM(nn.Module):
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
         the rest only leave K and V in the cache), as llama.cpp does."""
         x, residual = self.embed_tokens(input_ids), None
+        if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
+            x, residual = self.step_program.run(x, positions, meta)
+            return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
         for layer in self.layers[:-1]:
             x, residual = layer(x, residual, self.rope, positions, meta)
         if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
@@ -160,6 +164,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits; float32 from Flock's bf16 GEMM: rounded to bf16, logits of ~25 are multiples of 1/8, and a
         near tie of a greedy pick becomes a tie."""
         return self.lm_head(hidden, float32=True)
+
+    def use_step_program(self) -> str | None:
+        """Run the decoder layers of the steps a StepProgram takes as one C call; returns why they cannot
+        (then nothing changes), or None."""
+        why = program.unavailable(self)
+        if why is None:
+            self.step_program = program.StepProgram(self)
+        return why
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]

@@ -39,7 +39,7 @@ KERNEL = native.Library(
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
-                "flock_qgemm_level": ([], _i32)})
+                "flock_qgemm_level": ([], _i32), "flock_qgemm_op": ([_ptr], _i32)})
 # The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI): how a CPU without VNNI
 # tests them.
 EMULATED_VNNI = "avx2-emulated-vnni"

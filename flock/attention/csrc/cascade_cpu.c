@@ -764,6 +764,13 @@ void flock_cpu_write_kv(const char *k, int64_t k_stride, const char *v, int64_t 
     }
 }
 
+// flock_cpu_write_kv as a step-program op (flock/model/program.py): its arguments as int64 words.
+int32_t flock_cpu_write_kv_op(const int64_t *a) {
+    flock_cpu_write_kv((const char *)(intptr_t)a[0], a[1], (const char *)(intptr_t)a[2], a[3], (char *)(intptr_t)a[4],
+                       (char *)(intptr_t)a[5], a[6], (const int64_t *)(intptr_t)a[7], a[8], a[9]);
+    return 0;
+}
+
 int flock_cpu_unit_rows(void) { return UNIT_ROWS; }
 int flock_cpu_chunk(void) { return CHUNK; }
 
@@ -818,4 +825,12 @@ int flock_cpu_cascade(const Args *a) {
     }
     free(unit);
     return failed ? -2 : 0;
+}
+
+// flock_cpu_cascade as a step-program op: a[0] the step's Args, whose caches are those of a[1] (K) and a[2] (V).
+int32_t flock_cpu_cascade_op(const int64_t *a) {
+    Args layer = *(const Args *)(intptr_t)a[0];
+    layer.k_cache = (const void *)(intptr_t)a[1];
+    layer.v_cache = (const void *)(intptr_t)a[2];
+    return flock_cpu_cascade(&layer);
 }

@@ -270,3 +270,54 @@ DEFINE_SAMPLE(f32, float, f32_load)
 
 DEFINE_OPS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_OPS(f32, float, f32_load, f32_store)
+
+// ------------------------------------------------------------------------------------------- step program
+
+static inline float word_f32(int64_t word) {  // a float passed as its bits in an int64 word
+    uint32_t u = (uint32_t)word;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// The norms, rope and a bias add as ops of a step program (flock/model/program.py): their arguments as int64
+// words.
+#define DEFINE_PROGRAM_OPS(NAME, T, LOAD, STORE)                                                              \
+    int32_t flock_rms_norm_op_##NAME(const int64_t *a) {                                                      \
+        flock_rms_norm_##NAME((const T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3],                     \
+                              (const T *)(intptr_t)a[4], a[5], a[6], word_f32(a[7]), (int32_t)a[8]);           \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_add_rms_norm_op_##NAME(const int64_t *a) {                                                  \
+        flock_add_rms_norm_##NAME((T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3],                       \
+                                  (const T *)(intptr_t)a[4], a[5], a[6], word_f32(a[7]), (int32_t)a[8]);       \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_rope_op_##NAME(const int64_t *a) {                                                          \
+        flock_rope_##NAME((T *)(intptr_t)a[0], a[1], (const int64_t *)(intptr_t)a[2],                        \
+                          (const T *)(intptr_t)a[3], (const T *)(intptr_t)a[4], a[5], a[6], (int32_t)a[7],     \
+                          (int32_t)a[8], (int32_t)a[9]);                                                      \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    /* x (a[3] rows, a[1] apart) += bias (a[2], a[4] wide), as PyTorch's out += bias */                       \
+    int32_t flock_add_bias_op_##NAME(const int64_t *a) {                                                      \
+        T *x = (T *)(intptr_t)a[0];                                                                           \
+        const T *b = (const T *)(intptr_t)a[2];                                                               \
+        for (int64_t i = 0; i < a[3]; i++)                                                                    \
+            for (int64_t j = 0; j < a[4]; j++) x[i * a[1] + j] = STORE(LOAD(x[i * a[1] + j]) + LOAD(b[j]));   \
+        return 0;                                                                                             \
+    }
+DEFINE_PROGRAM_OPS(bf16, bf16, bf16_load, bf16_store)
+DEFINE_PROGRAM_OPS(f32, float, f32_load, f32_store)
+
+typedef int32_t (*program_op)(const int64_t *args);
+
+// Run a step program: n records of `width` int64 words, each an op's address and then its arguments (ops of
+// any of Flock's kernel libraries). Returns 0, or i + 1 where record i's op failed (the rest do not run).
+int64_t flock_run_program(const int64_t *records, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *r = records + i * width;
+        if (((program_op)(intptr_t)r[0])(r + 1)) return i + 1;
+    }
+    return 0;
+}

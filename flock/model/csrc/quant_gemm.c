@@ -1041,3 +1041,10 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
     free(xq);
     return 0;
 }
+
+// flock_qgemm as a step-program op (flock/model/program.py): its arguments as int64 words, in order.
+int32_t flock_qgemm_op(const int64_t *a) {
+    return flock_qgemm((int32_t)a[0], (int32_t)a[1], (const uint8_t *)(intptr_t)a[2], a[3], a[4], a[5],
+                       (const void *)(intptr_t)a[6], a[7], (int32_t)a[8], a[9], (void *)(intptr_t)a[10], a[11],
+                       (int32_t)a[12], (int32_t)a[13], (int32_t)a[14]);
+}

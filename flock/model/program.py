@@ -1,0 +1,166 @@
+"""A step's decoder layers as one C call: the step program.
+
+Between its kernels a decode step runs ~0.5 ms of Python a layer, slow because the weights the step streams
+through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
+layer's forward once (the quantized GEMMs, the fused norms and rope, the bias adds, the KV write and the CPU
+attention kernel), as records of int64 words over buffers that stay put, and a step runs them all in one
+call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their inputs are those of the
+modules' forward, so the results are the same bits.
+
+`unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
+kernel and every row of it goes on to the last layer (decode steps), up to MAX_ROWS rows.
+"""
+
+import ctypes
+
+import numpy as np
+import torch
+
+from flock.attention.cpu import KERNEL as ATTENTION, CpuCascadeBackend, CpuMetadata, _Args
+from flock.model import fused_ops, quant
+
+WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
+MAX_ROWS = 256  # above this many rows the Python between the kernels is a small share of a step
+ROWS = object()  # an argument filled with the step's rows at each run
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _f32_word(value: float) -> int:
+    return int(np.array(value, dtype=np.float32).view(np.int32))
+
+
+def unavailable(model) -> str | None:
+    """Why the model's layers cannot run as a step program (None: they can)."""
+    backend = model.layers[0].self_attn.backend
+    if not isinstance(backend, CpuCascadeBackend) or not backend.uses_kernel(torch.device("cpu")):
+        return "attention is not on the CPU kernel"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(p.qweight is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return "a projection is not quantized"
+        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or not mlp.gate_up_proj.silu_and_mul:
+            return "an MLP's SiLU-and-mul is not in its gate_up GEMM"
+        if not (attn.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
+            return "the fused ops are off"
+    return None
+
+
+class StepProgram:
+    def __init__(self, model):
+        self.model = model
+        self.rows = 0  # rows the buffers hold
+        self.key = None  # what the records were built for
+        self.step = _Args()  # the attention kernel's arguments; the per-step ones set at each run
+
+    def takes(self, x: torch.Tensor, meta) -> bool:
+        return isinstance(meta, CpuMetadata) and 0 < len(x) <= MAX_ROWS
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: CpuMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (output, residual) for the embeddings x, as the layers' forward gives them: views of
+        buffers that the next step overwrites."""
+        m = len(x)
+        self._build(m, x.dtype)
+        self.residual[:m].copy_(x)  # the first layer's norm reads the embeddings there
+        self.positions[:m].copy_(positions)
+        self.slots[:m].copy_(meta.slot_mapping)
+        self._set_step(meta)
+        self.records[self.row_words] = m
+        failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH)
+        if failed:
+            raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
+        return self.x[:m], self.residual[:m]
+
+    def _set_step(self, meta: CpuMetadata) -> None:
+        s, backend = self.step, self.model.layers[0].self_attn.backend
+        o_part, lse_part = backend.partials.get(meta.num_slots)
+        s.segs, s.tokens, s.positions, s.tables = (t.data_ptr() for t in (meta.segs, meta.tokens, meta.positions,
+                                                                          meta.tables))
+        s.num_segs, s.o_part, s.lse_part = len(meta.segs), o_part.data_ptr(), lse_part.data_ptr()
+        s.merge_offsets, s.merge_slots = meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr()
+        s.merge_tokens, s.num_merges, s.block_size = meta.merge_tokens.data_ptr(), len(meta.merge_tokens), meta.block_size
+
+    def _build(self, m: int, dtype: torch.dtype) -> None:
+        """Buffers of at least m rows and the records over them, unless those built last still serve."""
+        attn = self.model.layers[0].self_attn
+        key = (dtype, torch.get_num_threads(), attn.k_cache.data_ptr(), len(self.model.layers))
+        if key == self.key and m <= self.rows:
+            return
+        self.rows = max(m, min(2 * self.rows, MAX_ROWS), 16)
+        config = self.model.config
+        q, kv = attn.q_size, attn.kv_size
+        widths = dict(x=config.hidden_size, residual=config.hidden_size, qkv=q + 2 * kv, attention=q,
+                      mid=config.intermediate_size)
+        for name, width in widths.items():
+            setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
+        self.positions = torch.zeros(self.rows, dtype=torch.int64)
+        self.slots = torch.zeros(self.rows, dtype=torch.int64)
+        self._records(dtype, key[1])
+        self.key = key
+
+    def _records(self, dtype: torch.dtype, threads: int) -> None:
+        ops = fused_ops.KERNEL.load(fused_ops.isa())
+        self.run_program = ops.flock_run_program
+        suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
+        attention = ATTENTION.load(self.model.layers[0].self_attn.backend.isa)
+        gemm = quant._lib(None).flock_qgemm_op
+        records, self.names = [], []
+
+        def op(name: str, fn, *args) -> None:
+            records.append([_address(fn), *(a if isinstance(a, int) or a is ROWS else a.data_ptr() for a in args)])
+            self.names.append(name)
+
+        def linear(name: str, layer, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
+            w = layer.qweight
+            for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu]:
+                op(f"{name} GEMM", gemm, qtype, int(x8), blocks, row_bytes, cols, w.k, x, x.stride(0), bf16, ROWS,
+                   out.data_ptr() + col * size, out.stride(0), bf16, int(glu), threads)
+            if layer.bias is not None:
+                op(f"{name} bias", getattr(ops, f"flock_add_bias_op_{suffix}"), out, out.stride(0), layer.bias, ROWS,
+                   out.shape[1])
+
+        def norm(name: str, module, first: bool) -> None:
+            fn = getattr(ops, f"flock_{'rms_norm' if first else 'add_rms_norm'}_op_{suffix}")
+            x, r, eps = self.x, self.residual, _f32_word(module.eps)
+            args = (r, r.stride(0), x, x.stride(0)) if first else (x, x.stride(0), r, r.stride(0))
+            op(name, fn, *args, module.weight, ROWS, x.shape[1], eps, threads)
+
+        rope = self.model.rope
+        qkv, out = self.qkv, self.attention
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm(f"layer {i} input norm", layer.input_layernorm, first=i == 0)
+            linear(f"layer {i} qkv", attn.qkv_proj, self.x, qkv)
+            op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions, rope.cos,
+               rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim, threads)
+            self._attention(i, attn, attention, op)
+            linear(f"layer {i} o", attn.o_proj, out, self.x)
+            norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
+            linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
+            linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
+        self.records = np.array([r + [0] * (WIDTH - len(r)) for r in records], dtype=object)
+        self.row_words = np.nonzero(self.records == ROWS)
+        self.records[self.row_words] = 0
+        self.records = self.records.astype(np.int64)
+
+    def _attention(self, i: int, attn, lib, op) -> None:
+        """The layer's K and V into its caches, then its attention into self.attention."""
+        k_cache, v_cache, qkv, size = attn.k_cache, attn.v_cache, self.qkv, self.qkv.element_size()
+        if not (k_cache.is_contiguous() and k_cache.stride() == v_cache.stride() and k_cache.dtype == qkv.dtype
+                and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)):
+            raise ValueError(f"layer {i}: the step program needs contiguous K and V caches of [blocks, block size, "
+                             f"KV heads, head dim], got {tuple(k_cache.shape)}")
+        row = attn.kv_size * size
+        k_at, v_at = qkv.data_ptr() + attn.q_size * size, qkv.data_ptr() + (attn.q_size + attn.kv_size) * size
+        op(f"layer {i} KV write", lib.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at, qkv.stride(0) * size,
+           k_cache, v_cache, row, self.slots, ROWS, row)
+        op(f"layer {i} attention", lib.flock_cpu_cascade_op, ctypes.addressof(self.step), k_cache, v_cache)
+        if i == 0:
+            s, backend = self.step, attn.backend
+            s.q, s.q_stride_t, s.q_stride_h = qkv.data_ptr(), qkv.stride(0), attn.head_dim
+            s.kv_stride_b, s.kv_stride_s, s.kv_stride_h = k_cache.stride()[:3]
+            s.out, s.out_stride_t, s.out_stride_h = self.attention.data_ptr(), self.attention.stride(0), attn.head_dim
+            s.num_heads, s.num_kv_heads, s.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            s.scale, s.bf16 = backend.scale, int(qkv.dtype == torch.bfloat16)

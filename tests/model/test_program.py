@@ -1,0 +1,97 @@
+"""The step program (flock.model.program): decode steps' layers in one C call give the bits the modules'
+forward gives, for every quant mix, bias and dtype; where it cannot run, the layers run as before."""
+
+import ctypes
+
+import pytest
+import torch
+
+from flock import LLM, SamplingParams
+from flock.attention import cpu
+from flock.model import fused_ops, program
+from tests.engine.test_parity import shared_prefix_prompts
+from tests.model.gguf_files import Q, write_gguf
+from tests.model.test_quant_models import K_MIX
+
+pytestmark = pytest.mark.skipif(cpu.kernel_unavailable() is not None, reason="no CPU attention kernel here")
+
+CASES = {"K-quants": ("llama256", Q.Q4_K, K_MIX), "Q4_1 with qkv bias": ("qwen2", Q.Q4_1, None),
+         "Q8_0": ("llama", Q.Q8_0, None)}
+
+
+@pytest.fixture(scope="module")
+def gguf_models(hf_folders, tmp_path_factory):
+    root = tmp_path_factory.mktemp("program")
+    return {name: write_gguf(hf_folders[kind], root / f"{kind}-{qtype.name}.gguf", qtype, types)
+            for name, (kind, qtype, types) in CASES.items()}
+
+
+def generate(llm: LLM, prompts, max_tokens: int = 6):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def counting(monkeypatch) -> list[int]:
+    """Rows of each step the program runs, from now on."""
+    runs, run = [], program.StepProgram.run
+
+    def counted(self, x, positions, meta):
+        runs.append(len(x))
+        return run(self, x, positions, meta)
+
+    monkeypatch.setattr(program.StepProgram, "run", counted)
+    return runs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch):
+    """Same tokens and logprobs, exactly, with the program and without, on shared-prefix batches whose decode
+    steps have cascade segments, merges and a growing row count."""
+    llm, plain = (LLM(str(gguf_models[case]), dtype=dtype, kv_cache_memory_bytes=1 << 22) for _ in range(2))
+    assert llm.engine.runner.model.step_program is not None
+    assert llm.engine.runner.paths["step"] == "decode steps' layers in one C call"
+    plain.engine.runner.model.step_program = None  # (a second run of one engine would hit its prefix cache)
+    prompts = shared_prefix_prompts(seed=11)
+    runs = counting(monkeypatch)
+    with_program = generate(llm, prompts)
+    assert runs and max(runs) > 1
+    assert generate(plain, prompts) == with_program
+
+
+def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
+    llm, plain = (LLM(str(gguf_models["Q8_0"]), dtype="float32", kv_cache_memory_bytes=1 << 22, max_num_seqs=5)
+                  for _ in range(2))
+    prompts = shared_prefix_prompts(seed=12)
+    plain.engine.runner.model.step_program = None
+    expected = generate(plain, prompts, max_tokens=12)
+    monkeypatch.setattr(program, "MAX_ROWS", 3)
+    runs = counting(monkeypatch)
+    assert generate(llm, prompts, max_tokens=12) == expected
+    assert runs and max(runs) <= 3  # the steps of 4 and 5 rows ran the layers
+
+
+def test_where_the_program_cannot_run(gguf_models, hf_folders):
+    llm = LLM(str(hf_folders["llama"]), dtype="float32")  # float weights
+    assert llm.engine.runner.model.use_step_program() == "a projection is not quantized"
+    assert "step" not in llm.engine.runner.paths
+    llm = LLM(str(gguf_models["Q8_0"]), dtype="float32", attention="torch-cascade")
+    assert llm.engine.runner.paths["step"] == "Python between the kernels (attention is not on the CPU kernel)"
+    llm = LLM(str(gguf_models["Q8_0"]), dtype="float32", ops="torch")
+    assert llm.engine.runner.model.step_program is None and "step" not in llm.engine.runner.paths
+
+
+def test_a_failing_op_stops_the_program_and_says_which():
+    """flock_run_program returns the first failing record (1-based); the records after it do not run."""
+    ops = fused_ops.KERNEL.load(fused_ops.isa())
+    attention = cpu.KERNEL.load(cpu.chosen_isa())
+    bad = cpu._Args(num_heads=4, num_kv_heads=0, head_dim=64)  # a shape the kernel refuses
+    x = torch.ones(2, 8)
+    residual = torch.zeros(2, 8)
+    norm = [program._address(ops.flock_add_rms_norm_op_f32), x.data_ptr(), 8, residual.data_ptr(), 8,
+            torch.ones(8).data_ptr(), 2, 8, program._f32_word(1e-6), 1]
+    cascade = [program._address(attention.flock_cpu_cascade_op), ctypes.addressof(bad), 0, 0]
+    records = torch.tensor([r + [0] * (program.WIDTH - len(r)) for r in (norm, cascade, norm)], dtype=torch.int64)
+    assert ops.flock_run_program(records.data_ptr(), 3, program.WIDTH) == 2
+    assert torch.equal(residual, torch.ones(2, 8))  # the first norm ran, the third did not
