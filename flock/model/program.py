@@ -1,6 +1,6 @@
 """A step's decoder layers as one C call: the step program.
 
-Between its kernels a decode step runs ~0.5 ms of Python a layer, slow because the weights the step streams
+Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
 layer's forward once (the quantized GEMMs, the fused norms and rope, the bias adds, the KV write and the CPU
 attention kernel), as records of int64 words over buffers that stay put, and a step runs them all in one
