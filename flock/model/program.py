@@ -42,7 +42,7 @@ def unavailable(model) -> str | None:
         if any(p.qweight is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return "a projection is not quantized"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or not mlp.gate_up_proj.silu_and_mul:
-            return "an MLP's SiLU-and-mul is not in its gate_up GEMM"
+            return "an MLP has a bias, or its SiLU-and-mul is not in its gate_up GEMM"
         if not (attn.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
             return "the fused ops are off"
     return None
@@ -80,7 +80,8 @@ class StepProgram:
                                                                           meta.tables))
         s.num_segs, s.o_part, s.lse_part = len(meta.segs), o_part.data_ptr(), lse_part.data_ptr()
         s.merge_offsets, s.merge_slots = meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr()
-        s.merge_tokens, s.num_merges, s.block_size = meta.merge_tokens.data_ptr(), len(meta.merge_tokens), meta.block_size
+        s.merge_tokens, s.num_merges = meta.merge_tokens.data_ptr(), len(meta.merge_tokens)
+        s.block_size = meta.block_size
 
     def _build(self, m: int, dtype: torch.dtype) -> None:
         """Buffers of at least m rows and the records over them, unless those built last still serve."""
