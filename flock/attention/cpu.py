@@ -179,8 +179,16 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
+        code = KERNEL.load(self.isa).flock_cpu_cascade(ctypes.byref(self.kernel_args(q, k_cache, v_cache, out, meta)))
+        if code != 0:
+            raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
+        return out
+
+    def kernel_args(self, q, k_cache, v_cache, out, meta: CpuMetadata) -> _Args:
+        """The kernel's arguments: attention of q [T, heads, head_dim] (heads contiguous) into out, as `meta`
+        plans it."""
         o_part, lse_part = self.partials.get(meta.num_slots)
-        args = _Args(
+        return _Args(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1), *k_cache.stride()[:3],
             meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
             len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
@@ -188,10 +196,6 @@ class CpuCascadeBackend(TorchCascadeBackend):
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
             int(q.dtype == torch.bfloat16),
         )
-        code = KERNEL.load(self.isa).flock_cpu_cascade(ctypes.byref(args))
-        if code != 0:
-            raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
-        return out
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
         """write_kv by one memcpy per token and cache where each token's heads are contiguous rows."""

@@ -53,7 +53,7 @@ class StepProgram:
         self.model = model
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the records were built for
-        self.step = _Args()  # the attention kernel's arguments; the per-step ones set at each run
+        self.step = _Args()  # the attention kernel's arguments, set at each run
 
     def takes(self, x: torch.Tensor, meta) -> bool:
         return isinstance(meta, CpuMetadata) and 0 < len(x) <= MAX_ROWS
@@ -66,22 +66,20 @@ class StepProgram:
         self.residual[:m].copy_(x)  # the first layer's norm reads the embeddings there
         self.positions[:m].copy_(positions)
         self.slots[:m].copy_(meta.slot_mapping)
-        self._set_step(meta)
+        self._set_step(m, meta)
         self.records[self.row_words] = m
         failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH)
         if failed:
             raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
         return self.x[:m], self.residual[:m]
 
-    def _set_step(self, meta: CpuMetadata) -> None:
-        s, backend = self.step, self.model.layers[0].self_attn.backend
-        o_part, lse_part = backend.partials.get(meta.num_slots)
-        s.segs, s.tokens, s.positions, s.tables = (t.data_ptr() for t in (meta.segs, meta.tokens, meta.positions,
-                                                                          meta.tables))
-        s.num_segs, s.o_part, s.lse_part = len(meta.segs), o_part.data_ptr(), lse_part.data_ptr()
-        s.merge_offsets, s.merge_slots = meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr()
-        s.merge_tokens, s.num_merges = meta.merge_tokens.data_ptr(), len(meta.merge_tokens)
-        s.block_size = meta.block_size
+    def _set_step(self, m: int, meta: CpuMetadata) -> None:
+        """The attention kernel's arguments for this step (each layer's op takes its own caches)."""
+        attn = self.model.layers[0].self_attn
+        q = self.qkv[:m, : attn.q_size].view(m, attn.num_heads, attn.head_dim)
+        out = self.attention[:m].view(m, attn.num_heads, attn.head_dim)
+        args = attn.backend.kernel_args(q, attn.k_cache, attn.v_cache, out, meta)
+        ctypes.memmove(ctypes.addressof(self.step), ctypes.addressof(args), ctypes.sizeof(_Args))
 
     def _build(self, m: int, dtype: torch.dtype) -> None:
         """Buffers of at least m rows and the records over them, unless those built last still serve."""
@@ -158,10 +156,3 @@ class StepProgram:
         op(f"layer {i} KV write", lib.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at, qkv.stride(0) * size,
            k_cache, v_cache, row, self.slots, ROWS, row)
         op(f"layer {i} attention", lib.flock_cpu_cascade_op, ctypes.addressof(self.step), k_cache, v_cache)
-        if i == 0:
-            s, backend = self.step, attn.backend
-            s.q, s.q_stride_t, s.q_stride_h = qkv.data_ptr(), qkv.stride(0), attn.head_dim
-            s.kv_stride_b, s.kv_stride_s, s.kv_stride_h = k_cache.stride()[:3]
-            s.out, s.out_stride_t, s.out_stride_h = self.attention.data_ptr(), self.attention.stride(0), attn.head_dim
-            s.num_heads, s.num_kv_heads, s.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            s.scale, s.bf16 = backend.scale, int(qkv.dtype == torch.bfloat16)
