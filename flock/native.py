@@ -87,19 +87,23 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+SHARED_HEADERS = Path(__file__).resolve().parent / "csrc"  # headers every kernel source may include
+
+
 def build(source: Path, flags: list[str]) -> Path:
     """Compile `source` with gcc and `flags` (plus -shared -fPIC) unless a library of it (and of the headers
-    beside it) is cached; its path.
+    beside it and in SHARED_HEADERS) is cached; its path.
     Raises subprocess.CalledProcessError (with gcc's stderr) or OSError (no gcc, no writable cache)."""
-    text = b"".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])  # it may include them
+    headers = [*sorted(source.parent.glob("*.h")), *sorted(SHARED_HEADERS.glob("*.h"))]  # it may include them
+    text = b"".join(f.read_bytes() for f in [source, *headers])
     tag = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{tag}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             built = Path(tmp) / lib.name
-            subprocess.run(["gcc", *flags, "-shared", "-fPIC", "-o", str(built), str(source), "-lm"], check=True,
-                           capture_output=True, text=True)
+            command = ["gcc", *flags, f"-I{SHARED_HEADERS}", "-shared", "-fPIC", "-o", str(built), str(source), "-lm"]
+            subprocess.run(command, check=True, capture_output=True, text=True)
             os.replace(built, lib)
     return lib
 

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp2_poly.h"
+
 enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG_SLOT, SEG_FIELDS };
 
 #define CHUNK 64        // KV positions per chunk (a multiple of 32)
@@ -173,12 +175,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
     vf n = exp2_int(t), f = vsub(t, n);
     vf p;
     if (precise) {
-        p = vset1(1.3276471e-3f);
-        p = vfma(p, f, vset1(9.6755410e-3f));
-        p = vfma(p, f, vset1(5.5507131e-2f));
-        p = vfma(p, f, vset1(2.4022120e-1f));
-        p = vfma(p, f, vset1(6.9314694e-1f));
-        p = vfma(p, f, vset1(1.0000001f));
+        p = EXP2_POLY5(f, vfma, vset1);
     } else {
         p = vset1(0.05517162f);
         p = vfma(p, f, vset1(0.24261117f));
