@@ -24,7 +24,8 @@ new one. Degree 1 means no sharing. Physical blocks are shuffled over the pool. 
     bandwidth measured at start (reading a 1 GiB tensor, and copying one).
   * roofline: both backends do the same arithmetic (4 * head_dim FLOPs per query head per context token;
     the cascade saves reads, not FLOPs), so the time bound is max(bytes / bandwidth, FLOPs / peak), with the
-    peak of a large matmul in that dtype measured at start.
+    peak of a large matmul in that dtype measured at start (bf16's at least fp32's: bf16 inputs can always be
+    multiplied in fp32).
   * fused kernels: each path this CPU runs (amx: bf16 only), timed alternately with the other two and reported
     in its own columns (same KV bytes as the cascade); the goal (within 2x of the roofline at degree 16,
     prefix 2048) is judged for each cascade implementation.
@@ -435,7 +436,7 @@ def main():
           "cascade's most; consider --threads 1" if quiet > NOISY else ""), flush=True)
     with machine.OthersCPU() as others:
         bwinfo = machine.memory_bandwidth(args.bw_gib)
-        gflops = {d: machine.matmul_peak(DTYPES[d], repeats=7) for d in args.dtypes}
+        gflops = machine.arithmetic_peaks({d: DTYPES[d] for d in args.dtypes})
     bw = bwinfo["limit_GBps"]
     bwinfo["other_load_cores"] = probe_load = others.cores
     print(f"memory bandwidth ({args.bw_gib:g} GiB fp32): read (sum) {bwinfo['read_sum_GBps']:.1f} GB/s, "

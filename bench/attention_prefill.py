@@ -11,7 +11,8 @@ One layer, one request of CONTEXT tokens (head_dim, heads and KV heads as bench.
 Each step's time is the median over repeats of `forward` (KV write + attention), backends run alternately, caches
 flushed before each step. FLOPs = 4 * head_dim * heads * (query, key) pairs a causal prefill has (context
 (context + 1) / 2); roofline = max(FLOPs / matmul peak, KV bytes / bandwidth), both measured in the same run
-(the KV is read once per KV head: the bound is the arithmetic's). Outputs are checked against "torch".
+(bf16's peak at least fp32's: bf16 inputs can always be multiplied in fp32; the KV is read once per KV head: the
+bound is the arithmetic's). Outputs are checked against "torch".
 Results: a markdown table per dtype and bench/out/attention_prefill.json.
 """
 
@@ -135,7 +136,7 @@ def main():
           f"{os.cpu_count()} cores; load average {machine.load_average()}")
     bwinfo = machine.memory_bandwidth(args.bw_gib)
     bw = bwinfo["limit_GBps"]
-    gflops = {d: machine.matmul_peak(DTYPES[d], repeats=7) for d in args.dtypes}
+    gflops = machine.arithmetic_peaks({d: DTYPES[d] for d in args.dtypes})
     print(f"memory bandwidth {bw:.1f} GB/s; matmul peak (2048^3) "
           + ", ".join(f"{d} {x:.0f} GFLOP/s" for d, x in gflops.items()) + " (measured now)", flush=True)
     flush = Flusher(args.flush_mib)

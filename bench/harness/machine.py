@@ -10,8 +10,8 @@ import torch
 
 from flock.native import cpu_flags, cpu_model
 
-__all__ = ["cpu_model", "cpu_line", "kernel_paths", "attention_path", "header", "matmul_peak", "memory_bandwidth",
-           "OthersCPU", "tree_cpu_seconds", "other_cores", "wait_quiet", "load_average", "load_note", "peak_rss_gib"]
+__all__ = ["cpu_model", "cpu_line", "kernel_paths", "attention_path", "header", "matmul_peak", "arithmetic_peaks",
+           "memory_bandwidth", "OthersCPU", "tree_cpu_seconds", "other_cores", "wait_quiet", "load_average", "load_note", "peak_rss_gib"]
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 QUIET = 0.15  # share of all CPUs that other processes may use for the machine to count as quiet
@@ -83,6 +83,15 @@ def matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048, repeats: int
         n = 512
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n**3 / best_time(lambda: a @ b, repeats, warmup=2) / 1e9
+
+
+def arithmetic_peaks(dtypes: dict[str, torch.dtype], repeats: int = 7) -> dict[str, float]:
+    """matmul_peak per named dtype, a roofline's arithmetic bound. Half-precision inputs can always be multiplied
+    in fp32 (the cpu attention kernel's avx2 and avx512 paths do), so theirs is at least fp32's: on a CPU without
+    bf16 instructions torch's bf16 matmul alone (~1 GFLOP/s) would make every kernel look faster than its bound."""
+    fp32 = matmul_peak(torch.float32, repeats=repeats)
+    return {name: fp32 if dtype == torch.float32 else max(fp32, matmul_peak(dtype, repeats=repeats))
+            for name, dtype in dtypes.items()}
 
 
 def memory_bandwidth(gib: float = 1.0) -> dict:
