@@ -3,8 +3,9 @@ blocks where Flock has kernels for their type (flock.model.quant), the rest dequ
 tokenizer: flock/tokenizer.py).
 
 The file is read with the `gguf` package (llama.cpp's reader; the config and tensor table it gives are kept on
-disk, `gguf_table`) and converted the way `transformers` converts it: its config-key mapping, its tensor-name
-table and its un-permutation of llama.cpp's q/k rows.
+disk, `gguf_table`) and converted the way `transformers` converts it: its config-key mapping, the gguf package's
+tensor-name table, and llama.cpp's q/k row permutation undone as transformers undoes it (tests check it
+against transformers loading the same file).
 """
 
 import functools
@@ -205,10 +206,9 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
 
 
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str]] | None = None) -> None:
-    """Load every tensor into `model`, un-permuting q/k as transformers does: those of `quantized` layers
+    """Load every tensor into `model`, q/k rows un-permuted (`_hf_rows`): those of `quantized` layers
     (`quantized_layers`) as their blocks, the others dequantized (converted to the model's dtype)."""
     from gguf import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
     from flock.model.quant import KERNEL_TYPES
@@ -216,7 +216,6 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     quantized = quantized or {}
     slots = hf_tensor_slots(model)
     names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
-    processor = TENSOR_PROCESSORS.get(ckpt.architecture, TensorProcessor)(config=ckpt.config)
     in_blocks = {name for parts in quantized.values() for name in parts}
     loaded, expanded = {names[name] for name in in_blocks}, set()
     for tensor in ckpt.tensors:
@@ -234,17 +233,32 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         except NotImplementedError:
             raise ValueError(f"{ckpt.path.name}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a "
                              "quant type the gguf package cannot dequantize") from None
-        values = processor.process(weights=values, name=tensor.name).weights
+        values = _hf_rows(values, tensor.name, ckpt)
         copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)
-    model.use_quantized(_read_blocks(ckpt, quantized, processor))
+    model.use_quantized(_read_blocks(ckpt, quantized))
     if expanded:
         log.info("%s: tensors of type %s are dequantized at load (Flock has no kernel for them)", ckpt.path.name,
                  ", ".join(sorted(expanded)))
 
 
-def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) -> dict:
+def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
+    """A tensor's rows (floats or quantized blocks) in Hugging Face's order. llama.cpp's converter reorders a
+    Llama q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
+    Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 files keep
+    Hugging Face's order. Done here rather than by transformers' tensor processors, whose module takes ~1.2 s
+    to import at every start."""
+    if ckpt.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
+        return rows
+    heads = ckpt.config["num_attention_heads"]
+    if ".attn_k." in name:
+        heads = ckpt.config.get("num_key_value_heads", heads)
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]]) -> dict:
     """Each layer's quantized blocks, read from the file straight into one tensor per run of parts of one type
     (a fused gate_up is never copied, the file's mapping never touched), q/k rows un-permuted; runs the kernels
     read interleaved go through one scratch buffer, reused, so that no freed block is left behind in the heap."""
@@ -271,7 +285,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]], processor) 
                     f.seek(t.data_offset)
                     if f.readinto(memoryview(rows).cast("B")) != t.n_bytes:
                         raise ValueError(f"{ckpt.path.name}: tensor {t.name!r} is truncated")
-                    rows[...] = processor.process(weights=rows, name=t.name).weights
+                    rows[...] = _hf_rows(rows, t.name, ckpt)
                     row += len(rows)
                 parts.append(for_kernels(QuantTensor(qtype, blocks)))
             weights[layer] = QuantWeight(parts)
