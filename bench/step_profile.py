@@ -5,7 +5,8 @@
 
 Sections (--sections, comma-separated):
   peak     this CPU's large-matmul peak, measured in the same run: 4096^3 bf16 and fp32 matmuls, plain
-           (torch.matmul), with oneDNN-prepacked weights and by Flock's bf16 GEMM; GEMM efficiency is against the best one (fp32's where bf16 is slower)
+           (torch.matmul), with oneDNN-prepacked weights and by Flock's bf16 GEMM; GEMM efficiency is against
+           the best one (fp32's where bf16 is slower)
   split    per model and `ops` path (torch: plain PyTorch; packed: prepacked GEMM weights; fused: fused C
            elementwise kernels; auto: both): a prefill-heavy workload (one group of PER_GROUP prompts of PREFIX
            shared + DISTINCT own tokens, 4 new tokens each) and decode-only steps (64 requests), the wall time
