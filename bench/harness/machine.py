@@ -11,7 +11,8 @@ import torch
 from flock.native import cpu_flags, cpu_model
 
 __all__ = ["cpu_model", "cpu_line", "kernel_paths", "attention_path", "header", "matmul_peak", "arithmetic_peaks",
-           "memory_bandwidth", "OthersCPU", "tree_cpu_seconds", "other_cores", "wait_quiet", "load_average", "load_note", "peak_rss_gib"]
+           "memory_bandwidth", "OthersCPU", "tree_cpu_seconds", "other_cores", "wait_quiet", "load_average",
+           "load_note", "peak_rss_gib"]
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 QUIET = 0.15  # share of all CPUs that other processes may use for the machine to count as quiet
