@@ -154,7 +154,7 @@ def build_model(
 
 def allocate(model: torch.nn.Module, device: torch.device) -> None:
     """model.to_empty(device=device) without torch's reference empty_like, whose first call on a meta tensor
-    imports sympy (~1 s of every start)."""
+    imports sympy, a slow start for every engine."""
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),

@@ -247,8 +247,8 @@ def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
     """A tensor's rows (floats or quantized blocks) in Hugging Face's order. llama.cpp's converter reorders a
     Llama q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
     Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 files keep
-    Hugging Face's order. Done here rather than by transformers' tensor processors, whose module takes ~1.2 s
-    to import at every start."""
+    Hugging Face's order. Done here rather than by transformers' tensor processors, whose module is slow to
+    import at every start."""
     if ckpt.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
         return rows
     heads = ckpt.config["num_attention_heads"]

@@ -53,7 +53,7 @@ def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, ki
 
 
 def test_loading_a_gguf_imports_nothing_slow(hf_folders, tmp_path):
-    """Modules that cost a start 1-2 s each: sympy and dynamo (torch's Python decompositions for meta tensors
+    """Modules that make every start slow: sympy and dynamo (torch's Python decompositions for meta tensors
     import them on first use) and transformers' GGUF tensor processors."""
     gguf_file = write_gguf(hf_folders["llama"], tmp_path / "llama.gguf", Q.Q8_0)
     slow = {"sympy", "torch._dynamo", "transformers.modeling_gguf_pytorch_utils"}
