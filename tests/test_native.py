@@ -16,7 +16,7 @@ from flock.native import Library, build
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 KERNELS = {"cpu attention": cpu.KERNEL, "amx attention": amx.KERNEL, "fused ops": fused_ops.KERNEL,
-           "bf16 gemm": gemm.KERNEL}
+           "bf16 gemm": gemm.KERNEL, "amx gemm": gemm.AMX}
 # native code loaded outside flock.native that Flock does not build: the system C library
 NOT_FLOCKS = {"flock/engine/heap.py": ['ctypes.CDLL("libc.so.6")']}
 

@@ -42,7 +42,7 @@ def kernel_paths(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     why = fused_ops.unavailable(dtype, dev)
     elementwise = f"fused C kernels ({fused_ops.isa()})" if why is None else f"PyTorch ops ({why})"
     if gemm.unavailable(dtype, dev) is None:
-        gemms = "Flock bf16 GEMM (avx512bf16)"
+        gemms = f"Flock bf16 GEMM ({gemm.isa()})"
     elif (why := linear.unavailable(dtype, dev)) is None:
         gemms = "oneDNN, prepacked weights"
     else:

@@ -194,7 +194,7 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
         why = linear.unavailable(dtype, device)
         if gemm.unavailable(dtype, device) is None:
             model.prepack_weights(pairs=True)
-            paths["gemm"] = "Flock bf16 GEMM (avx512bf16), packed weights, SiLU-and-mul in its gate_up GEMM"
+            paths["gemm"] = f"Flock bf16 GEMM ({gemm.isa()}), packed weights, SiLU-and-mul in its gate_up GEMM"
         elif why is None:
             model.prepack_weights()
             paths["gemm"] = "oneDNN, prepacked weights"

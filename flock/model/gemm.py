@@ -1,26 +1,52 @@
-"""Flock's bf16 GEMM (`csrc/gemm_bf16.c`) for CPUs with AVX512-BF16 and no AMX: Zen 4/5, Cooper Lake.
+"""Flock's bf16 GEMMs: on AMX tiles (`csrc/gemm_amx.c`; Sapphire Rapids and later) and with vdpbf16ps
+(`csrc/gemm_bf16.c`; AVX512-BF16 without AMX: Zen 4/5, Cooper Lake).
 
-It multiplies by weights packed once as vdpbf16ps takes them and splits every call's register tiles evenly
-over the threads; bench/step_profile.py times it against oneDNN's prepacked linear. bf16 only: fp32 models
-keep oneDNN; CPUs with AMX leave bf16 to oneDNN's AMX kernels; `unavailable()` says why it does not run. A
-Llama MLP's gate_up weight packed with `glu` gives silu(gate) * up straight from the GEMM's fp32 sums.
+Both multiply by one layout, packed once (`pack`): column blocks of 64 outputs, each [K/2][64] pairs of
+weights, what vdpbf16ps takes and what an AMX B tile reads with a stride. Each splits every call's tiles evenly
+over the threads; bench/step_profile.py times them against oneDNN's prepacked linear. bf16 only: fp32 models
+keep oneDNN. `isa()` says which runs here, `unavailable()` why none does, `takes(k)` which widths the one here
+takes (AMX: multiples of 32). A Llama MLP's gate_up weight packed with `glu` gives silu(gate) * up straight from
+the GEMM's fp32 sums. EMULATED_AMX names the AMX kernel built with its tile operations in portable C: how
+CPUs without AMX test its layouts.
 """
 
 import ctypes
+import functools
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from flock import native
 
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
 OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes
+EMULATED_AMX = "emulated-amx"
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-KERNEL = native.Library(
-    Path(__file__).resolve().parent / "csrc" / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",),
-    signatures={"flock_gemm_pack": ([_ptr, _i64, _i64, _i32, _ptr], None),
-                "flock_gemm": ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], None)})
+_GEMM = ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], _i32)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",),
+                        signatures={"flock_gemm": _GEMM})
+
+
+def _tiles_granted(lib: ctypes.CDLL) -> str | None:
+    return None if lib.flock_amx_gemm_init() == 0 else "Linux refused AMX tile state (5.16 or later is needed)"
+
+
+AMX = native.Library(_CSRC / "gemm_amx.c", "the AMX bf16 GEMM", paths=("amx",), ready=_tiles_granted,
+                     flags=("-O3", "-fopenmp", "-fno-math-errno"),
+                     signatures={"flock_amx_gemm_init": ([], _i32), "flock_gemm": _GEMM})
+_EMULATED = replace(AMX, flags=(*AMX.flags, "-DFLOCK_EMULATED_AMX"), paths=("baseline",))
+
+
+@functools.cache
+def isa() -> str | None:
+    """The GEMM that runs bf16 here: "amx" on a CPU with AMX, "avx512bf16" on one with AVX512-BF16 only."""
+    if "amx_bf16" in native.cpu_flags():
+        return "amx" if AMX.unavailable("amx") is None else None
+    return "avx512bf16" if KERNEL.unavailable("avx512bf16") is None else None
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -29,37 +55,56 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"the bf16 GEMM is a CPU path, not {device.type}"
     if dtype != torch.bfloat16:
         return f"the bf16 GEMM takes bfloat16, not {dtype}"
-    if not native.missing_flags("avx512bf16") and "amx_bf16" in native.cpu_flags():
-        return "this CPU has AMX, which oneDNN uses for bf16"
+    if "amx_bf16" in native.cpu_flags():
+        return AMX.unavailable("amx")
     return KERNEL.unavailable("avx512bf16")
 
 
+def takes(k: int, path: str | None = None) -> bool:
+    """Whether the GEMM of `path` (default: the one here) takes an input width of k."""
+    return k % (32 if (path or isa()) in ("amx", EMULATED_AMX) else 2) == 0
+
+
+def _lib(path: str | None) -> ctypes.CDLL:
+    path = path or isa()
+    if path == EMULATED_AMX:
+        return _EMULATED.load("baseline")
+    return (AMX if path == "amx" else KERNEL).load(path)
+
+
 def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """An [N, K] bf16 weight (K even) as the GEMM reads it; `glu`: its outputs are [gate | up] (N even), for
-    `linear(..., glu=True)`."""
+    """An [N, K] bf16 weight (K even) as the GEMMs read it, zero past N; `glu`: its outputs are [gate | up]
+    (N even), for `linear(..., glu=True)`: block b then holds gate outputs 32b .. 32b + 31, then the same up
+    outputs."""
     n, k = weight.shape
     if k % 2 or weight.dtype != torch.bfloat16 or (glu and n % 2):
         raise ValueError(f"the bf16 GEMM packs bf16 weights of an even width{' and height' if glu else ''}, "
                          f"not {weight.dtype} {tuple(weight.shape)}")
-    w = weight.detach().contiguous()
-    blocks = -(-n // 2 // (BLOCK // 2)) if glu else -(-n // BLOCK)
-    packed = torch.empty(blocks * (k // 2) * BLOCK, dtype=torch.int32)
-    KERNEL.load("avx512bf16").flock_gemm_pack(w.data_ptr(), n, k, int(glu), packed.data_ptr())
-    return packed
+    w = weight.detach()
+    if glu:
+        half = BLOCK // 2
+        gate, up = (F.pad(p, (0, 0, 0, -p.shape[0] % half)).view(-1, half, k) for p in w.chunk(2))
+        blocks = torch.cat([gate, up], dim=1)
+    else:
+        blocks = F.pad(w, (0, 0, 0, -n % BLOCK)).view(-1, BLOCK, k)
+    return blocks.contiguous().view(torch.int32).transpose(1, 2).contiguous().view(-1)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.bfloat16, glu: bool = False) -> torch.Tensor:
+           dtype: torch.dtype = torch.bfloat16, glu: bool = False, path: str | None = None) -> torch.Tensor:
     """x W^T (+ bias) for the weight `packed` of n outputs; x: bf16 [..., K]. `dtype` float32: the fp32 sums,
-    not rounded to bf16. `glu` (a weight packed so, no bias): silu(gate) * up, n = I of its 2I outputs."""
+    not rounded to bf16. `glu` (a weight packed so, no bias): silu(gate) * up, n = I of its 2I outputs. `path`:
+    the GEMM (default `isa()`; EMULATED_AMX)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=dtype)
     mode = OUT_GLU if glu else OUT_F32 if dtype == torch.float32 else OUT_BF16
-    KERNEL.load("avx512bf16").flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n,
-                                         rows.shape[0], n, k, mode, torch.get_num_threads())
+    code = _lib(path).flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n,
+                                 rows.shape[0], n, k, mode, torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"the bf16 GEMM ({path or isa()}) failed ({code}) on K = {k}")
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

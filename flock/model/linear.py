@@ -59,10 +59,10 @@ class Linear(nn.Linear):
         self.weight.data = self.weight.data.new_empty(0)
 
     def prepack(self, keep_weight: bool = False, pairs: bool = False, silu_and_mul: bool = False) -> None:
-        """Pack the weight for oneDNN, or with `pairs` (bf16, an even width) for Flock's GEMM, there with
+        """Pack the weight for oneDNN, or with `pairs` (bf16, a width it takes) for Flock's GEMM, there with
         `silu_and_mul` fused when asked (outputs [gate | up], no bias); the plain weight is released unless
         kept (tied embeddings use it)."""
-        if pairs and self.in_features % 2 == 0:
+        if pairs and gemm.takes(self.in_features):
             self.silu_and_mul = silu_and_mul and self.bias is None and self.out_features % 2 == 0
             self.pairs = gemm.pack(self.weight, glu=self.silu_and_mul)
         else:

@@ -45,24 +45,34 @@ def test_unavailable_names_the_reason():
 
 
 GEMM_WHY = gemm.unavailable(torch.bfloat16, CPU)
+NATIVE = pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+# the GEMM this CPU runs (None), and the AMX kernel with its tiles emulated, on every CPU
+PATHS = [pytest.param(None, marks=NATIVE, id=gemm.isa() or "native"), gemm.EMULATED_AMX]
 
 
-@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
+def packed_product(x, weight, path, bias=None, dtype=torch.bfloat16, glu=False):
+    """x W^T (+ bias) by the GEMM of `path`; skipped where that GEMM does not take the width."""
+    if not gemm.takes(weight.shape[1], path):
+        pytest.skip(f"the {path or gemm.isa()} GEMM does not take K = {weight.shape[1]}")
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    with torch.inference_mode():
+        return gemm.linear(x, gemm.pack(weight, glu=glu), n, bias, dtype, glu=glu, path=path)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows, k, n", [(0, 96, 160), (1, 96, 160), (5, 96, 16), (7, 576, 960), (13, 64, 200),
-                                        (200, 1536, 576), (2049, 64, 70)])
-def test_bf16_gemm_is_the_float_product_rounded_once(bias, rows, k, n):
-    """Every tile shape (1-6 rows, partial column blocks): fp32 sums of exact bf16 products, one rounding."""
+                                        (17, 64, 130), (200, 1536, 576), (2049, 64, 70)])
+def test_bf16_gemm_is_the_float_product_rounded_once(path, bias, rows, k, n):
+    """Every tile shape (partial row tiles and column blocks, several row panels): fp32 sums of exact bf16
+    products, one rounding."""
     torch.manual_seed(rows + k + n)
-    layer = Linear(k, n, bias=bias).to(torch.bfloat16)
-    weight = layer.weight.detach().clone()
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, k).to(torch.bfloat16)
     product = x.double() @ weight.double().T
-    exact = product + (layer.bias.double() if bias else 0)
-    with torch.inference_mode():
-        layer.prepack(pairs=True)
-        got = layer(x).double()
-    assert layer.pairs is not None and layer.weight.numel() == 0
+    exact = product + (b.double() if bias else 0)
+    got = packed_product(x, weight, path, b).double()
     assert got.shape == (rows, n)
     # fp32 sums of K products (each exact in fp32), rounded to bf16 once; a bias added in bf16 rounds again
     sums = k * 2**-23 * (x.double().abs() @ weight.double().abs().T)
@@ -70,17 +80,37 @@ def test_bf16_gemm_is_the_float_product_rounded_once(bias, rows, k, n):
     assert bool(((got - exact).abs() <= bound).all())
 
 
-@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
-def test_bf16_gemm_takes_strided_rows_and_leaves_odd_widths_to_onednn():
+@NATIVE
+def test_a_layer_packs_its_pairs_and_releases_its_weight():
     layer = Linear(64, 48).to(torch.bfloat16)
     weight = layer.weight.detach().clone()
-    x = torch.randn(9, 80).to(torch.bfloat16)[:, 8:72]  # rows with a stride
+    x = torch.randn(9, 64).to(torch.bfloat16)
     with torch.inference_mode():
         layer.prepack(pairs=True)
         torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), **TOLERANCE[torch.bfloat16])
-    odd = Linear(63, 8).to(torch.bfloat16)
-    odd.prepack(pairs=True)
-    assert odd.pairs is None and odd.prepacked is not None
+    assert layer.pairs is not None and layer.weight.numel() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_gemm_takes_strided_rows(path):
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    x = torch.randn(9, 80).to(torch.bfloat16)[:, 8:72]  # rows with a stride
+    torch.testing.assert_close(packed_product(x, weight, path), F.linear(x, weight), **TOLERANCE[torch.bfloat16])
+
+
+@NATIVE
+def test_widths_the_bf16_gemm_does_not_take_go_to_onednn():
+    width = 48 if gemm.isa() == "amx" else 63
+    layer = Linear(width, 8).to(torch.bfloat16)
+    layer.prepack(pairs=True)
+    assert not gemm.takes(width) and layer.pairs is None and layer.prepacked is not None
+
+
+def test_the_amx_gemm_refuses_a_width_it_does_not_take():
+    x, weight = torch.randn(3, 48).to(torch.bfloat16), torch.randn(16, 48).to(torch.bfloat16)
+    assert not gemm.takes(48, gemm.EMULATED_AMX) and gemm.takes(48, "avx512bf16")
+    with pytest.raises(RuntimeError, match="K = 48"):
+        gemm.linear(x, gemm.pack(weight), 16, path=gemm.EMULATED_AMX)
 
 
 def test_bf16_gemm_says_why_it_does_not_run():
@@ -88,41 +118,43 @@ def test_bf16_gemm_says_why_it_does_not_run():
     assert "cuda" in gemm.unavailable(torch.bfloat16, torch.device("cuda"))
 
 
-@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
-def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked():
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked(path):
     torch.manual_seed(3)
-    layer = Linear(576, 1000, bias=False).to(torch.bfloat16)
+    weight = torch.randn(1000, 576).to(torch.bfloat16)
     x = torch.randn(13, 576).to(torch.bfloat16)
-    exact = x.double() @ layer.weight.detach().double().T
-    with torch.inference_mode():
-        layer.prepack(pairs=True)
-        got = layer(x, float32=True)
+    exact = x.double() @ weight.double().T
+    got = packed_product(x, weight, path, dtype=torch.float32)
     assert got.dtype == torch.float32
     error = (got.double() - exact).abs()
     assert error.max().item() < 1e-4 * exact.abs().max().item()  # bf16 rounding would leave ~4e-3
-    assert (layer(x).double() - exact).abs().max().item() > error.max().item()
+    assert (packed_product(x, weight, path).double() - exact).abs().max().item() > error.max().item()
 
 
-@pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
-@pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70)])
-def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(rows, k, inter):
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70),
+                                            (19, 64, 40)])
+def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(path, rows, k, inter):
     """A gate_up weight packed for SiLU-and-mul: silu(gate) * up of the fp32 sums, rounded once, every tile
-    shape (partial 32-column blocks, 1-6 rows); a layer with a bias is not fused."""
+    shape (partial 32-column blocks, partial row tiles)."""
     torch.manual_seed(rows + k + inter)
-    layer = Linear(k, 2 * inter, bias=False).to(torch.bfloat16)
-    weight = layer.weight.detach().clone()
+    weight = torch.randn(2 * inter, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
     h = x.double() @ weight.double().T
     exact = F.silu(h[:, :inter]) * h[:, inter:]
-    with torch.inference_mode():
-        layer.prepack(pairs=True, silu_and_mul=True)
-        got = layer(x).double()
-    assert layer.silu_and_mul and got.shape == (rows, inter)
+    got = packed_product(x, weight, path, glu=True).double()
+    assert got.shape == (rows, inter)
     # the fp32 sums' error (|silu'| <= 1.1) through the product, then one bf16 rounding
     sums = k * 2**-23 * (x.double().abs() @ weight.double().abs().T)
     gate, up = h[:, :inter], h[:, inter:]
     bound = (2**-8 + 1e-6) * exact.abs() + 1.1 * sums[:, :inter] * up.abs() + (gate.abs() + 1) * sums[:, inter:] + 1e-30
     assert bool(((got - exact).abs() <= bound).all())
-    biased = Linear(k, 2 * inter).to(torch.bfloat16)
+
+
+@NATIVE
+def test_a_gate_up_layer_fuses_silu_and_mul_without_a_bias():
+    fused, biased = Linear(64, 64, bias=False).to(torch.bfloat16), Linear(64, 64).to(torch.bfloat16)
+    fused.prepack(pairs=True, silu_and_mul=True)
     biased.prepack(pairs=True, silu_and_mul=True)
+    assert fused.silu_and_mul and fused(torch.randn(3, 64).to(torch.bfloat16)).shape == (3, 32)
     assert not biased.silu_and_mul and biased.pairs is not None

@@ -57,11 +57,11 @@ def test_auto_takes_both_paths_where_they_run():
 
 
 def test_bf16_gemm_takes_the_projections_where_it_runs():
-    """bf16 on a CPU with AVX512-BF16 and no AMX: Flock's GEMM; elsewhere oneDNN's prepacked weights."""
+    """bf16 on a CPU with AMX or AVX512-BF16: Flock's GEMM; elsewhere oneDNN's prepacked weights."""
     cpu = torch.device("cpu")
     got = paths(dtype="bfloat16")["gemm"]
     if gemm.unavailable(torch.bfloat16, cpu) is None:
-        assert got == "Flock bf16 GEMM (avx512bf16), packed weights, SiLU-and-mul in its gate_up GEMM"
+        assert got == f"Flock bf16 GEMM ({gemm.isa()}), packed weights, SiLU-and-mul in its gate_up GEMM"
         mlp = LLM("flock/tiny", load_format="dummy", dtype="bfloat16").engine.runner.model.layers[0].mlp
         assert mlp.gate_up_proj.silu_and_mul and not mlp.down_proj.silu_and_mul
     else:

@@ -22,8 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 enum { PREFIX = 0, PARTIAL = 1, DIRECT = 2 };
 enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_KIND, SEG_FIELDS };
@@ -36,12 +36,6 @@ enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_KIND, SEG_F
 #define LOG2E 1.4426950408889634f
 
 typedef uint16_t bf16;
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) TileConfig;
 
 typedef struct {
     const bf16 *q, *k_cache, *v_cache;
@@ -81,10 +75,7 @@ typedef struct {  // a chunk of KV positions [start, start + n) in scratch buffe
 
 static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
 
-int flock_amx_init(void) {
-    // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    return (int)syscall(SYS_arch_prctl, 0x1023, 18);
-}
+int flock_amx_init(void) { return amx_request_tiles(); }
 
 static void configure_tiles(void) {
     TileConfig cfg;

@@ -1,7 +1,7 @@
 // bf16 GEMM for CPUs with AVX512-BF16 (vdpbf16ps): y[M][N] = x[M][K] W^T, fp32 accumulation, rounded to bf16
 // (nearest even) once at the end, as oneDNN does.
 //
-// The weight is packed once (flock_gemm_pack) as column blocks of 64 outputs, each [K/2][64] 32-bit pairs
+// The weight is packed once (flock.model.gemm.pack) as column blocks of 64 outputs, each [K/2][64] 32-bit pairs
 // (w[n][2k], w[n][2k + 1]), zero past N: the operand vdpbf16ps takes, read in address order. A register tile
 // is 6 rows x 64 columns (24 accumulators); each step broadcasts a pair of every row's inputs and multiplies
 // it by 4 vectors of weight pairs. The call's tiles (column block major, so a block's weights stay in cache
@@ -16,7 +16,6 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "exp2_poly.h"
 
@@ -89,24 +88,11 @@ TILE_ROWS(tile_rows_glu, OUT_GLU)
 // Output columns of a block: 64, or with GLU 32 (each a gate and an up column).
 static inline int64_t block_cols(int glu) { return glu ? NC / 2 : NC; }
 
-// w: [N][K] row-major (an nn.Linear weight), K even; packed: blocks * K / 2 * 64 32-bit elements, blocks =
-// (N + 63) / 64, or with `glu` (N = 2I outputs [gate | up]) (I + 31) / 32.
-void flock_gemm_pack(const bf16 *w, int64_t n, int64_t k, int32_t glu, int32_t *packed) {
-    const int64_t k2 = k / 2, cols = glu ? n / 2 : n, blocks = (cols + block_cols(glu) - 1) / block_cols(glu);
-    memset(packed, 0, (size_t)(blocks * k2 * NC) * sizeof(int32_t));
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t col = glu ? i % cols : i, lane = glu ? col % (NC / 2) + (i >= cols) * (NC / 2) : col % NC;
-        const int32_t *row = (const int32_t *)(w + i * k);
-        int32_t *dst = packed + col / block_cols(glu) * k2 * NC + lane;
-        for (int64_t j = 0; j < k2; j++) dst[j * NC] = row[j];
-    }
-}
-
 // x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy): bf16 (OUT_BF16), the
 // fp32 sums unrounded (OUT_F32; logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick), or
-// silu(gate) * up in bf16 (OUT_GLU, a weight packed with glu; n = I).
-void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
-                int64_t k, int32_t out, int32_t threads) {
+// silu(gate) * up in bf16 (OUT_GLU, a weight packed with glu; n = I). Returns 0.
+int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
+               int64_t k, int32_t out, int32_t threads) {
     const int64_t k2 = k / 2, row_tiles = (m + MR - 1) / MR, cols = block_cols(out == OUT_GLU);
     const int64_t tiles = (n + cols - 1) / cols * row_tiles;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
@@ -122,4 +108,5 @@ void flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int6
             else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + at, ldy, ncols);
         }
     }
+    return 0;
 }
