@@ -63,11 +63,29 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b) {
         }
 }
 
+// c[m][n] += sum over k of the 4 products of a[m][4k + j] (signed bytes) and b[k][4n + j] (unsigned), in int32
+static inline void amx_emu_dpbsud(int c, int a, int b) {
+    const TileConfig *g = &amx_emu.cfg;
+    if (g->rows[a] != g->rows[c] || g->colsb[a] / 4 != g->rows[b] || g->colsb[b] != g->colsb[c]) {
+        amx_emu.faulted = 1;
+        return;
+    }
+    for (int m = 0; m < g->rows[c]; m++)
+        for (int n = 0; n < g->colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, amx_emu.tile[c][m] + 4 * n, 4);
+            for (int k = 0; k < g->colsb[a]; k++)
+                acc += (int8_t)amx_emu.tile[a][m][k] * (int32_t)amx_emu.tile[b][k / 4][4 * n + k % 4];
+            memcpy(amx_emu.tile[c][m] + 4 * n, &acc, 4);
+        }
+}
+
 #define TILE_CONFIG(cfg) amx_emu_config(cfg)
 #define TILE_LOAD(t, src, stride) amx_emu_load(t, src, stride)
 #define TILE_STORE(t, dst, stride) amx_emu_store(t, dst, stride)
 #define TILE_ZERO(t) memset(amx_emu.tile[t], 0, sizeof amx_emu.tile[t])
 #define TILE_DPBF16PS(c, a, b) amx_emu_dpbf16ps(c, a, b)
+#define TILE_DPBSUD(c, a, b) amx_emu_dpbsud(c, a, b)
 #define TILE_RELEASE() memset(&amx_emu.cfg, 0, sizeof amx_emu.cfg)
 #define TILE_FAULTED() amx_emu.faulted
 
@@ -84,6 +102,7 @@ static inline int amx_request_tiles(void) { return (int)syscall(SYS_arch_prctl, 
 #define TILE_STORE(t, dst, stride) _tile_stored(t, dst, stride)
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define TILE_RELEASE() _tile_release()
 #define TILE_FAULTED() 0
 #endif

@@ -6,8 +6,9 @@ A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` pe
 32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
-the gguf package's quantizer, for models that come as floats. The kernels are built for VNNI (AVX512-VNNI or
-AVX-VNNI), AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
+the gguf package's quantizer, for models that come as floats. The kernels are built for AMX-INT8 (tiles for
+calls of 16+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
+AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
 import ctypes
@@ -32,24 +33,28 @@ X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
-    paths=("avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    paths=("amxint8", "avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    ready=lambda lib: None if lib.flock_qgemm_init() == 0 else "Linux refused AMX tile state (5.16 or later is needed)",
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
                 "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
-                "flock_qgemm_level": ([], _i32), "flock_qgemm_op": ([_ptr], _i32)})
-# The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI): how a CPU without VNNI
-# tests them.
-EMULATED_VNNI = "avx2-emulated-vnni"
-_EMULATED = replace(KERNEL, flags=(*KERNEL.flags, "-DFLOCK_EMULATED_VNNI"), paths=("avx2",))
+                "flock_qgemm_level": ([], _i32), "flock_qgemm_op": ([_ptr], _i32), "flock_qgemm_init": ([], _i32)})
+# The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI), and the AMX tiles built
+# for AVX2 with the tile operations in portable C (EMULATED_AMX): how CPUs without VNNI or AMX test them.
+EMULATED_VNNI, EMULATED_AMX = "avx2-emulated-vnni", "avx2-emulated-amx"
+_EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
+             for name, flag in ((EMULATED_VNNI, "-DFLOCK_EMULATED_VNNI"), (EMULATED_AMX, "-DFLOCK_EMULATED_AMX"))}
 
 
 @functools.cache
 def isa() -> str:
-    """The ISA path the kernels run here (avx512vnni, avxvnni, avx2, else baseline)."""
-    return KERNEL.runnable()[0]
+    """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
+    has whose build loads (AMX needs Linux's permission)."""
+    runnable = KERNEL.runnable()
+    return next((p for p in runnable if KERNEL.unavailable(p) is None), runnable[-1])
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -62,7 +67,7 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def _lib(path: str | None):
-    return _EMULATED.load("avx2") if path == EMULATED_VNNI else KERNEL.load(path or isa())
+    return _EMULATED[path].load("avx2") if path in _EMULATED else KERNEL.load(path or isa())
 
 
 @dataclass
@@ -208,9 +213,12 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         lib, threads, out_at, x_at = _lib(path), torch.get_num_threads(), out.data_ptr(), rows.data_ptr()
         ldx, x_bf16, out_bf16 = rows.stride(0), rows.dtype == torch.bfloat16, dtype == torch.bfloat16
         for qtype, x8, blocks, row_bytes, cols, col in weight.calls[glu]:
-            if lib.flock_qgemm(qtype, x8, blocks.data_ptr(), row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
-                               out_at + col * out.element_size(), n, out_bf16, glu, threads):
+            code = lib.flock_qgemm(qtype, x8, blocks.data_ptr(), row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
+                                   out_at + col * out.element_size(), n, out_bf16, glu, threads)
+            if code == -1:
                 raise MemoryError(f"no memory for the int8 activations of {m} rows")
+            if code:
+                raise RuntimeError(f"the quantized GEMM's tiles met shapes an AMX CPU refuses ({code})")
     if bias is not None:
         out += bias
     return out if flat else out.view(*x.shape[:-1], n)

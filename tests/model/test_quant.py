@@ -12,9 +12,11 @@ from tests.model import gguf_files
 
 TYPES = list(KERNEL_TYPES)
 RUNNABLE = quant.KERNEL.runnable()
-# the VNNI kernels run everywhere AVX2 does, natively or with vpdpbusd emulated
-PATHS = RUNNABLE + [quant.EMULATED_VNNI] * ("avx2" in RUNNABLE)
-LEVELS = {"avx512vnni": 2, "avxvnni": 2, quant.EMULATED_VNNI: 2, "avx2": 1, "baseline": 0}
+# the VNNI and AMX kernels run everywhere AVX2 does, natively or with vpdpbusd / the tiles emulated
+PATHS = RUNNABLE + [quant.EMULATED_VNNI, quant.EMULATED_AMX] * ("avx2" in RUNNABLE)
+LEVELS = {"amxint8": 3, quant.EMULATED_AMX: 3, "avx512vnni": 2, "avxvnni": 2, quant.EMULATED_VNNI: 2, "avx2": 1,
+          "baseline": 0}
+TILE_PATHS = [p for p in PATHS if LEVELS[p] == 3]
 # every type in its file's row layout, and the types the 8-row kernels also take interleaved
 LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8_BYTES]
 
@@ -54,7 +56,7 @@ def test_dequantized_rows_equal_the_gguf_package(name, interleaved, path):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name, interleaved", LAYOUTS)
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 17])
 def test_gemm_equals_float64_on_the_kernels_activations(name, interleaved, path, m):
     """Bound 1: against x-as-quantized-by-the-kernel times the dequantized weight, only float32 rounding.
     Bound 2: against the float x, at most half an activation step per value times |w|."""
@@ -77,10 +79,28 @@ def test_each_path_runs_its_own_build():
     assert quant.isa() == RUNNABLE[0]
 
 
-def test_vnni_paths_build_here():
-    """The VNNI builds compile on any machine with gcc, whether or not its CPU runs them."""
-    for path in ("avx512vnni", "avxvnni"):
+def test_vnni_and_amx_paths_build_here():
+    """The VNNI and AMX builds compile on any machine with gcc, whether or not its CPU runs them."""
+    for path in ("amxint8", "avx512vnni", "avxvnni"):
         assert quant.KERNEL.build(path).exists()
+
+
+@pytest.mark.skipif(not TILE_PATHS or "avx2" not in PATHS, reason="no AVX2 to build the tiles' emulation on")
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("name", list(quant.X8_BYTES))
+def test_amx_tiles_give_the_vector_kernels_bits(name, path):
+    """16+ rows on interleaved weights take the tiles: every output the same bits as the AVX2 kernel's (so a
+    step's row count never changes a row's result), over partial row tiles, a last group of 8 weight rows, glu
+    and bf16."""
+    k = 512
+    for m, n in ((16, 32), (21, 40), (40, 48)):
+        weight = QuantWeight([random_blocks(name, n, k, m, interleaved=True)])
+        x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+        assert torch.equal(quant.linear(x, weight, path=path), quant.linear(x, weight, path="avx2"))
+        assert torch.equal(quant.linear(x.bfloat16(), weight, path=path), quant.linear(x.bfloat16(), weight, path="avx2"))
+        if quant.fuses_glu(weight):
+            assert torch.equal(quant.linear(x, weight, glu=True, path=path),
+                               quant.linear(x, weight, glu=True, path="avx2"))
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -19,7 +19,8 @@
 // of every x86 CPU Flock runs on), for VNNI (vpdpbusd: 4 products summed straight into int32, on 256-bit
 // vectors: AVX-VNNI, or AVX512-VNNI with VL) and for the baseline (portable C, the same integer arithmetic: the
 // reference). FLOCK_EMULATED_VNNI builds the VNNI kernels on AVX2 with vpdpbusd emulated exactly: how CPUs
-// without VNNI test them.
+// without VNNI test them. On CPUs with AMX-INT8, calls of 16 rows or more on interleaved weights take the tiles
+// (quant_amx.h), with results the same bits as the vector kernels'; FLOCK_EMULATED_AMX builds those on AVX2.
 // A Llama MLP's gate_up weight ([gate | up], 2I rows) gives silu(gate) * up straight from the float sums (glu).
 #include <math.h>
 #include <omp.h>
@@ -41,6 +42,9 @@
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #elif defined(FLOCK_EMULATED_VNNI) && defined(__AVX2__)
 #define DPBUSD(acc, u, s) dpbusd_emulated(acc, u, s)
+#endif
+#if defined(__AMX_INT8__) || (defined(FLOCK_EMULATED_AMX) && defined(__AVX2__))
+#define AMX_TILES  // interleaved weights on AMX-INT8 tiles (quant_amx.h)
 #endif
 
 typedef uint16_t f16;
@@ -946,9 +950,11 @@ static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, i
 #endif
 }
 
-// The kernels this build runs: 2 VNNI, 1 AVX2, 0 the baseline.
+// The kernels this build runs: 3 AMX tiles (and VNNI or AVX2 for fewer rows), 2 VNNI, 1 AVX2, 0 the baseline.
 int32_t flock_qgemm_level(void) {
-#ifdef DPBUSD
+#ifdef AMX_TILES
+    return 3;
+#elif defined(DPBUSD)
     return 2;
 #elif defined(__AVX2__)
     return 1;
@@ -989,10 +995,24 @@ static void silu_mul_rows(float *g, const float *u, int count) {
     for (; e < count; e++) g[e] = silu_mul(g[e], u[e]);
 }
 
+#ifdef AMX_TILES
+#include "quant_amx.h"
+#endif
+
+// 0 where the kernels may run (AMX builds: Linux granted the tile state)
+int32_t flock_qgemm_init(void) {
+#ifdef AMX_TILES
+    return amx_request_tiles();
+#else
+    return 0;
+#endif
+}
+
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
 // x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
-// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Returns -1 where the activations' memory
-// cannot be had.
+// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved weights take the AMX tiles
+// (AMX builds) from AMX_ROWS rows. Returns -1 where the activations' memory cannot be had, -2 where an emulated
+// tile operation met shapes the CPU would refuse.
 int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                     const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
                     int32_t glu, int32_t threads) {
@@ -1001,6 +1021,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
     void *xq = malloc((size_t)(m * act_row));
     if (!xq) return -1;
+    int faulted = 0;
     // a few rows are quantized before the threads start: the barrier after a shared quantization would hold
     // the first thread until the others have woken up
     const int few = m * k < 65536;
@@ -1012,10 +1033,20 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
         }
+        int tiled = 0;
+#ifdef AMX_TILES
+        if (x8 && m >= AMX_ROWS) {
+            tiled = 1;
+            if (amx_gemm(type, w, row_bytes, n, xq, act_row, nb, m, y, ldy, out_bf16, glu)) {
+#pragma omp atomic write
+                faulted = 1;
+            }
+        }
+#endif
         // whole bands of one weight tile's m tiles (its weights stay in cache), taken as threads come free: a
         // thread that starts late (woken from sleep) or shares its core leaves no other waiting at the end
 #pragma omp for schedule(dynamic, m_tiles >= 4 ? m_tiles : 4 * m_tiles)
-        for (int64_t i = 0; i < tiles; i++) {
+        for (int64_t i = 0; i < tiles * !tiled; i++) {
             const int64_t n0 = i / m_tiles * NT, m0 = i % m_tiles * MT;
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
             const void *x[MT];
@@ -1039,7 +1070,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
         }
     }
     free(xq);
-    return 0;
+    return faulted ? -2 : 0;
 }
 
 // flock_qgemm as a step-program op (flock/model/program.py): its arguments as int64 words, in order.
