@@ -31,11 +31,20 @@ KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf
                         signatures={"flock_gemm": _GEMM})
 
 
-def _tiles_granted(lib: ctypes.CDLL) -> str | None:
-    return None if lib.flock_amx_gemm_init() == 0 else "Linux refused AMX tile state (5.16 or later is needed)"
+def _amx_ready(lib: ctypes.CDLL) -> str | None:
+    """None where Linux grants the tile state and a small product (two row tiles, a partial one) is right."""
+    if lib.flock_amx_gemm_init() != 0:
+        return "Linux refused AMX tile state (5.16 or later is needed)"
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((17, 64), (80, 64)))
+    packed, got = pack(w), torch.empty(17, 80)
+    code = lib.flock_gemm(x.data_ptr(), 64, packed.data_ptr(), got.data_ptr(), 80, 17, 80, 64, OUT_F32, 1)
+    if code or not torch.allclose(got.double(), x.double() @ w.double().T, rtol=1e-4, atol=1e-4):
+        return f"the AMX bf16 GEMM disagrees with a float product here ({code})"
+    return None
 
 
-AMX = native.Library(_CSRC / "gemm_amx.c", "the AMX bf16 GEMM", paths=("amx",), ready=_tiles_granted,
+AMX = native.Library(_CSRC / "gemm_amx.c", "the AMX bf16 GEMM", paths=("amx",), ready=_amx_ready,
                      flags=("-O3", "-fopenmp", "-fno-math-errno"),
                      signatures={"flock_amx_gemm_init": ([], _i32), "flock_gemm": _GEMM})
 _EMULATED = replace(AMX, flags=(*AMX.flags, "-DFLOCK_EMULATED_AMX"), paths=("baseline",))

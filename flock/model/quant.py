@@ -31,10 +31,34 @@ ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and 
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+def _ready(lib: ctypes.CDLL) -> str | None:
+    """None where the build may run: on AMX builds, Linux grants the tile state and 16 rows on the tiles give
+    the bits of each row alone (the vector kernels)."""
+    if lib.flock_qgemm_init() != 0:
+        return "Linux refused AMX tile state (5.16 or later is needed)"
+    if lib.flock_qgemm_level() < 3:
+        return None
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (16, 8, 34), dtype=np.uint8)  # Q8_0: a float16 scale, 32 int8
+    blocks[:, :, :2] = np.full((16, 8, 1), 0.01, dtype=np.float16).view(np.uint8)
+    rows, x8 = torch.from_numpy(blocks.reshape(16, -1)), torch.empty(16, 8 * 34, dtype=torch.uint8)
+    lib.flock_interleave(8, rows.data_ptr(), 8 * 34, 16, 256, x8.data_ptr(), 1)
+    x = torch.from_numpy(rng.standard_normal((16, 256), dtype=np.float32))
+    tiles, alone = torch.empty(16, 16), torch.empty(16, 16)
+    code = lib.flock_qgemm(8, 1, x8.data_ptr(), 34, 16, 256, x.data_ptr(), 256, 0, 16, tiles.data_ptr(), 16, 0, 0, 1)
+    for r in range(16):
+        lib.flock_qgemm(8, 1, x8.data_ptr(), 34, 16, 256, x[r].data_ptr(), 256, 0, 1, alone[r].data_ptr(), 16, 0, 0, 1)
+    if code or not torch.equal(tiles, alone):
+        return f"the AMX-INT8 tiles disagree with the vector kernels here ({code})"
+    return None
+
+
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
     paths=("amxint8", "avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
-    ready=lambda lib: None if lib.flock_qgemm_init() == 0 else "Linux refused AMX tile state (5.16 or later is needed)",
+    ready=_ready,
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
                 "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
