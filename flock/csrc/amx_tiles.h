@@ -45,13 +45,18 @@ static inline float amx_emu_bf16(const uint8_t *p) {
     return v.f;
 }
 
+// Whether tiles c += a b have shapes the CPU takes (else a fault, and the product is not done).
+static inline int amx_emu_shapes(int c, int a, int b) {
+    const TileConfig *g = &amx_emu.cfg;
+    if (g->rows[a] == g->rows[c] && g->colsb[a] / 4 == g->rows[b] && g->colsb[b] == g->colsb[c]) return 1;
+    amx_emu.faulted = 1;
+    return 0;
+}
+
 // c[m][n] += sum over pairs k of a[m][2k] b[k][2n] + a[m][2k + 1] b[k][2n + 1] (bf16 in, fp32 sums)
 static inline void amx_emu_dpbf16ps(int c, int a, int b) {
     const TileConfig *g = &amx_emu.cfg;
-    if (g->rows[a] != g->rows[c] || g->colsb[a] / 4 != g->rows[b] || g->colsb[b] != g->colsb[c]) {
-        amx_emu.faulted = 1;
-        return;
-    }
+    if (!amx_emu_shapes(c, a, b)) return;
     for (int m = 0; m < g->rows[c]; m++)
         for (int n = 0; n < g->colsb[c] / 4; n++) {
             float acc;
@@ -66,10 +71,7 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b) {
 // c[m][n] += sum over k of the 4 products of a[m][4k + j] (signed bytes) and b[k][4n + j] (unsigned), in int32
 static inline void amx_emu_dpbsud(int c, int a, int b) {
     const TileConfig *g = &amx_emu.cfg;
-    if (g->rows[a] != g->rows[c] || g->colsb[a] / 4 != g->rows[b] || g->colsb[b] != g->colsb[c]) {
-        amx_emu.faulted = 1;
-        return;
-    }
+    if (!amx_emu_shapes(c, a, b)) return;
     for (int m = 0; m < g->rows[c]; m++)
         for (int n = 0; n < g->colsb[c] / 4; n++) {
             int32_t acc;
