@@ -12,11 +12,12 @@ from tests.model import gguf_files
 
 TYPES = list(KERNEL_TYPES)
 RUNNABLE = quant.KERNEL.runnable()
-# the VNNI and AMX kernels run everywhere AVX2 does, natively or with vpdpbusd / the tiles emulated
-PATHS = RUNNABLE + [quant.EMULATED_VNNI, quant.EMULATED_AMX] * ("avx2" in RUNNABLE)
+# the VNNI kernels run everywhere AVX2 does, natively or with vpdpbusd emulated; the AMX tiles (calls of 16+
+# rows) too, with the tile operations emulated (TILE_PATHS: they give the AVX2 kernel's bits)
+PATHS = RUNNABLE + [quant.EMULATED_VNNI] * ("avx2" in RUNNABLE)
 LEVELS = {"amxint8": 3, quant.EMULATED_AMX: 3, "avx512vnni": 2, "avxvnni": 2, quant.EMULATED_VNNI: 2, "avx2": 1,
           "baseline": 0}
-TILE_PATHS = [p for p in PATHS if LEVELS[p] == 3]
+TILE_PATHS = [p for p in RUNNABLE if LEVELS[p] == 3] + [quant.EMULATED_AMX] * ("avx2" in RUNNABLE)
 # every type in its file's row layout, and the types the 8-row kernels also take interleaved
 LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8_BYTES]
 
@@ -75,7 +76,8 @@ def test_gemm_equals_float64_on_the_kernels_activations(name, interleaved, path,
 
 
 def test_each_path_runs_its_own_build():
-    assert [quant._lib(p).flock_qgemm_level() for p in PATHS] == [LEVELS[p] for p in PATHS]
+    paths = PATHS + TILE_PATHS
+    assert [quant._lib(p).flock_qgemm_level() for p in paths] == [LEVELS[p] for p in paths]
     assert quant.isa() == RUNNABLE[0]
 
 
@@ -85,7 +87,7 @@ def test_vnni_and_amx_paths_build_here():
         assert quant.KERNEL.build(path).exists()
 
 
-@pytest.mark.skipif(not TILE_PATHS or "avx2" not in PATHS, reason="no AVX2 to build the tiles' emulation on")
+@pytest.mark.skipif("avx2" not in RUNNABLE, reason="no AVX2 to compare with (and to build the tiles' emulation on)")
 @pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("name", list(quant.X8_BYTES))
 def test_amx_tiles_give_the_vector_kernels_bits(name, path):
