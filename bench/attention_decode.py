@@ -1,7 +1,7 @@
 """Decode attention per step: per-request paged attention ("torch") vs prefix-sharing cascade ("torch-cascade")
-and the fused prefix-sharing kernels: every ISA path of the CPU kernel this CPU runs ("cpu-avx512bf16",
-"cpu-avx512", "cpu-avx2": flock/attention/csrc/cascade_cpu.c) and, for bf16 on CPUs with AMX, "amx"
-(flock/attention/csrc/cascade_amx.c).
+and the fused prefix-sharing kernels: every ISA path of the CPU kernel this CPU runs ("cpu-amx",
+"cpu-avx512bf16", "cpu-avx512", "cpu-avx2": flock/attention/csrc/cascade_cpu.c) and, for bf16 on CPUs with AMX,
+"amx" (flock/attention/csrc/cascade_amx.c).
 
     python -m bench.attention_decode            # full grid, both dtypes (a few minutes on 2 cores)
     python -m bench.attention_decode --quick    # smoke: fewer cells, fewer repeats

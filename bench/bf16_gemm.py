@@ -103,7 +103,8 @@ def main() -> None:
     head = ["model", "projection", "N x K", "rows", "roofline us", "Flock us", "oneDNN us", "Flock / roofline",
             "oneDNN / roofline", "oneDNN / Flock"]
     print(markdown_table(head, table, "lllrrrrrrr"))
-    print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'bandwidth_GBps': bandwidth, 'peak_GFLOPs': gflops, 'cells': table})}")
+    record = {"args": args_dict(args), "bandwidth_GBps": bandwidth, "peak_GFLOPs": gflops, "cells": table}
+    print(f"# wrote {write_json(args.out, record)}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def kernel_paths(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     from flock.model import fused_ops, gemm, linear
 
     dev = torch.device("cpu")
-    if dtype == torch.bfloat16 and cpu.forced_isa() in (None, "amx") and amx.kernel_unavailable() is None:
+    if dtype == torch.bfloat16 and cpu.forced_isa() is None and amx.kernel_unavailable() is None:
         attention = "amx kernel"
     elif (why := cpu.kernel_unavailable()) is None:
         attention = f"cpu kernel, {cpu.chosen_isa()} path"

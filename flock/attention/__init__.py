@@ -23,8 +23,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     """`config` is a ModelConfig. "auto" picks the best backend available for the device; "cpu" is the fused
-    CPU kernel family, whose path is chosen at run time: AMX for bf16 where the CPU has it (unless
-    FLOCK_CPU_ISA forces a lower path), else the best of avx512bf16 / avx512 / avx2."""
+    CPU kernel family, whose path is chosen at run time: the amx backend for bf16 where the CPU has AMX (unless
+    FLOCK_CPU_ISA forces a path of the cpu kernel, its own amx included), else the best of its paths."""
     if name == "auto":
         # torch-cascade equals torch when no two requests share prefix blocks
         if device.type == "cuda" and importlib.util.find_spec("triton"):
@@ -33,7 +33,7 @@ def make_backend(name: str, config, device, dtype) -> AttentionBackend:
             name = "cpu"
         else:
             name = "torch-cascade"
-    if name == "cpu" and amx.takes(dtype, config.head_dim) and cpu.forced_isa() in (None, "amx") \
+    if name == "cpu" and amx.takes(dtype, config.head_dim) and cpu.forced_isa() is None \
             and amx.kernel_unavailable() is None:
         name = "amx"
     if name not in BACKENDS:

@@ -1,13 +1,15 @@
 """Prefix-sharing (cascade) attention on x86-64 CPUs: one fused C kernel per layer, for prefill and decode.
 
 The kernel (`csrc/cascade_cpu.c`) is one source built once per ISA path, the best one this CPU runs chosen at
-run time (FLOCK_CPU_ISA forces a lower one): `avx512bf16` (bf16 products by vdpbf16ps), `avx512` (AVX-512F)
-or `avx2` (AVX2 + FMA), each for bf16 and fp32. On CPUs with AMX, bf16 goes to the `amx` kernel instead (see
-`make_backend`). Work comes as the step's segments (`segments.py`: each group's stacked queries against its
-shared prefix, each request's queries against the rest of its context, causal), KV read from the paged
-blocks in place, the partials merged by log-sum-exp in the same call; a segment that would keep one thread
-busy alone (one long context, few KV heads) is split by KV range into pieces merged the same way. It runs on
-PyTorch's OpenMP threads and is built and loaded by flock.native on first use.
+run time (FLOCK_CPU_ISA forces one): `amx` (bf16 products on AMX tiles), `avx512bf16` (bf16 products by
+vdpbf16ps), `avx512` (AVX-512F) or `avx2` (AVX2 + FMA), each for bf16 and fp32. On CPUs with AMX, bf16 goes to
+the `amx` backend unless FLOCK_CPU_ISA asks for a path of this kernel (see `make_backend`); EMULATED_AMX is the
+`amx` path built on AVX2 with its tile operations in portable C, how CPUs without AMX test it. Work comes as the
+step's segments (`segments.py`: each group's stacked queries against its shared prefix, each request's queries
+against the rest of its context, causal), KV read from the paged blocks in place, the partials merged by
+log-sum-exp in the same call; a segment that would keep one thread busy alone (one long context, few KV heads)
+is split by KV range into pieces merged the same way. It runs on PyTorch's OpenMP threads and is built and
+loaded by flock.native on first use.
 
 Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a
 sliding window, a head_dim that is not a multiple of 16 (or above 256), or no usable ISA path or gcc
@@ -15,7 +17,7 @@ sliding window, a head_dim that is not a multiple of 16 (or above 256), or no us
 """
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,40 +48,84 @@ class _Args(ctypes.Structure):
 
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _ready(lib: ctypes.CDLL) -> str | None:
+    """None where the build may run: on AMX builds, Linux grants the tile state and a causal bf16 prefill (40
+    tokens, 3 blocks, 2 query heads on one KV head) matches float attention."""
+    if lib.flock_cpu_init() != 0:
+        return "Linux refused AMX tile state (5.16 or later is needed)"
+    if not lib.flock_cpu_tiles():
+        return None
+    tokens, heads, dim, block = 40, 2, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(torch.bfloat16) for h in (heads, 1, 1))
+    k_cache, v_cache = (torch.zeros(3 * block, 1, dim, dtype=torch.bfloat16) for _ in range(2))
+    k_cache[:tokens], v_cache[:tokens] = k, v
+    index = torch.arange(tokens, dtype=torch.int32)
+    segs = torch.tensor([[0, tokens * heads, 0, 0, tokens, 1, -1]], dtype=torch.int32)
+    tables, none, out = torch.arange(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.empty_like(q)
+    part = torch.zeros(heads * dim)
+    args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), heads * dim, dim, block * dim, dim, dim,
+                 segs.data_ptr(), index.data_ptr(), index.data_ptr(), tables.data_ptr(), 1, out.data_ptr(),
+                 heads * dim, dim, part.data_ptr(), part.data_ptr(), none.data_ptr(), none.data_ptr(),
+                 none.data_ptr(), 0, heads, 1, dim, block, dim**-0.5, 1)
+    code = lib.flock_cpu_cascade(ctypes.byref(args))
+    scores = torch.einsum("thd,sd->hts", q.double(), k[:, 0].double()) * dim**-0.5
+    weights = scores.masked_fill(torch.ones(tokens, tokens).triu(1).bool(), float("-inf")).softmax(-1)
+    expected = torch.einsum("hts,sd->thd", weights, v[:, 0].double())
+    if code or not torch.allclose(out.double(), expected, rtol=2e-2, atol=2e-2):
+        return f"the AMX attention kernel disagrees with float attention here ({code})"
+    return None
+
+
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "cascade_cpu.c", "the {path} kernel",
-    paths=("avx512bf16", "avx512", "avx2"),  # "amx" (bf16) is the amx backend's
-    signatures={"flock_cpu_cascade": ([ctypes.POINTER(_Args)], _int),
+    paths=("amx", "avx512bf16", "avx512", "avx2"), ready=_ready,
+    signatures={"flock_cpu_init": ([], _int), "flock_cpu_tiles": ([], _int),
+                "flock_cpu_cascade": ([ctypes.POINTER(_Args)], _int),
                 "flock_cpu_write_kv": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64], None),
                 "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int),
                 "flock_cpu_write_kv_op": ([_p], ctypes.c_int32), "flock_cpu_cascade_op": ([_p], ctypes.c_int32)})
 PATHS = KERNEL.paths
-ORDER = ("amx", *PATHS)
+EMULATED_AMX = "avx2-emulated-amx"
+_EMULATED = replace(KERNEL, flags=(*KERNEL.flags, "-DFLOCK_EMULATED_AMX"), paths=("avx2",))
 
 
 def forced_isa() -> str | None:
-    """FLOCK_CPU_ISA, checked: the path to force (a lower one than the CPU's best), or None."""
-    return native.forced_isa(ORDER)
+    """FLOCK_CPU_ISA, checked: the path to force, or None."""
+    return native.forced_isa(PATHS)
 
 
 def isa_paths() -> list[str]:
-    """The kernel paths this CPU runs, best first (without "amx", which is the amx backend's)."""
+    """The kernel paths this CPU runs, best first."""
     return KERNEL.runnable()
 
 
 def chosen_isa() -> str | None:
-    """The non-AMX path the kernel takes here: the forced one, else the best the CPU runs; None if none."""
-    forced = forced_isa()
-    paths = isa_paths()
-    if forced in (None, "amx"):
-        return paths[0] if paths else None
+    """The path the kernel takes here: the forced one, else the best the CPU runs whose build loads (AMX needs
+    Linux's permission); None if none."""
+    forced, paths = forced_isa(), isa_paths()
+    if forced is None:
+        return next((p for p in paths if KERNEL.unavailable(p) is None), paths[-1] if paths else None)
     return forced if forced in paths else None
+
+
+def _library(isa: str) -> tuple[native.Library, str]:
+    return (_EMULATED, "avx2") if isa == EMULATED_AMX else (KERNEL, isa)
+
+
+def kernel_library(isa: str) -> ctypes.CDLL:
+    """The kernel's library of path `isa` (or EMULATED_AMX), loaded."""
+    library, path = _library(isa)
+    return library.load(path)
 
 
 def kernel_unavailable(isa: str | None = None) -> str | None:
     """Why the fused CPU kernel cannot run here on path `isa` (default: the chosen one), or None when it can."""
     if isa is not None:
-        return KERNEL.unavailable(isa)
+        library, path = _library(isa)
+        return library.unavailable(path)
     path = chosen_isa()
     if path is None:
         forced = forced_isa()
@@ -139,15 +185,16 @@ class CpuCascadeBackend(TorchCascadeBackend):
     name = "cpu"
 
     def __init__(self, *args, isa: str | None = None, **kwargs):
-        """`isa`: a path of PATHS to take (if this CPU runs it); default: chosen_isa()."""
+        """`isa`: a path of PATHS (or EMULATED_AMX) to take, if this CPU runs it; default: chosen_isa()."""
         super().__init__(*args, **kwargs)
-        self.isa = chosen_isa() if isa is None else isa if isa in isa_paths() else None
+        runs = isa in isa_paths() or isa == EMULATED_AMX and "avx2" in isa_paths()
+        self.isa = chosen_isa() if isa is None else isa if runs else None
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
         return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.sliding_window is None
                 and self.head_dim % 16 == 0 and self.head_dim <= 256 and self.isa is not None
-                and KERNEL.unavailable(self.isa) is None)
+                and kernel_unavailable(self.isa) is None)
 
     def build_metadata(self, layout: StepLayout):
         if not self.uses_kernel(layout.slot_mapping.device):
@@ -160,7 +207,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
 
     def _plan(self, layout: StepLayout, slot_mapping: torch.Tensor, tokens: np.ndarray | None = None) -> CpuMetadata:
         """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
-        lib = KERNEL.load(self.isa)
+        lib = kernel_library(self.isa)
         g = self.num_heads // self.num_kv_heads
         s = build_segments(layout, g, self.min_prefix_blocks)
         if tokens is not None:
@@ -179,7 +226,8 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        code = KERNEL.load(self.isa).flock_cpu_cascade(ctypes.byref(self.kernel_args(q, k_cache, v_cache, out, meta)))
+        args = self.kernel_args(q, k_cache, v_cache, out, meta)
+        code = kernel_library(self.isa).flock_cpu_cascade(ctypes.byref(args))
         if code != 0:
             raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
         return out
@@ -205,6 +253,6 @@ class CpuCascadeBackend(TorchCascadeBackend):
                 and slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == len(k)):
             return write_kv(k, v, k_cache, v_cache, slots)
         size = k.element_size()
-        KERNEL.load(self.isa).flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+        kernel_library(self.isa).flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
                                                  k_cache.data_ptr(), v_cache.data_ptr(), row * size, slots.data_ptr(),
                                                  k.shape[0], row * size)

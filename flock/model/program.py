@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import torch
 
-from flock.attention.cpu import KERNEL as ATTENTION, CpuCascadeBackend, CpuMetadata, _Args
+from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, _Args, kernel_library
 from flock.model import fused_ops, quant
 
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
@@ -103,7 +103,7 @@ class StepProgram:
         ops = fused_ops.KERNEL.load(fused_ops.isa())
         self.run_program = ops.flock_run_program
         suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
-        attention = ATTENTION.load(self.model.layers[0].self_attn.backend.isa)
+        attention = kernel_library(self.model.layers[0].self_attn.backend.isa)
         gemm = quant._lib(None).flock_qgemm_op
         records, self.names = [], []
 

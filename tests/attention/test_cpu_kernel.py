@@ -18,8 +18,9 @@ from flock.model.config import ModelConfig
 from tests.attention import test_backends as tb
 from tests.engine.test_parity import references  # noqa: F401 (a fixture)
 
-PATHS = [p if p in cpu.isa_paths() else pytest.param(p, marks=pytest.mark.skip(reason=f"this CPU cannot run {p}"))
-         for p in cpu.PATHS]
+# every path, and the amx path with its tiles emulated (on any AVX2 CPU); a path that cannot run here says why
+PATHS = [p if (why := cpu.kernel_unavailable(p)) is None else pytest.param(p, marks=pytest.mark.skip(reason=why))
+         for p in (*cpu.PATHS, cpu.EMULATED_AMX)]
 SHAPES = {"bs4-d32": (4, 32), "bs16-d64": (16, 64), "bs8-d128": (8, 128), "bs8-d80": (8, 80)}
 FP32_TOL = 1e-5
 _references: dict = {}
@@ -53,8 +54,11 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype) -> None:
 
 
 def run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs):
-    monkeypatch.setenv(native.ISA_ENV, isa)
-    backend = make_backend("cpu", tb.config(heads, kv_heads), torch.device("cpu"), inputs[0].dtype)
+    if isa == cpu.EMULATED_AMX:  # no FLOCK_CPU_ISA for it: a test path
+        backend = CpuCascadeBackend(heads, kv_heads, inputs[0].shape[-1], None, inputs[0].dtype, isa=isa)
+    else:
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        backend = make_backend("cpu", tb.config(heads, kv_heads), torch.device("cpu"), inputs[0].dtype)
     assert isinstance(backend, CpuCascadeBackend) and backend.isa == isa
     meta = backend.build_metadata(layout)
     assert isinstance(meta, CpuMetadata), "the kernel path was not taken"

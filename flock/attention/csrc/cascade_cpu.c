@@ -24,6 +24,11 @@
 //          PV  : A = P rows rounded to bf16, pairs of positions, B = V [position pair][dim] (pairs interleaved).
 // With vdpbf16ps, units of at most DIRECT_ROWS rows (decode when few query heads share a KV head) skip the
 // repack and read K and V rows in place (direct_head): the repack would be most of their time.
+//   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
+//               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
+//               tiles for blocks of 16 rows (amx_scores, amx_values), no direct path. FLOCK_EMULATED_AMX builds
+//               it on AVX2 with the tile operations in portable C (and the pairs repack and weights too): how
+//               CPUs without AMX test it.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -33,13 +38,25 @@
 
 #include "exp2_poly.h"
 
+#if defined(__AMX_BF16__) || (defined(FLOCK_EMULATED_AMX) && defined(__AVX2__))
+#define AMX_TILES
+#include "amx_tiles.h"
+#endif
+#if defined(__AVX512BF16__) || defined(AMX_TILES)
+#define PAIR_LAYOUT  // bf16 inputs can take the pairs layouts
+#endif
+
 enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG_SLOT, SEG_FIELDS };
 
 #define CHUNK 64        // KV positions per chunk (a multiple of 32)
 #define MAX_D 256       // head_dim: a multiple of 16, at most this
 #define SPAN 1024       // KV heads x head_dim of one unit, at most (elements per position) ...
 #define ROWS_SPAN (UNIT_ROWS * 512)  // ... and rows x that: a unit of many rows keeps Q and O in L2
+#ifdef AMX_TILES
+#define UNIT_ROWS 96    // segment rows per unit (a multiple of MR and of the tiles' 16)
+#else
 #define UNIT_ROWS 120   // segment rows per unit (a multiple of MR)
+#endif
 #define MAX_HEADS (SPAN / 16)
 #define RESCALE_LOG2 8.0f
 #define LOG2E 1.4426950408889634f
@@ -249,6 +266,88 @@ TILE_FN(tile_pv_pairs, 1, 1)
 #define tile_pv_pairs tile_pv
 #endif
 
+#ifdef AMX_TILES
+#define BLOCK_ROWS 16  // rows of a block: a tile's (the pairs layouts), else a register tile's
+static __thread int tile_rows;  // the rows the tiles are configured for (0: none)
+
+// tiles 0-3: a block's sums (16 columns each), 4: its A rows, 5-7: B tiles (16 pairs x 16 columns)
+static void tiles_for(int rows) {
+    if (rows == tile_rows) return;
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(t < 5 ? rows : 16);
+        cfg.colsb[t] = 64;
+    }
+    TILE_CONFIG(&cfg);
+    tile_rows = rows;
+}
+
+// S[rows][CHUNK] = Q (rows of D bf16, D a multiple of 32) K^T, K^T as pairs [D / 2][CHUNK]
+static void amx_scores(int rows, const bf16 *q, int D, const int32_t *kt, float *s) {
+    _Static_assert(CHUNK == 64, "four 16-column tiles");
+    tiles_for(rows);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        const int32_t *b = kt + d0 / 2 * CHUNK;
+        TILE_LOAD(4, q + d0, D * 2);
+        TILE_LOAD(5, b, CHUNK * 4);
+        TILE_LOAD(6, b + 16, CHUNK * 4);
+        TILE_LOAD(7, b + 32, CHUNK * 4);
+        TILE_DPBF16PS(0, 4, 5);
+        TILE_DPBF16PS(1, 4, 6);
+        TILE_LOAD(5, b + 48, CHUNK * 4);
+        TILE_DPBF16PS(2, 4, 7);
+        TILE_DPBF16PS(3, 4, 5);
+    }
+    TILE_STORE(0, s, CHUNK * 4);
+    TILE_STORE(1, s + 16, CHUNK * 4);
+    TILE_STORE(2, s + 32, CHUNK * 4);
+    TILE_STORE(3, s + 48, CHUNK * 4);
+}
+
+// O[rows][D] += P V over the chunk's first `npos` positions (a multiple of 32): P rows of CHUNK bf16, V as
+// pairs [CHUNK / 2][D]
+static void amx_values(int rows, const bf16 *p, const int32_t *v, int D, float *o, int npos) {
+    tiles_for(rows);
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int four = D - d0 >= 64;  // else two tiles (D is a multiple of 32)
+        TILE_LOAD(0, o + d0, D * 4);
+        TILE_LOAD(1, o + d0 + 16, D * 4);
+        if (four) {
+            TILE_LOAD(2, o + d0 + 32, D * 4);
+            TILE_LOAD(3, o + d0 + 48, D * 4);
+        }
+        for (int k0 = 0; k0 < npos; k0 += 32) {
+            const int32_t *b = v + k0 / 2 * D + d0;
+            TILE_LOAD(4, p + k0, CHUNK * 2);
+            TILE_LOAD(5, b, D * 4);
+            TILE_LOAD(6, b + 16, D * 4);
+            TILE_DPBF16PS(0, 4, 5);
+            TILE_DPBF16PS(1, 4, 6);
+            if (four) {
+                TILE_LOAD(7, b + 32, D * 4);
+                TILE_LOAD(5, b + 48, D * 4);
+                TILE_DPBF16PS(2, 4, 7);
+                TILE_DPBF16PS(3, 4, 5);
+            }
+        }
+        TILE_STORE(0, o + d0, D * 4);
+        TILE_STORE(1, o + d0 + 16, D * 4);
+        if (four) {
+            TILE_STORE(2, o + d0 + 32, D * 4);
+            TILE_STORE(3, o + d0 + 48, D * 4);
+        }
+    }
+}
+#else
+#define BLOCK_ROWS MR
+#endif
+
 // ------------------------------------------------------------------------------------------------ work
 
 typedef struct {  // per-thread scratch, 64-byte aligned
@@ -256,8 +355,8 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     float v[CHUNK * SPAN];      // V, per head: fp32 [position][dim], or bf16 [position / 2][dim][2]
     float q[UNIT_ROWS * SPAN];  // the unit's query rows as the products take them: [head][row][dim]
     float o[UNIT_ROWS * SPAN];  // running outputs (not yet divided by l): [head][row][dim]
-    float s[MR * CHUNK];        // scores of a row block
-    float p[MR * CHUNK];        // its weights: fp32, or bf16 (rows of CHUNK, in the first half)
+    float s[BLOCK_ROWS * CHUNK];  // scores of a row block
+    float p[BLOCK_ROWS * CHUNK];  // its weights: fp32, or bf16 (rows of CHUNK, in the first half)
     float m[MAX_HEADS * UNIT_ROWS];      // running max of each row (score units)
     float l[MAX_HEADS * UNIT_ROWS * W];  // and its sum of weights, by lanes
     int32_t limit[UNIT_ROWS];   // last position each row sees
@@ -372,8 +471,38 @@ static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, i
             }
         }
 }
-#else  // never called: the pairs format needs vdpbf16ps
+#elif defined(AMX_TILES)
+// The same layouts in portable C (the emulated AMX build, on AVX2).
+static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int hb) {
+    const int D = a->head_dim;
+    const bf16 *kc = a->k_cache, *vc = a->v_cache;
+    for (int h = 0; h < hb; h++) {
+        int32_t *kt = (int32_t *)w->kt + h * CHUNK * D;
+        bf16 *v = (bf16 *)((int32_t *)w->v + h * CHUNK * D);
+        for (int t = 0; t < (n + 15) / 16 * 16; t++) {
+            const int64_t at = off[t < n ? t : 0] + h * a->kv_stride_h;  // past n: a row read, zeros written
+            const bf16 *k = kc + at, *vr = vc + at;
+            for (int d = 0; d < D; d += 2) {
+                int32_t pair;
+                memcpy(&pair, k + d, 4);
+                kt[d / 2 * CHUNK + t] = t < n ? pair : 0;
+            }
+            for (int d = 0; d < D; d++) v[(t / 2) * 2 * D + 2 * d + t % 2] = t < n ? vr[d] : 0;
+        }
+    }
+}
+#else  // never called: the pairs format needs vdpbf16ps or AMX
 #define repack_pairs(a, w, off, n, hb) repack(a, w, off, n, hb, 1)
+#endif
+
+#ifdef AMX_TILES
+// V pairs zero from position n up to the next multiple of 32 (P V's last tile of positions reads them with
+// weight 0; stale values could be inf or NaN).
+static void zero_v_tail(const Args *a, Scratch *w, int n, int hb) {
+    const int D = a->head_dim, from = (n + 1) / 2, to = (n + 31) / 32 * 16;
+    for (int h = 0; h < hb && from < to; h++)
+        memset((int32_t *)w->v + h * CHUNK * D + from * D, 0, (size_t)(to - from) * D * sizeof(int32_t));
+}
 #endif
 
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
@@ -385,7 +514,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
     const int D = a->head_dim;
     const float cc = a->scale * LOG2E;
     const vf ninf = vset1(-INFINITY), zero = vzero(), c = vset1(cc);
-    const int pvec = pairs ? (nb + 2 * W - 1) / (2 * W) * 2 : (nb + W - 1) / W;  // pairs: whole bf16 vectors
+    const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
         const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1;
@@ -421,6 +550,16 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
                 const __m512bh pb = _mm512_cvtne2ps_pbh(WEIGHTS(j + 1), WEIGHTS(j));
                 _mm512_storeu_si512(p + j * W, (__m512i)pb);
                 sum = _mm512_dpbf16_ps(sum, pb, ones);
+            }
+            vstore(l, sum);
+            continue;
+        }
+#elif defined(AMX_TILES)
+        if (pairs) {  // rounded to bf16, and their sum of the rounded weights (the ones P V uses)
+            bf16 *p = (bf16 *)w->p + r * CHUNK;
+            for (int j = 0; j < pvec; j++) {
+                store_bf16(p + j * W, WEIGHTS(j));
+                sum = vadd(sum, load_bf16(p + j * W));
             }
             vstore(l, sum);
             continue;
@@ -476,7 +615,7 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && !defined(AMX_TILES)
 #define DIRECT_ROWS 2
 
 // Head h of a chunk of a unit of at most DIRECT_ROWS rows, straight from the cache. Scores: per row and
@@ -605,7 +744,13 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
             prefetch_some(a, &first, INT32_MAX);
         }
     }
-    const int steps = 3 * u->hb * ((nrows + MR - 1) / MR) + 1;  // prefetch slices per chunk
+#ifdef AMX_TILES
+    const int tiles = pairs && D % 32 == 0;  // the products on AMX tiles, 16 rows a block
+#else
+    const int tiles = 0;
+#endif
+    const int rb = tiles ? BLOCK_ROWS : MR;
+    const int steps = 3 * u->hb * ((nrows + rb - 1) / rb) + 1;  // prefetch slices per chunk
     const int direct = pairs && nrows <= DIRECT_ROWS;
     for (int64_t c0 = kv0; c0 < kv1; c0 += CHUNK, buf = !buf) {
         const int n = kv1 - c0 < CHUNK ? kv1 - c0 : CHUNK;
@@ -626,6 +771,9 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
         if (!pairs) repack(a, w, w->offset[buf], n, u->hb, in_bf16);
         else if (!direct) repack_pairs(a, w, w->offset[buf], n, u->hb);
+#ifdef AMX_TILES
+        if (tiles) zero_v_tail(a, w, n, u->hb);
+#endif
         prefetch_some(a, &ahead, slice);
         for (int h = 0; h < u->hb; h++) {
             if (direct) {
@@ -634,15 +782,18 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
                 continue;
             }
             const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
-            for (int r0 = 0; r0 < nrows; r0 += MR) {
+            for (int r0 = 0; r0 < nrows; r0 += rb) {
                 prefetch_some(a, &ahead, slice);
-                const int mr = nrows - r0 < MR ? nrows - r0 : MR, hrow = h * UNIT_ROWS + r0;
+                const int mr = nrows - r0 < rb ? nrows - r0 : rb, hrow = h * UNIT_ROWS + r0;
                 const int64_t seen = (int64_t)w->limit[r0 + mr - 1] - c0 + 1;  // rows are in position order
                 if (seen <= 0) continue;
                 const int nb = seen < n ? (int)seen : n;  // positions any row of the block sees
                 const float *q = w->q + (int64_t)hrow * qd;
                 const int nvec = (nb + W - 1) / W;
-                for (int j0 = 0; j0 < nvec; j0 += NV) {
+#ifdef AMX_TILES
+                if (tiles) amx_scores(mr, (const bf16 *)q, D, (const int32_t *)kt, w->s);
+#endif
+                for (int j0 = 0; j0 < nvec && !tiles; j0 += NV) {
                     const int nv = nvec - j0 < NV ? nvec - j0 : NV;
                     (pairs ? tile_qk_pairs : tile_qk)(mr, nv, q, qd, kt + j0 * W, CHUNK, w->s + j0 * W, CHUNK, qd);
                 }
@@ -650,7 +801,12 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
                 softmax(a, w, mr, r0, hrow, c0, nb, pairs, !in_bf16);
                 prefetch_some(a, &ahead, slice);
                 const int ksteps = pairs ? (nb + 1) / 2 : nb, pd = pairs ? CHUNK / 2 : CHUNK;
-                for (int d0 = 0; d0 < D / W; d0 += NV) {
+#ifdef AMX_TILES
+                if (tiles)
+                    amx_values(mr, (const bf16 *)w->p, (const int32_t *)v, D, w->o + (int64_t)hrow * D,
+                               (nb + 31) / 32 * 32);
+#endif
+                for (int d0 = 0; d0 < D / W && !tiles; d0 += NV) {
                     const int nv = D / W - d0 < NV ? D / W - d0 : NV;
                     (pairs ? tile_pv_pairs : tile_pv)(mr, nv, w->p, pd, v + d0 * W, D,
                                                       w->o + (int64_t)hrow * D + d0 * W, D, ksteps);
@@ -666,6 +822,11 @@ typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, const Unit *, int
 #if defined(__AVX512BF16__)
 static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
     run_unit(a, w, u, next, warm, 1, 1);
+}
+#elif defined(AMX_TILES)  // emulated: the pairs layouts only where the tiles take them
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
+    if (a->head_dim % 32 == 0) run_unit(a, w, u, next, warm, 1, 1);
+    else run_unit(a, w, u, next, warm, 0, 1);
 }
 #else
 static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
@@ -769,9 +930,27 @@ int32_t flock_cpu_write_kv_op(const int64_t *a) {
 }
 
 int flock_cpu_unit_rows(void) { return UNIT_ROWS; }
+
+// 0 where the kernel may run (AMX builds: Linux granted the tile state)
+int flock_cpu_init(void) {
+#ifdef AMX_TILES
+    return amx_request_tiles();
+#else
+    return 0;
+#endif
+}
+
+int flock_cpu_tiles(void) {  // 1: bf16 products on AMX tiles
+#ifdef AMX_TILES
+    return 1;
+#else
+    return 0;
+#endif
+}
 int flock_cpu_chunk(void) { return CHUNK; }
 
-// Returns 0, or -1 for a shape this kernel does not take, -2 when out of memory.
+// Returns 0, or -1 for a shape this kernel does not take, -2 when out of memory, -4 where an emulated tile
+// operation met shapes the CPU would refuse.
 int flock_cpu_cascade(const Args *a) {
     if (a->head_dim % 16 || a->head_dim > MAX_D || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return -1;
     const RunUnit run = a->bf16 ? run_bf16 : run_fp32;
@@ -815,13 +994,20 @@ int flock_cpu_cascade(const Args *a) {
             cur = nxt;
             warm = 1;
         }
+#ifdef AMX_TILES
+        if (tile_rows) TILE_RELEASE(), tile_rows = 0;
+        if (TILE_FAULTED()) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#endif
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int m = 0; m < a->num_merges; m++) merge(a, m);
         _mm_setcsr(csr);
     }
     free(unit);
-    return failed ? -2 : 0;
+    return failed ? -1 - failed : 0;
 }
 
 // flock_cpu_cascade as a step-program op: a[0] the step's Args, whose caches are those of a[1] (K) and a[2] (V).

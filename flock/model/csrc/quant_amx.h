@@ -84,7 +84,8 @@ static void amx_k(int type, const uint8_t *const *blk, int groups, const uint8_t
                 int32_t offset = 0;
                 if (six) {
                     const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk[g];
-                    for (int p = 0; p < 8; p++) offset += q->sc[p][i][0] * a->bsums[2 * p] + q->sc[p][i][1] * a->bsums[2 * p + 1];
+                    for (int p = 0; p < 8; p++)
+                        offset += q->sc[p][i][0] * a->bsums[2 * p] + q->sc[p][i][1] * a->bsums[2 * p + 1];
                 }
                 s->isum[r][8 * g + i] = -32 * offset;
             }
@@ -96,7 +97,8 @@ static void amx_k(int type, const uint8_t *const *blk, int groups, const uint8_t
                 for (int row = 0; row < 4; row++)
                     for (int i = 0; i < 32; i++) {
                         const uint8_t ql = sub->qs[row / 2][i];
-                        s->b[row][32 * g + i] = (uint8_t)((row % 2 ? ql >> 4 : ql & 0xf) | ((sub->qh[i] >> (2 * row)) & 3) << 4);
+                        const uint8_t top = (uint8_t)((sub->qh[i] >> (2 * row)) & 3);
+                        s->b[row][32 * g + i] = (uint8_t)((row % 2 ? ql >> 4 : ql & 0xf) | top << 4);
                     }
             } else {
                 const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk[g];
@@ -122,7 +124,8 @@ static void amx_k(int type, const uint8_t *const *blk, int groups, const uint8_t
                 if (!six) {
                     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk[g];
                     int32_t mins = 0;
-                    for (int p = 0; p < 4; p++) mins += q->mn[p][i][0] * a->sums32[2 * p] + q->mn[p][i][1] * a->sums32[2 * p + 1];
+                    for (int p = 0; p < 4; p++)
+                        mins += q->mn[p][i][0] * a->sums32[2 * p] + q->mn[p][i][1] * a->sums32[2 * p + 1];
                     v = fmaf(-(float)mins, f16_to_f32(q->dmin[i]) * a->d, v);
                 }
                 acc[r][8 * g + i] = v;
