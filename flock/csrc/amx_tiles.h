@@ -2,6 +2,7 @@
 // as TILE_* macros. Built with FLOCK_EMULATED_AMX, the macros run the same operations in portable C (each tile
 // 16 rows x 64 bytes in thread-local memory, shapes checked as the CPU checks them): how CPUs without AMX test
 // the kernels' layouts. TILE_FAULTED() says whether an emulated operation met shapes the CPU would refuse.
+// amx_bf16_x64 is the bf16 product the GEMM and the attention kernel share: rows times 64 columns of pairs.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -108,3 +109,41 @@ static inline int amx_request_tiles(void) { return (int)syscall(SYS_arch_prctl, 
 #define TILE_RELEASE() _tile_release()
 #define TILE_FAULTED() 0
 #endif
+
+// The bf16 products' tiles: 0-3 a block's sums (16 fp32 columns each), 4 its A rows (`rows` of them), 5-7 B
+// tiles (16 pairs x 16 columns).
+static inline void amx_configure_bf16(int rows) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(t < 5 ? rows : 16);
+        cfg.colsb[t] = 64;
+    }
+    TILE_CONFIG(&cfg);
+}
+
+// c[r][64] (rows 64 floats apart) = a (the configured rows of k bf16, lda elements apart; k a multiple of 32)
+// times 64 columns of pairs b [k / 2][64].
+static inline void amx_bf16_x64(const uint16_t *a, int64_t lda, const int32_t *b, int64_t k, float *c) {
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        const int32_t *w = b + k0 / 2 * 64;
+        TILE_LOAD(4, a + k0, lda * 2);
+        TILE_LOAD(5, w, 256);
+        TILE_LOAD(6, w + 16, 256);
+        TILE_LOAD(7, w + 32, 256);
+        TILE_DPBF16PS(0, 4, 5);
+        TILE_DPBF16PS(1, 4, 6);
+        TILE_LOAD(5, w + 48, 256);
+        TILE_DPBF16PS(2, 4, 7);
+        TILE_DPBF16PS(3, 4, 5);
+    }
+    TILE_STORE(0, c, 256);
+    TILE_STORE(1, c + 16, 256);
+    TILE_STORE(2, c + 32, 256);
+    TILE_STORE(3, c + 48, 256);
+}

@@ -270,44 +270,15 @@ TILE_FN(tile_pv_pairs, 1, 1)
 #define BLOCK_ROWS 16  // rows of a block: a tile's (the pairs layouts), else a register tile's
 static __thread int tile_rows;  // the rows the tiles are configured for (0: none)
 
-// tiles 0-3: a block's sums (16 columns each), 4: its A rows, 5-7: B tiles (16 pairs x 16 columns)
 static void tiles_for(int rows) {
-    if (rows == tile_rows) return;
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(t < 5 ? rows : 16);
-        cfg.colsb[t] = 64;
-    }
-    TILE_CONFIG(&cfg);
-    tile_rows = rows;
+    if (rows != tile_rows) amx_configure_bf16(tile_rows = rows);
 }
 
 // S[rows][CHUNK] = Q (rows of D bf16, D a multiple of 32) K^T, K^T as pairs [D / 2][CHUNK]
 static void amx_scores(int rows, const bf16 *q, int D, const int32_t *kt, float *s) {
-    _Static_assert(CHUNK == 64, "four 16-column tiles");
+    _Static_assert(CHUNK == 64, "the tiles' 64 columns");
     tiles_for(rows);
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
-    for (int d0 = 0; d0 < D; d0 += 32) {
-        const int32_t *b = kt + d0 / 2 * CHUNK;
-        TILE_LOAD(4, q + d0, D * 2);
-        TILE_LOAD(5, b, CHUNK * 4);
-        TILE_LOAD(6, b + 16, CHUNK * 4);
-        TILE_LOAD(7, b + 32, CHUNK * 4);
-        TILE_DPBF16PS(0, 4, 5);
-        TILE_DPBF16PS(1, 4, 6);
-        TILE_LOAD(5, b + 48, CHUNK * 4);
-        TILE_DPBF16PS(2, 4, 7);
-        TILE_DPBF16PS(3, 4, 5);
-    }
-    TILE_STORE(0, s, CHUNK * 4);
-    TILE_STORE(1, s + 16, CHUNK * 4);
-    TILE_STORE(2, s + 32, CHUNK * 4);
-    TILE_STORE(3, s + 48, CHUNK * 4);
+    amx_bf16_x64(q, D, kt, D, s);
 }
 
 // O[rows][D] += P V over the chunk's first `npos` positions (a multiple of 32): P rows of CHUNK bf16, V as

@@ -43,42 +43,6 @@ static inline bf16 to_bf16(float x) {  // nearest even, NaN kept NaN
     return (bf16)((v.u + 0x7fffu + (v.u >> 16 & 1u)) >> 16);
 }
 
-// tiles 0-3: the sums, 4: the activations (the task's rows), 5-7: weights (16 pairs of K each)
-static void configure(int rows) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t < 5 ? rows : 16;
-        cfg.colsb[t] = 64;
-    }
-    TILE_CONFIG(&cfg);
-}
-
-// sums[r][c] of the task's rows and the block's 64 columns
-static void multiply(const bf16 *x, int64_t ldx, const int32_t *w, int64_t k, float *sums) {
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
-    for (int64_t k0 = 0; k0 < k; k0 += 32) {
-        const int32_t *b = w + k0 / 2 * NC;
-        TILE_LOAD(4, x + k0, ldx * 2);
-        TILE_LOAD(5, b, NC * 4);
-        TILE_LOAD(6, b + 16, NC * 4);
-        TILE_LOAD(7, b + 32, NC * 4);
-        TILE_DPBF16PS(0, 4, 5);
-        TILE_DPBF16PS(1, 4, 6);
-        TILE_LOAD(5, b + 48, NC * 4);
-        TILE_DPBF16PS(2, 4, 7);
-        TILE_DPBF16PS(3, 4, 5);
-    }
-    TILE_STORE(0, sums, NC * 4);
-    TILE_STORE(1, sums + 16, NC * 4);
-    TILE_STORE(2, sums + 32, NC * 4);
-    TILE_STORE(3, sums + 48, NC * 4);
-}
-
 // `ncols` outputs of each of `rows` rows from the sums; GLU: output c is silu(sums[c]) * sums[c + 32]
 static void write_rows(const float *sums, int rows, int ncols, int out, void *y, int64_t ldy) {
     for (int r = 0; r < rows; r++) {
@@ -116,8 +80,8 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
             const int64_t block = j / tiles, r0 = (first + j % tiles) * 16;
             const int rows = m - r0 < 16 ? (int)(m - r0) : 16;
             const int ncols = n - block * cols < cols ? (int)(n - block * cols) : (int)cols;
-            if (rows != configured) configure(configured = rows);
-            multiply(x + r0 * ldx, ldx, packed + block * (k / 2) * NC, k, sums);
+            if (rows != configured) amx_configure_bf16(configured = rows);
+            amx_bf16_x64(x + r0 * ldx, ldx, packed + block * (k / 2) * NC, k, sums);
             const int64_t at = r0 * ldy + block * cols;
             write_rows(sums, rows, ncols, out, out == OUT_F32 ? (void *)((float *)y + at) : (void *)((bf16 *)y + at),
                        ldy);
