@@ -42,9 +42,6 @@
 #define AMX_TILES
 #include "amx_tiles.h"
 #endif
-#if defined(__AVX512BF16__) || defined(AMX_TILES)
-#define PAIR_LAYOUT  // bf16 inputs can take the pairs layouts
-#endif
 
 enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG_SLOT, SEG_FIELDS };
 
