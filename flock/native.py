@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ISA_ENV = "FLOCK_CPU_ISA"
+AMX_REFUSED = "Linux refused AMX tile state (5.16 or later is needed)"  # why an AMX build cannot run
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,12 @@ class Library:
     def runnable(self) -> list[str]:
         """The paths this CPU runs, best first."""
         return [p for p in self.paths if not missing_flags(p)]
+
+    def best(self) -> str | None:
+        """The best path this CPU runs whose build loads (an AMX build needs Linux's permission, and checks
+        itself), else the least demanding one it runs; None where it runs none."""
+        runnable = self.runnable()
+        return next((p for p in runnable if self.unavailable(p) is None), runnable[-1] if runnable else None)
 
     def build(self, path: str) -> Path:
         return build(self.source, self.gcc_flags(path))

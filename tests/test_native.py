@@ -103,6 +103,24 @@ def test_a_library_that_is_not_ready_says_why(tmp_path, monkeypatch):
 
 
 @needs_gcc
+def test_the_best_path_is_the_best_whose_build_is_ready(tmp_path, monkeypatch):
+    """A path whose build refuses (an AMX build without Linux's permission) gives way to the next; where every
+    one refuses, the least demanding is named (and says why)."""
+    source = "#ifdef __AVX2__\nint init(void) { return REFUSE; }\n#else\nint init(void) { return 0; }\n#endif\n"
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+    ready = lambda so: None if so.init() == 0 else "refused"  # noqa: E731
+    lib = library(tmp_path, monkeypatch, source.replace("REFUSE", "-1"), signatures={"init": ([], ctypes.c_int)},
+                  ready=ready)
+    assert lib.runnable() == ["avx2", "baseline"] and lib.best() == "baseline"
+    fine = library(tmp_path, monkeypatch, source.replace("REFUSE", "0"), signatures={"init": ([], ctypes.c_int)},
+                   ready=ready)
+    assert fine.best() == "avx2"
+    monkeypatch.setattr(native, "cpu_flags", lambda: set())
+    assert library(tmp_path, monkeypatch, "int init(void) { return -1; }\n", signatures={"init": ([], ctypes.c_int)},
+                   ready=ready, paths=("avx2",)).best() is None
+
+
+@needs_gcc
 def test_the_build_is_keyed_by_the_paths_flags(tmp_path, monkeypatch):
     lib = library(tmp_path, monkeypatch, "int f(void) { return 1; }\n")
     assert lib.gcc_flags("avx2") == ["-O3", "-fopenmp", "-mavx2", "-mfma"]

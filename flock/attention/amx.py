@@ -39,7 +39,7 @@ class _Args(ctypes.Structure):
 
 
 def _tiles_granted(lib: ctypes.CDLL) -> str | None:
-    return None if lib.flock_amx_init() == 0 else "the kernel refused AMX tile state (Linux >= 5.16 is needed)"
+    return None if lib.flock_amx_init() == 0 else native.AMX_REFUSED
 
 
 KERNEL = native.Library(

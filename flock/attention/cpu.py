@@ -54,7 +54,7 @@ def _ready(lib: ctypes.CDLL) -> str | None:
     """None where the build may run: on AMX builds, Linux grants the tile state and a causal bf16 prefill (40
     tokens, 3 blocks, 2 query heads on one KV head) matches float attention."""
     if lib.flock_cpu_init() != 0:
-        return "Linux refused AMX tile state (5.16 or later is needed)"
+        return native.AMX_REFUSED
     if not lib.flock_cpu_tiles():
         return None
     tokens, heads, dim, block = 40, 2, 64, 16
@@ -105,10 +105,10 @@ def isa_paths() -> list[str]:
 def chosen_isa() -> str | None:
     """The path the kernel takes here: the forced one, else the best the CPU runs whose build loads (AMX needs
     Linux's permission); None if none."""
-    forced, paths = forced_isa(), isa_paths()
+    forced = forced_isa()
     if forced is None:
-        return next((p for p in paths if KERNEL.unavailable(p) is None), paths[-1] if paths else None)
-    return forced if forced in paths else None
+        return KERNEL.best()
+    return forced if forced in isa_paths() else None
 
 
 def _library(isa: str) -> tuple[native.Library, str]:

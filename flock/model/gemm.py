@@ -34,7 +34,7 @@ KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf
 def _amx_ready(lib: ctypes.CDLL) -> str | None:
     """None where Linux grants the tile state and a small product (two row tiles, a partial one) is right."""
     if lib.flock_amx_gemm_init() != 0:
-        return "Linux refused AMX tile state (5.16 or later is needed)"
+        return native.AMX_REFUSED
     gen = torch.Generator().manual_seed(0)
     x, w = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((17, 64), (80, 64)))
     packed, got = pack(w), torch.empty(17, 80)

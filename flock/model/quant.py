@@ -37,7 +37,7 @@ def _ready(lib: ctypes.CDLL) -> str | None:
     """None where the build may run: on AMX builds, Linux grants the tile state and 16 rows on the tiles give
     the bits of each row alone (the vector kernels)."""
     if lib.flock_qgemm_init() != 0:
-        return "Linux refused AMX tile state (5.16 or later is needed)"
+        return native.AMX_REFUSED
     if lib.flock_qgemm_level() < 3:
         return None
     rng = np.random.default_rng(0)
@@ -77,8 +77,7 @@ _EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
 def isa() -> str:
     """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
     has whose build loads (AMX needs Linux's permission)."""
-    runnable = KERNEL.runnable()
-    return next((p for p in runnable if KERNEL.unavailable(p) is None), runnable[-1])
+    return KERNEL.best()
 
 
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:

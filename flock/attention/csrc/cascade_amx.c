@@ -77,17 +77,6 @@ static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
 
 int flock_amx_init(void) { return amx_request_tiles(); }
 
-static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 static inline __m512 exp2_ps(__m512 t) {  // 2^t, relative error 7.5e-5 (P is rounded to bf16 after); -inf: 0
     t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // 2^-150 is 0 (flushed, with FTZ set in the threads)
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -515,7 +504,7 @@ int flock_amx_cascade(const Args *a) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            configure_tiles();
+            amx_configure_bf16(16);  // every tile 16 rows x 64 bytes
         }
 #pragma omp for schedule(dynamic, 1)
         for (int u = 0; u < units; u++)
