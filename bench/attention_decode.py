@@ -1,7 +1,6 @@
 """Decode attention per step: per-request paged attention ("torch") vs prefix-sharing cascade ("torch-cascade")
 and the fused prefix-sharing kernels: every ISA path of the CPU kernel this CPU runs ("cpu-amx",
-"cpu-avx512bf16", "cpu-avx512", "cpu-avx2": flock/attention/csrc/cascade_cpu.c) and, for bf16 on CPUs with AMX,
-"amx" (flock/attention/csrc/cascade_amx.c).
+"cpu-avx512bf16", "cpu-avx512", "cpu-avx2": flock/attention/csrc/cascade_cpu.c).
 
     python -m bench.attention_decode            # full grid, both dtypes (a few minutes on 2 cores)
     python -m bench.attention_decode --quick    # smoke: fewer cells, fewer repeats
@@ -26,7 +25,7 @@ new one. Degree 1 means no sharing. Physical blocks are shuffled over the pool. 
     the cascade saves reads, not FLOPs), so the time bound is max(bytes / bandwidth, FLOPs / peak), with the
     peak of a large matmul in that dtype measured at start (bf16's at least fp32's: bf16 inputs can always be
     multiplied in fp32).
-  * fused kernels: each path this CPU runs (amx: bf16 only), timed alternately with the other two and reported
+  * fused kernels: each path this CPU runs, timed alternately with the other two and reported
     in its own columns (same KV bytes as the cascade); the goal (within 2x of the roofline at degree 16,
     prefix 2048) is judged for each cascade implementation.
   * correctness: the outputs are compared with per-request attention once per cell (max abs difference).

@@ -1,5 +1,5 @@
 """Prefill attention per step: PyTorch ("torch", "torch-cascade", both on PyTorch's CPU flash attention) vs the
-fused CPU kernel on every ISA path this CPU runs (and "amx" for bf16 where the CPU has AMX), against the roofline.
+fused CPU kernel on every ISA path this CPU runs, against the roofline.
 
     python -m bench.attention_prefill                 # fresh 2K prefill and 2K in 4 chunks, fp32 and bf16
     python -m bench.attention_prefill --context 4096 --chunks 1,8 --dtypes bf16

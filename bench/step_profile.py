@@ -80,7 +80,7 @@ class Labels:
         self.patches = [(Linear, "forward", "gemm"), (RMSNorm, "forward", "elementwise"),
                         (Attention, "rotated_qkv", "elementwise"), (MLP, "act_and_mul", "elementwise"),
                         (runner.backend, "forward", "attention"), (runner.backend, "build_metadata", "step inputs"),
-                        (runner, "_prepare", "step inputs"), (runner, "sampler", "sampling"),
+                        (runner, "_prepare", "step inputs"), (runner.sampler, "sample", "sampling"),
                         (llm.engine.scheduler, "schedule", "scheduler"), (runner.model.embed_tokens, "forward",
                                                                          "embedding")]
 

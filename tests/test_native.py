@@ -10,12 +10,12 @@ import pytest
 
 import flock
 from flock import native
-from flock.attention import amx, cpu
+from flock.attention import cpu
 from flock.model import fused_ops, gemm
 from flock.native import Library, build
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
-KERNELS = {"cpu attention": cpu.KERNEL, "amx attention": amx.KERNEL, "fused ops": fused_ops.KERNEL,
+KERNELS = {"cpu attention": cpu.KERNEL, "fused ops": fused_ops.KERNEL,
            "bf16 gemm": gemm.KERNEL, "amx gemm": gemm.AMX}
 # native code loaded outside flock.native that Flock does not build: the system C library
 NOT_FLOCKS = {"flock/engine/heap.py": ['ctypes.CDLL("libc.so.6")']}

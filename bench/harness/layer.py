@@ -3,7 +3,7 @@ the fused CPU kernel included), the fused paths this CPU runs, and a cache flush
 
 import torch
 
-from flock.attention import amx, cpu, make_backend
+from flock.attention import cpu, make_backend
 from flock.model.config import ModelConfig
 
 __all__ = ["DTYPES", "Flusher", "model_config", "fused_paths", "make", "ms"]
@@ -28,9 +28,8 @@ def model_config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
 
 
 def fused_paths(dtype: torch.dtype) -> list[str]:
-    """The fused kernels this CPU runs for `dtype`: amx (bf16), then each ISA path of the cpu kernel."""
-    paths = ["amx"] if dtype == torch.bfloat16 and amx.kernel_unavailable() is None else []
-    return paths + ([f"cpu-{isa}" for isa in cpu.isa_paths()] if cpu.kernel_unavailable() is None else [])
+    """The fused kernel's ISA paths this CPU runs, best first."""
+    return [f"cpu-{isa}" for isa in cpu.isa_paths()] if cpu.kernel_unavailable() is None else []
 
 
 def make(name: str, cfg: ModelConfig, dtype: torch.dtype):

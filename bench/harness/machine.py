@@ -29,13 +29,11 @@ def cpu_line() -> str:
 def kernel_paths(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
     """The paths a Flock engine of `dtype` takes on this CPU with attention "auto" and ops "auto" (a model
     whose head_dim the kernels take): attention, elementwise ops, GEMMs; each says why not where it falls back."""
-    from flock.attention import amx, cpu
+    from flock.attention import cpu
     from flock.model import fused_ops, gemm, linear
 
     dev = torch.device("cpu")
-    if dtype == torch.bfloat16 and cpu.forced_isa() is None and amx.kernel_unavailable() is None:
-        attention = "amx kernel"
-    elif (why := cpu.kernel_unavailable()) is None:
+    if (why := cpu.kernel_unavailable()) is None:
         attention = f"cpu kernel, {cpu.chosen_isa()} path"
     else:
         attention = f"torch-cascade ({why})"

@@ -10,8 +10,12 @@ workload (e.g. "vllm:num_preemptions", "vllm:iteration_tokens_total:count" = eng
 """
 
 import json
+import os
 import sys
 import time
+
+# run as a script, this folder leads sys.path, and its vllm.py would shadow the vllm package
+sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
 
 
 def main(job_path: str, result_path: str) -> None:

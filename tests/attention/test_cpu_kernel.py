@@ -10,7 +10,6 @@ import torch
 
 from flock import native
 from flock.attention import cpu, make_backend
-from flock.attention.amx import AmxCascadeBackend, kernel_unavailable as amx_unavailable
 from flock.attention.cascade import CascadeMetadata, TorchCascadeBackend
 from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, plan_segments
 from flock.attention.segments import build_segments
@@ -175,7 +174,7 @@ def test_auto_picks_the_kernel_on_x86_cpus():
     pick = lambda dtype: make_backend("auto", cfg, torch.device("cpu"), dtype)  # noqa: E731
     if cpu.kernel_unavailable() is None:
         assert isinstance(pick(torch.float32), CpuCascadeBackend)
-        assert isinstance(pick(torch.bfloat16), AmxCascadeBackend if amx_unavailable() is None else CpuCascadeBackend)
+        assert isinstance(pick(torch.bfloat16), CpuCascadeBackend)
     assert type(pick(torch.float64)) is TorchCascadeBackend
 
 
@@ -229,8 +228,6 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
     llm = LLM(str(hf_folders["llama"]), dtype=str(dtype).removeprefix("torch."), attention="cpu", block_size=4,
               max_num_batched_tokens=48)
     backend = llm.engine.runner.backend
-    if not isinstance(backend, CpuCascadeBackend):
-        pytest.skip("bf16 takes the amx kernel here")
     exact = TorchCascadeBackend(backend.num_heads, backend.num_kv_heads, backend.head_dim, None, torch.float64)
     forward, build = backend.forward, backend.build_metadata
     seen = {"calls": 0, "grouped": 0, "prefill": 0, "fresh": 0, "sampled_only": 0, "error": 0.0}
