@@ -57,7 +57,7 @@ def _ready(lib: ctypes.CDLL) -> str | None:
 
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
-    paths=("amxint8", "avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    paths=("avx512vnni", "amxint8", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
     ready=_ready,
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
@@ -75,8 +75,9 @@ _EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
 
 @functools.cache
 def isa() -> str:
-    """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
-    has whose build loads (AMX needs Linux's permission)."""
+    """The ISA path the kernels run here (avx512vnni, amxint8, avxvnni, avx2, else baseline): the best this CPU
+    has whose build loads. AMX-INT8 CPUs also have AVX512-VNNI, whose kernels measure faster than the amxint8
+    tiles at every row count (docs/benchmarks.md), so amxint8 runs only where a caller names it."""
     return KERNEL.best()
 
 
