@@ -2,13 +2,16 @@
 // flock_gemm writes them (rounded to bf16 once, fp32, or SiLU-and-mul) from the same packed weight
 // (flock.model.gemm.pack: column blocks of 64 outputs, each [K/2][64] 32-bit pairs).
 //
-// A task is up to 16 rows x one block: four accumulator tiles (16 rows x 16 fp32 each), the rows' A tile (16 rows
-// x 32 bf16, read straight from x) and the block's four B tiles (16 pairs x 16 columns), read straight from the
-// packed weight with the stride of one 64-wide pair row, K in steps of 32 (K % 32 == 0). The tiles are configured
-// with the task's row count, so a decode step's few rows multiply only those rows. Tasks go row panel
-// (PANEL_TILES x 16 rows) by panel, block by block within one, so a panel's activations stay in cache while
-// each block's weights are read once per panel; they are split evenly over the threads. The sums leave the
-// tiles through a 16 x 64 fp32 buffer for the epilogue, portable C that the compiler vectorizes.
+// A task is up to 32 rows x one block; K goes in steps of 32 (K % 32 == 0), the B tiles (16 pairs x 16 columns)
+// read straight from the packed weight with the stride of one 64-wide pair row, the A tiles (16 rows x 32 bf16)
+// straight from x. A task of 17-32 rows takes the block in two halves of 32 columns, each on 2 x 2 tiles: two A
+// tiles (rows 0-15 and the rest) times two B tiles, four loads for four products, where one A tile times four
+// B tiles needs five (the loads come from L2, which bounds the tiles' rate). A task of at most 16 rows, as
+// decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the tiles configured with
+// its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a panel's activations
+// stay in cache while each block's weights are read once per panel; they are split evenly over the threads.
+// The sums leave the tiles through a 32 x 64 fp32 buffer for the epilogue, portable C that gcc vectorizes.
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -20,7 +23,9 @@
 typedef uint16_t bf16;
 
 #define NC 64           // columns of a weight block
-#define PANEL_TILES 8   // row tiles of 16 whose activations share one pass over the weight blocks
+#define TASK_ROWS 32    // rows of a task
+#define PANEL_ROWS 256  // rows whose activations share one pass over the weight blocks
+#define PREFETCH_STEPS 8  // steps of 32 in K between a weight line's prefetch and its use
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
 
@@ -59,6 +64,52 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
     }
 }
 
+// The 2 x 2 products' tiles: 0-3 the sums of rows 0-15 and of rows 16-31 (`low` of them) by columns 0-15 and
+// 16-31 of a half block, 4 and 5 the two A tiles, 6 and 7 the B tiles.
+static void configure_2x2(int low) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(t == 2 || t == 3 || t == 5 ? low : 16);
+        cfg.colsb[t] = 64;
+    }
+    TILE_CONFIG(&cfg);
+}
+
+// c[32][64] (rows 64 floats apart) = 16 + `low` rows of a (lda elements apart) times the block's 64 columns of
+// pairs b [k / 2][64], half a block at a time. `fetch`: the block is not in cache; the first half prefetches
+// it into L2 PREFETCH_STEPS steps of K ahead (and so the next block's start, which follows it in memory): tile
+// loads that miss L2 wait on memory.
+static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, float *c, int fetch) {
+    const bf16 *a1 = a + 16 * lda;
+    for (int half = 0; half < 2; half++) {
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
+        for (int64_t k0 = 0; k0 < k; k0 += 32) {
+            const int32_t *w = b + k0 / 2 * NC + half * 32;
+            if (fetch && !half)
+                for (int line = 0; line < 16 * NC * 4; line += 64)
+                    _mm_prefetch((const char *)(b + (k0 / 2 + 16 * PREFETCH_STEPS) * NC) + line, _MM_HINT_T1);
+            TILE_LOAD(4, a + k0, lda * 2);
+            TILE_LOAD(6, w, NC * 4);
+            TILE_LOAD(5, a1 + k0, lda * 2);
+            TILE_LOAD(7, w + 16, NC * 4);
+            TILE_DPBF16PS(0, 4, 6);
+            TILE_DPBF16PS(1, 4, 7);
+            TILE_DPBF16PS(2, 5, 6);
+            TILE_DPBF16PS(3, 5, 7);
+        }
+        float *out = c + half * 32;
+        TILE_STORE(0, out, NC * 4);
+        TILE_STORE(1, out + 16, NC * 4);
+        TILE_STORE(2, out + 16 * NC, NC * 4);
+        TILE_STORE(3, out + 16 * NC + 16, NC * 4);
+    }
+}
+
 int flock_amx_gemm_init(void) { return amx_request_tiles(); }
 
 // As gemm_bf16.c's flock_gemm, for K % 32 == 0. Returns 0; 1 for a K it does not take; 2 where an emulated
@@ -66,22 +117,32 @@ int flock_amx_gemm_init(void) { return amx_request_tiles(); }
 int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int32_t out, int32_t threads) {
     if (k % 32) return 1;
-    const int64_t cols = out == OUT_GLU ? NC / 2 : NC, blocks = (n + cols - 1) / cols, row_tiles = (m + 15) / 16;
-    const int64_t tasks = blocks * row_tiles, panel_tasks = blocks * PANEL_TILES;
+    const int64_t cols = out == OUT_GLU ? NC / 2 : NC, blocks = (n + cols - 1) / cols;
+    const int64_t row_tasks = (m + TASK_ROWS - 1) / TASK_ROWS, panel_tasks = PANEL_ROWS / TASK_ROWS;
+    const int64_t tasks = blocks * row_tasks;
     int faulted = 0;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tasks > 1)
     {
-        float sums[16 * NC] __attribute__((aligned(64)));
-        int configured = 0;  // the row count the tiles hold
+        float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
+        int configured = 0;  // the tiles' set-up: the 1 x 4 product's rows (1-16), 2 x 2's 16 + its low rows
+        int64_t cached = -1;  // the block the last task multiplied
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = tasks * t / nt; i < tasks * (t + 1) / nt; i++) {
-            const int64_t panel = i / panel_tasks, first = panel * PANEL_TILES, j = i - panel * panel_tasks;
-            const int64_t tiles = row_tiles - first < PANEL_TILES ? row_tiles - first : PANEL_TILES;
-            const int64_t block = j / tiles, r0 = (first + j % tiles) * 16;
-            const int rows = m - r0 < 16 ? (int)(m - r0) : 16;
+            const int64_t panel = i / (blocks * panel_tasks), first = panel * panel_tasks;
+            const int64_t j = i - first * blocks, in_panel = row_tasks - first < panel_tasks ? row_tasks - first
+                                                                                             : panel_tasks;
+            const int64_t block = j / in_panel, r0 = (first + j % in_panel) * TASK_ROWS;
+            const int rows = m - r0 < TASK_ROWS ? (int)(m - r0) : TASK_ROWS;
             const int ncols = n - block * cols < cols ? (int)(n - block * cols) : (int)cols;
-            if (rows != configured) amx_configure_bf16(configured = rows);
-            amx_bf16_x64(x + r0 * ldx, ldx, packed + block * (k / 2) * NC, k, sums);
+            const int32_t *b = packed + block * (k / 2) * NC;
+            if (rows > 16) {
+                if (configured != rows) configure_2x2(rows - 16), configured = rows;
+                x32_by_64(x + r0 * ldx, ldx, b, k, sums, block != cached);
+            } else {
+                if (configured != rows) amx_configure_bf16(configured = rows);
+                amx_bf16_x64(x + r0 * ldx, ldx, b, k, sums);
+            }
+            cached = block;
             const int64_t at = r0 * ldy + block * cols;
             write_rows(sums, rows, ncols, out, out == OUT_F32 ? (void *)((float *)y + at) : (void *)((bf16 *)y + at),
                        ldy);
