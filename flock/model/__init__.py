@@ -190,9 +190,10 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
             raise ValueError(f"ops='fused': {why}")
         else:
             paths["elementwise"] += f" ({why})"
+    pairs = ops in ("auto", "packed") and gemm.unavailable(dtype, device) is None
     if ops in ("auto", "packed"):
         why = linear.unavailable(dtype, device)
-        if gemm.unavailable(dtype, device) is None:
+        if pairs:
             model.prepack_weights(pairs=True)
             paths["gemm"] = f"Flock bf16 GEMM ({gemm.isa()}), packed weights, SiLU-and-mul in its gate_up GEMM"
         elif why is None:
@@ -202,7 +203,7 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
             raise ValueError(f"ops='packed': {why}")
         else:
             paths["gemm"] += f" ({why})"
-    if ops in ("auto", "fused") and types:
+    if ops in ("auto", "fused") and (types or pairs):
         why = model.use_step_program()
         paths["step"] = "decode steps' layers in one C call" if why is None else f"Python between the kernels ({why})"
     return paths

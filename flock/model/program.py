@@ -2,7 +2,7 @@
 
 Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
-layer's forward once (the quantized GEMMs, the fused norms and rope, the bias adds, the KV write and the CPU
+layer's forward once (the quantized or bf16 GEMMs, the fused norms and rope, the bias adds, the KV write and the CPU
 attention kernel), as records of int64 words over buffers that stay put, and a step runs them all in one
 call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their inputs are those of the
 modules' forward, so the results are the same bits.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, _Args, kernel_library
-from flock.model import fused_ops, quant
+from flock.model import fused_ops, gemm, quant
 
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
 MAX_ROWS = 256  # above this many rows the Python between the kernels is a small share of a step
@@ -39,8 +39,9 @@ def unavailable(model) -> str | None:
         return "attention is not on the CPU kernel"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(p.qweight is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return "a projection is not quantized"
+        if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                mlp.down_proj)):
+            return "a projection is neither quantized nor packed for Flock's bf16 GEMM"
         if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or not mlp.gate_up_proj.silu_and_mul:
             return "an MLP has a bias, or its SiLU-and-mul is not in its gate_up GEMM"
         if not (attn.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
@@ -104,7 +105,7 @@ class StepProgram:
         self.run_program = ops.flock_run_program
         suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
         attention = kernel_library(self.model.layers[0].self_attn.backend.isa)
-        gemm = quant._lib(None).flock_qgemm_op
+        qgemm = quant._lib(None).flock_qgemm_op
         records, self.names = [], []
 
         def op(name: str, fn, *args) -> None:
@@ -112,9 +113,13 @@ class StepProgram:
             self.names.append(name)
 
         def linear(name: str, layer, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
+            if layer.pairs is not None:
+                mode = gemm.OUT_GLU if glu else gemm.OUT_BF16
+                op(f"{name} GEMM", gemm._lib(None).flock_gemm_op, x, x.stride(0), layer.pairs, out, out.stride(0),
+                   ROWS, out.shape[1], x.shape[1], mode, threads)
             w = layer.qweight
-            for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu]:
-                op(f"{name} GEMM", gemm, qtype, int(x8), blocks, row_bytes, cols, w.k, x, x.stride(0), bf16, ROWS,
+            for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu] if w is not None else ():
+                op(f"{name} GEMM", qgemm, qtype, int(x8), blocks, row_bytes, cols, w.k, x, x.stride(0), bf16, ROWS,
                    out.data_ptr() + col * size, out.stride(0), bf16, int(glu), threads)
             if layer.bias is not None:
                 op(f"{name} bias", getattr(ops, f"flock_add_bias_op_{suffix}"), out, out.stride(0), layer.bias, ROWS,

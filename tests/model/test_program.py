@@ -1,5 +1,6 @@
 """The step program (flock.model.program): decode steps' layers in one C call give the bits the modules'
-forward gives, for every quant mix, bias and dtype; where it cannot run, the layers run as before."""
+forward gives, for every quant mix, bias and dtype, and for bf16 weights on Flock's bf16 GEMM; where it cannot
+run, the layers run as before."""
 
 import ctypes
 
@@ -8,7 +9,7 @@ import torch
 
 from flock import LLM, SamplingParams
 from flock.attention import cpu
-from flock.model import fused_ops, program
+from flock.model import fused_ops, gemm, program
 from tests.engine.test_parity import shared_prefix_prompts
 from tests.model.gguf_files import Q, write_gguf
 from tests.model.test_quant_models import K_MIX
@@ -60,6 +61,20 @@ def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch
     assert generate(plain, prompts) == with_program
 
 
+@pytest.mark.skipif(gemm.unavailable(torch.bfloat16, torch.device("cpu")) is not None,
+                    reason="no bf16 GEMM on this CPU")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, monkeypatch):
+    llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
+    assert llm.engine.runner.model.step_program is not None
+    plain.engine.runner.model.step_program = None
+    prompts = shared_prefix_prompts(seed=13)
+    runs = counting(monkeypatch)
+    with_program = generate(llm, prompts)
+    assert runs and max(runs) > 1
+    assert generate(plain, prompts) == with_program
+
+
 def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
     llm, plain = (LLM(str(gguf_models["Q8_0"]), dtype="float32", kv_cache_memory_bytes=1 << 22, max_num_seqs=5)
                   for _ in range(2))
@@ -74,7 +89,7 @@ def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
 
 def test_where_the_program_cannot_run(gguf_models, hf_folders):
     llm = LLM(str(hf_folders["llama"]), dtype="float32")  # float weights
-    assert llm.engine.runner.model.use_step_program() == "a projection is not quantized"
+    assert "neither quantized nor packed" in llm.engine.runner.model.use_step_program()
     assert "step" not in llm.engine.runner.paths
     llm = LLM(str(gguf_models["Q8_0"]), dtype="float32", attention="torch-cascade")
     assert llm.engine.runner.paths["step"] == "Python between the kernels (attention is not on the CPU kernel)"
