@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import gguf_models, llama_cpp, machine
-from bench.harness.quant_engine import engine_paths, has_quantization_field, quant_path
+from bench.harness.quant_engine import engine_kwargs, engine_paths, has_quantization_field, quant_path
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.stdlib_text import member_docs, module_docs
 
@@ -101,10 +101,10 @@ def flock_perplexity(gguf: Path, parts: list[list[int]], ctx: int, threads: int,
 
 
 def flock_kwargs(mode: str, dtype: str) -> dict:
-    """quantized: `dtype` (auto: the engine's choice); none: dequantized at load, float32."""
+    """quantized: `dtype` (auto: the engine's choice), the file's blocks kept; none: dequantized at load, float32."""
     if mode == "none":
-        return {"dtype": "float32", **({"quantization": "none"} if has_quantization_field() else {})}
-    return {"dtype": dtype}
+        return {"dtype": "float32", **engine_kwargs("none")}
+    return {"dtype": dtype, **engine_kwargs("quantized")}
 
 
 # -- report ------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from bench.harness.report import OUT, args_dict, markdown_table, write_json
 
 QUANTS = ("Q4_K_M", "Q8_0")
 SECTIONS = ("memory", "decode", "batch")
-MODES = ("quantized", "none")  # Flock with quantization "auto" (weights stay quantized) and "none" (dequantized)
+MODES = ("quantized", "none")  # Flock with quantization "gguf" (weights stay quantized) and "none" (dequantized)
 KV_BYTES_MEMORY = 64 << 20
 DECODE_PROMPT = "The history of the old harbour town begins with"
 MB = 1e6

@@ -2,7 +2,7 @@ from dataclasses import dataclass, field, fields
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
-QUANTIZATION = ("auto", "none", "q8_0", "q4_0")  # see flock.model.quant
+QUANTIZATION = ("auto", "gguf", "none", "q8_0", "q4_0")  # see flock.model.quant
 
 
 def option(default, help: str, **cli):
@@ -21,8 +21,10 @@ class EngineConfig:
                         "float64 (float16 runs as bfloat16 on CPU)")
     load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")
     quantization: str = option("auto", "auto: a GGUF file's quantized weights stay in their blocks and run on int8 "
-                               "kernels (float64 models and GPUs dequantize them); none: dequantize every weight at "
-                               "load; q8_0 or q4_0: also quantize float weights to that type at load",
+                               "kernels, but for float64 models, GPUs, and small models on CPUs with AMX (under 1 "
+                               "GiB as bf16: Flock's AMX GEMM runs batches faster); gguf: keep the blocks wherever "
+                               "the kernels run; none: dequantize every weight at load; q8_0 or q4_0: also quantize "
+                               "float weights to that type at load",
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")

@@ -18,11 +18,16 @@ def has_quantization_field() -> bool:
 
 
 def engine_kwargs(mode: str) -> dict:
-    """quantized: the default ("auto"); none: dequantized at load. Before EngineConfig has the field, both run
-    without it (today's dequantizing engine), and the header says so."""
-    if mode == "none" and has_quantization_field():
+    """quantized: the file's blocks kept ("gguf"; "auto" dequantizes small models on AMX CPUs); none: dequantized
+    at load. Before EngineConfig has the field, both run without it (today's dequantizing engine), and the
+    header says so."""
+    if not has_quantization_field():
+        return {}
+    from flock.config import QUANTIZATION
+
+    if mode == "none":
         return {"quantization": "none"}
-    return {}
+    return {"quantization": "gguf"} if "gguf" in QUANTIZATION else {}
 
 
 def rss_bytes() -> dict:

@@ -131,6 +131,8 @@ def build_model(
         raise ValueError(f"quantization={quantization!r}: {why}")
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.config, backend)
+    if quantization == "auto" and not why and resolved.gguf:
+        why = quant.blocks_lose(dtype, sum(p.numel() for p in model.parameters()) * dtype.itemsize)
     keep_blocks = load_format == "gguf" and quantization != "none" and not why
     in_blocks = quantized_layers(model, resolved.gguf) if keep_blocks else {}
     for name in in_blocks:  # never allocated as floats

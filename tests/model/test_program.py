@@ -50,8 +50,9 @@ def counting(monkeypatch) -> list[int]:
 def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch):
     """Same tokens and logprobs, exactly, with the program and without, on shared-prefix batches whose decode
     steps have cascade segments, merges and a growing row count."""
-    llm, plain = (LLM(str(gguf_models[case]), dtype=dtype, kv_cache_memory_bytes=1 << 22) for _ in range(2))
-    assert llm.engine.runner.model.step_program is not None
+    llm, plain = (LLM(str(gguf_models[case]), dtype=dtype, quantization="gguf", kv_cache_memory_bytes=1 << 22)
+                  for _ in range(2))
+    assert llm.engine.runner.model.step_program is not None and "quantized" in llm.engine.runner.paths
     assert llm.engine.runner.paths["step"] == "decode steps' layers in one C call"
     plain.engine.runner.model.step_program = None  # (a second run of one engine would hit its prefix cache)
     prompts = shared_prefix_prompts(seed=11)

@@ -105,5 +105,20 @@ def test_float64_and_bad_settings(gguf_models, hf_folders):
     assert all(m.qweight is None for m in layers(llm).values()) and "quantized" not in llm.engine.runner.paths
     with pytest.raises(ValueError, match="quantization='q8_0': the quantized GEMM takes float32 and bfloat16"):
         LLM(str(hf_folders["llama"]), dtype="float64", quantization="q8_0")
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, gguf, none, q8_0, q4_0"):
         LLM(str(hf_folders["llama"]), quantization="int3")
+
+
+def test_auto_dequantizes_small_bf16_models_where_the_amx_gemm_runs(gguf_models, monkeypatch):
+    from flock.model import gemm
+
+    amx = gemm.isa() == "amx"
+    auto, kept = (LLM(str(gguf_models["Q8_0"]), dtype="bfloat16", quantization=q) for q in ("auto", "gguf"))
+    assert all(m.qweight is not None for m in layers(kept).values())
+    assert all((m.qweight is None) == amx for m in layers(auto).values())
+    monkeypatch.setattr(gemm, "isa", lambda: "amx")
+    assert "AMX GEMM" in quant.blocks_lose(torch.bfloat16, quant.AMX_DEQUANTIZE_BYTES)
+    assert quant.blocks_lose(torch.bfloat16, quant.AMX_DEQUANTIZE_BYTES + 1) is None
+    assert quant.blocks_lose(torch.float32, 1) is None
+    monkeypatch.setattr(gemm, "isa", lambda: "avx512bf16")
+    assert quant.blocks_lose(torch.bfloat16, 1) is None
