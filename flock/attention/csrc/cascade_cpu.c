@@ -50,7 +50,7 @@ enum { SEG_BEGIN, SEG_ROWS, SEG_TABLE, SEG_KV_START, SEG_KV_END, SEG_CAUSAL, SEG
 #define SPAN 1024       // KV heads x head_dim of one unit, at most (elements per position) ...
 #define ROWS_SPAN (UNIT_ROWS * 512)  // ... and rows x that: a unit of many rows keeps Q and O in L2
 #ifdef AMX_TILES
-#define UNIT_ROWS 96    // segment rows per unit (a multiple of MR and of the tiles' 16)
+#define UNIT_ROWS 192    // segment rows per unit (a multiple of MR and of the tiles' 16)
 #else
 #define UNIT_ROWS 120   // segment rows per unit (a multiple of MR)
 #endif
