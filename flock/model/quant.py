@@ -87,8 +87,8 @@ AMX_DEQUANTIZE_BYTES = 1 << 30  # bf16 weights up to this size run faster dequan
 def blocks_lose(dtype: torch.dtype, float_bytes: int) -> str | None:
     """Why quantization "auto" dequantizes a model whose weights take `float_bytes` in `dtype` where the int8
     kernels could run (None: it keeps the blocks). On AMX CPUs the bf16 GEMM runs steps of 8 or more rows
-    1.6-2.5x faster than the int8 kernels (docs/benchmarks.md); single-row decode, bound by the bytes read, is
-    faster on the blocks, so only models small beside the memory are dequantized."""
+    faster than the int8 kernels (docs/benchmarks.md); single-row decode, bound by the bytes read, is faster on
+    the blocks, so only models small beside the memory are dequantized."""
     from flock.model import gemm
 
     if dtype != torch.bfloat16 or gemm.isa() != "amx" or float_bytes > AMX_DEQUANTIZE_BYTES:
