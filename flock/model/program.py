@@ -12,6 +12,7 @@ kernel and every row of it goes on to the last layer (decode steps), up to MAX_R
 """
 
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ def unavailable(model) -> str | None:
 
 class StepProgram:
     def __init__(self, model):
-        self.model = model
+        self.model = weakref.proxy(model)  # the model holds the program: no cycle keeps its caches alive
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the records were built for
         self.step = _Args()  # the attention kernel's arguments, set at each run

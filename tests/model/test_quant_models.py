@@ -113,7 +113,8 @@ def test_auto_dequantizes_small_bf16_models_where_the_amx_gemm_runs(gguf_models,
     from flock.model import gemm
 
     amx = gemm.isa() == "amx"
-    auto, kept = (LLM(str(gguf_models["Q8_0"]), dtype="bfloat16", quantization=q) for q in ("auto", "gguf"))
+    auto, kept = (LLM(str(gguf_models["Q8_0"]), dtype="bfloat16", quantization=q, kv_cache_memory_bytes=1 << 22)
+                  for q in ("auto", "gguf"))
     assert all(m.qweight is not None for m in layers(kept).values())
     assert all((m.qweight is None) == amx for m in layers(auto).values())
     monkeypatch.setattr(gemm, "isa", lambda: "amx")
