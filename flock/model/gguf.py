@@ -208,8 +208,6 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str]] | None = None) -> None:
     """Load every tensor into `model`, q/k rows un-permuted (`_hf_rows`): those of `quantized` layers
     (`quantized_layers`) as their blocks, the others dequantized (converted to the model's dtype)."""
-    from gguf import dequantize
-
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
     from flock.model.quant import KERNEL_TYPES
 
@@ -229,7 +227,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         if tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
             expanded.add(tensor.tensor_type.name)
         try:
-            values = _dequantize(tensor, dequantize)
+            values = _dequantize(tensor)
         except NotImplementedError:
             raise ValueError(f"{ckpt.path.name}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a "
                              "quant type the gguf package cannot dequantize") from None
@@ -243,14 +241,16 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
                  ", ".join(sorted(expanded)))
 
 
-def _dequantize(tensor, fallback) -> np.ndarray:
+def _dequantize(tensor) -> np.ndarray:
     """A tensor's values as floats: by Flock's kernel, on all threads, for the types it has one for (the gguf
-    package's numpy dequantizer gives the same values, several times slower), else by `fallback`."""
+    package's numpy dequantizer gives the same values, several times slower), else by the gguf package."""
+    from gguf import dequantize
+
     from flock.model import quant
 
     kind = quant.KERNEL_TYPES.get(tensor.tensor_type.name)
     if kind is None or quant.unavailable(torch.float32, torch.device("cpu")) is not None:
-        return fallback(tensor.data, tensor.tensor_type)
+        return dequantize(tensor.data, tensor.tensor_type)
     blocks = torch.from_numpy(np.require(tensor.data, requirements="W"))
     return quant.dequantize(quant.QuantWeight([quant.QuantTensor(kind[0], blocks)])).numpy()
 

@@ -106,7 +106,6 @@ class StepProgram:
         self.run_program = ops.flock_run_program
         suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
         attention = kernel_library(self.model.layers[0].self_attn.backend.isa)
-        qgemm = quant._lib(None).flock_qgemm_op
         records, self.names = [], []
 
         def op(name: str, fn, *args) -> None:
@@ -118,10 +117,11 @@ class StepProgram:
                 mode = gemm.OUT_GLU if glu else gemm.OUT_BF16
                 op(f"{name} GEMM", gemm._lib(None).flock_gemm_op, x, x.stride(0), layer.pairs, out, out.stride(0),
                    ROWS, out.shape[1], x.shape[1], mode, threads)
-            w = layer.qweight
-            for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu] if w is not None else ():
-                op(f"{name} GEMM", qgemm, qtype, int(x8), blocks, row_bytes, cols, w.k, x, x.stride(0), bf16, ROWS,
-                   out.data_ptr() + col * size, out.stride(0), bf16, int(glu), threads)
+            else:
+                w = layer.qweight
+                for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu]:
+                    op(f"{name} GEMM", quant._lib(None).flock_qgemm_op, qtype, int(x8), blocks, row_bytes, cols, w.k,
+                       x, x.stride(0), bf16, ROWS, out.data_ptr() + col * size, out.stride(0), bf16, int(glu), threads)
             if layer.bias is not None:
                 op(f"{name} bias", getattr(ops, f"flock_add_bias_op_{suffix}"), out, out.stride(0), layer.bias, ROWS,
                    out.shape[1])

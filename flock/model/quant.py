@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from flock import native
+from flock.model import gemm
 
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
@@ -89,8 +90,6 @@ def blocks_lose(dtype: torch.dtype, float_bytes: int) -> str | None:
     kernels could run (None: it keeps the blocks). On AMX CPUs the bf16 GEMM runs steps of 8 or more rows
     faster than the int8 kernels (docs/benchmarks.md); single-row decode, bound by the bytes read, is faster on
     the blocks, so only models small beside the memory are dequantized."""
-    from flock.model import gemm
-
     if dtype != torch.bfloat16 or gemm.isa() != "amx" or float_bytes > AMX_DEQUANTIZE_BYTES:
         return None
     return f"{float_bytes / 2**20:.0f} MiB as bf16: Flock's AMX GEMM runs batches faster than the int8 kernels"
