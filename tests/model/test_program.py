@@ -62,12 +62,19 @@ def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch
     assert generate(plain, prompts) == with_program
 
 
-@pytest.mark.skipif(gemm.unavailable(torch.bfloat16, torch.device("cpu")) is not None,
-                    reason="no bf16 GEMM on this CPU")
+# the bf16 GEMM this CPU takes by default, and the AVX512-BF16 one (Zen 4/5's) where it runs here too
+BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
+              if p and gemm.unavailable(torch.bfloat16, torch.device("cpu")) is None
+              and (p != "avx512bf16" or gemm.KERNEL.unavailable(p) is None)]
+
+
+@pytest.mark.skipif(not BF16_GEMMS, reason="no bf16 GEMM on this CPU")
+@pytest.mark.parametrize("path", BF16_GEMMS or [None])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, monkeypatch):
+def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
+    monkeypatch.setattr(gemm, "isa", lambda: path)
     llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
-    assert llm.engine.runner.model.step_program is not None
+    assert llm.engine.runner.model.step_program is not None and f"({path})" in llm.engine.runner.paths["gemm"]
     plain.engine.runner.model.step_program = None
     prompts = shared_prefix_prompts(seed=13)
     runs = counting(monkeypatch)
