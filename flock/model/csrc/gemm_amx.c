@@ -19,6 +19,9 @@
 
 #include "amx_tiles.h"
 #include "exp2_poly.h"
+#ifdef __AVX512BF16__
+#include "silu512.h"
+#endif
 
 typedef uint16_t bf16;
 
@@ -29,6 +32,7 @@ typedef uint16_t bf16;
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
 
+#ifndef __AVX512BF16__  // the emulated build's epilogue, in portable C
 static inline float mul_add(float a, float b, float c) { return a * b + c; }
 static inline float same(float x) { return x; }
 
@@ -47,9 +51,28 @@ static inline bf16 to_bf16(float x) {  // nearest even, NaN kept NaN
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16)(v.u >> 16 | 0x40);
     return (bf16)((v.u + 0x7fffu + (v.u >> 16 & 1u)) >> 16);
 }
+#endif
 
-// `ncols` outputs of each of `rows` rows from the sums; GLU: output c is silu(sums[c]) * sums[c + 32]
+// `ncols` outputs of each of `rows` rows from the sums; GLU: output c is silu(sums[c]) * sums[c + 32]. On the
+// CPU (AVX-512): 16 columns a vector, rounded by vcvtneps2bf16 as the AVX512-BF16 GEMM rounds; the emulated
+// build (any CPU) in portable C.
 static void write_rows(const float *sums, int rows, int ncols, int out, void *y, int64_t ldy) {
+#ifdef __AVX512BF16__
+    const int vecs = out == OUT_GLU ? 2 : 4;
+    for (int r = 0; r < rows; r++) {
+        const float *s = sums + r * NC;
+        for (int j = 0; j < vecs && j * 16 < ncols; j++) {
+            const int left = ncols - j * 16;
+            const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __m512 v = _mm512_load_ps(s + j * 16);
+            if (out == OUT_F32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, v);
+            else {
+                const __m512 o = out == OUT_GLU ? silu_mul512(v, _mm512_load_ps(s + j * 16 + NC / 2)) : v;
+                _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(o));
+            }
+        }
+    }
+#else
     for (int r = 0; r < rows; r++) {
         const float *s = sums + r * NC;
         if (out == OUT_F32) {
@@ -62,6 +85,7 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
             for (int c = 0; c < ncols; c++) dst[c] = to_bf16(s[c]);
         }
     }
+#endif
 }
 
 // The 2 x 2 products' tiles: 0-3 the sums of rows 0-15 and of rows 16-31 (`low` of them) by columns 0-15 and
@@ -88,19 +112,28 @@ static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, f
         TILE_ZERO(1);
         TILE_ZERO(2);
         TILE_ZERO(3);
+        const int32_t *w = b + half * 32;
+        TILE_LOAD(4, a, lda * 2);
+        TILE_LOAD(6, w, NC * 4);
+        TILE_LOAD(5, a1, lda * 2);
+        TILE_LOAD(7, w + 16, NC * 4);
         for (int64_t k0 = 0; k0 < k; k0 += 32) {
-            const int32_t *w = b + k0 / 2 * NC + half * 32;
             if (fetch && !half)
                 for (int line = 0; line < 16 * NC * 4; line += 64)
                     _mm_prefetch((const char *)(b + (k0 / 2 + 16 * PREFETCH_STEPS) * NC) + line, _MM_HINT_T1);
-            TILE_LOAD(4, a + k0, lda * 2);
-            TILE_LOAD(6, w, NC * 4);
-            TILE_LOAD(5, a1 + k0, lda * 2);
-            TILE_LOAD(7, w + 16, NC * 4);
+            // each operand tile reloaded for the next step as soon as its last product is issued
+            const int more = k0 + 32 < k;
+            const int32_t *wn = w + (k0 + 32) / 2 * NC;
             TILE_DPBF16PS(0, 4, 6);
             TILE_DPBF16PS(1, 4, 7);
+            if (more) TILE_LOAD(4, a + k0 + 32, lda * 2);
             TILE_DPBF16PS(2, 5, 6);
+            if (more) TILE_LOAD(6, wn, NC * 4);
             TILE_DPBF16PS(3, 5, 7);
+            if (more) {
+                TILE_LOAD(5, a1 + k0 + 32, lda * 2);
+                TILE_LOAD(7, wn + 16, NC * 4);
+            }
         }
         float *out = c + half * 32;
         TILE_STORE(0, out, NC * 4);

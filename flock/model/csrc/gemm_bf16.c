@@ -17,7 +17,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "exp2_poly.h"
+#include "silu512.h"
 
 typedef uint16_t bf16;
 
@@ -25,16 +25,6 @@ typedef uint16_t bf16;
 #define NC 64   // columns of a weight block (4 vectors)
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // what a tile writes: its sums rounded to bf16, as fp32, or SiLU-and-mul
-
-// silu(g) * u = g u / (1 + e^-g), e^-g = 2^t by t's integer part (scalef: 0 or inf past the float range) and a
-// degree-5 polynomial of its fraction (1.6e-7 relative error, far below the bf16 rounding that follows).
-static inline __m512 silu_mul(__m512 g, __m512 u) {
-    const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    const __m512 p = EXP2_POLY5(f, _mm512_fmadd_ps, _mm512_set1_ps);
-    const __m512 e = _mm512_scalef_ps(p, n);
-    return _mm512_div_ps(_mm512_mul_ps(g, u), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
-}
 
 static inline __attribute__((always_inline)) void tile(const int mr, const int32_t *x, int64_t ldx, const int32_t *w,
                                                        int64_t k2, void *y, int64_t ldy, int ncols, const int out) {
@@ -63,7 +53,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int32
             const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             if (out == OUT_F32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, acc[r][j]);
             else {
-                const __m512 v = out == OUT_GLU ? silu_mul(acc[r][j], acc[r][j + 2]) : acc[r][j];
+                const __m512 v = out == OUT_GLU ? silu_mul512(acc[r][j], acc[r][j + 2]) : acc[r][j];
                 _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
