@@ -26,7 +26,8 @@
 // repack and read K and V rows in place (direct_head): the repack would be most of their time.
 //   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
 //               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
-//               tiles for blocks of 16 rows (amx_scores, amx_values), no direct path. FLOCK_EMULATED_AMX builds
+//               tiles for blocks of 16 rows (amx_scores, amx_values), units of at most DIRECT_ROWS rows direct
+//               as above (a repack for one or two rows cost more than Intel's slow vdpbf16ps). FLOCK_EMULATED_AMX builds
 //               it on AVX2 with the tile operations in portable C (and the pairs repack and weights too): how
 //               CPUs without AMX test it.
 #include <immintrin.h>
@@ -592,7 +593,7 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     }
 }
 
-#if defined(__AVX512BF16__) && !defined(AMX_TILES)
+#if defined(__AVX512BF16__)
 #define DIRECT_ROWS 2
 
 // Head h of a chunk of a unit of at most DIRECT_ROWS rows, straight from the cache. Scores: per row and
@@ -749,7 +750,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         if (!pairs) repack(a, w, w->offset[buf], n, u->hb, in_bf16);
         else if (!direct) repack_pairs(a, w, w->offset[buf], n, u->hb);
 #ifdef AMX_TILES
-        if (tiles) zero_v_tail(a, w, n, u->hb);
+        if (tiles && !direct) zero_v_tail(a, w, n, u->hb);
 #endif
         prefetch_some(a, &ahead, slice);
         for (int h = 0; h < u->hb; h++) {
