@@ -26,10 +26,10 @@
 // repack and read K and V rows in place (direct_head): the repack would be most of their time.
 //   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
 //               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
-//               tiles for blocks of 16 rows (amx_scores, amx_values), units of at most DIRECT_ROWS rows direct
-//               as above (a repack for one or two rows cost more than Intel's slow vdpbf16ps). FLOCK_EMULATED_AMX builds
-//               it on AVX2 with the tile operations in portable C (and the pairs repack and weights too): how
-//               CPUs without AMX test it.
+//               tiles for blocks of 16 rows (amx_scores, amx_values); units of at most DIRECT_ROWS rows go
+//               direct as above (for one or two rows the repack cost more than Intel's slow vdpbf16ps).
+//               FLOCK_EMULATED_AMX builds it on AVX2 with the tile operations in portable C (and the pairs
+//               repack and weights too): how CPUs without AMX test it.
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>

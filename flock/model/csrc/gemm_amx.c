@@ -10,7 +10,7 @@
 // decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the tiles configured with
 // its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a panel's activations
 // stay in cache while each block's weights are read once per panel; they are split evenly over the threads.
-// The sums leave the tiles through a 32 x 64 fp32 buffer for the epilogue, portable C that gcc vectorizes.
+// The sums leave the tiles through a 32 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
