@@ -69,16 +69,19 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b) {
         }
 }
 
-// c[m][n] += sum over k of the 4 products of a[m][4k + j] (signed bytes) and b[k][4n + j] (unsigned), in int32
-static inline void amx_emu_dpbsud(int c, int a, int b) {
+// c[m][n] += sum over k of the 4 products of a[m][4k + j] (signed bytes) and b[k][4n + j] (unsigned, or signed
+// with b_signed), in int32
+static inline void amx_emu_dpbs(int c, int a, int b, int b_signed) {
     const TileConfig *g = &amx_emu.cfg;
     if (!amx_emu_shapes(c, a, b)) return;
     for (int m = 0; m < g->rows[c]; m++)
         for (int n = 0; n < g->colsb[c] / 4; n++) {
             int32_t acc;
             memcpy(&acc, amx_emu.tile[c][m] + 4 * n, 4);
-            for (int k = 0; k < g->colsb[a]; k++)
-                acc += (int8_t)amx_emu.tile[a][m][k] * (int32_t)amx_emu.tile[b][k / 4][4 * n + k % 4];
+            for (int k = 0; k < g->colsb[a]; k++) {
+                const uint8_t w = amx_emu.tile[b][k / 4][4 * n + k % 4];
+                acc += (int8_t)amx_emu.tile[a][m][k] * (b_signed ? (int32_t)(int8_t)w : (int32_t)w);
+            }
             memcpy(amx_emu.tile[c][m] + 4 * n, &acc, 4);
         }
 }
@@ -88,7 +91,8 @@ static inline void amx_emu_dpbsud(int c, int a, int b) {
 #define TILE_STORE(t, dst, stride) amx_emu_store(t, dst, stride)
 #define TILE_ZERO(t) memset(amx_emu.tile[t], 0, sizeof amx_emu.tile[t])
 #define TILE_DPBF16PS(c, a, b) amx_emu_dpbf16ps(c, a, b)
-#define TILE_DPBSUD(c, a, b) amx_emu_dpbsud(c, a, b)
+#define TILE_DPBSUD(c, a, b) amx_emu_dpbs(c, a, b, 0)
+#define TILE_DPBSSD(c, a, b) amx_emu_dpbs(c, a, b, 1)
 #define TILE_RELEASE() memset(&amx_emu.cfg, 0, sizeof amx_emu.cfg)
 #define TILE_FAULTED() amx_emu.faulted
 
@@ -106,6 +110,7 @@ static inline int amx_request_tiles(void) { return (int)syscall(SYS_arch_prctl, 
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #define TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 #define TILE_RELEASE() _tile_release()
 #define TILE_FAULTED() 0
 #endif

@@ -7,7 +7,7 @@ A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` pe
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
 the gguf package's quantizer, for models that come as floats. The kernels are built for AMX-INT8 (tiles for
-calls of 16+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
+K-quant calls of 16+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
 AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
@@ -42,23 +42,28 @@ def _ready(lib: ctypes.CDLL) -> str | None:
     if lib.flock_qgemm_level() < 3:
         return None
     rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (16, 8, 34), dtype=np.uint8)  # Q8_0: a float16 scale, 32 int8
-    blocks[:, :, :2] = np.full((16, 8, 1), 0.01, dtype=np.float16).view(np.uint8)
-    rows, x8 = torch.from_numpy(blocks.reshape(16, -1)), torch.empty(16, 8 * 34, dtype=torch.uint8)
-    lib.flock_interleave(8, rows.data_ptr(), 8 * 34, 16, 256, x8.data_ptr(), 1)
     x = torch.from_numpy(rng.standard_normal((16, 256), dtype=np.float32))
-    tiles, alone = torch.empty(16, 16), torch.empty(16, 16)
-    code = lib.flock_qgemm(8, 1, x8.data_ptr(), 34, 16, 256, x.data_ptr(), 256, 0, 16, tiles.data_ptr(), 16, 0, 0, 1)
-    for r in range(16):
-        lib.flock_qgemm(8, 1, x8.data_ptr(), 34, 16, 256, x[r].data_ptr(), 256, 0, 1, alone[r].data_ptr(), 16, 0, 0, 1)
-    if code or not torch.equal(tiles, alone):
-        return f"the AMX-INT8 tiles disagree with the vector kernels here ({code})"
+    for name, d_at in (("Q4_K", (0, 2)), ("Q6_K", (208,))):  # random blocks of one super-block, small scales
+        qtype, _, size = KERNEL_TYPES[name]
+        blocks = rng.integers(0, 256, (16, size), dtype=np.uint8)
+        for at in d_at:
+            blocks[:, at:at + 2] = np.full((16, 1), 0.01, dtype=np.float16).view(np.uint8)
+        rows, x8 = torch.from_numpy(blocks), torch.empty(16, X8_BYTES[name], dtype=torch.uint8)
+        lib.flock_interleave(qtype, rows.data_ptr(), size, 16, 256, x8.data_ptr(), 1)
+        tiles, alone = torch.empty(16, 16), torch.empty(16, 16)
+        code = lib.flock_qgemm(qtype, 1, x8.data_ptr(), x8.shape[1], 16, 256, x.data_ptr(), 256, 0, 16,
+                               tiles.data_ptr(), 16, 0, 0, 1)
+        for r in range(16):
+            lib.flock_qgemm(qtype, 1, x8.data_ptr(), x8.shape[1], 16, 256, x[r].data_ptr(), 256, 0, 1,
+                            alone[r].data_ptr(), 16, 0, 0, 1)
+        if code or not torch.equal(tiles, alone):
+            return f"the AMX-INT8 tiles disagree with the vector kernels here ({name}, {code})"
     return None
 
 
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "quant_gemm.c", "the quantized GEMM ({path})",
-    paths=("avx512vnni", "amxint8", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
+    paths=("amxint8", "avx512vnni", "avxvnni", "avx2", "baseline"), flags=("-O3", "-fopenmp", "-fno-math-errno"),
     ready=_ready,
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
@@ -76,9 +81,9 @@ _EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
 
 @functools.cache
 def isa() -> str:
-    """The ISA path the kernels run here (avx512vnni, amxint8, avxvnni, avx2, else baseline): the best this CPU
-    has whose build loads. AMX-INT8 CPUs also have AVX512-VNNI, whose kernels measure faster than the amxint8
-    tiles at every row count (docs/benchmarks.md), so amxint8 runs only where a caller names it."""
+    """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
+    has whose build loads. The amxint8 build runs the K-quants' calls of 16+ rows on the tiles and the rest on
+    AVX512-VNNI."""
     return KERNEL.best()
 
 

@@ -95,7 +95,7 @@ def test_amx_tiles_give_the_vector_kernels_bits(name, path):
     step's row count never changes a row's result), over partial row tiles, a last group of 8 weight rows, glu
     and bf16."""
     k = 512
-    for m, n in ((16, 32), (21, 40), (40, 48)):
+    for m, n in ((16, 32), (21, 40), (40, 48), (300, 56)):
         weight = QuantWeight([random_blocks(name, n, k, m, interleaved=True)])
         x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
         for rows, glu in ((x, False), (x.bfloat16(), False), (x, True)):

@@ -1,178 +1,285 @@
-// AMX-INT8 tiles on the interleaved (x8) blocks, part of quant_gemm.c (included after its formats and helpers).
+// AMX-INT8 tiles for the K-quants (Q4_K, Q5_K, Q6_K) on interleaved (x8) weights, part of quant_gemm.c
+// (included after its formats and helpers).
 //
-// A task is 16 weight rows (two 8-row groups) x up to 16 activation rows. Per block (per sub-block for the
-// K-quants) the two groups' weights are laid out as unsigned bytes in a B tile (K/4 rows of 16 columns x 4
-// bytes), the activation rows' int8 values are the A tile, read in place from their blocks, and _tile_dpbsud
-// (signed activations x unsigned weights) gives the int32 sums of every pair of rows: the same integers as the
-// vector kernels' products. The scales then apply in the same float operations, in the same order, as
-// dot_*_x8's, so a row's result is the same bits whichever kernel multiplies it: how many rows a step has never
-// changes its results. Built for CPUs with AMX-INT8, and with FLOCK_EMULATED_AMX (the tiles in portable C) to
-// test it on any AVX2 CPU.
+// A task is 32 weight rows (four 8-row groups, two column tiles of 16) x up to KQ_CHUNK activation rows. Per
+// super-block the task's weights are unpacked once into B tiles that already carry each sub-block's integer
+// scale: w * scale fits 13 bits, so it is split into its low byte (unsigned) and the rest (a small signed or
+// unsigned byte), two products whose sums add up as low + 256 high. Q4_K / Q5_K's minimums are a third B tile
+// (each sub-block's minimum on its rows), meeting the same activations: their sums times the minimum. Every
+// activation tile of the chunk then meets those B tiles in _tile_dpbsud / _tile_dpbssd over the super-block's
+// 256 values (four products of 64 per kind), and one float step per super-block adds the int32 sums times the
+// scales. The integers are those of the vector kernels (dot_q45_K_x8, dot_q6_K_x8: sum over sub-blocks of
+// scale x dot product, Q6_K's offset 32 inside) and the float operations theirs, in their order, so a row's
+// result is the same bits whichever kernel multiplies it: how many rows a step has never changes its results.
+// The 32-blocks keep the vector kernels (a float scale per 32 values leaves the tiles idle). Built for CPUs
+// with AMX-INT8, and with FLOCK_EMULATED_AMX (the tiles in portable C) to test it on any AVX2 CPU.
 #include "amx_tiles.h"
 
-#define AMX_ROWS 16  // calls of at least this many activation rows take the tiles
+
+#define AMX_ROWS 16    // calls of at least this many activation rows take the tiles
+#define KQ_COLS 32     // weight rows of a task
+#define KQ_CHUNK 256   // activation rows of a task (a multiple of 16)
+
+enum { LOW, HIGH, MINS };  // the kinds of B tiles (and of sums)
 
 typedef struct {
-    int32_t c[16][16];      // the int32 sums: activation row x weight row
-    uint8_t b[8][64];       // the B tile: row k holds weights 4k .. 4k + 3 of each of the 16 weight rows
-    int32_t isum[16][16];   // a K-quant super-block's scaled sums
-} AmxScratch;
+    uint8_t b[4][3][2][16][64];  // one super-block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
+    int32_t c[3][2][16][16];     // one activation tile's sums: kind, column tile
+    float d[KQ_COLS], dmin[KQ_COLS];
+} KScratch;
 
-// tile 0: the sums (rows x 16 int32), 1: the activations (rows x kbytes), 2: the weights (kbytes / 4 x 64)
-static void amx_configure(int rows, int kbytes) {
+typedef struct {
+    float acc[KQ_CHUNK][KQ_COLS], up[KQ_CHUNK][KQ_COLS];
+} KSums;
+
+static inline int amx_takes(int type) { return type >= Q4_K; }
+
+// all tiles 16 x 64 bytes: 0 the activations, 1 a B tile, 2-4 column tile 0's sums (LOW, HIGH, MINS), 5-7 tile 1's
+static void amx_configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = (uint8_t)rows, cfg.colsb[0] = 64;
-    cfg.rows[1] = (uint8_t)rows, cfg.colsb[1] = (uint16_t)kbytes;
-    cfg.rows[2] = (uint8_t)(kbytes / 4), cfg.colsb[2] = 64;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     TILE_CONFIG(&cfg);
 }
 
-static inline void amx_product(const uint8_t *a, int64_t stride, AmxScratch *s) {
-    TILE_LOAD(1, a, stride);
-    TILE_LOAD(2, s->b, 64);
-    TILE_ZERO(0);
-    TILE_DPBSUD(0, 1, 2);
-    TILE_STORE(0, s->c, 64);
+#ifdef __AVX512BW__
+// 32 words to 32 bytes of B row `row`: the low bytes to LOW, the high bytes (arithmetic shift) to HIGH
+static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int half, int row, __m512i w) {
+    _mm256_storeu_si256((__m256i *)&b[LOW][tile][row][32 * half], _mm512_cvtepi16_epi8(w));
+    _mm256_storeu_si256((__m256i *)&b[HIGH][tile][row][32 * half], _mm512_cvtepi16_epi8(_mm512_srai_epi16(w, 8)));
 }
 
-// One 32-byte vector of nibbles (byte 4 r + t: weights j + t low, j + 4 + t high, of row r) as B rows `row` and
-// `row + 1` of group g, with the fifth bits (bits `shift` and `shift + 1` of qh's bytes) where qh is given.
-static inline void nibble_rows(const uint8_t *q, const uint8_t *qh, int shift, int g, int row, AmxScratch *s) {
+// word l of a sub-block's per-column values (byte pairs p[i][2] of the 8 columns, the `odd` one): p[l / 4][odd]
+static inline __m512i column_words(const void *pairs, int odd, int is_signed) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)pairs);
+    const __m512i words = is_signed ? _mm512_cvtepi8_epi16(_mm256_castsi128_si256(bytes))
+                                    : _mm512_cvtepu8_epi16(_mm256_castsi128_si256(bytes));
+    const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i pair = _mm512_andnot_si512(_mm512_set1_epi16(1), _mm512_srli_epi16(lane, 1));  // 2 (l / 4)
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(pair, _mm512_set1_epi16((short)odd)), words);
+}
+#else
+// B bytes 32 half + i of row `row` (weights of value k0 + 4 row + t, t = i % 4, column i / 4 of the group) for
+// 32 weights u[i] times their scales s[i]
+static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int half, int row, const int16_t *u,
+                              const int16_t *s) {
     for (int i = 0; i < 32; i++) {
-        const uint8_t h = qh ? (uint8_t)(qh[i] >> shift) : 0;
-        s->b[row][32 * g + i] = (uint8_t)((q[i] & 0xf) | (h & 1) << 4);
-        s->b[row + 1][32 * g + i] = (uint8_t)((q[i] >> 4) | (h & 2) << 3);
+        const int16_t w = (int16_t)(u[i] * s[i]);
+        b[LOW][tile][row][32 * half + i] = (uint8_t)w;
+        b[HIGH][tile][row][32 * half + i] = (uint8_t)(w >> 8);
     }
 }
+#endif
 
-// The 32-blocks: block b of each group into the B tile, one product, and each row's scale and offset.
-static void amx_small(int type, const uint8_t *const *blk, int groups, const uint8_t *x, int64_t act_row, int rows,
-                      AmxScratch *s, float acc[16][16]) {
-    for (int g = 0; g < groups; g++) {
-        if (type == Q8_0) {
-            for (int v = 0; v < 8; v++) memcpy(s->b[v] + 32 * g, ((const blk_q8_0x8 *)blk[g])->qs[v], 32);
-        } else {
-            const uint8_t *qs = blk[g] + x8_qs_at(type), *qh = has_qh(type) ? blk[g] + x8_qh_at(type) : NULL;
-            for (int v = 0; v < 4; v++) nibble_rows(qs + 32 * v, qh, 2 * v, g, 2 * v, s);
+// Q4_K / Q5_K super-block of group g: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2
+static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
+    const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
+    const int tile = g / 2, half = g % 2;
+    for (int sb = 0; sb < 8; sb++) {
+        uint8_t (*b)[2][16][64] = s->b[sb / 2];
+        const int base = 8 * (sb % 2);
+        const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb] : NULL;
+#ifdef __AVX512BW__
+        const __m512i scale = column_words(q->sc[sb / 2], sb % 2, 0);
+        const __m256i mins = _mm512_cvtepi16_epi8(column_words(q->mn[sb / 2], sb % 2, 0)), low4 = _mm256_set1_epi8(0xf);
+        const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        for (int v = 0; v < 4; v++) {
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)q->qs[sb][v]);
+            __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
+            if (qh) {  // bits 2 v and 2 v + 1 of each byte (the word shifts' bits from the next byte masked off)
+                const __m256i one = _mm256_set1_epi8(1);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * v), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * v + 1), one), 4));
+            }
+            scaled_row(b, tile, half, base + 2 * v, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), scale));
+            scaled_row(b, tile, half, base + 2 * v + 1, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), scale));
+        }
+        for (int row = 0; row < 8; row++) _mm256_storeu_si256((__m256i *)&b[MINS][tile][base + row][32 * half], mins);
+#else
+        int16_t scale[32], lo[32], hi[32];
+        uint8_t mins[32];
+        for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2], mins[i] = q->mn[sb / 2][i / 4][sb % 2];
+        for (int v = 0; v < 4; v++) {
+            for (int i = 0; i < 32; i++) {
+                const int h = qh ? qh[i] >> (2 * v) : 0;
+                lo[i] = (int16_t)((q->qs[sb][v][i] & 0xf) | (h & 1) << 4);
+                hi[i] = (int16_t)((q->qs[sb][v][i] >> 4) | (h & 2) << 3);
+            }
+            scaled_row(b, tile, half, base + 2 * v, lo, scale);
+            scaled_row(b, tile, half, base + 2 * v + 1, hi, scale);
+        }
+        for (int row = 0; row < 8; row++) memcpy(&b[MINS][tile][base + row][32 * half], mins, 32);
+#endif
+    }
+    for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
+}
+
+// Q6_K super-block of group g: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of 64-block sb / 4, each
+// weight less its offset 32 before the scale
+static void unpack_q6_K(const uint8_t *blk, int g, KScratch *s) {
+    const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk;
+    const int tile = g / 2, half = g % 2;
+    for (int sb = 0; sb < 16; sb++) {
+        const q6_sub *sub = &q->sub[sb];
+#ifdef __AVX512BW__
+        const __m512i scale = column_words(q->sc[sb / 2], sb % 2, 1);
+        const __m256i low4 = _mm256_set1_epi8(0xf), top2 = _mm256_set1_epi8(0x30);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)sub->qh);
+        for (int row = 0; row < 4; row++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)sub->qs[row / 2]);
+            const __m256i nib = _mm256_and_si256(row % 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            const __m256i top = _mm256_and_si256(
+                2 * row >= 4 ? _mm256_srli_epi16(qh, 2 * row - 4) : _mm256_slli_epi16(qh, 4 - 2 * row), top2);
+            const __m512i u = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(nib, top)), _mm512_set1_epi16(32));
+            scaled_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, _mm512_mullo_epi16(u, scale));
+        }
+#else
+        int16_t scale[32], u[32];
+        for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
+        for (int row = 0; row < 4; row++) {
+            for (int i = 0; i < 32; i++) {
+                const uint8_t ql = sub->qs[row / 2][i], top = (uint8_t)((sub->qh[i] >> (2 * row)) & 3);
+                u[i] = (int16_t)(((row % 2 ? ql >> 4 : ql & 0xf) | top << 4) - 32);
+            }
+            scaled_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, u, scale);
+        }
+#endif
+    }
+    for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(q->d[i]);
+}
+
+// One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
+static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
+    const int mins = type != Q6_K;
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    TILE_ZERO(4);
+    TILE_ZERO(5);
+    TILE_ZERO(6);
+    TILE_ZERO(7);
+    for (int j = 0; j < 4; j++) {
+        TILE_LOAD(0, a + 64 * j, act_row);
+        TILE_LOAD(1, s->b[j][LOW][0], 64);
+        TILE_DPBSUD(2, 0, 1);
+        TILE_LOAD(1, s->b[j][HIGH][0], 64);
+        if (mins) TILE_DPBSUD(3, 0, 1);
+        else TILE_DPBSSD(3, 0, 1);
+        if (mins) {
+            TILE_LOAD(1, s->b[j][MINS][0], 64);
+            TILE_DPBSUD(4, 0, 1);
+        }
+        if (tiles < 2) continue;
+        TILE_LOAD(1, s->b[j][LOW][1], 64);
+        TILE_DPBSUD(5, 0, 1);
+        TILE_LOAD(1, s->b[j][HIGH][1], 64);
+        if (mins) TILE_DPBSUD(6, 0, 1);
+        else TILE_DPBSSD(6, 0, 1);
+        if (mins) {
+            TILE_LOAD(1, s->b[j][MINS][1], 64);
+            TILE_DPBSUD(7, 0, 1);
         }
     }
-    amx_product(x + offsetof(act32, q), act_row, s);
-    for (int r = 0; r < rows; r++) {
-        const act32 *a = (const act32 *)(x + r * act_row);
-        for (int g = 0; g < groups; g++)
-            for (int i = 0; i < 8; i++) {
-                const float d = f16_to_f32(((const f16 *)blk[g])[i]);
-                float v = fmaf((float)s->c[r][8 * g + i], d * a->d, acc[r][8 * g + i]);
-                if (type == Q8_0) v = fmaf(-d, 128 * a->s, v);
-                else v = fmaf(has_min(type) ? f16_to_f32(((const f16 *)blk[g])[8 + i]) : d * x8_offset(type), a->s, v);
-                acc[r][8 * g + i] = v;
-            }
-    }
 }
 
-// The K-quants: per sub-block (32 weights; Q6_K's 16) one product, its sums times each row's integer scale; per
-// super-block the float scales, and Q4_K / Q5_K's minimums (Q6_K's offset 32 enters the integer sums first).
-static void amx_k(int type, const uint8_t *const *blk, int groups, const uint8_t *x, int64_t act_row, int rows,
-                  AmxScratch *s, float acc[16][16]) {
-    const int six = type == Q6_K, subs = six ? 16 : 8, width = six ? 16 : 32;
+static inline void amx_store_sums(int tiles, int mins, KScratch *s) {  // tile numbers must be constants
+    TILE_STORE(2, s->c[LOW][0], 64);
+    TILE_STORE(3, s->c[HIGH][0], 64);
+    if (mins) TILE_STORE(4, s->c[MINS][0], 64);
+    if (tiles < 2) return;
+    TILE_STORE(5, s->c[LOW][1], 64);
+    TILE_STORE(6, s->c[HIGH][1], 64);
+    if (mins) TILE_STORE(7, s->c[MINS][1], 64);
+}
+
+// The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8.
+static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
+                                  const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
     for (int r = 0; r < rows; r++) {
-        const act256 *a = (const act256 *)(x + r * act_row);
-        for (int g = 0; g < groups; g++)
-            for (int i = 0; i < 8; i++) {
-                int32_t offset = 0;
-                if (six) {
-                    const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk[g];
-                    for (int p = 0; p < 8; p++)
-                        offset += q->sc[p][i][0] * a->bsums[2 * p] + q->sc[p][i][1] * a->bsums[2 * p + 1];
-                }
-                s->isum[r][8 * g + i] = -32 * offset;
+        const float xd = ((const act256 *)(x + r * act_row))->d;
+        for (int t = 0; t < tiles; t++) {
+            const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r], *mn = s->c[MINS][t][r];
+            const float *d = s->d + 16 * t, *dmin = s->dmin + 16 * t;
+            float *a = acc[r] + 16 * t;
+#ifdef __AVX512F__
+            const __m512 vd = _mm512_set1_ps(xd);
+            const __m512i isum = _mm512_add_epi32(_mm512_loadu_si512(lo), _mm512_slli_epi32(_mm512_loadu_si512(hi), 8));
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(d), vd),
+                                       _mm512_loadu_ps(a));
+            if (mins)
+                v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(mn)), _mm512_mul_ps(_mm512_loadu_ps(dmin), vd),
+                                     v);
+            _mm512_storeu_ps(a, v);
+#else
+            for (int e = 0; e < 16; e++) {
+                float v = fmaf((float)(lo[e] + 256 * hi[e]), d[e] * xd, a[e]);
+                a[e] = mins ? fmaf(-(float)mn[e], dmin[e] * xd, v) : v;
             }
-    }
-    for (int sb = 0; sb < subs; sb++) {
-        for (int g = 0; g < groups; g++) {
-            if (six) {
-                const q6_sub *sub = &((const blk_q6_Kx8 *)blk[g])->sub[sb];
-                for (int row = 0; row < 4; row++)
-                    for (int i = 0; i < 32; i++) {
-                        const uint8_t ql = sub->qs[row / 2][i];
-                        const uint8_t top = (uint8_t)((sub->qh[i] >> (2 * row)) & 3);
-                        s->b[row][32 * g + i] = (uint8_t)((row % 2 ? ql >> 4 : ql & 0xf) | top << 4);
-                    }
-            } else {
-                const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk[g];
-                const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk[g])->qh[sb] : NULL;
-                for (int v = 0; v < 4; v++) nibble_rows(q->qs[sb][v], qh, 2 * v, g, 2 * v, s);
-            }
+#endif
         }
-        amx_product(x + offsetof(act256, q) + width * sb, act_row, s);
-        for (int r = 0; r < rows; r++)
-            for (int g = 0; g < groups; g++)
-                for (int i = 0; i < 8; i++) {
-                    const int32_t scale = six ? ((const blk_q6_Kx8 *)blk[g])->sc[sb / 2][i][sb % 2]
-                                              : ((const blk_q4_Kx8 *)blk[g])->sc[sb / 2][i][sb % 2];
-                    s->isum[r][8 * g + i] += scale * s->c[r][8 * g + i];
-                }
-    }
-    for (int r = 0; r < rows; r++) {
-        const act256 *a = (const act256 *)(x + r * act_row);
-        for (int g = 0; g < groups; g++)
-            for (int i = 0; i < 8; i++) {
-                const float d = f16_to_f32(((const f16 *)blk[g])[i]);
-                float v = fmaf((float)s->isum[r][8 * g + i], d * a->d, acc[r][8 * g + i]);
-                if (!six) {
-                    const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk[g];
-                    int32_t mins = 0;
-                    for (int p = 0; p < 4; p++)
-                        mins += q->mn[p][i][0] * a->sums32[2 * p] + q->mn[p][i][1] * a->sums32[2 * p + 1];
-                    v = fmaf(-(float)mins, f16_to_f32(q->dmin[i]) * a->d, v);
-                }
-                acc[r][8 * g + i] = v;
-            }
     }
 }
 
-// acc[r][8 g + i]: weight row 8 g + i of the task (groups of 8 rows, `row_bytes` apart per row) times activation
-// row r (rows of act_row bytes from x).
-static void amx_dot(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
-                    int64_t nb, int rows, AmxScratch *s, float acc[16][16]) {
-    const int64_t bb = 8 * x8_row_bytes(type), ab = type >= Q4_K ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
-    memset(s->b, 0, sizeof s->b);  // with one group the other's columns stay zero
-    memset(acc, 0, 16 * sizeof acc[0]);
+// acc[r][e] = weight row e (groups of 8 rows from w, row_bytes apart) times activation row r, for `rows` rows
+// (of act_row bytes from x, the buffer padded to whole tiles). Each activation tile's float step runs while the
+// next tile's products are under way.
+static void amx_k_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
+                       int64_t nb, int rows, KScratch *s, float (*acc)[KQ_COLS]) {
+    const int64_t bb = 8 * x8_row_bytes(type);
+    const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16, mins = type != Q6_K;
+    if (groups % 2) memset(s->b, 0, sizeof s->b);  // the missing group's columns stay zero
+    memset(acc, 0, (size_t)rows * sizeof acc[0]);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk[2] = {w + b * bb, w + 8 * row_bytes + b * bb};
-        if (type >= Q4_K) amx_k(type, blk, groups, x + b * ab, act_row, rows, s, acc);
-        else amx_small(type, blk, groups, x + b * ab, act_row, rows, s, acc);
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *blk = w + g * 8 * row_bytes + b * bb;
+            if (type == Q6_K) unpack_q6_K(blk, g, s);
+            else unpack_q45_K(type, blk, g, s);
+        }
+        const uint8_t *xb = x + b * (int64_t)sizeof(act256);
+        for (int mt = 0; mt <= m_tiles; mt++) {
+            if (mt < m_tiles) amx_products(type, xb + 16 * mt * act_row + offsetof(act256, q), act_row, tiles, s);
+            if (mt > 0) {
+                const int r0 = 16 * (mt - 1), n = rows - r0 < 16 ? rows - r0 : 16;
+                amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
+            }
+            if (mt < m_tiles) amx_store_sums(tiles, mins, s);
+        }
     }
 }
 
-// flock_qgemm's tiles on AMX, inside its parallel region: the same outputs as its vector loop. Returns nonzero
-// where an emulated tile operation met shapes the CPU would refuse.
+// flock_qgemm's K-quant tiles on AMX, inside its parallel region: the same outputs as its vector loop (xq holds
+// whole tiles of activation rows). Returns nonzero where an emulated tile operation met shapes the CPU would
+// refuse, -1 where its scratch cannot be had.
 static int amx_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const uint8_t *xq, int64_t act_row,
                     int64_t nb, int64_t m, void *y, int64_t ldy, int out_bf16, int glu) {
-    const int64_t m_tiles = (m + 15) / 16, tiles = (n + 15) / 16 * m_tiles;
-    AmxScratch s;
-    float acc[16][16], up[16][16];
-    int configured = 0;  // the row count the tiles hold
-#pragma omp for schedule(dynamic, m_tiles >= 4 ? m_tiles : 4 * m_tiles)
-    for (int64_t i = 0; i < tiles; i++) {
-        const int64_t n0 = i / m_tiles * 16, m0 = i % m_tiles * 16;
-        const int rows = m - m0 < 16 ? (int)(m - m0) : 16, groups = n - n0 < 16 ? 1 : 2;
-        if (rows != configured) amx_configure(configured = rows, type == Q6_K ? 16 : 32);
+    const int64_t blocks = (n + KQ_COLS - 1) / KQ_COLS, tasks = (m + KQ_CHUNK - 1) / KQ_CHUNK * blocks;
+    KScratch *s = aligned_alloc(64, sizeof(KScratch));
+    KSums *sums = aligned_alloc(64, sizeof(KSums));
+    int configured = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; i++) {
+        if (!s || !sums) continue;
+        if (!configured) amx_configure(), configured = 1;
+        const int64_t n0 = i % blocks * KQ_COLS, m0 = i / blocks * KQ_CHUNK;  // a chunk's rows stay in L2
+        const int rows = m - m0 < KQ_CHUNK ? (int)(m - m0) : KQ_CHUNK;
+        const int groups = n - n0 < KQ_COLS ? (int)(n - n0) / 8 : KQ_COLS / 8, cols = 8 * groups;
         const uint8_t *x = xq + m0 * act_row;
-        amx_dot(type, w + n0 * row_bytes, row_bytes, groups, x, act_row, nb, rows, &s, acc);
+        amx_k_task(type, w + n0 * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->acc);
         if (glu) {
-            amx_dot(type, w + (n0 + n) * row_bytes, row_bytes, groups, x, act_row, nb, rows, &s, up);
-            for (int r = 0; r < rows; r++) silu_mul_rows(acc[r], up[r], 8 * groups);
+            amx_k_task(type, w + (n0 + n) * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->up);
+            for (int r = 0; r < rows; r++) silu_mul_rows(sums->acc[r], sums->up[r], cols);
         }
         for (int r = 0; r < rows; r++)
-            for (int e = 0; e < 8 * groups; e++) {
+            for (int e = 0; e < cols; e++) {
                 const int64_t at = (m0 + r) * ldy + n0 + e;
-                if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(acc[r][e]);
-                else ((float *)y)[at] = acc[r][e];
+                if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums->acc[r][e]);
+                else ((float *)y)[at] = sums->acc[r][e];
             }
     }
     if (configured) TILE_RELEASE();
-    return TILE_FAULTED();
+    const int ok = s && sums;
+    free(s);
+    free(sums);
+    return ok ? TILE_FAULTED() : -1;
 }

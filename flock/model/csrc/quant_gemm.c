@@ -19,7 +19,7 @@
 // of every x86 CPU Flock runs on), for VNNI (vpdpbusd: 4 products summed straight into int32, on 256-bit
 // vectors: AVX-VNNI, or AVX512-VNNI with VL) and for the baseline (portable C, the same integer arithmetic: the
 // reference). FLOCK_EMULATED_VNNI builds the VNNI kernels on AVX2 with vpdpbusd emulated exactly: how CPUs
-// without VNNI test them. On CPUs with AMX-INT8, calls of 16 rows or more on interleaved weights take the tiles
+// without VNNI test them. On CPUs with AMX-INT8, calls of 16 rows or more on interleaved K-quants take the tiles
 // (quant_amx.h), with results the same bits as the vector kernels'; FLOCK_EMULATED_AMX builds those on AVX2.
 // A Llama MLP's gate_up weight ([gate | up], 2I rows) gives silu(gate) * up straight from the float sums (glu).
 #include <math.h>
@@ -1010,18 +1010,18 @@ int32_t flock_qgemm_init(void) {
 
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
 // x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
-// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved weights take the AMX tiles
-// (AMX builds) from AMX_ROWS rows. Returns -1 where the activations' memory cannot be had, -2 where an emulated
-// tile operation met shapes the CPU would refuse.
+// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved K-quant weights take the AMX
+// tiles (AMX builds) from AMX_ROWS rows. Returns -1 where memory for the activations (or the tiles' scratch) cannot be
+// had, -2 where an emulated tile operation met shapes the CPU would refuse.
 int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                     const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
                     int32_t glu, int32_t threads) {
     const int bs = block_size(type), step = x8 ? 8 : 1;
     const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
-    void *xq = malloc((size_t)(m * act_row));
+    void *xq = malloc((size_t)((m + 15) / 16 * 16 * act_row));  // whole tiles of rows for the AMX tiles
     if (!xq) return -1;
-    int faulted = 0;
+    int failed = 0;
     // a few rows are quantized before the threads start: the barrier after a shared quantization would hold
     // the first thread until the others have woken up
     const int few = m * k < 65536;
@@ -1035,11 +1035,12 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
         }
         int tiled = 0;
 #ifdef AMX_TILES
-        if (x8 && m >= AMX_ROWS) {
+        if (x8 && m >= AMX_ROWS && amx_takes(type)) {
             tiled = 1;
-            if (amx_gemm(type, w, row_bytes, n, xq, act_row, nb, m, y, ldy, out_bf16, glu)) {
+            const int code = amx_gemm(type, w, row_bytes, n, xq, act_row, nb, m, y, ldy, out_bf16, glu);
+            if (code) {
 #pragma omp atomic write
-                faulted = 1;
+                failed = code < 0 ? -1 : -2;
             }
         }
 #endif
@@ -1070,7 +1071,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
         }
     }
     free(xq);
-    return faulted ? -2 : 0;
+    return failed;
 }
 
 // flock_qgemm as a step-program op (flock/model/program.py): its arguments as int64 words, in order.
