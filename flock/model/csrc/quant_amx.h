@@ -4,11 +4,10 @@
 // A task is 32 weight rows (four 8-row groups, two column tiles of 16) x up to KQ_CHUNK activation rows. Per
 // super-block the task's weights are unpacked once into B tiles that already carry each sub-block's integer
 // scale: w * scale fits 13 bits, so it is split into its low byte (unsigned) and the rest (a small signed or
-// unsigned byte), two products whose sums add up as low + 256 high. Q4_K / Q5_K's minimums are a third B tile
-// (each sub-block's minimum on its rows), meeting the same activations: their sums times the minimum. Every
-// activation tile of the chunk then meets those B tiles in _tile_dpbsud / _tile_dpbssd over the super-block's
-// 256 values (four products of 64 per kind), and one float step per super-block adds the int32 sums times the
-// scales. The integers are those of the vector kernels (dot_q45_K_x8, dot_q6_K_x8: sum over sub-blocks of
+// unsigned byte), two products whose sums add up as low + 256 high. Every activation tile of the chunk then
+// meets those B tiles in _tile_dpbsud / _tile_dpbssd over the super-block's 256 values (four products of 64 per
+// kind), and one float step per super-block adds the int32 sums times the scales, and Q4_K / Q5_K's minimums
+// times the activations' sums of 32 (vpmaddwd). The integers are those of the vector kernels (dot_q45_K_x8, dot_q6_K_x8: sum over sub-blocks of
 // scale x dot product, Q6_K's offset 32 inside) and the float operations theirs, in their order, so a row's
 // result is the same bits whichever kernel multiplies it: how many rows a step has never changes its results.
 // The 32-blocks keep the vector kernels (a float scale per 32 values leaves the tiles idle). Built for CPUs
@@ -20,12 +19,13 @@
 #define KQ_COLS 32     // weight rows of a task
 #define KQ_CHUNK 256   // activation rows of a task (a multiple of 16)
 
-enum { LOW, HIGH, MINS };  // the kinds of B tiles (and of sums)
+enum { LOW, HIGH };  // the kinds of B tiles (and of sums)
 
 typedef struct {
-    uint8_t b[4][3][2][16][64];  // one super-block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
-    int32_t c[3][2][16][16];     // one activation tile's sums: kind, column tile
+    uint8_t b[4][2][2][16][64];  // one super-block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
+    int32_t c[2][2][16][16];     // one activation tile's sums: kind, column tile
     float d[KQ_COLS], dmin[KQ_COLS];
+    int16_t mn[4][KQ_COLS][2];   // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
 } KScratch;
 
 typedef struct {
@@ -34,7 +34,7 @@ typedef struct {
 
 static inline int amx_takes(int type) { return type >= Q4_K; }
 
-// all tiles 16 x 64 bytes: 0 the activations, 1 a B tile, 2-4 column tile 0's sums (LOW, HIGH, MINS), 5-7 tile 1's
+// all tiles 16 x 64 bytes: 0 the activations, 1 a B tile, 2-3 column tile 0's sums (LOW, HIGH), 4-5 tile 1's
 static void amx_configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -83,7 +83,7 @@ static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
         const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb] : NULL;
 #ifdef __AVX512BW__
         const __m512i scale = column_words(q->sc[sb / 2], sb % 2, 0);
-        const __m256i mins = _mm512_cvtepi16_epi8(column_words(q->mn[sb / 2], sb % 2, 0)), low4 = _mm256_set1_epi8(0xf);
+        const __m256i low4 = _mm256_set1_epi8(0xf);
         const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         for (int v = 0; v < 4; v++) {
             const __m256i qs = _mm256_loadu_si256((const __m256i *)q->qs[sb][v]);
@@ -96,11 +96,9 @@ static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
             scaled_row(b, tile, half, base + 2 * v, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), scale));
             scaled_row(b, tile, half, base + 2 * v + 1, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), scale));
         }
-        for (int row = 0; row < 8; row++) _mm256_storeu_si256((__m256i *)&b[MINS][tile][base + row][32 * half], mins);
 #else
         int16_t scale[32], lo[32], hi[32];
-        uint8_t mins[32];
-        for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2], mins[i] = q->mn[sb / 2][i / 4][sb % 2];
+        for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
         for (int v = 0; v < 4; v++) {
             for (int i = 0; i < 32; i++) {
                 const int h = qh ? qh[i] >> (2 * v) : 0;
@@ -110,10 +108,12 @@ static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
             scaled_row(b, tile, half, base + 2 * v, lo, scale);
             scaled_row(b, tile, half, base + 2 * v + 1, hi, scale);
         }
-        for (int row = 0; row < 8; row++) memcpy(&b[MINS][tile][base + row][32 * half], mins, 32);
 #endif
     }
-    for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
+    for (int i = 0; i < 8; i++) {
+        s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
+        for (int p = 0; p < 4; p++) s->mn[p][8 * g + i][0] = q->mn[p][i][0], s->mn[p][8 * g + i][1] = q->mn[p][i][1];
+    }
 }
 
 // Q6_K super-block of group g: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of 64-block sb / 4, each
@@ -152,69 +152,67 @@ static void unpack_q6_K(const uint8_t *blk, int g, KScratch *s) {
 
 // One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
 static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
-    const int mins = type != Q6_K;
+    const int six = type == Q6_K;  // Q6_K's high bytes are signed
     TILE_ZERO(2);
     TILE_ZERO(3);
     TILE_ZERO(4);
     TILE_ZERO(5);
-    TILE_ZERO(6);
-    TILE_ZERO(7);
     for (int j = 0; j < 4; j++) {
         TILE_LOAD(0, a + 64 * j, act_row);
         TILE_LOAD(1, s->b[j][LOW][0], 64);
         TILE_DPBSUD(2, 0, 1);
         TILE_LOAD(1, s->b[j][HIGH][0], 64);
-        if (mins) TILE_DPBSUD(3, 0, 1);
-        else TILE_DPBSSD(3, 0, 1);
-        if (mins) {
-            TILE_LOAD(1, s->b[j][MINS][0], 64);
-            TILE_DPBSUD(4, 0, 1);
-        }
+        if (six) TILE_DPBSSD(3, 0, 1);
+        else TILE_DPBSUD(3, 0, 1);
         if (tiles < 2) continue;
         TILE_LOAD(1, s->b[j][LOW][1], 64);
-        TILE_DPBSUD(5, 0, 1);
+        TILE_DPBSUD(4, 0, 1);
         TILE_LOAD(1, s->b[j][HIGH][1], 64);
-        if (mins) TILE_DPBSUD(6, 0, 1);
-        else TILE_DPBSSD(6, 0, 1);
-        if (mins) {
-            TILE_LOAD(1, s->b[j][MINS][1], 64);
-            TILE_DPBSUD(7, 0, 1);
-        }
+        if (six) TILE_DPBSSD(5, 0, 1);
+        else TILE_DPBSUD(5, 0, 1);
     }
 }
 
-static inline void amx_store_sums(int tiles, int mins, KScratch *s) {  // tile numbers must be constants
+static inline void amx_store_sums(int tiles, KScratch *s) {  // tile numbers must be constants
     TILE_STORE(2, s->c[LOW][0], 64);
     TILE_STORE(3, s->c[HIGH][0], 64);
-    if (mins) TILE_STORE(4, s->c[MINS][0], 64);
     if (tiles < 2) return;
-    TILE_STORE(5, s->c[LOW][1], 64);
-    TILE_STORE(6, s->c[HIGH][1], 64);
-    if (mins) TILE_STORE(7, s->c[MINS][1], 64);
+    TILE_STORE(4, s->c[LOW][1], 64);
+    TILE_STORE(5, s->c[HIGH][1], 64);
 }
 
-// The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8.
+// The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
+// with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
                                   const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
     for (int r = 0; r < rows; r++) {
-        const float xd = ((const act256 *)(x + r * act_row))->d;
+        const act256 *xr = (const act256 *)(x + r * act_row);
         for (int t = 0; t < tiles; t++) {
-            const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r], *mn = s->c[MINS][t][r];
+            const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r];
             const float *d = s->d + 16 * t, *dmin = s->dmin + 16 * t;
             float *a = acc[r] + 16 * t;
 #ifdef __AVX512F__
-            const __m512 vd = _mm512_set1_ps(xd);
+            const __m512 xd = _mm512_set1_ps(xr->d);
             const __m512i isum = _mm512_add_epi32(_mm512_loadu_si512(lo), _mm512_slli_epi32(_mm512_loadu_si512(hi), 8));
-            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(d), vd),
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(d), xd),
                                        _mm512_loadu_ps(a));
-            if (mins)
-                v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(mn)), _mm512_mul_ps(_mm512_loadu_ps(dmin), vd),
-                                     v);
+            if (mins) {
+                __m512i m = _mm512_setzero_si512();
+                for (int p = 0; p < 4; p++) {
+                    int32_t pair;
+                    memcpy(&pair, xr->sums32 + 2 * p, 4);
+                    m = _mm512_add_epi32(m, _mm512_madd_epi16(_mm512_loadu_si512(s->mn[p][16 * t]), _mm512_set1_epi32(pair)));
+                }
+                v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_loadu_ps(dmin), xd), v);
+            }
             _mm512_storeu_ps(a, v);
 #else
             for (int e = 0; e < 16; e++) {
-                float v = fmaf((float)(lo[e] + 256 * hi[e]), d[e] * xd, a[e]);
-                a[e] = mins ? fmaf(-(float)mn[e], dmin[e] * xd, v) : v;
+                const float v = fmaf((float)(lo[e] + 256 * hi[e]), d[e] * xr->d, a[e]);
+                int32_t m = 0;
+                for (int p = 0; p < 4; p++)
+                    m += s->mn[p][16 * t + e][0] * xr->sums32[2 * p] + s->mn[p][16 * t + e][1] * xr->sums32[2 * p + 1];
+                a[e] = mins ? fmaf(-(float)m, dmin[e] * xr->d, v) : v;
             }
 #endif
         }
@@ -243,7 +241,7 @@ static void amx_k_task(int type, const uint8_t *w, int64_t row_bytes, int groups
                 const int r0 = 16 * (mt - 1), n = rows - r0 < 16 ? rows - r0 : 16;
                 amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
             }
-            if (mt < m_tiles) amx_store_sums(tiles, mins, s);
+            if (mt < m_tiles) amx_store_sums(tiles, s);
         }
     }
 }
