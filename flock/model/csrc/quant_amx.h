@@ -181,12 +181,26 @@ static inline void amx_store_sums(int tiles, KScratch *s) {  // tile numbers mus
     TILE_STORE(5, s->c[HIGH][1], 64);
 }
 
+#if defined(__AVX512VNNI__)
+#define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#elif defined(__AVX512BW__)
+#define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
 // The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
 // with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
                                   const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
     for (int r = 0; r < rows; r++) {
         const act256 *xr = (const act256 *)(x + r * act_row);
+#ifdef __AVX512F__
+        __m512i sums[4];  // the activations' sums of 32, pairs p in each 32-bit lane
+        for (int p = 0; p < 4; p++) {
+            int32_t pair;
+            memcpy(&pair, xr->sums32 + 2 * p, 4);
+            sums[p] = _mm512_set1_epi32(pair);
+        }
+#endif
         for (int t = 0; t < tiles; t++) {
             const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r];
             const float *d = s->d + 16 * t, *dmin = s->dmin + 16 * t;
@@ -198,11 +212,7 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
                                        _mm512_loadu_ps(a));
             if (mins) {
                 __m512i m = _mm512_setzero_si512();
-                for (int p = 0; p < 4; p++) {
-                    int32_t pair;
-                    memcpy(&pair, xr->sums32 + 2 * p, 4);
-                    m = _mm512_add_epi32(m, _mm512_madd_epi16(_mm512_loadu_si512(s->mn[p][16 * t]), _mm512_set1_epi32(pair)));
-                }
+                for (int p = 0; p < 4; p++) m = DPWSSD(m, _mm512_loadu_si512(s->mn[p][16 * t]), sums[p]);
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_loadu_ps(dmin), xd), v);
             }
             _mm512_storeu_ps(a, v);
@@ -217,6 +227,12 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
 #endif
         }
     }
+}
+
+// The next activation tile's super-block (16 rows of act_row bytes from x) into L1 while this one multiplies.
+static inline void prefetch_rows(const uint8_t *x, int64_t act_row) {
+    for (int r = 0; r < 16; r++)
+        for (int at = 0; at < (int)sizeof(act256) + 63; at += 64) __builtin_prefetch(x + r * act_row + at);
 }
 
 // acc[r][e] = weight row e (groups of 8 rows from w, row_bytes apart) times activation row r, for `rows` rows
@@ -237,6 +253,7 @@ static void amx_k_task(int type, const uint8_t *w, int64_t row_bytes, int groups
         const uint8_t *xb = x + b * (int64_t)sizeof(act256);
         for (int mt = 0; mt <= m_tiles; mt++) {
             if (mt < m_tiles) amx_products(type, xb + 16 * mt * act_row + offsetof(act256, q), act_row, tiles, s);
+            if (mt + 1 < m_tiles) prefetch_rows(xb + 16 * (mt + 1) * act_row, act_row);
             if (mt > 0) {
                 const int r0 = 16 * (mt - 1), n = rows - r0 < 16 ? rows - r0 : 16;
                 amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
