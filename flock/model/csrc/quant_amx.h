@@ -43,60 +43,108 @@ static void amx_configure(void) {
     TILE_CONFIG(&cfg);
 }
 
-#ifdef __AVX512BW__
-// 32 words to 32 bytes of B row `row`: the low bytes to LOW, the high bytes (arithmetic shift) to HIGH
-static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int half, int row, __m512i w) {
-    _mm256_storeu_si256((__m256i *)&b[LOW][tile][row][32 * half], _mm512_cvtepi16_epi8(w));
-    _mm256_storeu_si256((__m256i *)&b[HIGH][tile][row][32 * half], _mm512_cvtepi16_epi8(_mm512_srai_epi16(w, 8)));
+// The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums)
+static void group_scales(int type, const uint8_t *blk, int g, KScratch *s) {
+    if (type == Q6_K) {
+        for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(((const blk_q6_Kx8 *)blk)->d[i]);
+        return;
+    }
+    const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
+    for (int i = 0; i < 8; i++) {
+        s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
+        for (int p = 0; p < 4; p++) s->mn[p][8 * g + i][0] = q->mn[p][i][0], s->mn[p][8 * g + i][1] = q->mn[p][i][1];
+    }
 }
 
-// word l of a sub-block's per-column values (byte pairs p[i][2] of the 8 columns, the `odd` one): p[l / 4][odd]
-static inline __m512i column_words(const void *pairs, int odd, int is_signed) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)pairs);
-    const __m512i words = is_signed ? _mm512_cvtepi8_epi16(_mm256_castsi128_si256(bytes))
-                                    : _mm512_cvtepu8_epi16(_mm256_castsi128_si256(bytes));
+#ifdef __AVX512BW__
+// A B row's 64 bytes from its two groups' 32-byte vectors (columns 0-7 from a, 8-15 from b)
+static inline __m512i both(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+// The scale of each word of a B row (bytes 4 c .. 4 c + 3 are column c): the `odd` one of each column's pair of
+// sub-block scales, p[8][2] of group a for words 0-15, of group b for words 16-31
+static inline __m512i row_scales(const void *pa, const void *pb, int odd, int is_signed) {
+    const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
+                                                  _mm_loadu_si128((const __m128i *)pb), 1);
+    const __m512i words = is_signed ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
     const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
                                           12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i pair = _mm512_andnot_si512(_mm512_set1_epi16(1), _mm512_srli_epi16(lane, 1));  // 2 (l / 4)
-    return _mm512_permutexvar_epi16(_mm512_add_epi16(pair, _mm512_set1_epi16((short)odd)), words);
+    const __m512i idx = _mm512_add_epi16(_mm512_andnot_si512(_mm512_set1_epi16(1), lane), _mm512_set1_epi16((short)odd));
+    return _mm512_permutexvar_epi16(idx, words);  // word w: word (w & ~1) + odd
+}
+
+// B row `row` of `tile`: the bytes u (less `offset`) times their word's scale, as LOW and HIGH bytes; the even and
+// odd bytes of each word multiply apart
+static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512i u, __m512i scale, int offset) {
+    const __m512i off = _mm512_set1_epi16((short)offset);
+    const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0xff)), off), scale);
+    const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(u, 8), off), scale);
+    const __mmask64 odd_bytes = 0xaaaaaaaaaaaaaaaaull;
+    _mm512_store_si512(b[LOW][tile][row], _mm512_mask_blend_epi8(odd_bytes, even, _mm512_slli_epi16(odd, 8)));
+    _mm512_store_si512(b[HIGH][tile][row], _mm512_mask_blend_epi8(odd_bytes, _mm512_srli_epi16(even, 8), odd));
+}
+
+// Q4_K / Q5_K super-blocks of the tile's groups a and b: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of
+// 64-block sb / 2
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+    const blk_q4_Kx8 *qa = (const blk_q4_Kx8 *)ba, *qb = (const blk_q4_Kx8 *)bb;
+    const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    for (int sb = 0; sb < 8; sb++) {
+        uint8_t (*b)[2][16][64] = s->b[sb / 2];
+        const int base = 8 * (sb % 2);
+        const __m512i scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 0);
+        const __m512i h = type == Q5_K ? both(((const blk_q5_Kx8 *)ba)->qh[sb], ((const blk_q5_Kx8 *)bb)->qh[sb])
+                                       : _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++) {
+            const __m512i q = both(qa->qs[sb][v], qb->qs[sb][v]);
+            __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            if (type == Q5_K) {  // bits 2 v and 2 v + 1 of each byte (the word shifts' bits from the next byte masked)
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v), one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v + 1), one), 4));
+            }
+            scaled_row(b, tile, base + 2 * v, lo, scale, 0);
+            scaled_row(b, tile, base + 2 * v + 1, hi, scale, 0);
+        }
+    }
+}
+
+// Q6_K super-blocks of the tile's groups a and b: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of
+// 64-block sb / 4, each weight less its offset 32 before the scale
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+    const blk_q6_Kx8 *qa = (const blk_q6_Kx8 *)ba, *qb = (const blk_q6_Kx8 *)bb;
+    const __m512i low4 = _mm512_set1_epi8(0xf), top2 = _mm512_set1_epi8(0x30);
+    for (int sb = 0; sb < 16; sb++) {
+        const __m512i scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 1);
+        const __m512i qh = both(qa->sub[sb].qh, qb->sub[sb].qh);
+        for (int row = 0; row < 4; row++) {
+            const __m512i ql = both(qa->sub[sb].qs[row / 2], qb->sub[sb].qs[row / 2]);
+            const __m512i nib = _mm512_and_si512(row % 2 ? _mm512_srli_epi16(ql, 4) : ql, low4);
+            const __m512i top = _mm512_and_si512(
+                2 * row >= 4 ? _mm512_srli_epi16(qh, 2 * row - 4) : _mm512_slli_epi16(qh, 4 - 2 * row), top2);
+            scaled_row(s->b[sb / 4], tile, 4 * (sb % 4) + row, _mm512_or_si512(nib, top), scale, 32);
+        }
+    }
 }
 #else
 // B bytes 32 half + i of row `row` (weights of value k0 + 4 row + t, t = i % 4, column i / 4 of the group) for
 // 32 weights u[i] times their scales s[i]
-static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int half, int row, const int16_t *u,
-                              const int16_t *s) {
+static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, int row, const int16_t *u,
+                                   const int16_t *s) {
     for (int i = 0; i < 32; i++) {
         const int16_t w = (int16_t)(u[i] * s[i]);
         b[LOW][tile][row][32 * half + i] = (uint8_t)w;
         b[HIGH][tile][row][32 * half + i] = (uint8_t)(w >> 8);
     }
 }
-#endif
 
-// Q4_K / Q5_K super-block of group g: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2
-static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
+static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, KScratch *s) {
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
-    const int tile = g / 2, half = g % 2;
     for (int sb = 0; sb < 8; sb++) {
         uint8_t (*b)[2][16][64] = s->b[sb / 2];
         const int base = 8 * (sb % 2);
         const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb] : NULL;
-#ifdef __AVX512BW__
-        const __m512i scale = column_words(q->sc[sb / 2], sb % 2, 0);
-        const __m256i low4 = _mm256_set1_epi8(0xf);
-        const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        for (int v = 0; v < 4; v++) {
-            const __m256i qs = _mm256_loadu_si256((const __m256i *)q->qs[sb][v]);
-            __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
-            if (qh) {  // bits 2 v and 2 v + 1 of each byte (the word shifts' bits from the next byte masked off)
-                const __m256i one = _mm256_set1_epi8(1);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * v), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * v + 1), one), 4));
-            }
-            scaled_row(b, tile, half, base + 2 * v, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), scale));
-            scaled_row(b, tile, half, base + 2 * v + 1, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), scale));
-        }
-#else
         int16_t scale[32], lo[32], hi[32];
         for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
         for (int v = 0; v < 4; v++) {
@@ -105,37 +153,16 @@ static void unpack_q45_K(int type, const uint8_t *blk, int g, KScratch *s) {
                 lo[i] = (int16_t)((q->qs[sb][v][i] & 0xf) | (h & 1) << 4);
                 hi[i] = (int16_t)((q->qs[sb][v][i] >> 4) | (h & 2) << 3);
             }
-            scaled_row(b, tile, half, base + 2 * v, lo, scale);
-            scaled_row(b, tile, half, base + 2 * v + 1, hi, scale);
+            scaled_half_row(b, tile, half, base + 2 * v, lo, scale);
+            scaled_half_row(b, tile, half, base + 2 * v + 1, hi, scale);
         }
-#endif
-    }
-    for (int i = 0; i < 8; i++) {
-        s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
-        for (int p = 0; p < 4; p++) s->mn[p][8 * g + i][0] = q->mn[p][i][0], s->mn[p][8 * g + i][1] = q->mn[p][i][1];
     }
 }
 
-// Q6_K super-block of group g: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of 64-block sb / 4, each
-// weight less its offset 32 before the scale
-static void unpack_q6_K(const uint8_t *blk, int g, KScratch *s) {
+static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, KScratch *s) {
     const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk;
-    const int tile = g / 2, half = g % 2;
     for (int sb = 0; sb < 16; sb++) {
         const q6_sub *sub = &q->sub[sb];
-#ifdef __AVX512BW__
-        const __m512i scale = column_words(q->sc[sb / 2], sb % 2, 1);
-        const __m256i low4 = _mm256_set1_epi8(0xf), top2 = _mm256_set1_epi8(0x30);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)sub->qh);
-        for (int row = 0; row < 4; row++) {
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)sub->qs[row / 2]);
-            const __m256i nib = _mm256_and_si256(row % 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-            const __m256i top = _mm256_and_si256(
-                2 * row >= 4 ? _mm256_srli_epi16(qh, 2 * row - 4) : _mm256_slli_epi16(qh, 4 - 2 * row), top2);
-            const __m512i u = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(nib, top)), _mm512_set1_epi16(32));
-            scaled_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, _mm512_mullo_epi16(u, scale));
-        }
-#else
         int16_t scale[32], u[32];
         for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
         for (int row = 0; row < 4; row++) {
@@ -143,12 +170,21 @@ static void unpack_q6_K(const uint8_t *blk, int g, KScratch *s) {
                 const uint8_t ql = sub->qs[row / 2][i], top = (uint8_t)((sub->qh[i] >> (2 * row)) & 3);
                 u[i] = (int16_t)(((row % 2 ? ql >> 4 : ql & 0xf) | top << 4) - 32);
             }
-            scaled_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, u, scale);
+            scaled_half_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, u, scale);
         }
-#endif
     }
-    for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(q->d[i]);
 }
+
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+    unpack_q45_K_half(type, ba, tile, 0, s);
+    unpack_q45_K_half(type, bb, tile, 1, s);
+}
+
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+    unpack_q6_K_half(ba, tile, 0, s);
+    unpack_q6_K_half(bb, tile, 1, s);
+}
+#endif
 
 // One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
 static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
@@ -229,10 +265,13 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
     }
 }
 
+static inline void prefetch_bytes(const uint8_t *p, int64_t n) {
+    for (int64_t at = 0; at < n; at += 64) __builtin_prefetch(p + at);
+}
+
 // The next activation tile's super-block (16 rows of act_row bytes from x) into L1 while this one multiplies.
 static inline void prefetch_rows(const uint8_t *x, int64_t act_row) {
-    for (int r = 0; r < 16; r++)
-        for (int at = 0; at < (int)sizeof(act256) + 63; at += 64) __builtin_prefetch(x + r * act_row + at);
+    for (int r = 0; r < 16; r++) prefetch_bytes(x + r * act_row, (int64_t)sizeof(act256) + 63);
 }
 
 // acc[r][e] = weight row e (groups of 8 rows from w, row_bytes apart) times activation row r, for `rows` rows
@@ -240,15 +279,22 @@ static inline void prefetch_rows(const uint8_t *x, int64_t act_row) {
 // next tile's products are under way.
 static void amx_k_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
                        int64_t nb, int rows, KScratch *s, float (*acc)[KQ_COLS]) {
-    const int64_t bb = 8 * x8_row_bytes(type);
+    const int64_t blk_bytes = 8 * x8_row_bytes(type);
     const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16, mins = type != Q6_K;
-    if (groups % 2) memset(s->b, 0, sizeof s->b);  // the missing group's columns stay zero
+    static const uint8_t zeros[8 * 210] __attribute__((aligned(64)));  // a missing group: zero weights and scales
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     for (int64_t b = 0; b < nb; b++) {
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *blk = w + g * 8 * row_bytes + b * bb;
-            if (type == Q6_K) unpack_q6_K(blk, g, s);
-            else unpack_q45_K(type, blk, g, s);
+        for (int t = 0; t < tiles; t++) {
+            const uint8_t *ga = w + 16 * t * row_bytes + b * blk_bytes;
+            const uint8_t *gb = 2 * t + 1 < groups ? ga + 8 * row_bytes : zeros;
+            if (b + 1 < nb) {  // the next super-block's weights on their way from memory
+                prefetch_bytes(ga + blk_bytes, blk_bytes);
+                if (gb != zeros) prefetch_bytes(gb + blk_bytes, blk_bytes);
+            }
+            if (type == Q6_K) unpack_q6_K(ga, gb, t, s);
+            else unpack_q45_K(type, ga, gb, t, s);
+            group_scales(type, ga, 2 * t, s);
+            group_scales(type, gb, 2 * t + 1, s);
         }
         const uint8_t *xb = x + b * (int64_t)sizeof(act256);
         for (int mt = 0; mt <= m_tiles; mt++) {
