@@ -63,27 +63,37 @@ static inline __m512i both(const void *a, const void *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
-// The scale of each word of a B row (bytes 4 c .. 4 c + 3 are column c): the `odd` one of each column's pair of
-// sub-block scales, p[8][2] of group a for words 0-15, of group b for words 16-31
-static inline __m512i row_scales(const void *pa, const void *pb, int odd, int is_signed) {
+// A B row's scales for vpmaddubsw: each column's scale at the even bytes (even), at the odd bytes (odd), and
+// offset x scale per word (Q6_K's weights are stored plus 32)
+typedef struct {
+    __m512i even, odd, offset;
+} RowScales;
+
+// The `odd` one of each column's pair of sub-block scales (bytes 4 c .. 4 c + 3 of a B row are column c):
+// p[8][2] of group a for columns 0-7, of group b for 8-15
+static inline RowScales row_scales(const void *pa, const void *pb, int odd, int is_signed, int offset) {
     const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
                                                   _mm_loadu_si128((const __m128i *)pb), 1);
     const __m512i words = is_signed ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
     const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
                                           12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i idx = _mm512_add_epi16(_mm512_andnot_si512(_mm512_set1_epi16(1), lane), _mm512_set1_epi16((short)odd));
-    return _mm512_permutexvar_epi16(idx, words);  // word w: word (w & ~1) + odd
+    const __m512i w = _mm512_permutexvar_epi16(idx, words);  // word x: word (x & ~1) + odd
+    return (RowScales){_mm512_and_si512(w, _mm512_set1_epi16(0xff)), _mm512_slli_epi16(w, 8),
+                       _mm512_mullo_epi16(w, _mm512_set1_epi16((short)offset))};
 }
 
-// B row `row` of `tile`: the bytes u (less `offset`) times their word's scale, as LOW and HIGH bytes; the even and
-// odd bytes of each word multiply apart
-static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512i u, __m512i scale, int offset) {
-    const __m512i off = _mm512_set1_epi16((short)offset);
-    const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0xff)), off), scale);
-    const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(u, 8), off), scale);
+// B row `row` of `tile`: the bytes u times their column's scale (less offset x scale), as LOW and HIGH bytes. The
+// even and odd bytes multiply apart (vpmaddubsw against the scales at one of the two), and each byte of the two
+// products moves to its place by a masked in-lane shuffle.
+static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512i u, const RowScales *sc, int offset) {
+    __m512i even = _mm512_maddubs_epi16(u, sc->even), odd = _mm512_maddubs_epi16(u, sc->odd);
+    if (offset) even = _mm512_sub_epi16(even, sc->offset), odd = _mm512_sub_epi16(odd, sc->offset);
+    const __m512i up = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14));
+    const __m512i down = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15));
     const __mmask64 odd_bytes = 0xaaaaaaaaaaaaaaaaull;
-    _mm512_store_si512(b[LOW][tile][row], _mm512_mask_blend_epi8(odd_bytes, even, _mm512_slli_epi16(odd, 8)));
-    _mm512_store_si512(b[HIGH][tile][row], _mm512_mask_blend_epi8(odd_bytes, _mm512_srli_epi16(even, 8), odd));
+    _mm512_store_si512(b[LOW][tile][row], _mm512_mask_shuffle_epi8(even, odd_bytes, odd, up));
+    _mm512_store_si512(b[HIGH][tile][row], _mm512_mask_shuffle_epi8(odd, ~odd_bytes, even, down));
 }
 
 // Q4_K / Q5_K super-blocks of the tile's groups a and b: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of
@@ -94,7 +104,7 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
     for (int sb = 0; sb < 8; sb++) {
         uint8_t (*b)[2][16][64] = s->b[sb / 2];
         const int base = 8 * (sb % 2);
-        const __m512i scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 0);
+        const RowScales scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 0, 0);
         const __m512i h = type == Q5_K ? both(((const blk_q5_Kx8 *)ba)->qh[sb], ((const blk_q5_Kx8 *)bb)->qh[sb])
                                        : _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
@@ -104,8 +114,8 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
                 lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v), one), 4));
                 hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v + 1), one), 4));
             }
-            scaled_row(b, tile, base + 2 * v, lo, scale, 0);
-            scaled_row(b, tile, base + 2 * v + 1, hi, scale, 0);
+            scaled_row(b, tile, base + 2 * v, lo, &scale, 0);
+            scaled_row(b, tile, base + 2 * v + 1, hi, &scale, 0);
         }
     }
 }
@@ -116,14 +126,14 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch
     const blk_q6_Kx8 *qa = (const blk_q6_Kx8 *)ba, *qb = (const blk_q6_Kx8 *)bb;
     const __m512i low4 = _mm512_set1_epi8(0xf), top2 = _mm512_set1_epi8(0x30);
     for (int sb = 0; sb < 16; sb++) {
-        const __m512i scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 1);
+        const RowScales scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 1, 32);
         const __m512i qh = both(qa->sub[sb].qh, qb->sub[sb].qh);
         for (int row = 0; row < 4; row++) {
             const __m512i ql = both(qa->sub[sb].qs[row / 2], qb->sub[sb].qs[row / 2]);
             const __m512i nib = _mm512_and_si512(row % 2 ? _mm512_srli_epi16(ql, 4) : ql, low4);
             const __m512i top = _mm512_and_si512(
                 2 * row >= 4 ? _mm512_srli_epi16(qh, 2 * row - 4) : _mm512_slli_epi16(qh, 4 - 2 * row), top2);
-            scaled_row(s->b[sb / 4], tile, 4 * (sb % 4) + row, _mm512_or_si512(nib, top), scale, 32);
+            scaled_row(s->b[sb / 4], tile, 4 * (sb % 4) + row, _mm512_or_si512(nib, top), &scale, 32);
         }
     }
 }
