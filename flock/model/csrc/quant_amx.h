@@ -43,17 +43,16 @@ static void amx_configure(void) {
     TILE_CONFIG(&cfg);
 }
 
-// The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums)
+// The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums).
+// Every build of this file has AVX2 and F16C.
 static void group_scales(int type, const uint8_t *blk, int g, KScratch *s) {
-    if (type == Q6_K) {
-        for (int i = 0; i < 8; i++) s->d[8 * g + i] = f16_to_f32(((const blk_q6_Kx8 *)blk)->d[i]);
-        return;
-    }
+    const f16 *d = type == Q6_K ? ((const blk_q6_Kx8 *)blk)->d : ((const blk_q4_Kx8 *)blk)->d;
+    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+    if (type == Q6_K) return;
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
-    for (int i = 0; i < 8; i++) {
-        s->d[8 * g + i] = f16_to_f32(q->d[i]), s->dmin[8 * g + i] = f16_to_f32(q->dmin[i]);
-        for (int p = 0; p < 4; p++) s->mn[p][8 * g + i][0] = q->mn[p][i][0], s->mn[p][8 * g + i][1] = q->mn[p][i][1];
-    }
+    _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q->dmin)));
+    for (int p = 0; p < 4; p++)
+        _mm256_storeu_si256((__m256i *)s->mn[p][8 * g], _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q->mn[p])));
 }
 
 #ifdef __AVX512BW__
