@@ -7,7 +7,7 @@ A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` pe
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
 the gguf package's quantizer, for models that come as floats. The kernels are built for AMX-INT8 (tiles for
-K-quant calls of 16+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
+calls of 16+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
 AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
@@ -43,13 +43,14 @@ def _ready(lib: ctypes.CDLL) -> str | None:
         return None
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((16, 256), dtype=np.float32))
-    for name, d_at in (("Q4_K", (0, 2)), ("Q6_K", (208,))):  # random blocks of one super-block, small scales
-        qtype, _, size = KERNEL_TYPES[name]
-        blocks = rng.integers(0, 256, (16, size), dtype=np.uint8)
+    for name, d_at in (("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,))):  # random blocks, small scales
+        qtype, values, size = KERNEL_TYPES[name]
+        blocks = rng.integers(0, 256, (16, 256 // values, size), dtype=np.uint8)
         for at in d_at:
-            blocks[:, at:at + 2] = np.full((16, 1), 0.01, dtype=np.float16).view(np.uint8)
-        rows, x8 = torch.from_numpy(blocks), torch.empty(16, X8_BYTES[name], dtype=torch.uint8)
-        lib.flock_interleave(qtype, rows.data_ptr(), size, 16, 256, x8.data_ptr(), 1)
+            blocks[:, :, at:at + 2] = np.full((16, 256 // values, 1), 0.01, dtype=np.float16).view(np.uint8)
+        rows = torch.from_numpy(blocks.reshape(16, -1))
+        x8 = torch.empty(16, 256 // values * X8_BYTES[name], dtype=torch.uint8)
+        lib.flock_interleave(qtype, rows.data_ptr(), rows.shape[1], 16, 256, x8.data_ptr(), 1)
         tiles, alone = torch.empty(16, 16), torch.empty(16, 16)
         code = lib.flock_qgemm(qtype, 1, x8.data_ptr(), x8.shape[1], 16, 256, x.data_ptr(), 256, 0, 16,
                                tiles.data_ptr(), 16, 0, 0, 1)
@@ -82,8 +83,7 @@ _EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
 @functools.cache
 def isa() -> str:
     """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
-    has whose build loads. The amxint8 build runs the K-quants' calls of 16+ rows on the tiles and the rest on
-    AVX512-VNNI."""
+    has whose build loads. The amxint8 build runs calls of 16+ rows on the tiles and fewer on AVX512-VNNI."""
     return KERNEL.best()
 
 

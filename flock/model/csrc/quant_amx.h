@@ -1,17 +1,19 @@
-// AMX-INT8 tiles for the K-quants (Q4_K, Q5_K, Q6_K) on interleaved (x8) weights, part of quant_gemm.c
-// (included after its formats and helpers).
+// AMX-INT8 tiles on interleaved (x8) weights, part of quant_gemm.c (included after its formats and helpers).
 //
 // A task is 32 weight rows (four 8-row groups, two column tiles of 16) x up to KQ_CHUNK activation rows. Per
-// super-block the task's weights are unpacked once into B tiles that already carry each sub-block's integer
-// scale: w * scale fits 13 bits, so it is split into its low byte (unsigned) and the rest (a small signed or
-// unsigned byte), two products whose sums add up as low + 256 high. Every activation tile of the chunk then
-// meets those B tiles in _tile_dpbsud / _tile_dpbssd over the super-block's 256 values (four products of 64 per
-// kind), and one float step per super-block adds the int32 sums times the scales, and Q4_K / Q5_K's minimums
-// times the activations' sums of 32 (vpmaddwd). The integers are those of the vector kernels (dot_q45_K_x8, dot_q6_K_x8: sum over sub-blocks of
-// scale x dot product, Q6_K's offset 32 inside) and the float operations theirs, in their order, so a row's
-// result is the same bits whichever kernel multiplies it: how many rows a step has never changes its results.
-// The 32-blocks keep the vector kernels (a float scale per 32 values leaves the tiles idle). Built for CPUs
-// with AMX-INT8, and with FLOCK_EMULATED_AMX (the tiles in portable C) to test it on any AVX2 CPU.
+// block the task's weights are unpacked once into B tiles, which every 16-row activation tile of the chunk then
+// meets in _tile_dpbsud / _tile_dpbssd (A tiles read in place from the activation blocks), and one float step per
+// block adds the int32 sums times the scales while the next tile's products run.
+// - The K-quants (Q4_K, Q5_K, Q6_K): the B tiles already carry each sub-block's integer scale. Weight x scale fits
+//   13 bits (Q6_K's offset 32 subtracted first), so it is split into its low byte (unsigned) and the rest (a small
+//   byte, signed for Q6_K): two products over the super-block's 256 values whose sums add up as low + 256 high.
+//   Q4_K / Q5_K's minimums times the activations' sums of 32 join in the float step (vpmaddwd).
+// - The 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the weights as stored (Q8_0 plus 128) or their nibbles, one
+//   product of 32 values per block; the offsets (Q8_0's 128, Q4_0's 8, a minimum) come from the activation sums.
+// The integers are those of the vector kernels (dot_*_x8) and the float operations theirs, in their order, so a
+// row's result is the same bits whichever kernel multiplies it: how many rows a step has never changes its
+// results. Built for CPUs with AMX-INT8, and with FLOCK_EMULATED_AMX (the tiles, the unpacking and the float steps
+// in portable C) to test it on any AVX2 CPU.
 #include "amx_tiles.h"
 
 
@@ -32,14 +34,15 @@ typedef struct {
     float acc[KQ_CHUNK][KQ_COLS], up[KQ_CHUNK][KQ_COLS];
 } KSums;
 
-static inline int amx_takes(int type) { return type >= Q4_K; }
 
-// all tiles 16 x 64 bytes: 0 the activations, 1 a B tile, 2-3 column tile 0's sums (LOW, HIGH), 4-5 tile 1's
-static void amx_configure(void) {
+// 0 the activations (16 rows of kbytes), 1 a B tile (kbytes / 4 rows of 64), 2-3 column tile 0's sums (LOW, HIGH),
+// 4-5 tile 1's (16 rows of 16 int32)
+static void amx_configure(int kbytes) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.colsb[0] = (uint16_t)kbytes, cfg.rows[1] = (uint8_t)(kbytes / 4);
     TILE_CONFIG(&cfg);
 }
 
@@ -195,6 +198,64 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch
 }
 #endif
 
+// The 32-blocks of the tile's groups a and b as one B tile of 8 rows: Q8_0's weights plus 128 as they are stored;
+// the 4- and 5-bit types' low nibbles (rows 2 v) and high nibbles (rows 2 v + 1) of vector v, with their fifth bits
+static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+    uint8_t (*b)[16][64] = s->b[0][LOW];
+#ifdef __AVX512BW__
+    if (type == Q8_0) {
+        for (int v = 0; v < 8; v++)
+            _mm512_store_si512(b[tile][v], both(((const blk_q8_0x8 *)ba)->qs[v], ((const blk_q8_0x8 *)bb)->qs[v]));
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    const __m512i h = has_qh(type) ? both(ba + x8_qh_at(type), bb + x8_qh_at(type)) : _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        const __m512i q = both(ba + x8_qs_at(type) + 32 * v, bb + x8_qs_at(type) + 32 * v);
+        __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        if (has_qh(type)) {
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v + 1), one), 4));
+        }
+        _mm512_store_si512(b[tile][2 * v], lo);
+        _mm512_store_si512(b[tile][2 * v + 1], hi);
+    }
+#else
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *blk = half ? bb : ba;
+        if (type == Q8_0) {
+            for (int v = 0; v < 8; v++) memcpy(&b[tile][v][32 * half], ((const blk_q8_0x8 *)blk)->qs[v], 32);
+            continue;
+        }
+        const uint8_t *q = blk + x8_qs_at(type), *qh = has_qh(type) ? blk + x8_qh_at(type) : NULL;
+        for (int v = 0; v < 4; v++)
+            for (int i = 0; i < 32; i++) {
+                const int h = qh ? qh[i] >> (2 * v) : 0;
+                b[tile][2 * v][32 * half + i] = (uint8_t)((q[32 * v + i] & 0xf) | (h & 1) << 4);
+                b[tile][2 * v + 1][32 * half + i] = (uint8_t)((q[32 * v + i] >> 4) | (h & 2) << 3);
+            }
+    }
+#endif
+}
+
+// The 32-blocks' scales d of group g's columns, and Q4_1 / Q5_1's minimums m (as dmin)
+static void small_scales(int type, const uint8_t *blk, int g, KScratch *s) {
+    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
+    if (has_min(type)) _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))));
+}
+
+// One activation tile (32 int8 values a row) times the 32-blocks' B tiles.
+static inline void amx_products_small(const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
+    TILE_ZERO(2);
+    TILE_LOAD(0, a, act_row);
+    TILE_LOAD(1, s->b[0][LOW][0], 64);
+    TILE_DPBSUD(2, 0, 1);
+    if (tiles < 2) return;
+    TILE_ZERO(4);
+    TILE_LOAD(1, s->b[0][LOW][1], 64);
+    TILE_DPBSUD(4, 0, 1);
+}
+
 // One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
 static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
     const int six = type == Q6_K;  // Q6_K's high bytes are signed
@@ -218,12 +279,12 @@ static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int
     }
 }
 
-static inline void amx_store_sums(int tiles, KScratch *s) {  // tile numbers must be constants
+static inline void amx_store_sums(int tiles, int high, KScratch *s) {  // tile numbers must be constants
     TILE_STORE(2, s->c[LOW][0], 64);
-    TILE_STORE(3, s->c[HIGH][0], 64);
+    if (high) TILE_STORE(3, s->c[HIGH][0], 64);
     if (tiles < 2) return;
     TILE_STORE(4, s->c[LOW][1], 64);
-    TILE_STORE(5, s->c[HIGH][1], 64);
+    if (high) TILE_STORE(5, s->c[HIGH][1], 64);
 }
 
 #if defined(__AVX512VNNI__)
@@ -274,46 +335,81 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
     }
 }
 
+// The stored sums of `rows` activation rows (act32 x[r]) into acc: the float step of dot_q8_0_x8 / dot_q45_x8.
+static inline void amx_float_small(int type, const uint8_t *x, int64_t act_row, int rows, int tiles,
+                                   const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
+    const float offset = x8_offset(type);
+    for (int r = 0; r < rows; r++) {
+        const act32 *xr = (const act32 *)(x + r * act_row);
+        for (int t = 0; t < tiles; t++) {
+            const int32_t *sum = s->c[LOW][t][r];
+            const float *d = s->d + 16 * t, *m = s->dmin + 16 * t;
+            float *a = acc[r] + 16 * t;
+#ifdef __AVX512F__
+            const __m512 vd = _mm512_loadu_ps(d), xs = _mm512_set1_ps(xr->s);
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sum)), _mm512_mul_ps(vd, _mm512_set1_ps(xr->d)),
+                                       _mm512_loadu_ps(a));
+            if (type == Q8_0) v = _mm512_fnmadd_ps(vd, _mm512_set1_ps(128 * xr->s), v);
+            else v = _mm512_fmadd_ps(has_min(type) ? _mm512_loadu_ps(m) : _mm512_mul_ps(vd, _mm512_set1_ps(offset)), xs, v);
+            _mm512_storeu_ps(a, v);
+#else
+            for (int e = 0; e < 16; e++) {
+                const float v = fmaf((float)sum[e], d[e] * xr->d, a[e]);
+                if (type == Q8_0) a[e] = fmaf(-d[e], 128 * xr->s, v);
+                else a[e] = fmaf(has_min(type) ? m[e] : d[e] * offset, xr->s, v);
+            }
+#endif
+        }
+    }
+}
+
 static inline void prefetch_bytes(const uint8_t *p, int64_t n) {
     for (int64_t at = 0; at < n; at += 64) __builtin_prefetch(p + at);
 }
 
-// The next activation tile's super-block (16 rows of act_row bytes from x) into L1 while this one multiplies.
-static inline void prefetch_rows(const uint8_t *x, int64_t act_row) {
-    for (int r = 0; r < 16; r++) prefetch_bytes(x + r * act_row, (int64_t)sizeof(act256) + 63);
+// The next activation tile's block (16 rows of act_row bytes from x) into L1 while this one multiplies.
+static inline void prefetch_rows(const uint8_t *x, int64_t act_row, int64_t size) {
+    for (int r = 0; r < 16; r++) prefetch_bytes(x + r * act_row, size + 63);
 }
 
 // acc[r][e] = weight row e (groups of 8 rows from w, row_bytes apart) times activation row r, for `rows` rows
 // (of act_row bytes from x, the buffer padded to whole tiles). Each activation tile's float step runs while the
 // next tile's products are under way.
-static void amx_k_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
-                       int64_t nb, int rows, KScratch *s, float (*acc)[KQ_COLS]) {
-    const int64_t blk_bytes = 8 * x8_row_bytes(type);
-    const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16, mins = type != Q6_K;
+static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
+                     int64_t nb, int rows, KScratch *s, float (*acc)[KQ_COLS]) {
+    const int kq = type >= Q4_K, mins = kq && type != Q6_K;
+    const int64_t blk_bytes = 8 * x8_row_bytes(type), act_size = kq ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
+    const int64_t q_at = kq ? (int64_t)offsetof(act256, q) : (int64_t)offsetof(act32, q);
+    const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16;
     static const uint8_t zeros[8 * 210] __attribute__((aligned(64)));  // a missing group: zero weights and scales
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     for (int64_t b = 0; b < nb; b++) {
         for (int t = 0; t < tiles; t++) {
             const uint8_t *ga = w + 16 * t * row_bytes + b * blk_bytes;
             const uint8_t *gb = 2 * t + 1 < groups ? ga + 8 * row_bytes : zeros;
-            if (b + 1 < nb) {  // the next super-block's weights on their way from memory
+            if (b + 1 < nb) {  // the next block's weights on their way from memory
                 prefetch_bytes(ga + blk_bytes, blk_bytes);
                 if (gb != zeros) prefetch_bytes(gb + blk_bytes, blk_bytes);
             }
             if (type == Q6_K) unpack_q6_K(ga, gb, t, s);
-            else unpack_q45_K(type, ga, gb, t, s);
-            group_scales(type, ga, 2 * t, s);
-            group_scales(type, gb, 2 * t + 1, s);
+            else if (kq) unpack_q45_K(type, ga, gb, t, s);
+            else unpack_small(type, ga, gb, t, s);
+            if (kq) group_scales(type, ga, 2 * t, s), group_scales(type, gb, 2 * t + 1, s);
+            else small_scales(type, ga, 2 * t, s), small_scales(type, gb, 2 * t + 1, s);
         }
-        const uint8_t *xb = x + b * (int64_t)sizeof(act256);
+        const uint8_t *xb = x + b * act_size;
         for (int mt = 0; mt <= m_tiles; mt++) {
-            if (mt < m_tiles) amx_products(type, xb + 16 * mt * act_row + offsetof(act256, q), act_row, tiles, s);
-            if (mt + 1 < m_tiles) prefetch_rows(xb + 16 * (mt + 1) * act_row, act_row);
+            if (mt < m_tiles) {
+                if (kq) amx_products(type, xb + 16 * mt * act_row + q_at, act_row, tiles, s);
+                else amx_products_small(xb + 16 * mt * act_row + q_at, act_row, tiles, s);
+            }
+            if (mt + 1 < m_tiles) prefetch_rows(xb + 16 * (mt + 1) * act_row, act_row, act_size);
             if (mt > 0) {
                 const int r0 = 16 * (mt - 1), n = rows - r0 < 16 ? rows - r0 : 16;
-                amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
+                if (kq) amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
+                else amx_float_small(type, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
             }
-            if (mt < m_tiles) amx_store_sums(tiles, s);
+            if (mt < m_tiles) amx_store_sums(tiles, kq, s);
         }
     }
 }
@@ -351,14 +447,14 @@ static int amx_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
         if (!s || !sums) continue;
-        if (!configured) amx_configure(), configured = 1;
+        if (!configured) amx_configure(type >= Q4_K ? 64 : 32), configured = 1;
         const int64_t n0 = i % blocks * KQ_COLS, m0 = i / blocks * KQ_CHUNK;  // a chunk's rows stay in L2
         const int rows = m - m0 < KQ_CHUNK ? (int)(m - m0) : KQ_CHUNK;
         const int groups = n - n0 < KQ_COLS ? (int)(n - n0) / 8 : KQ_COLS / 8, cols = 8 * groups;
         const uint8_t *x = xq + m0 * act_row;
-        amx_k_task(type, w + n0 * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->acc);
+        amx_task(type, w + n0 * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->acc);
         if (glu) {
-            amx_k_task(type, w + (n0 + n) * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->up);
+            amx_task(type, w + (n0 + n) * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->up);
             for (int r = 0; r < rows; r++) silu_mul_rows(sums->acc[r], sums->up[r], cols);
         }
         for (int r = 0; r < rows; r++) write_row(y, (m0 + r) * ldy + n0, sums->acc[r], cols, out_bf16);

@@ -1035,7 +1035,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
         }
         int tiled = 0;
 #ifdef AMX_TILES
-        if (x8 && m >= AMX_ROWS && amx_takes(type)) {
+        if (x8 && m >= AMX_ROWS) {
             tiled = 1;
             const int code = amx_gemm(type, w, row_bytes, n, xq, act_row, nb, m, y, ldy, out_bf16, glu);
             if (code) {
