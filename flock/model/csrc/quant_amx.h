@@ -1,6 +1,6 @@
 // AMX-INT8 tiles on interleaved (x8) weights, part of quant_gemm.c (included after its formats and helpers).
 //
-// A task is 32 weight rows (four 8-row groups, two column tiles of 16) x up to KQ_CHUNK activation rows. Per
+// A task is 32 weight rows (four 8-row groups, two column tiles of 16) x up to TASK_ROWS activation rows. Per
 // block the task's weights are unpacked once into B tiles, which every 16-row activation tile of the chunk then
 // meets in _tile_dpbsud / _tile_dpbssd (A tiles read in place from the activation blocks), and one float step per
 // block adds the int32 sums times the scales while the next tile's products run.
@@ -17,23 +17,22 @@
 #include "amx_tiles.h"
 
 
-#define AMX_ROWS 16    // calls of at least this many activation rows take the tiles
-#define KQ_COLS 32     // weight rows of a task
-#define KQ_CHUNK 256   // activation rows of a task (a multiple of 16)
+#define AMX_ROWS 16     // calls of at least this many activation rows take the tiles
+#define TASK_COLS 32     // weight rows of a task
+#define TASK_ROWS 256    // activation rows of a task (a multiple of 16)
 
 enum { LOW, HIGH };  // the kinds of B tiles (and of sums)
 
 typedef struct {
-    uint8_t b[4][2][2][16][64];  // one super-block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
+    uint8_t b[4][2][2][16][64];  // one block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
     int32_t c[2][2][16][16];     // one activation tile's sums: kind, column tile
-    float d[KQ_COLS], dmin[KQ_COLS];
-    int16_t mn[4][KQ_COLS][2];   // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
-} KScratch;
+    float d[TASK_COLS], dmin[TASK_COLS];  // each column's scale, and its minimum's scale (Q4_1 / Q5_1: minimum)
+    int16_t mn[4][TASK_COLS][2];   // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
+} TileScratch;
 
 typedef struct {
-    float acc[KQ_CHUNK][KQ_COLS], up[KQ_CHUNK][KQ_COLS];
-} KSums;
-
+    float acc[TASK_ROWS][TASK_COLS], up[TASK_ROWS][TASK_COLS];
+} TaskSums;
 
 // 0 the activations (16 rows of kbytes), 1 a B tile (kbytes / 4 rows of 64), 2-3 column tile 0's sums (LOW, HIGH),
 // 4-5 tile 1's (16 rows of 16 int32)
@@ -48,14 +47,15 @@ static void amx_configure(int kbytes) {
 
 // The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums).
 // Every build of this file has AVX2 and F16C.
-static void group_scales(int type, const uint8_t *blk, int g, KScratch *s) {
+static void group_scales(int type, const uint8_t *blk, int g, TileScratch *s) {
     const f16 *d = type == Q6_K ? ((const blk_q6_Kx8 *)blk)->d : ((const blk_q4_Kx8 *)blk)->d;
     _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
     if (type == Q6_K) return;
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
     _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q->dmin)));
     for (int p = 0; p < 4; p++)
-        _mm256_storeu_si256((__m256i *)s->mn[p][8 * g], _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q->mn[p])));
+        _mm256_storeu_si256((__m256i *)s->mn[p][8 * g],
+                            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q->mn[p])));
 }
 
 #ifdef __AVX512BW__
@@ -79,7 +79,8 @@ static inline RowScales row_scales(const void *pa, const void *pb, int odd, int 
     const __m512i words = is_signed ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
     const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
                                           12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i idx = _mm512_add_epi16(_mm512_andnot_si512(_mm512_set1_epi16(1), lane), _mm512_set1_epi16((short)odd));
+    const __m512i pair = _mm512_andnot_si512(_mm512_set1_epi16(1), lane);
+    const __m512i idx = _mm512_add_epi16(pair, _mm512_set1_epi16((short)odd));
     const __m512i w = _mm512_permutexvar_epi16(idx, words);  // word x: word (x & ~1) + odd
     return (RowScales){_mm512_and_si512(w, _mm512_set1_epi16(0xff)), _mm512_slli_epi16(w, 8),
                        _mm512_mullo_epi16(w, _mm512_set1_epi16((short)offset))};
@@ -100,7 +101,7 @@ static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512
 
 // Q4_K / Q5_K super-blocks of the tile's groups a and b: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of
 // 64-block sb / 2
-static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     const blk_q4_Kx8 *qa = (const blk_q4_Kx8 *)ba, *qb = (const blk_q4_Kx8 *)bb;
     const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     for (int sb = 0; sb < 8; sb++) {
@@ -124,7 +125,7 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
 
 // Q6_K super-blocks of the tile's groups a and b: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of
 // 64-block sb / 4, each weight less its offset 32 before the scale
-static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     const blk_q6_Kx8 *qa = (const blk_q6_Kx8 *)ba, *qb = (const blk_q6_Kx8 *)bb;
     const __m512i low4 = _mm512_set1_epi8(0xf), top2 = _mm512_set1_epi8(0x30);
     for (int sb = 0; sb < 16; sb++) {
@@ -151,7 +152,7 @@ static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, 
     }
 }
 
-static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, KScratch *s) {
+static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, TileScratch *s) {
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
     for (int sb = 0; sb < 8; sb++) {
         uint8_t (*b)[2][16][64] = s->b[sb / 2];
@@ -171,7 +172,7 @@ static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, 
     }
 }
 
-static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, KScratch *s) {
+static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, TileScratch *s) {
     const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk;
     for (int sb = 0; sb < 16; sb++) {
         const q6_sub *sub = &q->sub[sb];
@@ -187,12 +188,12 @@ static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, KScratch *s
     }
 }
 
-static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     unpack_q45_K_half(type, ba, tile, 0, s);
     unpack_q45_K_half(type, bb, tile, 1, s);
 }
 
-static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     unpack_q6_K_half(ba, tile, 0, s);
     unpack_q6_K_half(bb, tile, 1, s);
 }
@@ -200,7 +201,7 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, KScratch
 
 // The 32-blocks of the tile's groups a and b as one B tile of 8 rows: Q8_0's weights plus 128 as they are stored;
 // the 4- and 5-bit types' low nibbles (rows 2 v) and high nibbles (rows 2 v + 1) of vector v, with their fifth bits
-static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, KScratch *s) {
+static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     uint8_t (*b)[16][64] = s->b[0][LOW];
 #ifdef __AVX512BW__
     if (type == Q8_0) {
@@ -239,13 +240,13 @@ static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int til
 }
 
 // The 32-blocks' scales d of group g's columns, and Q4_1 / Q5_1's minimums m (as dmin)
-static void small_scales(int type, const uint8_t *blk, int g, KScratch *s) {
+static void small_scales(int type, const uint8_t *blk, int g, TileScratch *s) {
     _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
     if (has_min(type)) _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))));
 }
 
 // One activation tile (32 int8 values a row) times the 32-blocks' B tiles.
-static inline void amx_products_small(const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
+static inline void amx_products_small(const uint8_t *a, int64_t act_row, int tiles, TileScratch *s) {
     TILE_ZERO(2);
     TILE_LOAD(0, a, act_row);
     TILE_LOAD(1, s->b[0][LOW][0], 64);
@@ -257,7 +258,7 @@ static inline void amx_products_small(const uint8_t *a, int64_t act_row, int til
 }
 
 // One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
-static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, KScratch *s) {
+static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, TileScratch *s) {
     const int six = type == Q6_K;  // Q6_K's high bytes are signed
     TILE_ZERO(2);
     TILE_ZERO(3);
@@ -279,7 +280,7 @@ static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int
     }
 }
 
-static inline void amx_store_sums(int tiles, int high, KScratch *s) {  // tile numbers must be constants
+static inline void amx_store_sums(int tiles, int high, TileScratch *s) {  // tile numbers must be constants
     TILE_STORE(2, s->c[LOW][0], 64);
     if (high) TILE_STORE(3, s->c[HIGH][0], 64);
     if (tiles < 2) return;
@@ -296,7 +297,7 @@ static inline void amx_store_sums(int tiles, int high, KScratch *s) {  // tile n
 // The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
 // with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
-                                  const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
+                                  const TileScratch *restrict s, float (*restrict acc)[TASK_COLS]) {
     for (int r = 0; r < rows; r++) {
         const act256 *xr = (const act256 *)(x + r * act_row);
 #ifdef __AVX512F__
@@ -337,7 +338,7 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
 
 // The stored sums of `rows` activation rows (act32 x[r]) into acc: the float step of dot_q8_0_x8 / dot_q45_x8.
 static inline void amx_float_small(int type, const uint8_t *x, int64_t act_row, int rows, int tiles,
-                                   const KScratch *restrict s, float (*restrict acc)[KQ_COLS]) {
+                                   const TileScratch *restrict s, float (*restrict acc)[TASK_COLS]) {
     const float offset = x8_offset(type);
     for (int r = 0; r < rows; r++) {
         const act32 *xr = (const act32 *)(x + r * act_row);
@@ -347,10 +348,13 @@ static inline void amx_float_small(int type, const uint8_t *x, int64_t act_row, 
             float *a = acc[r] + 16 * t;
 #ifdef __AVX512F__
             const __m512 vd = _mm512_loadu_ps(d), xs = _mm512_set1_ps(xr->s);
-            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sum)), _mm512_mul_ps(vd, _mm512_set1_ps(xr->d)),
-                                       _mm512_loadu_ps(a));
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sum)),
+                                       _mm512_mul_ps(vd, _mm512_set1_ps(xr->d)), _mm512_loadu_ps(a));
             if (type == Q8_0) v = _mm512_fnmadd_ps(vd, _mm512_set1_ps(128 * xr->s), v);
-            else v = _mm512_fmadd_ps(has_min(type) ? _mm512_loadu_ps(m) : _mm512_mul_ps(vd, _mm512_set1_ps(offset)), xs, v);
+            else {
+                const __m512 o = has_min(type) ? _mm512_loadu_ps(m) : _mm512_mul_ps(vd, _mm512_set1_ps(offset));
+                v = _mm512_fmadd_ps(o, xs, v);
+            }
             _mm512_storeu_ps(a, v);
 #else
             for (int e = 0; e < 16; e++) {
@@ -376,7 +380,7 @@ static inline void prefetch_rows(const uint8_t *x, int64_t act_row, int64_t size
 // (of act_row bytes from x, the buffer padded to whole tiles). Each activation tile's float step runs while the
 // next tile's products are under way.
 static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
-                     int64_t nb, int rows, KScratch *s, float (*acc)[KQ_COLS]) {
+                     int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
     const int kq = type >= Q4_K, mins = kq && type != Q6_K;
     const int64_t blk_bytes = 8 * x8_row_bytes(type), act_size = kq ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
     const int64_t q_at = kq ? (int64_t)offsetof(act256, q) : (int64_t)offsetof(act32, q);
@@ -440,17 +444,17 @@ static inline void write_row(void *y, int64_t at, const float *v, int cols, int 
 // refuse, -1 where its scratch cannot be had.
 static int amx_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n, const uint8_t *xq, int64_t act_row,
                     int64_t nb, int64_t m, void *y, int64_t ldy, int out_bf16, int glu) {
-    const int64_t blocks = (n + KQ_COLS - 1) / KQ_COLS, tasks = (m + KQ_CHUNK - 1) / KQ_CHUNK * blocks;
-    KScratch *s = aligned_alloc(64, sizeof(KScratch));
-    KSums *sums = aligned_alloc(64, sizeof(KSums));
+    const int64_t blocks = (n + TASK_COLS - 1) / TASK_COLS, tasks = (m + TASK_ROWS - 1) / TASK_ROWS * blocks;
+    TileScratch *s = aligned_alloc(64, sizeof(TileScratch));
+    TaskSums *sums = aligned_alloc(64, sizeof(TaskSums));
     int configured = 0;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
         if (!s || !sums) continue;
         if (!configured) amx_configure(type >= Q4_K ? 64 : 32), configured = 1;
-        const int64_t n0 = i % blocks * KQ_COLS, m0 = i / blocks * KQ_CHUNK;  // a chunk's rows stay in L2
-        const int rows = m - m0 < KQ_CHUNK ? (int)(m - m0) : KQ_CHUNK;
-        const int groups = n - n0 < KQ_COLS ? (int)(n - n0) / 8 : KQ_COLS / 8, cols = 8 * groups;
+        const int64_t n0 = i % blocks * TASK_COLS, m0 = i / blocks * TASK_ROWS;  // a chunk's rows stay in L2
+        const int rows = m - m0 < TASK_ROWS ? (int)(m - m0) : TASK_ROWS;
+        const int groups = n - n0 < TASK_COLS ? (int)(n - n0) / 8 : TASK_COLS / 8, cols = 8 * groups;
         const uint8_t *x = xq + m0 * act_row;
         amx_task(type, w + n0 * row_bytes, row_bytes, groups, x, act_row, nb, rows, s, sums->acc);
         if (glu) {
