@@ -65,6 +65,16 @@ static inline __m512i both(const void *a, const void *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
+// The low and high nibbles of the bytes q (weights 8 v + t and 8 v + 4 + t) with, where qh is given, their fifth
+// bits: bits 2 v and 2 v + 1 of each byte of qh (the word shifts' bits from the next byte masked off)
+static inline void nibbles(__m512i q, const __m512i *qh, int v, __m512i *lo, __m512i *hi) {
+    const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
+    *lo = _mm512_and_si512(q, low4), *hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    if (!qh) return;
+    *lo = _mm512_or_si512(*lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(*qh, 2 * v), one), 4));
+    *hi = _mm512_or_si512(*hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(*qh, 2 * v + 1), one), 4));
+}
+
 // A B row's scales for vpmaddubsw: each column's scale at the even bytes (even), at the odd bytes (odd), and
 // offset x scale per word (Q6_K's weights are stored plus 32)
 typedef struct {
@@ -103,7 +113,6 @@ static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512
 // 64-block sb / 2
 static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     const blk_q4_Kx8 *qa = (const blk_q4_Kx8 *)ba, *qb = (const blk_q4_Kx8 *)bb;
-    const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     for (int sb = 0; sb < 8; sb++) {
         uint8_t (*b)[2][16][64] = s->b[sb / 2];
         const int base = 8 * (sb % 2);
@@ -111,12 +120,8 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
         const __m512i h = type == Q5_K ? both(((const blk_q5_Kx8 *)ba)->qh[sb], ((const blk_q5_Kx8 *)bb)->qh[sb])
                                        : _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
-            const __m512i q = both(qa->qs[sb][v], qb->qs[sb][v]);
-            __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            if (type == Q5_K) {  // bits 2 v and 2 v + 1 of each byte (the word shifts' bits from the next byte masked)
-                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v), one), 4));
-                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v + 1), one), 4));
-            }
+            __m512i lo, hi;
+            nibbles(both(qa->qs[sb][v], qb->qs[sb][v]), type == Q5_K ? &h : NULL, v, &lo, &hi);
             scaled_row(b, tile, base + 2 * v, lo, &scale, 0);
             scaled_row(b, tile, base + 2 * v + 1, hi, &scale, 0);
         }
@@ -141,6 +146,12 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScra
     }
 }
 #else
+// Byte i's low and high nibbles (weights 8 v + t and 8 v + 4 + t) with, where qh is given, their fifth bits
+static inline void nibble_pair(const uint8_t *q, const uint8_t *qh, int v, int i, int16_t *lo, int16_t *hi) {
+    const int h = qh ? qh[i] >> (2 * v) : 0;
+    *lo = (int16_t)((q[i] & 0xf) | (h & 1) << 4), *hi = (int16_t)((q[i] >> 4) | (h & 2) << 3);
+}
+
 // B bytes 32 half + i of row `row` (weights of value k0 + 4 row + t, t = i % 4, column i / 4 of the group) for
 // 32 weights u[i] times their scales s[i]
 static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, int row, const int16_t *u,
@@ -161,11 +172,7 @@ static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, 
         int16_t scale[32], lo[32], hi[32];
         for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
         for (int v = 0; v < 4; v++) {
-            for (int i = 0; i < 32; i++) {
-                const int h = qh ? qh[i] >> (2 * v) : 0;
-                lo[i] = (int16_t)((q->qs[sb][v][i] & 0xf) | (h & 1) << 4);
-                hi[i] = (int16_t)((q->qs[sb][v][i] >> 4) | (h & 2) << 3);
-            }
+            for (int i = 0; i < 32; i++) nibble_pair(q->qs[sb][v], qh, v, i, &lo[i], &hi[i]);
             scaled_half_row(b, tile, half, base + 2 * v, lo, scale);
             scaled_half_row(b, tile, half, base + 2 * v + 1, hi, scale);
         }
@@ -209,15 +216,11 @@ static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int til
             _mm512_store_si512(b[tile][v], both(((const blk_q8_0x8 *)ba)->qs[v], ((const blk_q8_0x8 *)bb)->qs[v]));
         return;
     }
-    const __m512i low4 = _mm512_set1_epi8(0xf), one = _mm512_set1_epi8(1);
     const __m512i h = has_qh(type) ? both(ba + x8_qh_at(type), bb + x8_qh_at(type)) : _mm512_setzero_si512();
     for (int v = 0; v < 4; v++) {
-        const __m512i q = both(ba + x8_qs_at(type) + 32 * v, bb + x8_qs_at(type) + 32 * v);
-        __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-        if (has_qh(type)) {
-            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v), one), 4));
-            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * v + 1), one), 4));
-        }
+        __m512i lo, hi;
+        nibbles(both(ba + x8_qs_at(type) + 32 * v, bb + x8_qs_at(type) + 32 * v), has_qh(type) ? &h : NULL, v, &lo,
+                &hi);
         _mm512_store_si512(b[tile][2 * v], lo);
         _mm512_store_si512(b[tile][2 * v + 1], hi);
     }
@@ -231,9 +234,9 @@ static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int til
         const uint8_t *q = blk + x8_qs_at(type), *qh = has_qh(type) ? blk + x8_qh_at(type) : NULL;
         for (int v = 0; v < 4; v++)
             for (int i = 0; i < 32; i++) {
-                const int h = qh ? qh[i] >> (2 * v) : 0;
-                b[tile][2 * v][32 * half + i] = (uint8_t)((q[32 * v + i] & 0xf) | (h & 1) << 4);
-                b[tile][2 * v + 1][32 * half + i] = (uint8_t)((q[32 * v + i] >> 4) | (h & 2) << 3);
+                int16_t lo, hi;
+                nibble_pair(q + 32 * v, qh, v, i, &lo, &hi);
+                b[tile][2 * v][32 * half + i] = (uint8_t)lo, b[tile][2 * v + 1][32 * half + i] = (uint8_t)hi;
             }
     }
 #endif
