@@ -17,7 +17,7 @@
 #include "amx_tiles.h"
 
 
-#define AMX_ROWS 16     // calls of at least this many activation rows take the tiles
+#define AMX_ROWS 12     // calls of at least this many activation rows take the tiles (padded to 16)
 #define TASK_COLS 32     // weight rows of a task
 #define TASK_ROWS 256    // activation rows of a task (a multiple of 16)
 
