@@ -80,6 +80,20 @@ def test_quantized_gguf_equals_transformers_on_the_same_file(hf_folders, tmp_pat
     assert resolve_model(str(gguf_file)).config.torch_dtype == ("bfloat16" if qtype == Q.Q8_0 else "float16")
 
 
+def test_quantized_blocks_give_the_same_greedy_tokens_under_every_scheduler_and_backend(hf_folders, tmp_path):
+    """Weights kept in their Q4_K / Q6_K / Q8_0 blocks (int8 activations): a prompt alone (one row a decode step,
+    the vector kernels) and in batches of every scheduler and attention backend (steps of many rows: on AMX-INT8
+    CPUs the tiles) give the same tokens."""
+    types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q8_0}
+    gguf_file = write_gguf(hf_folders["llama256"], tmp_path / "k.gguf", Q.Q4_K, tensor_types=types)
+    prompts = shared_prefix_prompts(seed=6)
+    alone, llm = flock_greedy(gguf_file, prompts, dtype="float32", scheduler="fcfs", max_num_seqs=1)
+    assert "quantized" in llm.engine.runner.paths
+    for scheduler, attention in (("fcfs", "auto"), ("batchllm", "auto"), ("feather", "torch-cascade")):
+        got, _ = flock_greedy(gguf_file, prompts, dtype="float32", scheduler=scheduler, attention=attention)
+        assert got == alone, (scheduler, attention)
+
+
 def test_tokenizer_and_chat_template_equal_transformers(hf_folders, tmp_path):
     from transformers import AutoTokenizer
 
