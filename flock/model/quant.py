@@ -259,7 +259,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
             code = lib.flock_qgemm(qtype, x8, blocks.data_ptr(), row_bytes, cols, weight.k, x_at, ldx, x_bf16, m,
                                    out_at + col * out.element_size(), n, out_bf16, glu, threads)
             if code == -1:
-                raise MemoryError(f"no memory for the int8 activations of {m} rows")
+                raise MemoryError(f"no memory for the int8 activations of {m} rows (or the AMX tiles' scratch)")
             if code:
                 raise RuntimeError(f"the quantized GEMM's tiles met shapes an AMX CPU refuses ({code})")
     if bias is not None:

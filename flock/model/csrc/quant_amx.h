@@ -20,6 +20,9 @@
 #define AMX_ROWS 12     // calls of at least this many activation rows take the tiles (padded to 16)
 #define TASK_COLS 32     // weight rows of a task
 #define TASK_ROWS 256    // activation rows of a task (a multiple of 16)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define AVX512_STEPS  // the unpacking, float steps and outputs in AVX-512 (the AMX-INT8 build), else portable C
+#endif
 
 enum { LOW, HIGH };  // the kinds of B tiles (and of sums)
 
@@ -58,7 +61,7 @@ static void group_scales(int type, const uint8_t *blk, int g, TileScratch *s) {
                             _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q->mn[p])));
 }
 
-#ifdef __AVX512BW__
+#ifdef AVX512_STEPS
 // A B row's 64 bytes from its two groups' 32-byte vectors (columns 0-7 from a, 8-15 from b)
 static inline __m512i both(const void *a, const void *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -210,7 +213,7 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScra
 // the 4- and 5-bit types' low nibbles (rows 2 v) and high nibbles (rows 2 v + 1) of vector v, with their fifth bits
 static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
     uint8_t (*b)[16][64] = s->b[0][LOW];
-#ifdef __AVX512BW__
+#ifdef AVX512_STEPS
     if (type == Q8_0) {
         for (int v = 0; v < 8; v++)
             _mm512_store_si512(b[tile][v], both(((const blk_q8_0x8 *)ba)->qs[v], ((const blk_q8_0x8 *)bb)->qs[v]));
@@ -291,19 +294,13 @@ static inline void amx_store_sums(int tiles, int high, TileScratch *s) {  // til
     if (high) TILE_STORE(5, s->c[HIGH][1], 64);
 }
 
-#if defined(__AVX512VNNI__)
-#define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
-#elif defined(__AVX512BW__)
-#define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#endif
-
 // The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
 // with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
                                   const TileScratch *restrict s, float (*restrict acc)[TASK_COLS]) {
     for (int r = 0; r < rows; r++) {
         const act256 *xr = (const act256 *)(x + r * act_row);
-#ifdef __AVX512F__
+#ifdef AVX512_STEPS
         __m512i sums[4];  // the activations' sums of 32, pairs p in each 32-bit lane
         for (int p = 0; p < 4; p++) {
             int32_t pair;
@@ -315,14 +312,14 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
             const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r];
             const float *d = s->d + 16 * t, *dmin = s->dmin + 16 * t;
             float *a = acc[r] + 16 * t;
-#ifdef __AVX512F__
+#ifdef AVX512_STEPS
             const __m512 xd = _mm512_set1_ps(xr->d);
             const __m512i isum = _mm512_add_epi32(_mm512_loadu_si512(lo), _mm512_slli_epi32(_mm512_loadu_si512(hi), 8));
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_loadu_ps(d), xd),
                                        _mm512_loadu_ps(a));
             if (mins) {
                 __m512i m = _mm512_setzero_si512();
-                for (int p = 0; p < 4; p++) m = DPWSSD(m, _mm512_loadu_si512(s->mn[p][16 * t]), sums[p]);
+                for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(s->mn[p][16 * t]), sums[p]);
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_loadu_ps(dmin), xd), v);
             }
             _mm512_storeu_ps(a, v);
@@ -349,7 +346,7 @@ static inline void amx_float_small(int type, const uint8_t *x, int64_t act_row, 
             const int32_t *sum = s->c[LOW][t][r];
             const float *d = s->d + 16 * t, *m = s->dmin + 16 * t;
             float *a = acc[r] + 16 * t;
-#ifdef __AVX512F__
+#ifdef AVX512_STEPS
             const __m512 vd = _mm512_loadu_ps(d), xs = _mm512_set1_ps(xr->s);
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sum)),
                                        _mm512_mul_ps(vd, _mm512_set1_ps(xr->d)), _mm512_loadu_ps(a));
@@ -424,7 +421,7 @@ static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, 
 // y[at ..] = v[0 .. cols): fp32, or bf16 (f32_to_bf16's rounding)
 static inline void write_row(void *y, int64_t at, const float *v, int cols, int out_bf16) {
     int e = 0;
-#ifdef __AVX512F__
+#ifdef AVX512_STEPS
     for (; e + 16 <= cols; e += 16) {
         const __m512 f = _mm512_loadu_ps(v + e);
         if (!out_bf16) {

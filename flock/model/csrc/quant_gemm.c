@@ -1010,9 +1010,9 @@ int32_t flock_qgemm_init(void) {
 
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
 // x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
-// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved K-quant weights take the AMX
-// tiles (AMX builds) from AMX_ROWS rows. Returns -1 where memory for the activations (or the tiles' scratch) cannot be
-// had, -2 where an emulated tile operation met shapes the CPU would refuse.
+// With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved weights take the AMX tiles (AMX
+// builds) from AMX_ROWS rows. Returns -1 where memory for the activations (or the tiles' scratch) cannot be had,
+// -2 where an emulated tile operation met shapes the CPU would refuse.
 int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                     const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
                     int32_t glu, int32_t threads) {
