@@ -5,7 +5,7 @@ float32 matmul on the same shape, in one run:
   last-level cache),
   the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
 Every kernel path this CPU runs but the baseline, side by side (on a VNNI CPU: avx2 and the VNNI path; on an
-AMX-INT8 CPU also amxint8, whose tiles take the calls of 12 rows or more on the 8-row layout).
+AMX-INT8 CPU also amxint8, whose tiles take the calls of 3 rows or more on the 8-row layout).
 
     python -m bench.quant_gemm                          # about a minute per path
     python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048 --paths avx2

@@ -7,7 +7,7 @@ A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` pe
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
 the gguf package's quantizer, for models that come as floats. The kernels are built for AMX-INT8 (tiles for
-calls of 12+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
+calls of 3+ rows on interleaved weights, the same bits as the vector kernels), VNNI (AVX512-VNNI or AVX-VNNI),
 AVX2 and the baseline (portable C: the reference path); `isa()` says which one runs.
 """
 
@@ -83,7 +83,7 @@ _EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
 @functools.cache
 def isa() -> str:
     """The ISA path the kernels run here (amxint8, avx512vnni, avxvnni, avx2, else baseline): the best this CPU
-    has whose build loads. The amxint8 build runs calls of 12+ rows on the tiles and fewer on AVX512-VNNI."""
+    has whose build loads. The amxint8 build runs calls of 3+ rows on the tiles and fewer on AVX512-VNNI."""
     return KERNEL.best()
 
 

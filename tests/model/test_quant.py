@@ -91,11 +91,11 @@ def test_vnni_and_amx_paths_build_here():
 @pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("name", list(quant.X8_BYTES))
 def test_amx_tiles_give_the_vector_kernels_bits(name, path):
-    """12+ rows on interleaved weights take the tiles: every output the same bits as the AVX2 kernel's (so a
-    step's row count never changes a row's result), over partial row tiles, a last group of 8 weight rows, glu
-    and bf16."""
-    k = 512
-    for m, n in ((12, 24), (16, 32), (21, 40), (40, 48), (300, 56)):
+    """3+ rows on interleaved weights take the tiles: every output the same bits as the AVX2 kernel's (so a
+    step's row count never changes a row's result), over single and partial row tiles, a last group of 8 weight
+    rows, three blocks, glu and bf16."""
+    k = 768
+    for m, n in ((3, 24), (12, 24), (16, 32), (21, 40), (40, 48), (300, 56)):
         weight = QuantWeight([random_blocks(name, n, k, m, interleaved=True)])
         x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
         for rows, glu in ((x, False), (x.bfloat16(), False), (x, True)):

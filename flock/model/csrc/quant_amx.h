@@ -17,7 +17,7 @@
 #include "amx_tiles.h"
 
 
-#define AMX_ROWS 12     // calls of at least this many activation rows take the tiles (padded to 16)
+#define AMX_ROWS 3      // calls of at least this many activation rows take the tiles (padded to 16)
 #define TASK_COLS 32     // weight rows of a task
 #define TASK_ROWS 256    // activation rows of a task (a multiple of 16)
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -26,11 +26,17 @@
 
 enum { LOW, HIGH };  // the kinds of B tiles (and of sums)
 
-typedef struct {
-    uint8_t b[4][2][2][16][64];  // one block's B tiles: 64 values j, kind, column tile (k / 4 rows x 16 x 4)
-    int32_t c[2][2][16][16];     // one activation tile's sums: kind, column tile
+typedef uint8_t BTiles[2][2][16][64];  // 64 values' B tiles: kind, column tile (k / 4 rows x 16 x 4)
+
+typedef struct {  // what a block's float step needs of its columns
     float d[TASK_COLS], dmin[TASK_COLS];  // each column's scale, and its minimum's scale (Q4_1 / Q5_1: minimum)
-    int16_t mn[4][TASK_COLS][2];   // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
+    int16_t mn[4][TASK_COLS][2];          // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
+} BlockScales;
+
+typedef struct {
+    BTiles b[4];              // one block's B tiles, values 64 j ..
+    int32_t c[2][2][16][16];  // one activation tile's sums: kind, column tile
+    BlockScales sc[2];        // the block's scales (one tile of rows: block b's in sc[b % 2], see amx_task_row)
 } TileScratch;
 
 typedef struct {
@@ -50,7 +56,7 @@ static void amx_configure(int kbytes) {
 
 // The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums).
 // Every build of this file has AVX2 and F16C.
-static void group_scales(int type, const uint8_t *blk, int g, TileScratch *s) {
+static void group_scales(int type, const uint8_t *blk, int g, BlockScales *s) {
     const f16 *d = type == Q6_K ? ((const blk_q6_Kx8 *)blk)->d : ((const blk_q4_Kx8 *)blk)->d;
     _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
     if (type == Q6_K) return;
@@ -112,12 +118,11 @@ static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512
     _mm512_store_si512(b[HIGH][tile][row], _mm512_mask_shuffle_epi8(odd, ~odd_bytes, even, down));
 }
 
-// Q4_K / Q5_K super-blocks of the tile's groups a and b: sub-block sb is values 32 sb ..: B rows 8 (sb % 2) .. of
-// 64-block sb / 2
-static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
+// Values 64 j .. of Q4_K / Q5_K super-blocks of the tile's groups a and b into b: sub-block sb is values
+// 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
     const blk_q4_Kx8 *qa = (const blk_q4_Kx8 *)ba, *qb = (const blk_q4_Kx8 *)bb;
-    for (int sb = 0; sb < 8; sb++) {
-        uint8_t (*b)[2][16][64] = s->b[sb / 2];
+    for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
         const RowScales scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 0, 0);
         const __m512i h = type == Q5_K ? both(((const blk_q5_Kx8 *)ba)->qh[sb], ((const blk_q5_Kx8 *)bb)->qh[sb])
@@ -131,12 +136,12 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
     }
 }
 
-// Q6_K super-blocks of the tile's groups a and b: sub-block sb is values 16 sb ..: B rows 4 (sb % 4) .. of
-// 64-block sb / 4, each weight less its offset 32 before the scale
-static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
+// Values 64 j .. of Q6_K super-blocks of the tile's groups a and b into b: sub-block sb is values 16 sb ..: B
+// rows 4 (sb % 4) .. of 64-block sb / 4, each weight less its offset 32 before the scale
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
     const blk_q6_Kx8 *qa = (const blk_q6_Kx8 *)ba, *qb = (const blk_q6_Kx8 *)bb;
     const __m512i low4 = _mm512_set1_epi8(0xf), top2 = _mm512_set1_epi8(0x30);
-    for (int sb = 0; sb < 16; sb++) {
+    for (int sb = 4 * j; sb < 4 * j + 4; sb++) {
         const RowScales scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 1, 32);
         const __m512i qh = both(qa->sub[sb].qh, qb->sub[sb].qh);
         for (int row = 0; row < 4; row++) {
@@ -144,7 +149,7 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScra
             const __m512i nib = _mm512_and_si512(row % 2 ? _mm512_srli_epi16(ql, 4) : ql, low4);
             const __m512i top = _mm512_and_si512(
                 2 * row >= 4 ? _mm512_srli_epi16(qh, 2 * row - 4) : _mm512_slli_epi16(qh, 4 - 2 * row), top2);
-            scaled_row(s->b[sb / 4], tile, 4 * (sb % 4) + row, _mm512_or_si512(nib, top), &scale, 32);
+            scaled_row(b, tile, 4 * (sb % 4) + row, _mm512_or_si512(nib, top), &scale, 32);
         }
     }
 }
@@ -166,10 +171,9 @@ static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, 
     }
 }
 
-static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, TileScratch *s) {
+static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, int j, BTiles b) {
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
-    for (int sb = 0; sb < 8; sb++) {
-        uint8_t (*b)[2][16][64] = s->b[sb / 2];
+    for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
         const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb] : NULL;
         int16_t scale[32], lo[32], hi[32];
@@ -182,9 +186,9 @@ static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, 
     }
 }
 
-static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, TileScratch *s) {
+static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, int j, BTiles b) {
     const blk_q6_Kx8 *q = (const blk_q6_Kx8 *)blk;
-    for (int sb = 0; sb < 16; sb++) {
+    for (int sb = 4 * j; sb < 4 * j + 4; sb++) {
         const q6_sub *sub = &q->sub[sb];
         int16_t scale[32], u[32];
         for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
@@ -193,26 +197,27 @@ static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, TileScratch
                 const uint8_t ql = sub->qs[row / 2][i], top = (uint8_t)((sub->qh[i] >> (2 * row)) & 3);
                 u[i] = (int16_t)(((row % 2 ? ql >> 4 : ql & 0xf) | top << 4) - 32);
             }
-            scaled_half_row(s->b[sb / 4], tile, half, 4 * (sb % 4) + row, u, scale);
+            scaled_half_row(b, tile, half, 4 * (sb % 4) + row, u, scale);
         }
     }
 }
 
-static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
-    unpack_q45_K_half(type, ba, tile, 0, s);
-    unpack_q45_K_half(type, bb, tile, 1, s);
+static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
+    unpack_q45_K_half(type, ba, tile, 0, j, b);
+    unpack_q45_K_half(type, bb, tile, 1, j, b);
 }
 
-static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
-    unpack_q6_K_half(ba, tile, 0, s);
-    unpack_q6_K_half(bb, tile, 1, s);
+static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
+    unpack_q6_K_half(ba, tile, 0, j, b);
+    unpack_q6_K_half(bb, tile, 1, j, b);
 }
 #endif
 
-// The 32-blocks of the tile's groups a and b as one B tile of 8 rows: Q8_0's weights plus 128 as they are stored;
-// the 4- and 5-bit types' low nibbles (rows 2 v) and high nibbles (rows 2 v + 1) of vector v, with their fifth bits
-static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, TileScratch *s) {
-    uint8_t (*b)[16][64] = s->b[0][LOW];
+// The 32-blocks of the tile's groups a and b as one B tile of 8 rows into dst: Q8_0's weights plus 128 as they
+// are stored; the 4- and 5-bit types' low nibbles (rows 2 v) and high nibbles (rows 2 v + 1) of vector v, with
+// their fifth bits
+static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int tile, BTiles dst) {
+    uint8_t (*b)[16][64] = dst[LOW];
 #ifdef AVX512_STEPS
     if (type == Q8_0) {
         for (int v = 0; v < 8; v++)
@@ -246,44 +251,51 @@ static void unpack_small(int type, const uint8_t *ba, const uint8_t *bb, int til
 }
 
 // The 32-blocks' scales d of group g's columns, and Q4_1 / Q5_1's minimums m (as dmin)
-static void small_scales(int type, const uint8_t *blk, int g, TileScratch *s) {
+static void small_scales(int type, const uint8_t *blk, int g, BlockScales *s) {
     _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));
     if (has_min(type)) _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))));
 }
 
-// One activation tile (32 int8 values a row) times the 32-blocks' B tiles.
-static inline void amx_products_small(const uint8_t *a, int64_t act_row, int tiles, TileScratch *s) {
+// One activation tile (32 int8 values a row) times the 32-blocks' B tiles b.
+static inline void amx_products_small(const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
     TILE_ZERO(2);
     TILE_LOAD(0, a, act_row);
-    TILE_LOAD(1, s->b[0][LOW][0], 64);
+    TILE_LOAD(1, b[LOW][0], 64);
     TILE_DPBSUD(2, 0, 1);
     if (tiles < 2) return;
     TILE_ZERO(4);
-    TILE_LOAD(1, s->b[0][LOW][1], 64);
+    TILE_LOAD(1, b[LOW][1], 64);
     TILE_DPBSUD(4, 0, 1);
 }
 
-// One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the B tiles.
-static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, TileScratch *s) {
-    const int six = type == Q6_K;  // Q6_K's high bytes are signed
+static inline void amx_zero_sums(void) {
     TILE_ZERO(2);
     TILE_ZERO(3);
     TILE_ZERO(4);
     TILE_ZERO(5);
-    for (int j = 0; j < 4; j++) {
-        TILE_LOAD(0, a + 64 * j, act_row);
-        TILE_LOAD(1, s->b[j][LOW][0], 64);
-        TILE_DPBSUD(2, 0, 1);
-        TILE_LOAD(1, s->b[j][HIGH][0], 64);
-        if (six) TILE_DPBSSD(3, 0, 1);
-        else TILE_DPBSUD(3, 0, 1);
-        if (tiles < 2) continue;
-        TILE_LOAD(1, s->b[j][LOW][1], 64);
-        TILE_DPBSUD(4, 0, 1);
-        TILE_LOAD(1, s->b[j][HIGH][1], 64);
-        if (six) TILE_DPBSSD(5, 0, 1);
-        else TILE_DPBSUD(5, 0, 1);
-    }
+}
+
+// One activation tile's 64 values (16 rows of act_row bytes from a) times their B tiles b, added to the sums.
+static inline void amx_products_64(int type, const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
+    const int six = type == Q6_K;  // Q6_K's high bytes are signed
+    TILE_LOAD(0, a, act_row);
+    TILE_LOAD(1, b[LOW][0], 64);
+    TILE_DPBSUD(2, 0, 1);
+    TILE_LOAD(1, b[HIGH][0], 64);
+    if (six) TILE_DPBSSD(3, 0, 1);
+    else TILE_DPBSUD(3, 0, 1);
+    if (tiles < 2) return;
+    TILE_LOAD(1, b[LOW][1], 64);
+    TILE_DPBSUD(4, 0, 1);
+    TILE_LOAD(1, b[HIGH][1], 64);
+    if (six) TILE_DPBSSD(5, 0, 1);
+    else TILE_DPBSUD(5, 0, 1);
+}
+
+// One activation tile (16 rows of act_row bytes from a: the super-block's int8 values) times the block's B tiles.
+static inline void amx_products(int type, const uint8_t *a, int64_t act_row, int tiles, TileScratch *s) {
+    amx_zero_sums();
+    for (int j = 0; j < 4; j++) amx_products_64(type, a + 64 * j, act_row, tiles, s->b[j]);
 }
 
 static inline void amx_store_sums(int tiles, int high, TileScratch *s) {  // tile numbers must be constants
@@ -297,7 +309,8 @@ static inline void amx_store_sums(int tiles, int high, TileScratch *s) {  // til
 // The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
 // with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
-                                  const TileScratch *restrict s, float (*restrict acc)[TASK_COLS]) {
+                                  const TileScratch *restrict s, const BlockScales *restrict sc,
+                                  float (*restrict acc)[TASK_COLS]) {
     for (int r = 0; r < rows; r++) {
         const act256 *xr = (const act256 *)(x + r * act_row);
 #ifdef AVX512_STEPS
@@ -310,7 +323,7 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
 #endif
         for (int t = 0; t < tiles; t++) {
             const int32_t *lo = s->c[LOW][t][r], *hi = s->c[HIGH][t][r];
-            const float *d = s->d + 16 * t, *dmin = s->dmin + 16 * t;
+            const float *d = sc->d + 16 * t, *dmin = sc->dmin + 16 * t;
             float *a = acc[r] + 16 * t;
 #ifdef AVX512_STEPS
             const __m512 xd = _mm512_set1_ps(xr->d);
@@ -319,7 +332,7 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
                                        _mm512_loadu_ps(a));
             if (mins) {
                 __m512i m = _mm512_setzero_si512();
-                for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(s->mn[p][16 * t]), sums[p]);
+                for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(sc->mn[p][16 * t]), sums[p]);
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_loadu_ps(dmin), xd), v);
             }
             _mm512_storeu_ps(a, v);
@@ -328,7 +341,7 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
                 const float v = fmaf((float)(lo[e] + 256 * hi[e]), d[e] * xr->d, a[e]);
                 int32_t m = 0;
                 for (int p = 0; p < 4; p++)
-                    m += s->mn[p][16 * t + e][0] * xr->sums32[2 * p] + s->mn[p][16 * t + e][1] * xr->sums32[2 * p + 1];
+                    m += sc->mn[p][16 * t + e][0] * xr->sums32[2 * p] + sc->mn[p][16 * t + e][1] * xr->sums32[2 * p + 1];
                 a[e] = mins ? fmaf(-(float)m, dmin[e] * xr->d, v) : v;
             }
 #endif
@@ -338,13 +351,14 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
 
 // The stored sums of `rows` activation rows (act32 x[r]) into acc: the float step of dot_q8_0_x8 / dot_q45_x8.
 static inline void amx_float_small(int type, const uint8_t *x, int64_t act_row, int rows, int tiles,
-                                   const TileScratch *restrict s, float (*restrict acc)[TASK_COLS]) {
+                                   const TileScratch *restrict s, const BlockScales *restrict sc,
+                                   float (*restrict acc)[TASK_COLS]) {
     const float offset = x8_offset(type);
     for (int r = 0; r < rows; r++) {
         const act32 *xr = (const act32 *)(x + r * act_row);
         for (int t = 0; t < tiles; t++) {
             const int32_t *sum = s->c[LOW][t][r];
-            const float *d = s->d + 16 * t, *m = s->dmin + 16 * t;
+            const float *d = sc->d + 16 * t, *m = sc->dmin + 16 * t;
             float *a = acc[r] + 16 * t;
 #ifdef AVX512_STEPS
             const __m512 vd = _mm512_loadu_ps(d), xs = _mm512_set1_ps(xr->s);
@@ -376,42 +390,107 @@ static inline void prefetch_rows(const uint8_t *x, int64_t act_row, int64_t size
     for (int r = 0; r < 16; r++) prefetch_bytes(x + r * act_row, size + 63);
 }
 
+static const uint8_t zero_group[8 * 210] __attribute__((aligned(64)));  // a missing group: zero weights, scales
+
+// Column tile t's two groups of 8 weight rows (from w, row_bytes apart) at block b
+static inline void tile_groups(const uint8_t *w, int64_t row_bytes, int groups, int t, int64_t b, int64_t blk_bytes,
+                               const uint8_t **ga, const uint8_t **gb) {
+    *ga = w + 16 * t * row_bytes + b * blk_bytes;
+    *gb = 2 * t + 1 < groups ? *ga + 8 * row_bytes : zero_group;
+}
+
+static inline void unpack_kq(int type, const uint8_t *ga, const uint8_t *gb, int tile, int j, BTiles dst) {
+    if (type == Q6_K) unpack_q6_K(ga, gb, tile, j, dst);
+    else unpack_q45_K(type, ga, gb, tile, j, dst);
+}
+
+// Values 64 j .. of block b of the K-quant weights (groups of 8 rows from w) as B tiles into dst; with j 0, the
+// block's scales into sc. Part j of the next block's weights goes on its way from memory.
+static void unpack_kq_64(int type, const uint8_t *w, int64_t row_bytes, int groups, int64_t b, int64_t nb, int j,
+                         BTiles dst, BlockScales *sc) {
+    const int64_t blk_bytes = 8 * x8_row_bytes(type), part = (blk_bytes / 4 + 63) / 64 * 64;
+    for (int t = 0; t < (groups + 1) / 2; t++) {
+        const uint8_t *ga, *gb;
+        tile_groups(w, row_bytes, groups, t, b, blk_bytes, &ga, &gb);
+        if (b + 1 < nb) {
+            const int64_t at = j * part, n = j < 3 ? part : blk_bytes - at;
+            prefetch_bytes(ga + blk_bytes + at, n);
+            if (gb != zero_group) prefetch_bytes(gb + blk_bytes + at, n);
+        }
+        unpack_kq(type, ga, gb, t, j, dst);
+        if (j == 0) group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
+    }
+}
+
+// acc[r][e] for a K-quant task of at most 16 activation rows (one tile, as decode steps have). Its products are
+// short, so rather than a block's unpacking, then its products, then its float step, the task goes in steps of 64
+// values: each step's products, then the float step of the block before (after a block's first products), then
+// the unpacking of the next step's values, all while the tiles multiply. The steps' B tiles take s->b in turn:
+// a step's unpacking overwrites the tiles read three steps before (tile loads wait for the products before them,
+// and an unpacking into tiles just read waited for those loads).
+static void amx_task_row(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x,
+                         int64_t act_row, int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
+    const int tiles = (groups + 1) / 2, mins = type != Q6_K;
+    const int64_t act_size = sizeof(act256), steps = 4 * nb;
+    memset(acc, 0, (size_t)rows * sizeof acc[0]);
+    unpack_kq_64(type, w, row_bytes, groups, 0, nb, 0, s->b[0], &s->sc[0]);
+    for (int64_t i = 0; i < steps; i++) {
+        const int64_t b = i / 4, next = i + 1;
+        const int j = (int)(i % 4);
+        const uint8_t *xb = x + b * act_size;
+        if (j == 0) amx_zero_sums();
+        amx_products_64(type, xb + offsetof(act256, q) + 64 * j, act_row, tiles, s->b[j]);
+        if (j == 0 && b > 0) amx_float_step(mins, xb - act_size, act_row, rows, tiles, s, &s->sc[(b - 1) % 2], acc);
+        if (next < steps)
+            unpack_kq_64(type, w, row_bytes, groups, next / 4, nb, (int)(next % 4), s->b[next % 4],
+                         next % 4 ? NULL : &s->sc[next / 4 % 2]);
+        if (j == 3) amx_store_sums(tiles, 1, s);
+    }
+    amx_float_step(mins, x + (nb - 1) * act_size, act_row, rows, tiles, s, &s->sc[(nb - 1) % 2], acc);
+}
+
 // acc[r][e] = weight row e (groups of 8 rows from w, row_bytes apart) times activation row r, for `rows` rows
 // (of act_row bytes from x, the buffer padded to whole tiles). Each activation tile's float step runs while the
 // next tile's products are under way.
 static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
                      int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
     const int kq = type >= Q4_K, mins = kq && type != Q6_K;
+    if (kq && rows <= 16) {
+        amx_task_row(type, w, row_bytes, groups, x, act_row, nb, rows, s, acc);
+        return;
+    }
     const int64_t blk_bytes = 8 * x8_row_bytes(type), act_size = kq ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
     const int64_t q_at = kq ? (int64_t)offsetof(act256, q) : (int64_t)offsetof(act32, q);
     const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16;
-    static const uint8_t zeros[8 * 210] __attribute__((aligned(64)));  // a missing group: zero weights and scales
+    BlockScales *sc = &s->sc[0];
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     for (int64_t b = 0; b < nb; b++) {
         for (int t = 0; t < tiles; t++) {
-            const uint8_t *ga = w + 16 * t * row_bytes + b * blk_bytes;
-            const uint8_t *gb = 2 * t + 1 < groups ? ga + 8 * row_bytes : zeros;
+            const uint8_t *ga, *gb;
+            tile_groups(w, row_bytes, groups, t, b, blk_bytes, &ga, &gb);
             if (b + 1 < nb) {  // the next block's weights on their way from memory
                 prefetch_bytes(ga + blk_bytes, blk_bytes);
-                if (gb != zeros) prefetch_bytes(gb + blk_bytes, blk_bytes);
+                if (gb != zero_group) prefetch_bytes(gb + blk_bytes, blk_bytes);
             }
-            if (type == Q6_K) unpack_q6_K(ga, gb, t, s);
-            else if (kq) unpack_q45_K(type, ga, gb, t, s);
-            else unpack_small(type, ga, gb, t, s);
-            if (kq) group_scales(type, ga, 2 * t, s), group_scales(type, gb, 2 * t + 1, s);
-            else small_scales(type, ga, 2 * t, s), small_scales(type, gb, 2 * t + 1, s);
+            if (!kq) {
+                unpack_small(type, ga, gb, t, s->b[b % 4]);
+                small_scales(type, ga, 2 * t, sc), small_scales(type, gb, 2 * t + 1, sc);
+                continue;
+            }
+            for (int j = 0; j < 4; j++) unpack_kq(type, ga, gb, t, j, s->b[j]);
+            group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
         }
         const uint8_t *xb = x + b * act_size;
         for (int mt = 0; mt <= m_tiles; mt++) {
             if (mt < m_tiles) {
                 if (kq) amx_products(type, xb + 16 * mt * act_row + q_at, act_row, tiles, s);
-                else amx_products_small(xb + 16 * mt * act_row + q_at, act_row, tiles, s);
+                else amx_products_small(xb + 16 * mt * act_row + q_at, act_row, tiles, s->b[b % 4]);
             }
             if (mt + 1 < m_tiles) prefetch_rows(xb + 16 * (mt + 1) * act_row, act_row, act_size);
             if (mt > 0) {
                 const int r0 = 16 * (mt - 1), n = rows - r0 < 16 ? rows - r0 : 16;
-                if (kq) amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
-                else amx_float_small(type, xb + r0 * act_row, act_row, n, tiles, s, acc + r0);
+                if (kq) amx_float_step(mins, xb + r0 * act_row, act_row, n, tiles, s, sc, acc + r0);
+                else amx_float_small(type, xb + r0 * act_row, act_row, n, tiles, s, sc, acc + r0);
             }
             if (mt < m_tiles) amx_store_sums(tiles, kq, s);
         }

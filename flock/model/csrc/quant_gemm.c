@@ -19,7 +19,7 @@
 // of every x86 CPU Flock runs on), for VNNI (vpdpbusd: 4 products summed straight into int32, on 256-bit
 // vectors: AVX-VNNI, or AVX512-VNNI with VL) and for the baseline (portable C, the same integer arithmetic: the
 // reference). FLOCK_EMULATED_VNNI builds the VNNI kernels on AVX2 with vpdpbusd emulated exactly: how CPUs
-// without VNNI test them. On CPUs with AMX-INT8, calls of 12 rows or more on interleaved weights take the tiles
+// without VNNI test them. On CPUs with AMX-INT8, calls of 3 rows or more on interleaved weights take the tiles
 // (quant_amx.h), with results the same bits as the vector kernels'; FLOCK_EMULATED_AMX builds those on AVX2.
 // A Llama MLP's gate_up weight ([gate | up], 2I rows) gives silu(gate) * up straight from the float sums (glu).
 #include <math.h>
