@@ -399,11 +399,6 @@ static inline void tile_groups(const uint8_t *w, int64_t row_bytes, int groups, 
     *gb = 2 * t + 1 < groups ? *ga + 8 * row_bytes : zero_group;
 }
 
-static inline void unpack_kq(int type, const uint8_t *ga, const uint8_t *gb, int tile, int j, BTiles dst) {
-    if (type == Q6_K) unpack_q6_K(ga, gb, tile, j, dst);
-    else unpack_q45_K(type, ga, gb, tile, j, dst);
-}
-
 // Values 64 j .. of block b of the K-quant weights (groups of 8 rows from w) as B tiles into dst; with j 0, the
 // block's scales into sc. Part j of the next block's weights goes on its way from memory.
 static void unpack_kq_64(int type, const uint8_t *w, int64_t row_bytes, int groups, int64_t b, int64_t nb, int j,
@@ -417,8 +412,26 @@ static void unpack_kq_64(int type, const uint8_t *w, int64_t row_bytes, int grou
             prefetch_bytes(ga + blk_bytes + at, n);
             if (gb != zero_group) prefetch_bytes(gb + blk_bytes + at, n);
         }
-        unpack_kq(type, ga, gb, t, j, dst);
+        if (type == Q6_K) unpack_q6_K(ga, gb, t, j, dst);
+        else unpack_q45_K(type, ga, gb, t, j, dst);
         if (j == 0) group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
+    }
+}
+
+// Block b of the 32-block weights (groups of 8 rows from w) as B tiles into dst and its scales into sc; the next
+// block on its way from memory.
+static void unpack_small_block(int type, const uint8_t *w, int64_t row_bytes, int groups, int64_t b, int64_t nb,
+                               BTiles dst, BlockScales *sc) {
+    const int64_t blk_bytes = 8 * x8_row_bytes(type);
+    for (int t = 0; t < (groups + 1) / 2; t++) {
+        const uint8_t *ga, *gb;
+        tile_groups(w, row_bytes, groups, t, b, blk_bytes, &ga, &gb);
+        if (b + 1 < nb) {
+            prefetch_bytes(ga + blk_bytes, blk_bytes);
+            if (gb != zero_group) prefetch_bytes(gb + blk_bytes, blk_bytes);
+        }
+        unpack_small(type, ga, gb, t, dst);
+        small_scales(type, ga, 2 * t, sc), small_scales(type, gb, 2 * t + 1, sc);
     }
 }
 
@@ -459,27 +472,16 @@ static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, 
         amx_task_row(type, w, row_bytes, groups, x, act_row, nb, rows, s, acc);
         return;
     }
-    const int64_t blk_bytes = 8 * x8_row_bytes(type), act_size = kq ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
+    const int64_t act_size = kq ? (int64_t)sizeof(act256) : (int64_t)sizeof(act32);
     const int64_t q_at = kq ? (int64_t)offsetof(act256, q) : (int64_t)offsetof(act32, q);
     const int tiles = (groups + 1) / 2, m_tiles = (rows + 15) / 16;
     BlockScales *sc = &s->sc[0];
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     for (int64_t b = 0; b < nb; b++) {
-        for (int t = 0; t < tiles; t++) {
-            const uint8_t *ga, *gb;
-            tile_groups(w, row_bytes, groups, t, b, blk_bytes, &ga, &gb);
-            if (b + 1 < nb) {  // the next block's weights on their way from memory
-                prefetch_bytes(ga + blk_bytes, blk_bytes);
-                if (gb != zero_group) prefetch_bytes(gb + blk_bytes, blk_bytes);
-            }
-            if (!kq) {
-                unpack_small(type, ga, gb, t, s->b[b % 4]);
-                small_scales(type, ga, 2 * t, sc), small_scales(type, gb, 2 * t + 1, sc);
-                continue;
-            }
-            for (int j = 0; j < 4; j++) unpack_kq(type, ga, gb, t, j, s->b[j]);
-            group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
-        }
+        if (kq)
+            for (int j = 0; j < 4; j++) unpack_kq_64(type, w, row_bytes, groups, b, nb, j, s->b[j], j ? NULL : sc);
+        else
+            unpack_small_block(type, w, row_bytes, groups, b, nb, s->b[b % 4], sc);
         const uint8_t *xb = x + b * act_size;
         for (int mt = 0; mt <= m_tiles; mt++) {
             if (mt < m_tiles) {
