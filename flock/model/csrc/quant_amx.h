@@ -43,13 +43,14 @@ typedef struct {
     float acc[TASK_ROWS][TASK_COLS], up[TASK_ROWS][TASK_COLS];
 } TaskSums;
 
-// 0 the activations (16 rows of kbytes), 1 a B tile (kbytes / 4 rows of 64), 2-3 column tile 0's sums (LOW, HIGH),
-// 4-5 tile 1's (16 rows of 16 int32)
-static void amx_configure(int kbytes) {
+// 0 the activations (`rows` rows of kbytes), 1 a B tile (kbytes / 4 rows of 64), 2-3 column tile 0's sums (LOW,
+// HIGH), 4-5 tile 1's (`rows` rows of 16 int32). A call of fewer than 16 rows multiplies only those: the tiles
+// take time by the rows.
+static void amx_configure(int kbytes, int rows) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 0; t < 6; t++) cfg.rows[t] = (uint8_t)rows, cfg.colsb[t] = 64;
     cfg.colsb[0] = (uint16_t)kbytes, cfg.rows[1] = (uint8_t)(kbytes / 4);
     TILE_CONFIG(&cfg);
 }
@@ -532,7 +533,7 @@ static int amx_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
         if (!s || !sums) continue;
-        if (!configured) amx_configure(type >= Q4_K ? 64 : 32), configured = 1;
+        if (!configured) amx_configure(type >= Q4_K ? 64 : 32, m < 16 ? (int)m : 16), configured = 1;
         const int64_t n0 = i % blocks * TASK_COLS, m0 = i / blocks * TASK_ROWS;  // a chunk's rows stay in L2
         const int rows = m - m0 < TASK_ROWS ? (int)(m - m0) : TASK_ROWS;
         const int groups = n - n0 < TASK_COLS ? (int)(n - n0) / 8 : TASK_COLS / 8, cols = 8 * groups;
