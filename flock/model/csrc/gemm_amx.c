@@ -9,7 +9,9 @@
 // B tiles needs five (the loads come from L2, which bounds the tiles' rate). A task of at most 16 rows, as
 // decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the tiles configured with
 // its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a panel's activations
-// stay in cache while each block's weights are read once per panel; they are split evenly over the threads.
+// stay in cache while each block's weights are read once per panel; they are split evenly over the threads. A
+// block's weights come into L2 ahead of its 2 x 2 tasks: small blocks are prefetched by the tasks of the block
+// before (memory streams while the tiles work), others by their first task, a few steps of K ahead.
 // The sums leave the tiles through a 32 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
@@ -28,6 +30,7 @@ typedef uint16_t bf16;
 #define NC 64           // columns of a weight block
 #define TASK_ROWS 32    // rows of a task
 #define PANEL_ROWS 256  // rows whose activations share one pass over the weight blocks
+#define AHEAD_BYTES (196 << 10)  // blocks up to this size prefetch the next block while they multiply
 #define PREFETCH_STEPS 8  // steps of 32 in K between a weight line's prefetch and its use
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
@@ -104,9 +107,13 @@ static void configure_2x2(int low) {
 // c[32][64] (rows 64 floats apart) = 16 + `low` rows of a (lda elements apart) times the block's 64 columns of
 // pairs b [k / 2][64], half a block at a time. `fetch`: the block is not in cache; the first half prefetches
 // it into L2 PREFETCH_STEPS steps of K ahead (and so the next block's start, which follows it in memory): tile
-// loads that miss L2 wait on memory.
-static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, float *c, int fetch) {
+// loads that miss L2 wait on memory. `ahead` (or NULL): `ahead_bytes` of the block this thread multiplies
+// next, prefetched into L2 evenly over the steps, so that memory streams while the tiles work from cache.
+static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, float *c, int fetch,
+                      const char *ahead, int64_t ahead_bytes) {
     const bf16 *a1 = a + 16 * lda;
+    const int64_t per_step = (ahead_bytes / (k / 16) + 63) / 64 * 64;  // k / 32 steps in each half
+    int64_t ahead_at = 0;
     for (int half = 0; half < 2; half++) {
         TILE_ZERO(0);
         TILE_ZERO(1);
@@ -121,6 +128,8 @@ static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, f
             if (fetch && !half)
                 for (int line = 0; line < 16 * NC * 4; line += 64)
                     _mm_prefetch((const char *)(b + (k0 / 2 + 16 * PREFETCH_STEPS) * NC) + line, _MM_HINT_T1);
+            for (int64_t end = ahead_at + per_step; ahead && ahead_at < end && ahead_at < ahead_bytes; ahead_at += 64)
+                _mm_prefetch(ahead + ahead_at, _MM_HINT_T1);
             // each operand tile reloaded for the next step as soon as its last product is issued
             const int more = k0 + 32 < k;
             const int32_t *wn = w + (k0 + 32) / 2 * NC;
@@ -158,7 +167,7 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
     {
         float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
         int configured = 0;  // the tiles' set-up: the 1 x 4 product's rows (1-16), 2 x 2's 16 + its low rows
-        int64_t cached = -1;  // the block the last task multiplied
+        int64_t cached = -1, fetched = -1;  // the block the last task multiplied, the one prefetched for the next
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t i = tasks * t / nt; i < tasks * (t + 1) / nt; i++) {
             const int64_t panel = i / (blocks * panel_tasks), first = panel * panel_tasks;
@@ -170,7 +179,15 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
             const int32_t *b = packed + block * (k / 2) * NC;
             if (rows > 16) {
                 if (configured != rows) configure_2x2(rows - 16), configured = rows;
-                x32_by_64(x + r0 * ldx, ldx, b, k, sums, block != cached);
+                // each row task of this block prefetches its share of this thread's next block in the panel
+                const int64_t bytes = k / 2 * NC * 4, share = (bytes / in_panel + 63) / 64 * 64;
+                const int64_t next_task = i + in_panel - j % in_panel;
+                const int ahead = bytes <= AHEAD_BYTES && block + 1 < blocks && next_task < tasks * (t + 1) / nt &&
+                                  next_task / (blocks * panel_tasks) == panel;
+                const char *next = (const char *)(b + k / 2 * NC) + j % in_panel * share;
+                x32_by_64(x + r0 * ldx, ldx, b, k, sums, block != cached && block != fetched, ahead ? next : NULL,
+                          ahead ? (j % in_panel + 1 < in_panel ? share : bytes - j % in_panel * share) : 0);
+                fetched = ahead ? block + 1 : -1;
             } else {
                 if (configured != rows) amx_configure_bf16(configured = rows);
                 amx_bf16_x64(x + r0 * ldx, ldx, b, k, sums);
