@@ -62,7 +62,8 @@ def packed_product(x, weight, path, bias=None, dtype=torch.bfloat16, glu=False):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows, k, n", [(0, 96, 160), (1, 96, 160), (5, 96, 16), (7, 576, 960), (13, 64, 200),
-                                        (17, 64, 130), (200, 1536, 576), (2049, 64, 70)])
+                                        (17, 64, 130), (47, 288, 96), (64, 320, 200), (80, 64, 130),
+                                        (200, 1536, 576), (2049, 64, 70)])
 def test_bf16_gemm_is_the_float_product_rounded_once(path, bias, rows, k, n):
     """Every tile shape (partial row tiles and column blocks, several row panels): fp32 sums of exact bf16
     products, one rounding."""
@@ -133,7 +134,7 @@ def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked(path):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70),
-                                            (19, 64, 40)])
+                                            (19, 64, 40), (50, 160, 40)])
 def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(path, rows, k, inter):
     """A gate_up weight packed for SiLU-and-mul: silu(gate) * up of the fp32 sums, rounded once, every tile
     shape (partial 32-column blocks, partial row tiles)."""

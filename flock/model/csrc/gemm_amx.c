@@ -2,20 +2,22 @@
 // flock_gemm writes them (rounded to bf16 once, fp32, or SiLU-and-mul) from the same packed weight
 // (flock.model.gemm.pack: column blocks of 64 outputs, each [K/2][64] 32-bit pairs).
 //
-// A task is up to 32 rows x one block; K goes in steps of 32 (K % 32 == 0), the B tiles (16 pairs x 16 columns)
+// A task is up to 64 rows x one block; K goes in steps of 32 (K % 32 == 0), the B tiles (16 pairs x 16 columns)
 // read straight from the packed weight with the stride of one 64-wide pair row, the A tiles (16 rows x 32 bf16)
-// straight from x. A task of 17-32 rows takes the block in two halves of 32 columns, each on 2 x 2 tiles: two A
-// tiles (rows 0-15 and the rest) times two B tiles, four loads for four products, where one A tile times four
-// B tiles needs five (the loads come from L2, which bounds the tiles' rate). A task of at most 16 rows, as
-// decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the tiles configured with
-// its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a panel's activations
-// stay in cache while each block's weights are read once per panel; they are split evenly over the threads. A
-// block's weights come into L2 ahead of its 2 x 2 tasks: small blocks are prefetched by the tasks of the block
-// before (memory streams while the tiles work), others by their first task, a few steps of K ahead.
-// The sums leave the tiles through a 32 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
+// straight from x (a call's last rows, short of 16, from a zero-padded copy). A task of 17-64 rows multiplies
+// pairs of row tiles by half blocks on 2 x 2 tiles: two A tiles times two B tiles, four loads for four products
+// (one A tile times four B tiles needs five). Tile loads from L2 bound the products' rate, so K goes in chunks
+// whose tiles every pair and half of the task reuse from L1, the sums waiting in memory between chunks. A task of
+// at most 16 rows, as decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the
+// tiles configured with its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a
+// panel's activations stay in cache while each block's weights are read once per panel; they are split evenly
+// over the threads. A block's weights come into L2 ahead of its tiles: small blocks are prefetched by the tasks
+// of the block before (memory streams while the tiles work), others by their first task, a chunk ahead.
+// The sums leave the tiles through a 64 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -28,10 +30,10 @@
 typedef uint16_t bf16;
 
 #define NC 64           // columns of a weight block
-#define TASK_ROWS 32    // rows of a task
+#define TASK_ROWS 64    // rows of a task
+#define KC 128          // K of a chunk whose tiles the task's row pairs and half blocks share in L1
 #define PANEL_ROWS 256  // rows whose activations share one pass over the weight blocks
-#define AHEAD_BYTES (196 << 10)  // blocks up to this size prefetch the next block while they multiply
-#define PREFETCH_STEPS 8  // steps of 32 in K between a weight line's prefetch and its use
+#define AHEAD_BYTES (128 << 10)  // blocks up to this size prefetch the next block while they multiply
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
 
@@ -91,85 +93,114 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
 #endif
 }
 
-// The 2 x 2 products' tiles: 0-3 the sums of rows 0-15 and of rows 16-31 (`low` of them) by columns 0-15 and
-// 16-31 of a half block, 4 and 5 the two A tiles, 6 and 7 the B tiles.
-static void configure_2x2(int low) {
+// The 2 x 2 products' tiles: 0-3 the sums of two row tiles by columns 0-15 and 16-31 of a half block, 4 and 5
+// the two A tiles, 6 and 7 the B tiles; every tile 16 rows (a task's last rows come zero-padded).
+static void configure_2x2(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(t == 2 || t == 3 || t == 5 ? low : 16);
-        cfg.colsb[t] = 64;
-    }
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     TILE_CONFIG(&cfg);
 }
 
-// c[32][64] (rows 64 floats apart) = 16 + `low` rows of a (lda elements apart) times the block's 64 columns of
-// pairs b [k / 2][64], half a block at a time. `fetch`: the block is not in cache; the first half prefetches
-// it into L2 PREFETCH_STEPS steps of K ahead (and so the next block's start, which follows it in memory): tile
-// loads that miss L2 wait on memory. `ahead` (or NULL): `ahead_bytes` of the block this thread multiplies
-// next, prefetched into L2 evenly over the steps, so that memory streams while the tiles work from cache.
-static void x32_by_64(const bf16 *a, int64_t lda, const int32_t *b, int64_t k, float *c, int fetch,
-                      const char *ahead, int64_t ahead_bytes) {
-    const bf16 *a1 = a + 16 * lda;
-    const int64_t per_step = (ahead_bytes / (k / 16) + 63) / 64 * 64;  // k / 32 steps in each half
-    int64_t ahead_at = 0;
-    for (int half = 0; half < 2; half++) {
+// Weight lines a task prefetches into L2: `step` bytes of [at, end) each step of K.
+typedef struct {
+    const char *at, *end;
+    int64_t step;
+} Fetch;
+
+// One pair of row tiles (a1 NULL: one tile) times half a block's columns of pairs w, steps k0 to k1 of K, onto the
+// sums c (rows NC floats apart) that the chunks before left there (none when k0 is 0).
+static void pair_by_half(const bf16 *a0, int64_t lda0, const bf16 *a1, int64_t lda1, const int32_t *w, int64_t k0,
+                         int64_t k1, float *c, Fetch *fetch) {
+    if (k0 == 0) {
         TILE_ZERO(0);
         TILE_ZERO(1);
-        TILE_ZERO(2);
-        TILE_ZERO(3);
-        const int32_t *w = b + half * 32;
-        TILE_LOAD(4, a, lda * 2);
-        TILE_LOAD(6, w, NC * 4);
-        TILE_LOAD(5, a1, lda * 2);
-        TILE_LOAD(7, w + 16, NC * 4);
-        for (int64_t k0 = 0; k0 < k; k0 += 32) {
-            if (fetch && !half)
-                for (int line = 0; line < 16 * NC * 4; line += 64)
-                    _mm_prefetch((const char *)(b + (k0 / 2 + 16 * PREFETCH_STEPS) * NC) + line, _MM_HINT_T1);
-            for (int64_t end = ahead_at + per_step; ahead && ahead_at < end && ahead_at < ahead_bytes; ahead_at += 64)
-                _mm_prefetch(ahead + ahead_at, _MM_HINT_T1);
-            // each operand tile reloaded for the next step as soon as its last product is issued
-            const int more = k0 + 32 < k;
-            const int32_t *wn = w + (k0 + 32) / 2 * NC;
-            TILE_DPBF16PS(0, 4, 6);
-            TILE_DPBF16PS(1, 4, 7);
-            if (more) TILE_LOAD(4, a + k0 + 32, lda * 2);
-            TILE_DPBF16PS(2, 5, 6);
-            if (more) TILE_LOAD(6, wn, NC * 4);
-            TILE_DPBF16PS(3, 5, 7);
-            if (more) {
-                TILE_LOAD(5, a1 + k0 + 32, lda * 2);
-                TILE_LOAD(7, wn + 16, NC * 4);
-            }
+        if (a1) {
+            TILE_ZERO(2);
+            TILE_ZERO(3);
         }
-        float *out = c + half * 32;
-        TILE_STORE(0, out, NC * 4);
-        TILE_STORE(1, out + 16, NC * 4);
-        TILE_STORE(2, out + 16 * NC, NC * 4);
-        TILE_STORE(3, out + 16 * NC + 16, NC * 4);
+    } else {
+        TILE_LOAD(0, c, NC * 4);
+        TILE_LOAD(1, c + 16, NC * 4);
+        if (a1) {
+            TILE_LOAD(2, c + 16 * NC, NC * 4);
+            TILE_LOAD(3, c + 16 * NC + 16, NC * 4);
+        }
+    }
+    TILE_LOAD(4, a0 + k0, lda0 * 2);
+    TILE_LOAD(6, w + k0 / 2 * NC, NC * 4);
+    if (a1) TILE_LOAD(5, a1 + k0, lda1 * 2);
+    TILE_LOAD(7, w + k0 / 2 * NC + 16, NC * 4);
+    for (int64_t k = k0; k < k1; k += 32) {
+        for (const char *end = fetch->at + fetch->step; fetch->at < end && fetch->at < fetch->end; fetch->at += 64)
+            _mm_prefetch(fetch->at, _MM_HINT_T1);
+        // each operand tile reloaded for the next step as soon as its last product is issued
+        const int more = k + 32 < k1;
+        const int32_t *wn = w + (k + 32) / 2 * NC;
+        TILE_DPBF16PS(0, 4, 6);
+        TILE_DPBF16PS(1, 4, 7);
+        if (more) TILE_LOAD(4, a0 + k + 32, lda0 * 2);
+        if (a1) TILE_DPBF16PS(2, 5, 6);
+        if (more) TILE_LOAD(6, wn, NC * 4);
+        if (a1) TILE_DPBF16PS(3, 5, 7);
+        if (more) {
+            if (a1) TILE_LOAD(5, a1 + k + 32, lda1 * 2);
+            TILE_LOAD(7, wn + 16, NC * 4);
+        }
+    }
+    TILE_STORE(0, c, NC * 4);
+    TILE_STORE(1, c + 16, NC * 4);
+    if (a1) {
+        TILE_STORE(2, c + 16 * NC, NC * 4);
+        TILE_STORE(3, c + 16 * NC + 16, NC * 4);
+    }
+}
+
+// c[64][64] = `tiles` row tiles of 16 (a[i], lda[i] elements apart) times the block's 64 columns of pairs
+// b[k / 2][64]. K goes in chunks of KC; within a chunk each pair of row tiles takes each half block in turn, so
+// the chunk's A and B tiles come from L1 after their first load (tile loads from L2 bound the products' rate),
+// and the sums wait in c between chunks. [from, to) is prefetched into L2 evenly over the steps.
+static void x64_by_64(const bf16 *const a[4], const int64_t lda[4], int tiles, const int32_t *b, int64_t k,
+                      float *c, const char *from, const char *to) {
+    const int pairs = (tiles + 1) / 2;
+    Fetch fetch = {from, to, to > from ? ((to - from) / (k / 32 * pairs * 2) + 63) / 64 * 64 : 0};
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t k1 = k0 + KC < k ? k0 + KC : k;
+        for (int p = 0; p < pairs; p++) {
+            const int two = 2 * p + 1 < tiles;
+            for (int half = 0; half < 2; half++)
+                pair_by_half(a[2 * p], lda[2 * p], two ? a[2 * p + 1] : NULL, lda[2 * p + 1], b + half * 32, k0, k1,
+                             c + p * 32 * NC + half * 32, &fetch);
+        }
     }
 }
 
 int flock_amx_gemm_init(void) { return amx_request_tiles(); }
 
 // As gemm_bf16.c's flock_gemm, for K % 32 == 0. Returns 0; 1 for a K it does not take; 2 where an emulated
-// tile operation met shapes the CPU would refuse.
+// tile operation met shapes the CPU would refuse; 3 when memory for the padded rows ran out.
 int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int32_t out, int32_t threads) {
     if (k % 32) return 1;
     const int64_t cols = out == OUT_GLU ? NC / 2 : NC, blocks = (n + cols - 1) / cols;
     const int64_t row_tasks = (m + TASK_ROWS - 1) / TASK_ROWS, panel_tasks = PANEL_ROWS / TASK_ROWS;
     const int64_t tasks = blocks * row_tasks;
+    // the last task's last row tile, zero-padded to 16 rows, where that task takes the 2 x 2 products
+    bf16 *pad = NULL;
+    if ((m - 1) % TASK_ROWS + 1 > 16 && m % 16) {
+        if (!(pad = calloc(16 * k, sizeof(bf16)))) return 3;
+        for (int64_t r = 0; r < m % 16; r++) memcpy(pad + r * k, x + (m - m % 16 + r) * ldx, (size_t)k * sizeof(bf16));
+    }
     int faulted = 0;
 #pragma omp parallel num_threads(threads) if(threads > 1 && tasks > 1)
     {
         float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
-        int configured = 0;  // the tiles' set-up: the 1 x 4 product's rows (1-16), 2 x 2's 16 + its low rows
+        int configured = 0;  // the tiles' set-up: the 1 x 4 product's rows (1-16), or TASK_ROWS for 2 x 2
         int64_t cached = -1, fetched = -1;  // the block the last task multiplied, the one prefetched for the next
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t i = tasks * t / nt; i < tasks * (t + 1) / nt; i++) {
+        const int64_t last = tasks * (t + 1) / nt;
+        for (int64_t i = tasks * t / nt; i < last; i++) {
             const int64_t panel = i / (blocks * panel_tasks), first = panel * panel_tasks;
             const int64_t j = i - first * blocks, in_panel = row_tasks - first < panel_tasks ? row_tasks - first
                                                                                              : panel_tasks;
@@ -178,15 +209,28 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
             const int ncols = n - block * cols < cols ? (int)(n - block * cols) : (int)cols;
             const int32_t *b = packed + block * (k / 2) * NC;
             if (rows > 16) {
-                if (configured != rows) configure_2x2(rows - 16), configured = rows;
-                // each row task of this block prefetches its share of this thread's next block in the panel
-                const int64_t bytes = k / 2 * NC * 4, share = (bytes / in_panel + 63) / 64 * 64;
-                const int64_t next_task = i + in_panel - j % in_panel;
-                const int ahead = bytes <= AHEAD_BYTES && block + 1 < blocks && next_task < tasks * (t + 1) / nt &&
-                                  next_task / (blocks * panel_tasks) == panel;
-                const char *next = (const char *)(b + k / 2 * NC) + j % in_panel * share;
-                x32_by_64(x + r0 * ldx, ldx, b, k, sums, block != cached && block != fetched, ahead ? next : NULL,
-                          ahead ? (j % in_panel + 1 < in_panel ? share : bytes - j % in_panel * share) : 0);
+                if (configured <= 16) configure_2x2(), configured = TASK_ROWS;
+                const bf16 *a[4];
+                int64_t lda[4];
+                const int tiles = (rows + 15) / 16;
+                for (int r = 0; r < tiles; r++) a[r] = x + (r0 + 16 * r) * ldx, lda[r] = ldx;
+                if (r0 + 16 * tiles > m) a[tiles - 1] = pad, lda[tiles - 1] = k;
+                // a block nobody prefetched fetches itself a chunk ahead of its tiles, and the first chunk of the
+                // thread's next block; on small blocks each row task prefetches its share of the next block
+                const int64_t bytes = k / 2 * NC * 4, chunk = KC / 2 * NC * 4, q = j % in_panel;
+                const int64_t next_task = i + in_panel - q;
+                const int next_here = block + 1 < blocks && next_task < last &&
+                                      next_task / (blocks * panel_tasks) == panel;
+                const int own = block != cached && block != fetched, ahead = next_here && bytes <= AHEAD_BYTES;
+                const char *next = (const char *)(b + k / 2 * NC), *from = NULL, *to = NULL;
+                if (ahead) {
+                    const int64_t share = (bytes / in_panel + 63) / 64 * 64;
+                    from = own ? (const char *)b + chunk : next + q * share;
+                    to = next + (q + 1 < in_panel ? (q + 1) * share : bytes);
+                } else if (own) {
+                    from = (const char *)b + chunk, to = next + (next_here ? chunk : 0);
+                }
+                x64_by_64(a, lda, tiles, b, k, sums, from, to);
                 fetched = ahead ? block + 1 : -1;
             } else {
                 if (configured != rows) amx_configure_bf16(configured = rows);
@@ -203,6 +247,7 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
             faulted = 1;
         }
     }
+    free(pad);
     return faulted ? 2 : 0;
 }
 
