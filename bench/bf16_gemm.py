@@ -4,7 +4,8 @@ and the roofline, in one run, on the projections of SmolLM2 and bench-mid at 1, 
 Each cell multiplies by enough copies of the weight to stream them from memory, as a model's layers do: the
 roofline is max(weight bytes / bandwidth, FLOPs / peak), with this machine's memory bandwidth and its best bf16
 rate (oneDNN's or Flock's own 4096^3 product, --peak-n) measured in the same run. Columns: microseconds per GEMM, each
-path against the roofline, and oneDNN / Flock.
+path against the roofline, and oneDNN / Flock. Flock's GEMM is timed twice: through `gemm.linear` (Python, a
+fresh output: how prefill calls it) and at its C entry into one output (how a decode step's program calls it).
 
     python -m bench.bf16_gemm                       # a few minutes on 2 cores
     python -m bench.bf16_gemm --models smollm2 --rows 1,8
@@ -45,6 +46,19 @@ def per_call(multiply, weights: list, x: torch.Tensor) -> float | None:
     return best_time(one_pass, 5) / len(weights) if weights else None
 
 
+def c_entry(path: str | None, n: int, x: torch.Tensor):
+    """Flock's GEMM called at its C entry into one preallocated output, as the step program calls it."""
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+
+    def multiply(v: torch.Tensor, packed: torch.Tensor) -> None:
+        code = gemm._lib(path).flock_gemm(v.data_ptr(), v.stride(0), packed.data_ptr(), out.data_ptr(), n,
+                                          v.shape[0], n, v.shape[1], gemm.OUT_BF16, threads)
+        if code:
+            raise RuntimeError(f"the bf16 GEMM failed ({code})")
+    return multiply
+
+
 def peak(path: str | None, with_onednn: bool, n: int) -> float:
     """The best bf16 GFLOP/s of an n^3 product here: oneDNN's prepacked, or Flock's GEMM."""
     a, b = torch.randn(n, n).to(torch.bfloat16), torch.randn(n, n).to(torch.bfloat16)
@@ -75,10 +89,11 @@ def cells(args, bandwidth: float, gflops: float) -> list[list]:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 roof = max(weight.nbytes / bandwidth / 1e9, 2 * m * n * k / gflops / 1e9)
                 flock = per_call(lambda v, p: gemm.linear(v, p, n, path=args.path), ours, x)
+                entry = per_call(c_entry(args.path, n, x), ours, x)
                 dnn = per_call(onednn, theirs, x)
                 rows.append([model, name, f"{n} x {k}", m, f"{roof * 1e6:.0f}",
-                             *(f"{t * 1e6:.0f}" if t else "-" for t in (flock, dnn)),
-                             ratio(flock, roof), ratio(dnn, roof), ratio(dnn, flock)])
+                             *(f"{t * 1e6:.0f}" if t else "-" for t in (flock, entry, dnn)),
+                             ratio(flock, roof), ratio(entry, roof), ratio(dnn, roof), ratio(dnn, flock)])
     return rows
 
 
@@ -106,9 +121,9 @@ def main() -> None:
     gflops = peak(args.path, args.onednn, args.peak_n)
     print(f"# Flock's GEMM: {args.path or 'none'}; bandwidth {bandwidth:.1f} GB/s, bf16 peak {gflops:.0f} GFLOP/s")
     table = cells(args, bandwidth, gflops)
-    head = ["model", "projection", "N x K", "rows", "roofline us", "Flock us", "oneDNN us", "Flock / roofline",
-            "oneDNN / roofline", "oneDNN / Flock"]
-    print(markdown_table(head, table, "lllrrrrrrr"))
+    head = ["model", "projection", "N x K", "rows", "roofline us", "Flock us", "Flock C entry us", "oneDNN us",
+            "Flock / roofline", "C entry / roofline", "oneDNN / roofline", "oneDNN / Flock"]
+    print(markdown_table(head, table, "lllrrrrrrrrr"))
     record = {"args": args_dict(args), "bandwidth_GBps": bandwidth, "peak_GFLOPs": gflops, "cells": table}
     print(f"# wrote {write_json(args.out, record)}")
 
