@@ -217,7 +217,7 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
                 if (r0 + 16 * tiles > m) a[tiles - 1] = pad, lda[tiles - 1] = k;
                 // a block nobody prefetched fetches itself a chunk ahead of its tiles, and the first chunk of the
                 // thread's next block; on small blocks each row task prefetches its share of the next block
-                const int64_t bytes = k / 2 * NC * 4, chunk = KC / 2 * NC * 4, q = j % in_panel;
+                const int64_t bytes = k / 2 * NC * 4, chunk = (k < KC ? k : KC) / 2 * NC * 4, q = j % in_panel;
                 const int64_t next_task = i + in_panel - q;
                 const int next_here = block + 1 < blocks && next_task < last &&
                                       next_task / (blocks * panel_tasks) == panel;
