@@ -170,8 +170,8 @@ static void x64_by_64(const bf16 *const a[4], const int64_t lda[4], int tiles, c
         for (int p = 0; p < pairs; p++) {
             const int two = 2 * p + 1 < tiles;
             for (int half = 0; half < 2; half++)
-                pair_by_half(a[2 * p], lda[2 * p], two ? a[2 * p + 1] : NULL, lda[2 * p + 1], b + half * 32, k0, k1,
-                             c + p * 32 * NC + half * 32, &fetch);
+                pair_by_half(a[2 * p], lda[2 * p], two ? a[2 * p + 1] : NULL, two ? lda[2 * p + 1] : 0, b + half * 32,
+                             k0, k1, c + p * 32 * NC + half * 32, &fetch);
         }
     }
 }
