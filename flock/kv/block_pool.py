@@ -1,4 +1,5 @@
 from collections import OrderedDict
+from collections.abc import Callable
 
 TAILS_PER_PARENT = 8  # donors kept per parent block (the newest): any one gives the common start of a group
 
@@ -7,7 +8,9 @@ class BlockPool:
     """Physical KV blocks: reference counts, an LRU queue of free blocks, and the prefix-cache index.
 
     A free block may still hold a cached prefix (its hash stays in `cached`); it is evicted only when the
-    allocator takes it from the head of the LRU queue. Freed blocks go to the tail.
+    allocator takes it. Freed blocks go to the tail; the allocator takes from the head, but passes over blocks
+    that waiting requests will read (`want`) while others are free, and of those evicts first the ones whose
+    reader waits furthest back in the queue.
     """
 
     def __init__(self, num_blocks: int):
@@ -21,6 +24,9 @@ class BlockPool:
         # parent block hash -> {block: its computed tokens}, full and partial blocks alike
         self.tails: dict[int, OrderedDict[int, tuple[int, ...]]] = {}
         self.tail_parent: dict[int, int] = {}  # block -> the parent hash it is listed under
+        self._wanted_by: Callable[[], dict[int, int]] | None = None
+        self._wanted: dict[int, int] | None = None  # its result, made when an allocation first needs it
+        self._kept: list[int] | None = None  # when every free block is wanted: them, the next to go last
 
     @property
     def num_free(self) -> int:
@@ -30,16 +36,44 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
+    def want(self, wanted_by: Callable[[], dict[int, int]] | None) -> None:
+        """`wanted_by()`: hashes of cached blocks that waiting requests will read -> the place in the queue of the
+        first such request. Called at most once until the next `want`, and only if an allocation would evict a
+        cached block."""
+        self._wanted_by, self._wanted, self._kept = wanted_by, None, None
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self.free)} free")
-        blocks = []
-        for _ in range(n):
-            block, _ = self.free.popitem(last=False)
+        blocks, left = [], len(self.free) if self._kept is None else 0
+        while len(blocks) < n and left:
+            block = next(iter(self.free))
+            left -= 1
+            h = self.block_hash[block]
+            if h is not None and h in self._wanted_now():
+                self.free.move_to_end(block)  # kept for now
+            else:
+                del self.free[block]
+                blocks.append(block)
+        if len(blocks) < n:  # every free block is wanted: those read last go first
+            if self._kept is None:
+                wanted = self._wanted_now()
+                # by place, and within one the least recently freed last: taken first from the end
+                self._kept = sorted(reversed(self.free), key=lambda b: wanted[self.block_hash[b]])
+            while len(blocks) < n:
+                block = self._kept.pop()
+                if block in self.free:  # not taken back since
+                    del self.free[block]
+                    blocks.append(block)
+        for block in blocks:
             self._evict(block)
             self.ref_count[block] = 1
-            blocks.append(block)
         return blocks
+
+    def _wanted_now(self) -> dict[int, int]:
+        if self._wanted is None:
+            self._wanted = self._wanted_by() if self._wanted_by else {}
+        return self._wanted
 
     def touch(self, block: int) -> None:
         """Take a reference on a cached block (a prefix-cache hit)."""
@@ -54,6 +88,7 @@ class BlockPool:
             assert self.ref_count[block] >= 0, f"block {block} released twice"
             if self.ref_count[block] == 0:
                 self.free[block] = None
+                self._kept = None
 
     def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
         block = self.cached.get(block_hash)
@@ -109,5 +144,6 @@ class BlockPool:
             self.block_tokens[block] = None
 
     def reset_cache(self) -> None:
+        self._kept = None
         for block in {*self.cached.values(), *self.tail_parent}:
             self._evict(block)

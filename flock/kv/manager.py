@@ -91,6 +91,20 @@ class KVCacheManager:
         self._register_blocks(req, computed, computed + num_new_tokens)
         return True
 
+    def keep_for(self, waiting: list[Request]) -> None:
+        """Cached blocks that these waiting requests (in queue order) would read are evicted after every other
+        free block, those of the requests furthest back first."""
+        def wanted() -> dict[int, int]:
+            places: dict[int, int] = {}
+            for place in range(len(waiting) - 1, -1, -1):  # the first request's place wins
+                req = waiting[place]
+                if req.reads_prefix_cache:
+                    hashes = req.block_hashes(self.block_size, (req.num_tokens - 1) // self.block_size)
+                    places.update(dict.fromkeys(hashes, place))
+            return places
+
+        self.pool.want(wanted if self.enable_prefix_caching and waiting else None)
+
     def take_copy(self, req: Request) -> tuple[int, int, int] | None:
         """The block start `req` copies in the step being planned (once: the step then owns it)."""
         return self.copies.pop(req, None)

@@ -1,3 +1,4 @@
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan the next step: which requests advance by how many tokens, and what the runner reads for them."""
+        self.kv.keep_for(list(itertools.islice(self.waiting, self.config.max_num_seqs)))
         plan = self._schedule()
         kv = self.kv
         for req, n in plan.scheduled:

@@ -119,7 +119,8 @@ def test_allocate_evicts_a_cached_free_block_and_drops_its_hash():
 
 
 def test_allocate_prefers_uncached_head_order_not_cache_state():
-    """Eviction is plain LRU: the head goes first, cached or not; later cached blocks survive."""
+    """With nothing wanted, eviction is plain LRU: the head goes first, cached or not; later cached blocks
+    survive."""
     pool = BlockPool(3)
     blocks = pool.allocate(3)
     for i, b in enumerate(blocks):
@@ -130,6 +131,59 @@ def test_allocate_prefers_uncached_head_order_not_cache_state():
     assert got == blocks[0]
     assert pool.lookup(10, (0,)) is None
     assert pool.lookup(11, (1,)) == blocks[1]
+
+
+def cached_pool(n: int) -> tuple[BlockPool, list[int]]:
+    """A pool of n blocks, each holding a cached hash 10 + i, all free in order."""
+    pool = BlockPool(n)
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        pool.register(b, 10 + i, (i,))
+    pool.release(blocks)
+    return pool, blocks
+
+
+def test_allocation_passes_over_blocks_waiting_requests_will_read():
+    pool, blocks = cached_pool(4)
+    pool.want(lambda: {10: 0, 12: 3})
+    assert pool.allocate(2) == [blocks[1], blocks[3]]
+    assert pool.lookup(10, (0,)) == blocks[0] and pool.lookup(12, (2,)) == blocks[2]
+    assert pool.lookup(11, (1,)) is None and pool.lookup(13, (3,)) is None
+    assert free_order(pool) == [blocks[0], blocks[2]]  # kept, still in LRU order
+
+
+def test_when_only_wanted_blocks_are_free_the_one_read_last_goes_first():
+    pool, blocks = cached_pool(3)
+    pool.want(lambda: {10: 5, 11: 0, 12: 2})
+    assert pool.allocate(2) == [blocks[0], blocks[2]]
+    assert pool.lookup(11, (1,)) == blocks[1]
+
+
+def test_of_blocks_wanted_by_one_request_the_least_recently_freed_go_first():
+    """A prefix's blocks are freed tail-first: its leading blocks, which later ones are reached through, go last."""
+    pool, blocks = cached_pool(4)
+    pool.want(lambda: {10: 1, 11: 1, 12: 1, 13: 0})
+    assert pool.allocate(1) == [blocks[0]]
+    assert pool.allocate(1) == [blocks[1]]
+    pool.release([blocks[1]])  # freed again, no longer cached: taken before any wanted block
+    assert pool.allocate(1) == [blocks[1]]
+    assert pool.allocate(1) == [blocks[2]]
+
+
+def test_the_wanted_blocks_are_asked_for_once_and_only_when_a_cached_block_is_at_stake():
+    calls = []
+    pool = BlockPool(4)
+    pool.want(lambda: calls.append(1) or {})
+    a = pool.allocate(2)  # empty blocks: nothing cached to lose
+    assert calls == []
+    pool.register(a[0], 10, (0,))
+    pool.release(a)
+    pool.allocate(2)
+    pool.allocate(2)
+    assert calls == [1]
+    pool.want(None)
+    pool.release([0, 1])
+    assert pool.allocate(1) == [0]  # plain LRU again
 
 
 # --------------------------------------------------------------------------- prefix-cache index

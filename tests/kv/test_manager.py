@@ -296,3 +296,21 @@ def test_a_reallocated_block_is_no_longer_copied_from():
     assert kv.allocate(make_req(2, list(range(50, 50 + 4 * BS))), 4 * BS)
     cached = kv.cached_prefix(b)
     assert (cached, cached.tail_block, cached.tail_tokens) == ([], None, 0)
+
+
+def test_a_waiting_requests_cached_prefix_outlives_older_free_blocks():
+    """Under pressure the pool evicts blocks no waiting request reads before the prefix one is waiting for."""
+    kv = KVCacheManager(6, BS, True)
+    shared = list(range(2 * BS))
+    a, other = make_req(0, shared + [99]), make_req(1, list(range(100, 100 + 2 * BS)) + [98])
+    prefill(kv, a)
+    prefill(kv, other)
+    kv.free(a)  # a's blocks are the least recently used
+    kv.free(other)
+    waiting = make_req(2, shared + [97])
+    kv.keep_for([waiting])
+    newcomer = make_req(3, list(range(200, 200 + 3 * BS)))
+    prefill(kv, newcomer)  # 3 of the 6 blocks: LRU alone would take a's prefix
+    assert len(kv.cached_prefix(waiting)) == 2
+    kv.keep_for([])
+    assert_pool_consistent(kv, [newcomer])
