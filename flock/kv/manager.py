@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from flock.kv.block_pool import BlockPool
@@ -100,7 +101,8 @@ class KVCacheManager:
                 req = waiting[place]
                 if req.reads_prefix_cache:
                     hashes = req.block_hashes(self.block_size, (req.num_tokens - 1) // self.block_size)
-                    places.update(dict.fromkeys(hashes, place))
+                    # the blocks a lookup reaches: up to the first one not cached
+                    places.update(dict.fromkeys(itertools.takewhile(self.pool.cached.__contains__, hashes), place))
             return places
 
         self.pool.want(wanted if self.enable_prefix_caching and waiting else None)
