@@ -56,9 +56,8 @@ class KVCacheManager:
         hits = CachedPrefix()
         if not self.enable_prefix_caching or not req.reads_prefix_cache:
             return hits
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = req.block_hashes(self.block_size, max_blocks)
-        for i in range(max_blocks):
+        hashes = self._lookup_hashes(req)
+        for i in range(len(hashes)):
             block = self.pool.lookup(hashes[i], self._block_tokens(req, i))
             if block is None:
                 break
@@ -100,9 +99,9 @@ class KVCacheManager:
             for place in range(len(waiting) - 1, -1, -1):  # the first request's place wins
                 req = waiting[place]
                 if req.reads_prefix_cache:
-                    hashes = req.block_hashes(self.block_size, (req.num_tokens - 1) // self.block_size)
                     # the blocks a lookup reaches: up to the first one not cached
-                    places.update(dict.fromkeys(itertools.takewhile(self.pool.cached.__contains__, hashes), place))
+                    reached = itertools.takewhile(self.pool.cached.__contains__, self._lookup_hashes(req))
+                    places.update(dict.fromkeys(reached, place))
             return places
 
         self.pool.want(wanted if self.enable_prefix_caching and waiting else None)
@@ -139,6 +138,11 @@ class KVCacheManager:
         for i in range(computed // self.block_size, self.blocks_needed(num_tokens)):
             tokens = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
             self.pending_tails[table[i]] = (hashes[i - 1] if i else ROOT_HASH, tokens)
+
+    def _lookup_hashes(self, req: Request) -> list[int]:
+        """Hashes of the full blocks a prefix lookup may hit: at least one token is always left to compute."""
+        n = (req.num_tokens - 1) // self.block_size
+        return req.block_hashes(self.block_size, n)[:n]  # the request's list may hold more
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         return tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
