@@ -33,8 +33,8 @@ class Isa:
 _AVX512 = ("avx512f", "avx512bw", "avx512vl")
 _M_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl")
 ISAS = {  # every ISA path a kernel is built for
-    "amx": Isa((*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
-               (*_M_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma")),
+    "amx": Isa((*_AVX512, "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"),
+               (*_M_AVX512, "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mfma")),
     "amxint8": Isa((*_AVX512, "avx512_vnni", "amx_tile", "amx_int8", "fma"),
                    (*_M_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-mfma")),
     "avx512bf16": Isa((*_AVX512, "avx512_bf16", "fma"), (*_M_AVX512, "-mavx512bf16", "-mfma")),

@@ -184,8 +184,20 @@ static inline void transpose_w(vf x[8]) {
 #endif
 
 // 2^t for t <= 2^RESCALE_LOG2 (callers zero the weights of hidden positions themselves). `precise` (fp32
-// inputs): a degree-5 polynomial, 1.6e-7 relative error; otherwise degree 3, 7.5e-5 (below bf16 rounding).
+// inputs): a degree-5 polynomial, 1.6e-7 relative error; otherwise degree 3, 7.5e-5 (below bf16 rounding). On
+// AMX CPUs the degree-3 one is of the fraction above floor(t) (vreduceps), which vscalefps's 2^floor(t)
+// completes: two instructions fewer than rounding to nearest and subtracting, and no clamp.
 static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
+#if defined(__AMX_BF16__)
+    if (!precise) {
+        const vf f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        vf p = vset1(0.07802403f);
+        p = vfma(p, f, vset1(0.22606707f));
+        p = vfma(p, f, vset1(0.69583399f));
+        p = vfma(p, f, vset1(0.99992513f));
+        return _mm512_scalef_ps(p, t);
+    }
+#endif
     t = vmax(t, vset1(-126.0f));
     vf n = exp2_int(t), f = vsub(t, n);
     vf p;
@@ -483,15 +495,55 @@ static void zero_v_tail(const Args *a, Scratch *w, int n, int hb) {
 }
 #endif
 
+// One row's weights 2^((s - m) c) (mc = m c) from its scores s: nvis visible vectors (the last with `last`
+// lanes), zeros after them up to pvec vectors, stored at p as P V reads them, their sum added to its lanes l
+// (with pairs: of the bf16-rounded weights, the ones P V uses). `full`: every vector visible, no masks.
+INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis, int last, int pvec,
+                        const int pairs, const int precise, const int full) {
+    const vf zero = vzero();
+    vf sum = vload(l);
+#define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
+#define WEIGHTS(j) (full || (j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
+                    : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
+#if defined(__AVX512BF16__)
+    if (pairs) {
+        const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+        for (int j = 0; j < pvec; j += 2) {
+            const __m512bh pb = _mm512_cvtne2ps_pbh(WEIGHTS(j + 1), WEIGHTS(j));
+            _mm512_storeu_si512((bf16 *)p + j * W, (__m512i)pb);
+            sum = _mm512_dpbf16_ps(sum, pb, ones);
+        }
+        vstore(l, sum);
+        return;
+    }
+#elif defined(AMX_TILES)
+    if (pairs) {  // rounded to bf16, and their sum of the rounded weights (the ones P V uses)
+        for (int j = 0; j < pvec; j++) {
+            store_bf16((bf16 *)p + j * W, WEIGHTS(j));
+            sum = vadd(sum, load_bf16((bf16 *)p + j * W));
+        }
+        vstore(l, sum);
+        return;
+    }
+#endif
+    for (int j = 0; j < pvec; j++) {
+        const vf pj = WEIGHTS(j);
+        vstore((float *)p + j * W, pj);
+        sum = vadd(sum, pj);
+    }
+#undef WEIGHTS
+#undef EXP
+    vstore(l, sum);
+}
+
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
 // sees, its running max (moved only when a score exceeds it by 2^RESCALE_LOG2 in weight, O and l rescaled
-// then: most chunks keep it), weights 2^((s - m) c) with hidden positions exactly 0, stored as PV reads them,
-// and their sum added to the row's lanes of l (with pairs: of the bf16-rounded weights, the ones P V uses).
+// then: most chunks keep it), and its weights (row_weights), hidden positions exactly 0.
 INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_t c0, int nb, const int pairs,
                     const int precise) {
     const int D = a->head_dim;
     const float cc = a->scale * LOG2E;
-    const vf ninf = vset1(-INFINITY), zero = vzero(), c = vset1(cc);
+    const vf ninf = vset1(-INFINITY), c = vset1(cc);
     const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
@@ -516,42 +568,9 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
         }
 #undef SCORE
         const vf mc = vset1(*m * cc);
-        vf sum = vload(l);
-#define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
-#define WEIGHTS(j) ((j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
-                    : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
-#if defined(__AVX512BF16__)
-        if (pairs) {
-            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
-            bf16 *p = (bf16 *)w->p + r * CHUNK;
-            for (int j = 0; j < pvec; j += 2) {
-                const __m512bh pb = _mm512_cvtne2ps_pbh(WEIGHTS(j + 1), WEIGHTS(j));
-                _mm512_storeu_si512(p + j * W, (__m512i)pb);
-                sum = _mm512_dpbf16_ps(sum, pb, ones);
-            }
-            vstore(l, sum);
-            continue;
-        }
-#elif defined(AMX_TILES)
-        if (pairs) {  // rounded to bf16, and their sum of the rounded weights (the ones P V uses)
-            bf16 *p = (bf16 *)w->p + r * CHUNK;
-            for (int j = 0; j < pvec; j++) {
-                store_bf16(p + j * W, WEIGHTS(j));
-                sum = vadd(sum, load_bf16(p + j * W));
-            }
-            vstore(l, sum);
-            continue;
-        }
-#endif
-        float *p = w->p + r * CHUNK;
-        for (int j = 0; j < pvec; j++) {
-            const vf pj = WEIGHTS(j);
-            vstore(p + j * W, pj);
-            sum = vadd(sum, pj);
-        }
-#undef WEIGHTS
-#undef EXP
-        vstore(l, sum);
+        void *p = pairs ? (void *)((bf16 *)w->p + r * CHUNK) : (void *)(w->p + r * CHUNK);
+        if (nvis == pvec && last == W) row_weights(s, p, l, c, mc, nvis, last, pvec, pairs, precise, 1);
+        else row_weights(s, p, l, c, mc, nvis, last, pvec, pairs, precise, 0);
     }
 }
 
@@ -704,11 +723,14 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         for (int h = 0; h < u->hb; h++) {
             const int64_t src = (int64_t)a->tokens[e] * a->q_stride_t + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h;
             float *dst = w->q + (int64_t)(h * UNIT_ROWS + r) * qd;
-            if (pairs) memcpy(dst, (const bf16 *)a->q + src, D * sizeof(bf16));
+            if (pairs)  // copied inline: a library call per row and head costs more than its copy
+                for (int d = 0; d < D; d += 16)
+                    _mm256_storeu_si256((__m256i *)((bf16 *)dst + d),
+                                        _mm256_loadu_si256((const __m256i *)((const bf16 *)a->q + src + d)));
             else for (int d = 0; d < D; d += W) vstore(dst + d, load_row(a->q, src + d, in_bf16));
             w->m[h * UNIT_ROWS + r] = -INFINITY;
             vstore(w->l + (int64_t)(h * UNIT_ROWS + r) * W, vzero());
-            memset(w->o + (int64_t)(h * UNIT_ROWS + r) * D, 0, D * sizeof(float));
+            for (int d = 0; d < D; d += W) vstore(w->o + (int64_t)(h * UNIT_ROWS + r) * D + d, vzero());
         }
     }
     int64_t kv0, kv1;
