@@ -500,6 +500,7 @@ static void zero_v_tail(const Args *a, Scratch *w, int n, int hb) {
 // (with pairs: of the bf16-rounded weights, the ones P V uses). `full`: every vector visible, no masks.
 INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis, int last, int pvec,
                         const int pairs, const int precise, const int full) {
+    (void)pairs;  // the pairs layouts need vdpbf16ps or AMX
     const vf zero = vzero();
     vf sum = vload(l);
 #define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
