@@ -793,7 +793,6 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
 // pairs of bytes up to 255 would saturate, so each byte is split into its nibbles (w + 128 = 16 h + l), which
 // meet the same broadcast activations.
 AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
-    const __m256i low4 = _mm256_set1_epi8(0xf);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q8_0x8 *blk = (const blk_q8_0x8 *)w + b;
@@ -808,6 +807,7 @@ AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_
                 settle(&lo[r]);
             }
 #else
+            const __m256i low4 = _mm256_set1_epi8(0xf);
             const __m256i l = _mm256_and_si256(q, low4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
             for (int r = 0; r < R; r++) {  // 16 products of at most 15 * 127 per int16
                 const __m256i a = bcast4(x[r][b].q + 4 * v);
