@@ -90,6 +90,25 @@ def test_random_layouts(monkeypatch, isa, layout_name, dtype, heads, kv_heads, s
     check(out, expected, dtype)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("layout_name", ["several groups", "no sharing"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 1)], ids=["gqa1", "gqa4"])
+@pytest.mark.parametrize("shape", ["bs4-d32"], indirect=True)
+def test_a_nan_stays_nan(monkeypatch, isa, layout_name, dtype, heads, kv_heads, shape):
+    """A NaN in a query comes out as NaN in its row and head only, as PyTorch's attention gives it, whether the
+    row's output is written directly or merged from partials: never a silent 0 or a finite row."""
+    layout = tb.random_layout(np.random.default_rng(5), *tb.LAYOUTS[layout_name])
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, heads, kv_heads, dtype, 7)
+    for token in (0, int(layout.query_start[-1]) - 1):
+        q[token, heads - 1, 3] = float("nan")
+    out, meta = run_cpu(isa, monkeypatch, heads, kv_heads, layout, (q, k, v, k_cache, v_cache))
+    _, _, kc, vc = tb.run_backend("torch", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
+    expected = tb.reference(q, kc, vc, layout, kv_heads)
+    assert (len(meta.merge_tokens) > 0) == (layout_name == "several groups") and expected.isnan().any()
+    assert torch.equal(out.isnan(), expected.isnan())
+
+
 def test_plan_splits_a_segment_that_would_keep_one_thread_busy():
     """One decode on a long context and one KV head: 8 threads get it as pieces of whole chunks; shorter
     segments stay whole."""

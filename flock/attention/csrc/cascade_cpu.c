@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
         return _mm512_scalef_ps(p, t);
     }
 #endif
-    t = vmax(t, vset1(-126.0f));
+    t = vmax(vset1(-126.0f), t);  // a NaN stays NaN: max returns its second operand where either is NaN
     vf n = exp2_int(t), f = vsub(t, n);
     vf p;
     if (precise) {
@@ -583,7 +583,7 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
             const int row = u->row0 + r, idx = h * UNIT_ROWS + r, head = (u->h0 + h) * G + row % G;
             const int32_t e = seg[SEG_BEGIN] + row / G;
             const float l = hsum(vload(w->l + (int64_t)idx * W));
-            const vf inv = vset1(l > 0 ? 1.0f / l : 0.0f);
+            const vf inv = vset1(l == 0.0f ? 0.0f : 1.0f / l);  // no position seen: 0; a NaN stays NaN
             const float *o = w->o + (int64_t)idx * D;
             if (seg[SEG_SLOT] < 0) {
                 const int64_t dst = (int64_t)a->tokens[e] * a->out_stride_t + (int64_t)head * a->out_stride_h;
@@ -597,7 +597,7 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
             const int64_t slot = (int64_t)seg[SEG_SLOT] + row / G;
             float *dst = a->o_part + (slot * H + head) * D;
             for (int d = 0; d < D; d += W) vstore(dst + d, vmul(vload(o + d), inv));
-            a->lse_part[slot * H + head] = l > 0 ? w->m[idx] * a->scale + logf(l) : -INFINITY;
+            a->lse_part[slot * H + head] = l == 0.0f ? -INFINITY : w->m[idx] * a->scale + logf(l);
         }
 }
 
