@@ -117,6 +117,20 @@ def test_scalar_dot_equals_the_avx2_gemm(name):
     assert torch.allclose(quant.linear(x, QuantWeight([t]), path="avx2")[0], out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", sorted(set(PATHS) | set(TILE_PATHS)))
+@pytest.mark.parametrize("name, interleaved", [("Q8_0", False), ("Q4_K", True), ("Q6_K", True), ("Q4_0", False)])
+def test_a_nan_in_a_row_comes_out_nan_in_that_row_only(name, interleaved, path):
+    """As the float product: every output of the row is NaN (its activations' scale is NaN), the other rows keep
+    their bits; on the vector kernels (1-2 rows) and the tiles (3+)."""
+    weight = QuantWeight([random_blocks(name, 32, 512, interleaved=interleaved)])
+    for m in (1, 4, 20):
+        x = torch.randn(m, 512)
+        clean = quant.linear(x, weight, path=path)
+        x[0, 7] = float("nan")
+        got = quant.linear(x, weight, path=path)
+        assert got[0].isnan().all() and torch.equal(got[1:], clean[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activations_quantize_alike_on_every_path(dtype):
     x = (torch.randn(9, 512) * torch.rand(9, 1) * 4).to(dtype)

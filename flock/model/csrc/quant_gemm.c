@@ -398,7 +398,8 @@ static inline float load_x(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-// n (a multiple of 32) values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even).
+// n (a multiple of 32) values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even); a NaN among
+// them makes d NaN (and the values 0), so that the products of the row come out NaN, as the float ones would.
 #ifdef __AVX2__
 static inline __m256 load8(const void *x, int64_t at, int is_bf16) {
     if (!is_bf16) return _mm256_loadu_ps((const float *)x + at);
@@ -407,11 +408,16 @@ static inline __m256 load8(const void *x, int64_t at, int is_bf16) {
 }
 
 static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
-    __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8(x, at + i, is_bf16)));
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 v = load8(x, at + i, is_bf16);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const float amax = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
     for (int i = 0; i < n; i += 32) {
         __m256i v[4];
         for (int j = 0; j < 4; j++)
@@ -427,8 +433,9 @@ static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t
 #else
 static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
     float v[256], amax = 0.0f;
-    for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i]));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int nan = 0;
+    for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i])), nan |= v[i] != v[i];
+    const float d = (nan ? NAN : amax) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
     for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
     return d;
 }
