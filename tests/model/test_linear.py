@@ -133,6 +133,26 @@ def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n, k, glu", [(320, 128, False), (130, 64, False), (200, 96, True)])
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_the_threads(path, n, k, glu):
+    """The same fp32 sums for a row alone, among 7, 40 or 100 rows, on 1, 2 or 3 threads: the threads may split a
+    block's K in two, and the second goes on from the first's sums, so every sum is added in the same order."""
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(100, k).to(torch.bfloat16)
+    dtype = torch.bfloat16 if glu else torch.float32  # the GLU epilogue writes bf16
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            got += [packed_product(x[:rows], weight, path, dtype=dtype, glu=glu)[:1] for rows in (1, 7, 40, 100)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(g, got[0]) for g in got)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70),
                                             (19, 64, 40), (50, 160, 40)])
 def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(path, rows, k, inter):

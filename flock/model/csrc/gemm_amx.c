@@ -8,11 +8,14 @@
 // pairs of row tiles by half blocks on 2 x 2 tiles: two A tiles times two B tiles, four loads for four products
 // (one A tile times four B tiles needs five). Tile loads from L2 bound the products' rate, so K goes in chunks
 // whose tiles every pair and half of the task reuse from L1, the sums waiting in memory between chunks. A task of
-// at most 16 rows, as decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64), the
-// tiles configured with its row count. Tasks go row panel (PANEL_ROWS) by panel, block by block within one, so a
-// panel's activations stay in cache while each block's weights are read once per panel; they are split evenly
-// over the threads. A block's weights come into L2 ahead of its tiles: small blocks are prefetched by the tasks
-// of the block before (memory streams while the tiles work), others by their first task, a chunk ahead.
+// at most 16 rows, as decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64_span), the
+// tiles configured with its row count. A call of more than 64 rows goes row panel (PANEL_ROWS) by panel, block by
+// block within one, so a panel's activations stay in cache while each block's weights are read once per panel;
+// its tasks are split evenly over the threads, and a block's weights come into L2 ahead of its tiles: small blocks
+// are prefetched by the tasks of the block before (memory streams while the tiles work), others by their first
+// task, a chunk ahead. A call of at most 64 rows reads each weight once, and each core streams memory at only
+// about half the machine's bandwidth: the threads split the weights evenly, by halves of a block's K where the
+// blocks do not divide evenly, one thread going on from the other's sums (the same bits as on one thread).
 // The sums leave the tiles through a 64 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
@@ -34,6 +37,7 @@ typedef uint16_t bf16;
 #define KC 128          // K of a chunk whose tiles the task's row pairs and half blocks share in L1
 #define PANEL_ROWS 256  // rows whose activations share one pass over the weight blocks
 #define AHEAD_BYTES (128 << 10)  // blocks up to this size prefetch the next block while they multiply
+#define STREAM_AHEAD (32 << 10)  // how far ahead of its tiles a thread of a one-panel call prefetches
 
 enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
 
@@ -103,11 +107,41 @@ static void configure_2x2(void) {
     TILE_CONFIG(&cfg);
 }
 
-// Weight lines a task prefetches into L2: `step` bytes of [at, end) each step of K.
+// Weight lines a task prefetches into L2, `step` bytes each step of K: the next `left` bytes of ranges [from, to),
+// read in order (a thread's weights in the order its tasks multiply them).
 typedef struct {
-    const char *at, *end;
-    int64_t step;
+    const char *from[3], *to[3];
+    int ranges;
+} Lines;
+
+typedef struct {
+    const Lines *lines;
+    int range;
+    const char *at;
+    int64_t left, step;
 } Fetch;
+
+static void add_range(Lines *lines, const char *from, const char *to) {
+    lines->from[lines->ranges] = from, lines->to[lines->ranges++] = to;
+}
+
+static inline __attribute__((always_inline)) void fetch_step(Fetch *f) {
+    const Lines *lines = f->lines;  // locals: stores through f could alias the ranges
+    const char *at = f->at, *to = lines->to[f->range];
+    int64_t left = f->left;
+    for (int64_t b = f->step; b > 0 && left > 0; b -= 64, left -= 64) {
+        if (at >= to) {
+            if (f->range + 1 == lines->ranges) {
+                left = 0;
+                break;
+            }
+            at = lines->from[++f->range], to = lines->to[f->range];
+        }
+        _mm_prefetch(at, _MM_HINT_T1);
+        at += 64;
+    }
+    f->at = at, f->left = left;
+}
 
 // One pair of row tiles (a1 NULL: one tile) times half a block's columns of pairs w, steps k0 to k1 of K, onto the
 // sums c (rows NC floats apart) that the chunks before left there (none when k0 is 0).
@@ -133,8 +167,7 @@ static void pair_by_half(const bf16 *a0, int64_t lda0, const bf16 *a1, int64_t l
     if (a1) TILE_LOAD(5, a1 + k0, lda1 * 2);
     TILE_LOAD(7, w + k0 / 2 * NC + 16, NC * 4);
     for (int64_t k = k0; k < k1; k += 32) {
-        for (const char *end = fetch->at + fetch->step; fetch->at < end && fetch->at < fetch->end; fetch->at += 64)
-            _mm_prefetch(fetch->at, _MM_HINT_T1);
+        fetch_step(fetch);
         // each operand tile reloaded for the next step as soon as its last product is issued
         const int more = k + 32 < k1;
         const int32_t *wn = w + (k + 32) / 2 * NC;
@@ -157,96 +190,188 @@ static void pair_by_half(const bf16 *a0, int64_t lda0, const bf16 *a1, int64_t l
     }
 }
 
-// c[64][64] = `tiles` row tiles of 16 (a[i], lda[i] elements apart) times the block's 64 columns of pairs
-// b[k / 2][64]. K goes in chunks of KC; within a chunk each pair of row tiles takes each half block in turn, so
-// the chunk's A and B tiles come from L1 after their first load (tile loads from L2 bound the products' rate),
-// and the sums wait in c between chunks. [from, to) is prefetched into L2 evenly over the steps.
-static void x64_by_64(const bf16 *const a[4], const int64_t lda[4], int tiles, const int32_t *b, int64_t k,
-                      float *c, const char *from, const char *to) {
+// c[64][64] (+)= `tiles` row tiles of 16 (a[i], lda[i] elements apart) times the block's 64 columns of pairs
+// b[k / 2][64], steps k0 to k1 of K (c read when k0 > 0). K goes in chunks of KC; within a chunk each pair of row
+// tiles takes each half block in turn, so the chunk's A and B tiles come from L1 after their first load (tile
+// loads from L2 bound the products' rate), and the sums wait in c between chunks. `fetch` spreads its lines
+// evenly over the steps.
+static void x64_by_64(const bf16 *const a[4], const int64_t lda[4], int tiles, const int32_t *b, int64_t k0,
+                      int64_t k1, float *c, Fetch *fetch) {
     const int pairs = (tiles + 1) / 2;
-    Fetch fetch = {from, to, to > from ? ((to - from) / (k / 32 * pairs * 2) + 63) / 64 * 64 : 0};
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const int64_t k1 = k0 + KC < k ? k0 + KC : k;
+    fetch->step = (fetch->left / ((k1 - k0) / 32 * pairs * 2) + 63) / 64 * 64;
+    for (int64_t c0 = k0; c0 < k1; c0 += KC) {
+        const int64_t c1 = c0 + KC < k1 ? c0 + KC : k1;
         for (int p = 0; p < pairs; p++) {
             const int two = 2 * p + 1 < tiles;
             for (int half = 0; half < 2; half++)
                 pair_by_half(a[2 * p], lda[2 * p], two ? a[2 * p + 1] : NULL, two ? lda[2 * p + 1] : 0, b + half * 32,
-                             k0, k1, c + p * 32 * NC + half * 32, &fetch);
+                             c0, c1, c + p * 32 * NC + half * 32, fetch);
         }
     }
 }
 
 int flock_amx_gemm_init(void) { return amx_request_tiles(); }
 
+typedef struct {
+    const bf16 *x, *pad;  // pad: the last rows, short of 16, zero-padded (NULL: none needed)
+    const int32_t *packed;
+    void *y;
+    int64_t ldx, ldy, m, n, k, cols;
+    int out;
+} Call;
+
+// Per thread: the tiles' set-up (the 1 x 4 product's rows, 1-16, or TASK_ROWS for 2 x 2; 0 none) and the sums.
+typedef struct {
+    int configured;
+    float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
+} Worker;
+
+// Rows r0 .. r0 + rows - 1 (at most TASK_ROWS) times block `block`, steps k0 to k1 of K, onto c (read when k0 >
+// 0); a task of at most 16 rows takes no prefetching (its reads stream in address order).
+static void multiply(const Call *g, Worker *w, int64_t r0, int rows, int64_t block, int64_t k0, int64_t k1,
+                     float *c, Fetch *fetch) {
+    const int32_t *b = g->packed + block * (g->k / 2) * NC;
+    if (rows <= 16) {
+        if (w->configured != rows) amx_configure_bf16(w->configured = rows);
+        amx_bf16_x64_span(g->x + r0 * g->ldx, g->ldx, b, k0, k1, c);
+        return;
+    }
+    if (w->configured <= 16) configure_2x2(), w->configured = TASK_ROWS;
+    const bf16 *a[4];
+    int64_t lda[4];
+    const int tiles = (rows + 15) / 16;
+    for (int r = 0; r < tiles; r++) a[r] = g->x + (r0 + 16 * r) * g->ldx, lda[r] = g->ldx;
+    if (r0 + 16 * tiles > g->m) a[tiles - 1] = g->pad, lda[tiles - 1] = g->k;
+    x64_by_64(a, lda, tiles, b, k0, k1, c, fetch);
+}
+
+static void write_task(const Call *g, const float *sums, int64_t r0, int rows, int64_t block) {
+    const int ncols = g->n - block * g->cols < g->cols ? (int)(g->n - block * g->cols) : (int)g->cols;
+    const int64_t at = r0 * g->ldy + block * g->cols;
+    write_rows(sums, rows, ncols, g->out,
+               g->out == OUT_F32 ? (void *)((float *)g->y + at) : (void *)((bf16 *)g->y + at), g->ldy);
+}
+
+// Calls of more than TASK_ROWS rows: tasks of up to TASK_ROWS rows x one block, row panel by panel, block by
+// block within one, split evenly over the threads. A block nobody prefetched fetches itself a chunk ahead of
+// its tiles, and the first chunk of the thread's next block; on small blocks each row task prefetches its share
+// of the next block.
+static void panels(const Call *g, Worker *w, int t, int nt) {
+    const int64_t k = g->k, blocks = (g->n + g->cols - 1) / g->cols, row_tasks = (g->m + TASK_ROWS - 1) / TASK_ROWS;
+    const int64_t panel_tasks = PANEL_ROWS / TASK_ROWS, tasks = blocks * row_tasks, last = tasks * (t + 1) / nt;
+    const int64_t bytes = k / 2 * NC * 4, chunk = (k < KC ? k : KC) / 2 * NC * 4;
+    int64_t cached = -1, fetched = -1;  // the block the last task multiplied, the one prefetched for the next
+    for (int64_t i = tasks * t / nt; i < last; i++) {
+        const int64_t panel = i / (blocks * panel_tasks), first = panel * panel_tasks;
+        const int64_t j = i - first * blocks, in_panel = row_tasks - first < panel_tasks ? row_tasks - first
+                                                                                         : panel_tasks;
+        const int64_t block = j / in_panel, r0 = (first + j % in_panel) * TASK_ROWS, q = j % in_panel;
+        const int rows = g->m - r0 < TASK_ROWS ? (int)(g->m - r0) : TASK_ROWS;
+        const int64_t next_task = i + in_panel - q;
+        const int next_here = block + 1 < blocks && next_task < last && next_task / (blocks * panel_tasks) == panel;
+        const int own = block != cached && block != fetched, ahead = next_here && bytes <= AHEAD_BYTES;
+        const char *b = (const char *)(g->packed + block * (k / 2) * NC), *next = b + bytes;
+        Lines lines = {{b + chunk}, {b + chunk}, 1};
+        if (ahead) {
+            const int64_t share = (bytes / in_panel + 63) / 64 * 64;
+            lines.from[0] = own ? b + chunk : next + q * share;
+            lines.to[0] = next + (q + 1 < in_panel ? (q + 1) * share : bytes);
+        } else if (own) {
+            lines.to[0] = next + (next_here ? chunk : 0);
+        }
+        Fetch fetch = {&lines, 0, lines.from[0], lines.to[0] - lines.from[0], 0};
+        multiply(g, w, r0, rows, block, 0, k, w->sums, &fetch);
+        fetched = ahead ? block + 1 : -1;
+        cached = block;
+        write_task(g, w->sums, r0, rows, block);
+    }
+}
+
+// Where one thread's share of a call's blocks starts or ends in the middle of one: that block's sums over the
+// first half of K, which the thread that goes on from them waits for.
+typedef struct {
+    float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
+    int ready;
+} HandOff;
+
+// Calls of at most TASK_ROWS rows read every weight once: the threads split the weights evenly by halves of a
+// block's K (a thread's first and last block may be halves). A thread multiplies its last block's first half
+// first and hands its sums over, then its whole blocks, then its first block's second half from the sums handed
+// to it, so the one column of sums is added in the same order as by one thread. The weights stream into L2
+// STREAM_AHEAD bytes ahead of the tiles.
+static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs) {
+    const int64_t k = g->k, blocks = (g->n + g->cols - 1) / g->cols, halves = 2 * blocks;
+    const int64_t u0 = halves * t / nt, u1 = halves * (t + 1) / nt, bytes = k / 2 * NC * 4;
+    const int64_t kh = k / 64 * 32, half_bytes = kh / 2 * NC * 4;  // the first half: kh steps of K
+    const int64_t lead = u0 % 2 ? u0 / 2 : -1, trail = u1 % 2 ? u1 / 2 : -1, full0 = (u0 + 1) / 2, full1 = u1 / 2;
+    const int rows = (int)g->m;
+    if (u0 >= u1) return;
+    // the thread's weights in the order it multiplies them
+    const char *base = (const char *)g->packed;
+    Lines lines = {{0}, {0}, 0};
+    if (trail >= 0) add_range(&lines, base + trail * bytes, base + trail * bytes + half_bytes);
+    if (full1 > full0) add_range(&lines, base + full0 * bytes, base + full1 * bytes);
+    if (lead >= 0) add_range(&lines, base + lead * bytes + half_bytes, base + (lead + 1) * bytes);
+    // the first task prefetches its own weights and STREAM_AHEAD bytes more, each later one as many as it reads
+    // (tasks of at most 16 rows: no prefetching)
+    const int stream = rows > 16;
+    int64_t extra = stream ? STREAM_AHEAD : 0;
+    Fetch fetch = {&lines, 0, lines.from[0], 0, 0};
+    if (trail >= 0) {
+        HandOff *h = &handoffs[t];
+        fetch.left = stream ? half_bytes + extra : 0, extra = 0;
+        multiply(g, w, 0, rows, trail, 0, kh, h->sums, &fetch);
+        __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
+    }
+    for (int64_t block = full0; block < full1; block++) {
+        fetch.left = stream ? bytes + extra : 0, extra = 0;
+        multiply(g, w, 0, rows, block, 0, k, w->sums, &fetch);
+        write_task(g, w->sums, 0, rows, block);
+    }
+    if (lead >= 0) {
+        HandOff *h = &handoffs[t - 1];
+        while (!__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE)) _mm_pause();
+        fetch.left = stream ? bytes - half_bytes + extra : 0;
+        multiply(g, w, 0, rows, lead, kh, k, h->sums, &fetch);
+        write_task(g, h->sums, 0, rows, lead);
+    }
+}
+
 // As gemm_bf16.c's flock_gemm, for K % 32 == 0. Returns 0; 1 for a K it does not take; 2 where an emulated
-// tile operation met shapes the CPU would refuse; 3 when memory for the padded rows ran out.
+// tile operation met shapes the CPU would refuse; 3 when memory ran out.
 int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int32_t out, int32_t threads) {
     if (k % 32) return 1;
+    if (m <= 0 || n <= 0) return 0;
     const int64_t cols = out == OUT_GLU ? NC / 2 : NC, blocks = (n + cols - 1) / cols;
-    const int64_t row_tasks = (m + TASK_ROWS - 1) / TASK_ROWS, panel_tasks = PANEL_ROWS / TASK_ROWS;
-    const int64_t tasks = blocks * row_tasks;
+    const int one = m <= TASK_ROWS && k >= 64;  // halves of K need two steps; one block: no halves
+    const int64_t units = one ? (blocks > 1 ? 2 * blocks : 1) : blocks * ((m + TASK_ROWS - 1) / TASK_ROWS);
+    if (threads > units) threads = (int)units;
     // the last task's last row tile, zero-padded to 16 rows, where that task takes the 2 x 2 products
     bf16 *pad = NULL;
     if ((m - 1) % TASK_ROWS + 1 > 16 && m % 16) {
         if (!(pad = calloc(16 * k, sizeof(bf16)))) return 3;
         for (int64_t r = 0; r < m % 16; r++) memcpy(pad + r * k, x + (m - m % 16 + r) * ldx, (size_t)k * sizeof(bf16));
     }
+    HandOff *handoffs = NULL;
+    if (one && threads > 1 && !(handoffs = aligned_alloc(64, sizeof(HandOff) * threads))) return free(pad), 3;
+    for (int t = 0; handoffs && t < threads; t++) handoffs[t].ready = 0;
+    const Call g = {x, pad, packed, y, ldx, ldy, m, n, k, cols, out};
     int faulted = 0;
-#pragma omp parallel num_threads(threads) if(threads > 1 && tasks > 1)
+#pragma omp parallel num_threads(threads) if(threads > 1)
     {
-        float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
-        int configured = 0;  // the tiles' set-up: the 1 x 4 product's rows (1-16), or TASK_ROWS for 2 x 2
-        int64_t cached = -1, fetched = -1;  // the block the last task multiplied, the one prefetched for the next
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t last = tasks * (t + 1) / nt;
-        for (int64_t i = tasks * t / nt; i < last; i++) {
-            const int64_t panel = i / (blocks * panel_tasks), first = panel * panel_tasks;
-            const int64_t j = i - first * blocks, in_panel = row_tasks - first < panel_tasks ? row_tasks - first
-                                                                                             : panel_tasks;
-            const int64_t block = j / in_panel, r0 = (first + j % in_panel) * TASK_ROWS;
-            const int rows = m - r0 < TASK_ROWS ? (int)(m - r0) : TASK_ROWS;
-            const int ncols = n - block * cols < cols ? (int)(n - block * cols) : (int)cols;
-            const int32_t *b = packed + block * (k / 2) * NC;
-            if (rows > 16) {
-                if (configured <= 16) configure_2x2(), configured = TASK_ROWS;
-                const bf16 *a[4];
-                int64_t lda[4];
-                const int tiles = (rows + 15) / 16;
-                for (int r = 0; r < tiles; r++) a[r] = x + (r0 + 16 * r) * ldx, lda[r] = ldx;
-                if (r0 + 16 * tiles > m) a[tiles - 1] = pad, lda[tiles - 1] = k;
-                // a block nobody prefetched fetches itself a chunk ahead of its tiles, and the first chunk of the
-                // thread's next block; on small blocks each row task prefetches its share of the next block
-                const int64_t bytes = k / 2 * NC * 4, chunk = (k < KC ? k : KC) / 2 * NC * 4, q = j % in_panel;
-                const int64_t next_task = i + in_panel - q;
-                const int next_here = block + 1 < blocks && next_task < last &&
-                                      next_task / (blocks * panel_tasks) == panel;
-                const int own = block != cached && block != fetched, ahead = next_here && bytes <= AHEAD_BYTES;
-                const char *next = (const char *)(b + k / 2 * NC), *from = NULL, *to = NULL;
-                if (ahead) {
-                    const int64_t share = (bytes / in_panel + 63) / 64 * 64;
-                    from = own ? (const char *)b + chunk : next + q * share;
-                    to = next + (q + 1 < in_panel ? (q + 1) * share : bytes);
-                } else if (own) {
-                    from = (const char *)b + chunk, to = next + (next_here ? chunk : 0);
-                }
-                x64_by_64(a, lda, tiles, b, k, sums, from, to);
-                fetched = ahead ? block + 1 : -1;
-            } else {
-                if (configured != rows) amx_configure_bf16(configured = rows);
-                amx_bf16_x64(x + r0 * ldx, ldx, b, k, sums);
-            }
-            cached = block;
-            const int64_t at = r0 * ldy + block * cols;
-            write_rows(sums, rows, ncols, out, out == OUT_F32 ? (void *)((float *)y + at) : (void *)((bf16 *)y + at),
-                       ldy);
-        }
-        if (configured) TILE_RELEASE();
+        Worker w;
+        w.configured = 0;
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (one && nt > 1) one_panel(&g, &w, t, nt, handoffs);
+        else panels(&g, &w, t, nt);
+        if (w.configured) TILE_RELEASE();
         if (TILE_FAULTED()) {
 #pragma omp atomic write
             faulted = 1;
         }
     }
+    free(handoffs);
     free(pad);
     return faulted ? 2 : 0;
 }
