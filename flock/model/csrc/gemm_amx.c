@@ -121,7 +121,7 @@ typedef struct {
     int64_t left, step;
 } Fetch;
 
-static void add_range(Lines *lines, const char *from, const char *to) {
+static void add_range(Lines *lines, const char *from, const char *to) {  // at most 3
     lines->from[lines->ranges] = from, lines->to[lines->ranges++] = to;
 }
 
@@ -297,15 +297,15 @@ typedef struct {
 // Calls of at most TASK_ROWS rows read every weight once: the threads split the weights evenly by halves of a
 // block's K (a thread's first and last block may be halves). A thread multiplies its last block's first half
 // first and hands its sums over, then its whole blocks, then its first block's second half from the sums handed
-// to it, so the one column of sums is added in the same order as by one thread. The weights stream into L2
+// to it, so each sum is added in the same order as on one thread. Tasks of 17-64 rows stream the weights into L2
 // STREAM_AHEAD bytes ahead of the tiles.
 static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs) {
     const int64_t k = g->k, blocks = (g->n + g->cols - 1) / g->cols, halves = 2 * blocks;
     const int64_t u0 = halves * t / nt, u1 = halves * (t + 1) / nt, bytes = k / 2 * NC * 4;
+    if (u0 >= u1) return;
     const int64_t kh = k / 64 * 32, half_bytes = kh / 2 * NC * 4;  // the first half: kh steps of K
     const int64_t lead = u0 % 2 ? u0 / 2 : -1, trail = u1 % 2 ? u1 / 2 : -1, full0 = (u0 + 1) / 2, full1 = u1 / 2;
     const int rows = (int)g->m;
-    if (u0 >= u1) return;
     // the thread's weights in the order it multiplies them
     const char *base = (const char *)g->packed;
     Lines lines = {{0}, {0}, 0};
@@ -344,7 +344,7 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
     if (k % 32) return 1;
     if (m <= 0 || n <= 0) return 0;
     const int64_t cols = out == OUT_GLU ? NC / 2 : NC, blocks = (n + cols - 1) / cols;
-    const int one = m <= TASK_ROWS && k >= 64;  // halves of K need two steps; one block: no halves
+    const int one = m <= TASK_ROWS && k >= 64;  // one_panel's calls (halves of K need two steps of 32)
     const int64_t units = one ? (blocks > 1 ? 2 * blocks : 1) : blocks * ((m + TASK_ROWS - 1) / TASK_ROWS);
     if (threads > units) threads = (int)units;
     // the last task's last row tile, zero-padded to 16 rows, where that task takes the 2 x 2 products
