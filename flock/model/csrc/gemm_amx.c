@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -330,7 +331,9 @@ static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs
     }
     if (lead >= 0) {
         HandOff *h = &handoffs[t - 1];
-        while (!__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE)) _mm_pause();
+        for (int spins = 1; !__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE); spins++)
+            if (spins % 1024) _mm_pause();
+            else sched_yield();  // more threads than cores: the one handing over may be waiting for this core
         fetch.left = stream ? bytes - half_bytes + extra : 0;
         multiply(g, w, 0, rows, lead, kh, k, h->sums, &fetch);
         write_task(g, h->sums, 0, rows, lead);
