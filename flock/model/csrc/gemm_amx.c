@@ -217,7 +217,7 @@ typedef struct {
     const bf16 *x, *pad;  // pad: the last rows, short of 16, zero-padded (NULL: none needed)
     const int32_t *packed;
     void *y;
-    int64_t ldx, ldy, m, n, k, cols;
+    int64_t ldx, ldy, m, n, k, cols, blocks;  // cols: outputs of a block
     int out;
 } Call;
 
@@ -258,7 +258,7 @@ static void write_task(const Call *g, const float *sums, int64_t r0, int rows, i
 // its tiles, and the first chunk of the thread's next block; on small blocks each row task prefetches its share
 // of the next block.
 static void panels(const Call *g, Worker *w, int t, int nt) {
-    const int64_t k = g->k, blocks = (g->n + g->cols - 1) / g->cols, row_tasks = (g->m + TASK_ROWS - 1) / TASK_ROWS;
+    const int64_t k = g->k, blocks = g->blocks, row_tasks = (g->m + TASK_ROWS - 1) / TASK_ROWS;
     const int64_t panel_tasks = PANEL_ROWS / TASK_ROWS, tasks = blocks * row_tasks, last = tasks * (t + 1) / nt;
     const int64_t bytes = k / 2 * NC * 4, chunk = (k < KC ? k : KC) / 2 * NC * 4;
     int64_t cached = -1, fetched = -1;  // the block the last task multiplied, the one prefetched for the next
@@ -301,7 +301,7 @@ typedef struct {
 // to it, so each sum is added in the same order as on one thread. Tasks of 17-64 rows stream the weights into L2
 // STREAM_AHEAD bytes ahead of the tiles.
 static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs) {
-    const int64_t k = g->k, blocks = (g->n + g->cols - 1) / g->cols, halves = 2 * blocks;
+    const int64_t k = g->k, blocks = g->blocks, halves = 2 * blocks;
     const int64_t u0 = halves * t / nt, u1 = halves * (t + 1) / nt, bytes = k / 2 * NC * 4;
     if (u0 >= u1) return;
     const int64_t kh = k / 64 * 32, half_bytes = kh / 2 * NC * 4;  // the first half: kh steps of K
@@ -359,7 +359,7 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
     HandOff *handoffs = NULL;
     if (one && threads > 1 && !(handoffs = aligned_alloc(64, sizeof(HandOff) * threads))) return free(pad), 3;
     for (int t = 0; handoffs && t < threads; t++) handoffs[t].ready = 0;
-    const Call g = {x, pad, packed, y, ldx, ldy, m, n, k, cols, out};
+    const Call g = {x, pad, packed, y, ldx, ldy, m, n, k, cols, blocks, out};
     int faulted = 0;
 #pragma omp parallel num_threads(threads) if(threads > 1)
     {
