@@ -545,6 +545,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
     const int D = a->head_dim;
     const float cc = a->scale * LOG2E;
     const vf ninf = vset1(-INFINITY), c = vset1(cc);
+    const float rise = RESCALE_LOG2 / cc;  // the running max moves when a score exceeds it by this
     const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
@@ -558,7 +559,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
             for (int j = 1; j < nvis; j++) mx = vmax(mx, SCORE(j));
             if (*m == -INFINITY) {  // the row's first visible scores: O and l are zeros
                 *m = hmax(mx);
-            } else if (any_gt(mx, vset1(*m + RESCALE_LOG2 / cc))) {
+            } else if (any_gt(mx, vset1(*m + rise))) {
                 const float top = hmax(mx);
                 const vf alpha = vset1(exp2f((*m - top) * cc));
                 float *o = w->o + (int64_t)(hrow + r) * D;
