@@ -1,5 +1,5 @@
-// A 16 x 16 matrix of 32-bit elements transposed in 16 AVX-512 registers (shared by cascade_cpu.c and
-// cascade_amx.c; flock.native hashes this header with them).
+// A 16 x 16 matrix of 32-bit elements transposed in 16 AVX-512 registers (cascade_cpu.c's K repack; flock.native
+// hashes the headers beside a source with it).
 #pragma once
 #include <immintrin.h>
 
