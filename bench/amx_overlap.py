@@ -46,8 +46,9 @@ def main() -> None:
         alone, together = ns(i, NONE), ns(i, VECTOR)
         overlap = (alone + vector - together) / min(alone, vector)
         rows.append([name, f"{alone:.1f}", f"{vector:.1f}", f"{together:.1f}", f"{overlap:.2f}"])
-        record.append({"tiles": name, "tiles_ns": alone, "vector_ns": vector, "together_ns": together, "overlap": overlap})
-    print(markdown_table(["tile operations", "alone ns", f"{PARTS[VECTOR]} ns", "together ns", "overlap"], rows, "lrrrr"))
+        record.append(dict(tiles=name, tiles_ns=alone, vector_ns=vector, together_ns=together, overlap=overlap))
+    head = ["tile operations", "alone ns", f"{PARTS[VECTOR]} ns", "together ns", "overlap"]
+    print(markdown_table(head, rows, "lrrrr"))
     print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'cpu': machine.cpu_line(), 'cells': record})}")
 
 
