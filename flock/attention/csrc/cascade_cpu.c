@@ -15,10 +15,11 @@
 //
 // A unit of work (one OpenMP task, dynamic scheduling, heaviest first) is up to UNIT_ROWS rows of a segment
 // and a run of KV heads. It walks the KV range in chunks of CHUNK positions; per chunk and head it repacks K
-// and V from the paged blocks (read in place) into the layouts the products want, then every block of MR rows
-// runs S = Q K^T, an online softmax (lazy rescale: the running max moves only when a score exceeds it by more
-// than 2^RESCALE_LOG2 in weight) and O += P V. Both products are one register-tiled microkernel,
-// C[MR rows][NV vectors] += A[row][k] (one 32-bit element broadcast) x B[k][NV vectors]:
+// and V from the paged blocks (read in place) into the layouts the products want (a segment of SHARED_BLOCKS
+// units' rows or more, as a long prefill has, has each chunk packed once, before its units, for all of them),
+// then every block of MR rows runs S = Q K^T, an online softmax (lazy rescale: the running max moves only when a
+// score exceeds it by more than 2^RESCALE_LOG2 in weight) and O += P V. Both products are one register-tiled
+// microkernel, C[MR rows][NV vectors] += A[row][k] (one 32-bit element broadcast) x B[k][NV vectors]:
 //   fp32 : QK^T: A = Q rows (fp32), B = K^T [dim][position];       PV: A = P (fp32), B = V [position][dim];
 //   bf16 : QK^T: A = Q rows as dim pairs, B = K^T [dim pair][position] (each lane a pair: vdpbf16ps);
 //          PV  : A = P rows rounded to bf16, pairs of positions, B = V [position pair][dim] (pairs interleaved).
@@ -344,10 +345,15 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     int64_t offset[2][CHUNK];   // cache offsets of a chunk's positions (first head of the unit); [2]: and the next
 } Scratch;
 
+typedef struct {  // a chunk's K^T and V in the products' layouts (see Scratch), CHUNK * D floats a head
+    float *kt, *v;
+} Packed;
+
 typedef struct {  // rows [row0, row0 + nrows) of a segment, KV heads [h0, h0 + hb)
     const int32_t *seg;
     int row0, nrows, h0, hb;
     double work;
+    float *shared;  // the segment's chunks, every KV head, packed once for all its units (NULL: each packs its own)
 } Unit;
 
 
@@ -366,16 +372,27 @@ static void row_offsets(const Args *a, int64_t *off, int32_t table, int64_t star
 }
 
 // K and V rows to prefetch a few at a time while other work runs (a burst of hundreds would stall the core
-// on its line-fill buffers): positions off[0 .. n), `bytes` from each (the unit's run of heads).
+// on its line-fill buffers): rows off[0 .. n) (elements of es bytes) of k and of v, `bytes` from each.
 typedef struct {
+    const char *k, *v;
+    int es;
     const int64_t *off;
     int n, t;
     int64_t bytes, at;
 } Prefetch;
 
+// Positions off[0 .. n) of the cache, the unit's run of hb heads from each.
 static Prefetch prefetch_plan(const Args *a, const int64_t *off, int n, int hb) {
-    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * (a->bf16 ? 2 : 4);
-    return (Prefetch){off, n, 0, bytes, 0};
+    const int es = a->bf16 ? 2 : 4;
+    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * es;
+    return (Prefetch){a->k_cache, a->v_cache, es, off, n, 0, bytes, 0};
+}
+
+// A shared segment's packed chunk: each of the hb heads' K^T and V (off: room for hb offsets).
+static Prefetch packed_plan(const Args *a, Packed p, int64_t *off, int hb, int pairs) {
+    const int64_t head = (int64_t)CHUNK * a->head_dim;
+    for (int h = 0; h < hb; h++) off[h] = h * head;
+    return (Prefetch){(const char *)p.kt, (const char *)p.v, 4, off, hb, 0, head * (pairs ? 2 : 4), 0};
 }
 
 // Into L2 on the AMX path (Intel Xeons): a chunk ahead of all of a unit's heads outgrows L1, and prefetches into
@@ -387,12 +404,10 @@ static Prefetch prefetch_plan(const Args *a, const int64_t *off, int n, int hb) 
 #define KV_HINT _MM_HINT_T0
 #endif
 
-static void prefetch_some(const Args *a, Prefetch *p, int lines) {
-    const int es = a->bf16 ? 2 : 4;
-    const char *k = a->k_cache, *v = a->v_cache;
+static void prefetch_some(Prefetch *p, int lines) {
     for (; lines > 0 && p->t < p->n; lines -= 2) {
-        _mm_prefetch(k + p->off[p->t] * es + p->at, KV_HINT);
-        _mm_prefetch(v + p->off[p->t] * es + p->at, KV_HINT);
+        _mm_prefetch(p->k + p->off[p->t] * p->es + p->at, KV_HINT);
+        _mm_prefetch(p->v + p->off[p->t] * p->es + p->at, KV_HINT);
         p->at += 64;
         if (p->at >= p->bytes) p->at = 0, p->t++;
     }
@@ -404,7 +419,7 @@ INLINE vf load_row(const void *base, int64_t i, const int in_bf16) {
 
 // A chunk of the unit's heads as fp32, K^T transposed W x W at a time (positions past n are zeros), V rows
 // copied. Reads go position by position over the run of heads: whole blocks of the cache in address order.
-INLINE void repack(const Args *a, Scratch *w, const int64_t *off, int n, int hb, const int in_bf16) {
+INLINE void repack(const Args *a, Packed p, const int64_t *off, int n, int hb, const int in_bf16) {
     const int D = a->head_dim;
     const int64_t sh = a->kv_stride_h;
     for (int t0 = 0; t0 < n; t0 += W)
@@ -414,12 +429,12 @@ INLINE void repack(const Args *a, Scratch *w, const int64_t *off, int n, int hb,
                 for (int i = 0; i < W; i++)
                     x[i] = t0 + i < n ? load_row(a->k_cache, off[t0 + i] + h * sh + d0, in_bf16) : vzero();
                 transpose_w(x);
-                for (int i = 0; i < W; i++) vstore(w->kt + h * CHUNK * D + (d0 + i) * CHUNK + t0, x[i]);
+                for (int i = 0; i < W; i++) vstore(p.kt + h * CHUNK * D + (d0 + i) * CHUNK + t0, x[i]);
             }
     for (int t = 0; t < n; t++)
         for (int h = 0; h < hb; h++)
             for (int d0 = 0; d0 < D; d0 += W)
-                vstore(w->v + h * CHUNK * D + t * D + d0, load_row(a->v_cache, off[t] + h * sh + d0, in_bf16));
+                vstore(p.v + h * CHUNK * D + t * D + d0, load_row(a->v_cache, off[t] + h * sh + d0, in_bf16));
 }
 
 #if defined(__AVX512BF16__)
@@ -427,13 +442,13 @@ static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
 
 // A bf16 chunk of the unit's heads as pairs: K^T as [dim pair][position] (16 x 16 transposes of 32-bit pairs),
 // V as [position pair][dim][2] (two rows interleaved); positions past n are zeros. Reads as in repack().
-static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int hb) {
+static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int hb) {
     const int D = a->head_dim;
     const int64_t sh = a->kv_stride_h;
     const bf16 *kc = a->k_cache, *vc = a->v_cache;
     for (int t0 = 0; t0 < n; t0 += 16)
         for (int h = 0; h < hb; h++) {
-            int32_t *kt = (int32_t *)w->kt + h * CHUNK * D;
+            int32_t *kt = (int32_t *)p.kt + h * CHUNK * D;
             for (int d0 = 0; d0 < D; d0 += 32) {
                 const int np = D - d0 >= 32 ? 16 : 8;  // dim pairs in this block (head_dim is a multiple of 16)
                 const __mmask16 mask = np == 16 ? 0xffff : 0x00ff;
@@ -452,7 +467,7 @@ static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, i
     for (int t = 0; t < n; t += 2)
         for (int h = 0; h < hb; h++) {
             const bf16 *r0 = vc + off[t] + h * sh, *r1 = t + 1 < n ? vc + off[t + 1] + h * sh : ZERO_ROW;
-            int32_t *dst = (int32_t *)w->v + h * CHUNK * D + (t / 2) * D;
+            int32_t *dst = (int32_t *)p.v + h * CHUNK * D + (t / 2) * D;
             for (int d0 = 0; d0 < D; d0 += 32) {
                 const __mmask32 mask = D - d0 >= 32 ? 0xffffffffu : 0xffffu;
                 __m512i a0 = _mm512_maskz_loadu_epi16(mask, r0 + d0), a1 = _mm512_maskz_loadu_epi16(mask, r1 + d0);
@@ -463,12 +478,12 @@ static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, i
 }
 #elif defined(AMX_TILES)
 // The same layouts in portable C (the emulated AMX build, on AVX2).
-static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, int hb) {
+static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int hb) {
     const int D = a->head_dim;
     const bf16 *kc = a->k_cache, *vc = a->v_cache;
     for (int h = 0; h < hb; h++) {
-        int32_t *kt = (int32_t *)w->kt + h * CHUNK * D;
-        bf16 *v = (bf16 *)((int32_t *)w->v + h * CHUNK * D);
+        int32_t *kt = (int32_t *)p.kt + h * CHUNK * D;
+        bf16 *v = (bf16 *)((int32_t *)p.v + h * CHUNK * D);
         for (int t = 0; t < (n + 15) / 16 * 16; t++) {
             const int64_t at = off[t < n ? t : 0] + h * a->kv_stride_h;  // past n: a row read, zeros written
             const bf16 *k = kc + at, *vr = vc + at;
@@ -482,16 +497,16 @@ static void repack_pairs(const Args *a, Scratch *w, const int64_t *off, int n, i
     }
 }
 #else  // never called: the pairs format needs vdpbf16ps or AMX
-#define repack_pairs(a, w, off, n, hb) repack(a, w, off, n, hb, 1)
+#define repack_pairs(a, p, off, n, hb) repack(a, p, off, n, hb, 1)
 #endif
 
 #ifdef AMX_TILES
 // V pairs zero from position n up to the next multiple of 32 (P V's last tile of positions reads them with
 // weight 0; stale values could be inf or NaN).
-static void zero_v_tail(const Args *a, Scratch *w, int n, int hb) {
+static void zero_v_tail(const Args *a, Packed p, int n, int hb) {
     const int D = a->head_dim, from = (n + 1) / 2, to = (n + 31) / 32 * 16;
     for (int h = 0; h < hb && from < to; h++)
-        memset((int32_t *)w->v + h * CHUNK * D + from * D, 0, (size_t)(to - from) * D * sizeof(int32_t));
+        memset((int32_t *)p.v + h * CHUNK * D + from * D, 0, (size_t)(to - from) * D * sizeof(int32_t));
 }
 #endif
 
@@ -711,6 +726,13 @@ static void direct_head(const Args *a, Scratch *w, const int64_t *off, int64_t c
 #define direct_head(a, w, off, c0, n, h, nrows) ((void)0)
 #endif
 
+// The packed chunk at c0 of unit u's shared segment, the unit's heads.
+static Packed shared_chunk(const Args *a, const Unit *u, int64_t c0) {
+    const int64_t head = (int64_t)CHUNK * a->head_dim, H = a->num_kv_heads;
+    float *at = u->shared + (c0 - u->seg[SEG_KV_START]) / CHUNK * 2 * H * head;
+    return (Packed){at + u->h0 * head, at + (H + u->h0) * head};
+}
+
 // Unit u; `next` (or NULL) is the unit this thread runs after it, whose first chunk is prefetched during u's
 // last one; `warm`: u's first chunk was prefetched so.
 INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm, const int pairs,
@@ -738,12 +760,12 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
     int64_t kv0, kv1;
     kv_range(a, u, &kv0, &kv1);
     int buf = 0;
-    if (kv0 < kv1) {
+    if (kv0 < kv1 && u->shared == NULL) {
         const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
         row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, n0, u->h0);
         if (!warm) {
             Prefetch first = prefetch_plan(a, w->offset[0], n0, u->hb);
-            prefetch_some(a, &first, INT32_MAX);
+            prefetch_some(&first, INT32_MAX);
         }
     }
 #ifdef AMX_TILES
@@ -760,10 +782,12 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         const int n1 = c1 >= kv1 ? 0 : kv1 - c1 < CHUNK ? kv1 - c1 : CHUNK;
         // what comes next streams in while this chunk is computed: this unit's next chunk or the next unit's first
         Prefetch ahead = {0};
-        if (n1 > 0) {
+        if (n1 > 0 && u->shared != NULL) {
+            ahead = packed_plan(a, shared_chunk(a, u, c1), w->offset[!buf], u->hb, pairs);
+        } else if (n1 > 0) {
             row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
             ahead = prefetch_plan(a, w->offset[!buf], n1, u->hb);
-        } else if (next != NULL) {
+        } else if (next != NULL && next->shared == NULL) {
             int64_t nk0, nk1;
             kv_range(a, next, &nk0, &nk1);
             const int nn = nk1 - nk0 < CHUNK ? nk1 - nk0 : CHUNK;
@@ -771,21 +795,27 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
             ahead = prefetch_plan(a, w->offset[!buf], nn > 0 ? nn : 0, next->hb);
         }
         const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
-        if (!pairs) repack(a, w, w->offset[buf], n, u->hb, in_bf16);
-        else if (!direct) repack_pairs(a, w, w->offset[buf], n, u->hb);
+        Packed packed = {w->kt, w->v};
+        if (u->shared != NULL) {
+            packed = shared_chunk(a, u, c0);
+        } else if (!pairs) {
+            repack(a, packed, w->offset[buf], n, u->hb, in_bf16);
+        } else if (!direct) {
+            repack_pairs(a, packed, w->offset[buf], n, u->hb);
 #ifdef AMX_TILES
-        if (tiles && !direct) zero_v_tail(a, w, n, u->hb);
+            if (tiles) zero_v_tail(a, packed, n, u->hb);
 #endif
-        prefetch_some(a, &ahead, slice);
+        }
+        prefetch_some(&ahead, slice);
         for (int h = 0; h < u->hb; h++) {
             if (direct) {
                 direct_head(a, w, w->offset[buf], c0, n, h, nrows);
-                prefetch_some(a, &ahead, slice);
+                prefetch_some(&ahead, slice);
                 continue;
             }
-            const float *kt = w->kt + h * CHUNK * D, *v = w->v + h * CHUNK * D;
+            const float *kt = packed.kt + h * CHUNK * D, *v = packed.v + h * CHUNK * D;
             for (int r0 = 0; r0 < nrows; r0 += rb) {
-                prefetch_some(a, &ahead, slice);
+                prefetch_some(&ahead, slice);
                 const int mr = nrows - r0 < rb ? nrows - r0 : rb, hrow = h * UNIT_ROWS + r0;
                 const int64_t seen = (int64_t)w->limit[r0 + mr - 1] - c0 + 1;  // rows are in position order
                 if (seen <= 0) continue;
@@ -799,9 +829,9 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
                     const int nv = nvec - j0 < NV ? nvec - j0 : NV;
                     (pairs ? tile_qk_pairs : tile_qk)(mr, nv, q, qd, kt + j0 * W, CHUNK, w->s + j0 * W, CHUNK, qd);
                 }
-                prefetch_some(a, &ahead, slice);
+                prefetch_some(&ahead, slice);
                 softmax(a, w, mr, r0, hrow, c0, nb, pairs, !in_bf16);
-                prefetch_some(a, &ahead, slice);
+                prefetch_some(&ahead, slice);
                 const int ksteps = pairs ? (nb + 1) / 2 : nb, pd = pairs ? CHUNK / 2 : CHUNK;
 #ifdef AMX_TILES
                 if (tiles)
@@ -815,29 +845,56 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
                 }
             }
         }
-        prefetch_some(a, &ahead, INT32_MAX);
+        prefetch_some(&ahead, INT32_MAX);
     }
     finish(a, w, u);
 }
 
+typedef struct {  // a chunk of a shared segment, every KV head, packed before the units run
+    const int32_t *seg;
+    int64_t c0;
+    int n;
+    float *at;
+} Job;
+
+// Job j's chunk of every KV head, packed into its place in the shared pool as a unit would pack it.
+INLINE void pack_job(const Args *a, Scratch *w, const Job *j, const int pairs, const int in_bf16) {
+    const int H = a->num_kv_heads, D = a->head_dim;
+    const Packed p = {j->at, j->at + (int64_t)H * CHUNK * D};
+    row_offsets(a, w->offset[0], j->seg[SEG_TABLE], j->c0, j->n, 0);
+    if (!pairs) {
+        repack(a, p, w->offset[0], j->n, H, in_bf16);
+        return;
+    }
+    repack_pairs(a, p, w->offset[0], j->n, H);
+#ifdef AMX_TILES
+    if (D % 32 == 0) zero_v_tail(a, p, j->n, H);
+#endif
+}
+
 typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, const Unit *, int);
+typedef void (*PackJob)(const Args *, Scratch *, const Job *);
 #if defined(__AVX512BF16__)
 static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
     run_unit(a, w, u, next, warm, 1, 1);
 }
+static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 1, 1); }
 #elif defined(AMX_TILES)  // emulated: the pairs layouts only where the tiles take them
 static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
     if (a->head_dim % 32 == 0) run_unit(a, w, u, next, warm, 1, 1);
     else run_unit(a, w, u, next, warm, 0, 1);
 }
+static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, a->head_dim % 32 == 0, 1); }
 #else
 static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
     run_unit(a, w, u, next, warm, 0, 1);
 }
+static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 0, 1); }
 #endif
 static void run_fp32(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
     run_unit(a, w, u, next, warm, 0, 0);
 }
+static void pack_fp32(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 0, 0); }
 
 // A token's partials (its group's prefix and the rest of its context, or the pieces of a split segment)
 // weighted by exp(lse - max lse).
@@ -873,7 +930,7 @@ static void merge(const Args *a, int mi) {
 static inline int row_blocks(const int32_t *seg) { return (seg[SEG_ROWS] + UNIT_ROWS - 1) / UNIT_ROWS; }
 
 static double unit_work(const Args *a, const int32_t *seg, int row0, int nrows) {
-    const Unit u = {seg, row0, nrows, 0, 1, 0};
+    const Unit u = {seg, row0, nrows, 0, 1, 0, NULL};
     int64_t kv0, kv1;
     kv_range(a, &u, &kv0, &kv1);
     return (double)nrows * ((double)(kv1 - kv0) + CHUNK);
@@ -906,6 +963,54 @@ static int segment_heads(const Args *a, const int32_t *seg, int most) {
 static int heavier_first(const void *x, const void *y) {
     const double a = ((const Unit *)x)->work, b = ((const Unit *)y)->work;
     return (a < b) - (a > b);
+}
+
+#define SHARED_BLOCKS 4           // row blocks (of UNIT_ROWS) from which a segment's chunks are packed once
+#define SHARED_FLOATS (16 << 20)  // the most the shared segments' packed chunks take (64 MiB)
+
+// The shared segments' packed chunks: one buffer per calling thread, kept across calls (its pages faulted in once)
+// and grown as needed; NULL where that fails (then every unit packs its own chunks).
+static float *shared_pool(int64_t floats) {
+    static __thread float *pool = NULL;
+    static __thread int64_t size = 0;
+    if (floats > size) {
+        free(pool);
+        pool = aligned_alloc(64, (size_t)(floats * sizeof(float) + 63) / 64 * 64);
+        size = pool != NULL ? floats : 0;
+    }
+    return pool;
+}
+
+// Segments of SHARED_BLOCKS row blocks or more have each chunk packed once, before the units, for all their units
+// (a long prefill's units would each pack every chunk they read): as many as fit in SHARED_FLOATS, in order. The
+// jobs that pack them (NULL: none), their count in *count; the units of those segments point at their chunks.
+static Job *plan_shared(const Args *a, Unit *unit, int units, int *count) {
+    const int64_t per_chunk = 2 * (int64_t)a->num_kv_heads * CHUNK * a->head_dim;
+    int64_t *first = malloc(sizeof(int64_t) * (a->num_segs > 0 ? a->num_segs : 1)), chunks = 0;
+    *count = 0;
+    if (first == NULL) return NULL;
+    for (int i = 0; i < a->num_segs; i++) {
+        const int32_t *seg = a->segs + i * SEG_FIELDS;
+        const int64_t n = ((int64_t)seg[SEG_KV_END] - seg[SEG_KV_START] + CHUNK - 1) / CHUNK;
+        const int shared = row_blocks(seg) >= SHARED_BLOCKS && n > 0 && (chunks + n) * per_chunk <= SHARED_FLOATS;
+        first[i] = shared ? chunks : -1;
+        chunks += first[i] >= 0 ? n : 0;
+    }
+    float *pool = chunks > 0 ? shared_pool(chunks * per_chunk) : NULL;
+    Job *job = pool != NULL ? malloc(sizeof(Job) * chunks) : NULL;
+    for (int i = 0; job != NULL && i < a->num_segs; i++) {
+        const int32_t *seg = a->segs + i * SEG_FIELDS;
+        for (int64_t c0 = seg[SEG_KV_START], k = first[i]; first[i] >= 0 && c0 < seg[SEG_KV_END]; c0 += CHUNK, k++) {
+            const int n = seg[SEG_KV_END] - c0 < CHUNK ? (int)(seg[SEG_KV_END] - c0) : CHUNK;
+            job[(*count)++] = (Job){seg, c0, n, pool + k * per_chunk};
+        }
+    }
+    for (int u = 0; job != NULL && u < units; u++) {
+        const int64_t k = first[(unit[u].seg - a->segs) / SEG_FIELDS];
+        unit[u].shared = k >= 0 ? pool + k * per_chunk : NULL;
+    }
+    free(first);
+    return job;
 }
 
 static Scratch *thread_scratch(void) {
@@ -972,10 +1077,13 @@ int flock_cpu_cascade(const Args *a) {
             const int row0 = b * UNIT_ROWS, nrows = seg[SEG_ROWS] - row0 < UNIT_ROWS ? seg[SEG_ROWS] - row0 : UNIT_ROWS;
             for (int r = 0; r < runs; r++, n++) {
                 const int h0 = r * hb, heads = a->num_kv_heads - h0 < hb ? a->num_kv_heads - h0 : hb;
-                unit[n] = (Unit){seg, row0, nrows, h0, heads, unit_work(a, seg, row0, nrows) * heads};
+                unit[n] = (Unit){seg, row0, nrows, h0, heads, unit_work(a, seg, row0, nrows) * heads, NULL};
             }
         }
     }
+    int jobs;
+    Job *job = plan_shared(a, unit, units, &jobs);
+    const PackJob pack = a->bf16 ? pack_bf16 : pack_fp32;
     qsort(unit, units, sizeof(Unit), heavier_first);  // dynamic scheduling balances the tail
     int failed = 0, claimed = 0;
 #pragma omp parallel
@@ -988,6 +1096,9 @@ int flock_cpu_cascade(const Args *a) {
 #pragma omp atomic write
             failed = 1;
         }
+#pragma omp for schedule(dynamic)
+        for (int j = 0; j < jobs; j++)
+            if (w != NULL) pack(a, w, &job[j]);
         // dynamic scheduling, each thread claiming its next unit one ahead (to prefetch its first chunk)
         int cur = w != NULL ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : units, warm = 0;
         while (cur < units) {
@@ -1009,6 +1120,7 @@ int flock_cpu_cascade(const Args *a) {
         _mm_setcsr(csr);
     }
     free(unit);
+    free(job);
     return failed ? -1 - failed : 0;
 }
 
