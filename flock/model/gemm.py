@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from flock import native
+from flock.model import huge_pages
 
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
 OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes
@@ -97,7 +98,8 @@ def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
         blocks = torch.cat([gate, up], dim=1)
     else:
         blocks = F.pad(w, (0, 0, 0, -n % BLOCK)).view(-1, BLOCK, k)
-    return blocks.contiguous().view(torch.int32).transpose(1, 2).contiguous().view(-1)
+    packed = huge_pages.empty((blocks.shape[0], k // 2, BLOCK), torch.int32)  # streamed by every decode step
+    return packed.copy_(blocks.contiguous().view(torch.int32).transpose(1, 2)).view(-1)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

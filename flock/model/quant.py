@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from flock import native
-from flock.model import gemm
+from flock.model import gemm, huge_pages
 
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
@@ -192,7 +192,7 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     of 8 as it is."""
     if tensor.interleaved or tensor.rows % 8:
         return tensor
-    out = torch.empty((tensor.rows, tensor.k // tensor.act_block * X8_BYTES[tensor.name]), dtype=torch.uint8)
+    out = huge_pages.empty((tensor.rows, tensor.k // tensor.act_block * X8_BYTES[tensor.name]), torch.uint8)
     _lib(path).flock_interleave(tensor.qtype, tensor.blocks.data_ptr(), tensor.blocks.stride(0), tensor.rows, tensor.k,
                                 out.data_ptr(), torch.get_num_threads())
     return QuantTensor(tensor.qtype, out, interleaved=True)

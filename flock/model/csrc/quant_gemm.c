@@ -28,7 +28,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "exp2_poly.h"
 
@@ -341,13 +340,9 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
 
 // n rows (n a multiple of 8) of blocks, row_bytes apart, as interleaved blocks: 8 rows' block b at
 // out + (8 o) * x8 row bytes + b * 8 x8 row bytes, o the octet.
-// `out` (not yet written) is asked for on 2 MiB pages first: a decode step streams every weight once.
 void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, uint8_t *out,
                       int32_t threads) {
     const int64_t nb = k / block_size(type), octet_bytes = 8 * nb * x8_row_bytes(type);
-    const uintptr_t huge = 2 << 20, start = ((uintptr_t)out + huge - 1) / huge * huge;
-    const uintptr_t end = ((uintptr_t)out + (uintptr_t)(n / 8 * octet_bytes)) / huge * huge;
-    if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
 #pragma omp parallel for num_threads(threads) if(threads > 1)
     for (int64_t o = 0; o < n / 8; o++)
         for (int lane = 0; lane < 8; lane++)
