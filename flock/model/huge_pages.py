@@ -51,8 +51,3 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             at = 0
         _shared[1] = at + size
         return _shared[0][at : at + size].view(dtype).view(shape)
-
-
-def copy_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor, on 2 MiB pages."""
-    return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
