@@ -28,6 +28,9 @@ from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.segments import DIRECT, PREFIX, PartialBuffers, Segments, build_segments, concat_ranges, int32
 
 MAX_PARTS = 16  # KV pieces a segment is split into, at most (the kernel merges up to 64 partials per token)
+# Requests with more new tokens than this join no prefix group: their rows fill the tiles alone, and a group's
+# stacked prefix rows, partials and merges cost their prefill more than the prefix reads it saves.
+MAX_GROUP_QUERY = 16
 
 
 class _Args(ctypes.Structure):
@@ -208,7 +211,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
         """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
         lib = kernel_library(self.isa)
         g = self.num_heads // self.num_kv_heads
-        s = build_segments(layout, g, self.min_prefix_blocks)
+        s = build_segments(layout, g, self.min_prefix_blocks, MAX_GROUP_QUERY)
         if tokens is not None:
             s.tokens = tokens[s.tokens]
         segs, slots, offsets, merged, num_slots = plan_segments(

@@ -48,14 +48,17 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return offsets + np.arange(total)
 
 
-def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int) -> Segments:
+def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int,
+                   max_group_query: int | None = None) -> Segments:
+    """The step's segments; requests of more than `max_group_query` new tokens (None: no limit) join no group."""
     bs = layout.block_size
     qs = np.asarray(layout.query_start, dtype=np.int64)
     seq = np.asarray(layout.seq_lens, dtype=np.int64)
     qlens = np.diff(qs)
     computed = seq - qlens
     num_req = len(seq)
-    groups = find_prefix_groups(layout.block_tables, computed // bs, min_prefix_blocks)
+    shareable = computed // bs if max_group_query is None else np.where(qlens <= max_group_query, computed // bs, 0)
+    groups = find_prefix_groups(layout.block_tables, shareable, min_prefix_blocks)
 
     table_lens = np.array([len(t) for t in layout.block_tables], dtype=np.int64)
     table_begin = np.cumsum(table_lens) - table_lens

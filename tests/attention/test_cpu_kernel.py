@@ -12,7 +12,7 @@ from flock import native
 from flock.attention import cpu, make_backend
 from flock.attention.cascade import CascadeMetadata, TorchCascadeBackend
 from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, plan_segments
-from flock.attention.segments import build_segments
+from flock.attention.segments import DIRECT, PARTIAL, PREFIX, build_segments
 from flock.model.config import ModelConfig
 from tests.attention import test_backends as tb
 from tests.engine.test_parity import references  # noqa: F401 (a fixture)
@@ -107,6 +107,18 @@ def test_a_nan_stays_nan(monkeypatch, isa, layout_name, dtype, heads, kv_heads, 
     expected = tb.reference(q, kc, vc, layout, kv_heads)
     assert (len(meta.merge_tokens) > 0) == (layout_name == "several groups") and expected.isnan().any()
     assert torch.equal(out.isnan(), expected.isnan())
+
+
+def test_long_queries_join_no_group():
+    """A request with more than MAX_GROUP_QUERY new tokens attends alone (its prefill fills the tiles by itself);
+    the decodes on its prefix still read it once, as a group."""
+    layout = tb.long_layout(np.random.default_rng(3), 16)  # a group of 1-, 37- and 1-token queries on 70 blocks
+    kinds = {}
+    for limit in (cpu.MAX_GROUP_QUERY, None):
+        s = build_segments(layout, 4, 2, limit)
+        kinds[limit] = sorted(zip(s.kind.tolist(), (s.rows // 4).tolist()))
+    assert (PREFIX, 2) in kinds[cpu.MAX_GROUP_QUERY] and (DIRECT, 37) in kinds[cpu.MAX_GROUP_QUERY]
+    assert (PREFIX, 39) in kinds[None] and (PARTIAL, 37) in kinds[None]
 
 
 def test_plan_splits_a_segment_that_would_keep_one_thread_busy():
