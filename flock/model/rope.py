@@ -38,13 +38,26 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_frequencies(config))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        cos, sin = on_one_thread(lambda: (emb.cos(), emb.sin()))
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def on_one_thread(fn):
+    """fn() with PyTorch on one thread. On x86 torch's cos and sin are MKL's vector math, and when a process's first
+    such call runs on several threads at once, MKL now and then gives one thread its low-accuracy AVX2 kernel
+    (sCos_L9EP): the tables, and every greedy output after them, would then differ from process to process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
