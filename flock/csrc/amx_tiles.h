@@ -128,22 +128,14 @@ static inline void amx_configure_bf16(int rows) {
     TILE_CONFIG(&cfg);
 }
 
-// c[r][64] (rows 64 floats apart) += a (the configured rows, lda bf16 apart) times 64 columns of pairs
-// b [k / 2][64] over steps k0 to k1 of K (multiples of 32); c is not read when k0 is 0 (c = the product).
-static inline void amx_bf16_x64_span(const uint16_t *a, int64_t lda, const int32_t *b, int64_t k0, int64_t k1,
-                                     float *c) {
-    if (k0) {  // tile numbers are immediates
-        TILE_LOAD(0, c, 256);
-        TILE_LOAD(1, c + 16, 256);
-        TILE_LOAD(2, c + 32, 256);
-        TILE_LOAD(3, c + 48, 256);
-    } else {
-        TILE_ZERO(0);
-        TILE_ZERO(1);
-        TILE_ZERO(2);
-        TILE_ZERO(3);
-    }
-    for (; k0 < k1; k0 += 32) {
+// c[r][64] (rows 64 floats apart) = a (the configured rows, lda bf16 apart) times 64 columns of pairs
+// b [k / 2][64] over the whole of K (a multiple of 32).
+static inline void amx_bf16_x64(const uint16_t *a, int64_t lda, const int32_t *b, int64_t k, float *c) {
+    TILE_ZERO(0);  // tile numbers are immediates
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
         const int32_t *w = b + k0 / 2 * 64;
         TILE_LOAD(4, a + k0, lda * 2);
         TILE_LOAD(5, w, 256);
@@ -159,9 +151,4 @@ static inline void amx_bf16_x64_span(const uint16_t *a, int64_t lda, const int32
     TILE_STORE(1, c + 16, 256);
     TILE_STORE(2, c + 32, 256);
     TILE_STORE(3, c + 48, 256);
-}
-
-// c[r][64] = a times b over the whole of K (a multiple of 32).
-static inline void amx_bf16_x64(const uint16_t *a, int64_t lda, const int32_t *b, int64_t k, float *c) {
-    amx_bf16_x64_span(a, lda, b, 0, k, c);
 }

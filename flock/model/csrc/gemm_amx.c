@@ -4,19 +4,20 @@
 //
 // A task is up to 64 rows x one block; K goes in steps of 32 (K % 32 == 0), the B tiles (16 pairs x 16 columns)
 // read straight from the packed weight with the stride of one 64-wide pair row, the A tiles (16 rows x 32 bf16)
-// straight from x (a call's last rows, short of 16, from a zero-padded copy). A task of 17-64 rows multiplies
-// pairs of row tiles by half blocks on 2 x 2 tiles: two A tiles times two B tiles, four loads for four products
-// (one A tile times four B tiles needs five). Tile loads from L2 bound the products' rate, so K goes in chunks
-// whose tiles every pair and half of the task reuse from L1, the sums waiting in memory between chunks. A task of
-// at most 16 rows, as decode steps have, multiplies its rows by the block's four B tiles (amx_bf16_x64_span), the
-// tiles configured with its row count. A call of more than 64 rows goes row panel (PANEL_ROWS) by panel, block by
-// block within one, so a panel's activations stay in cache while each block's weights are read once per panel;
-// its tasks are split evenly over the threads, and a block's weights come into L2 ahead of its tiles: small blocks
-// are prefetched by the tasks of the block before (memory streams while the tiles work), others by their first
-// task, a chunk ahead. A call of at most 64 rows reads each weight once, and each core streams memory at only
-// about half the machine's bandwidth: the threads split the weights evenly, by halves of a block's K where the
-// blocks do not divide evenly, one thread going on from the other's sums (the same bits as on one thread).
-// The sums leave the tiles through a 64 x 64 fp32 buffer for the epilogue (AVX-512; portable C when emulated).
+// straight from x (a call's last rows, short of 16, from a zero-padded copy). A task multiplies pairs of row
+// tiles (or its one tile) by half blocks on 2 x 2 tiles: two A tiles times two B tiles, four loads for four
+// products (one A tile times four B tiles needs five). Tile loads from L2 bound the products' rate, so K goes in
+// chunks whose tiles every pair and half of the task reuse from L1, the sums waiting in memory between chunks.
+// Tasks of every size, down to a decode step's single rows, prefetch their weights ahead of the tiles (the
+// hardware prefetchers alone stream fewer bytes a second). A call of more than 64 rows goes row panel
+// (PANEL_ROWS) by panel, block by block within one, so a panel's activations stay in cache while each block's
+// weights are read once per panel; its tasks are split evenly over the threads, and a block's weights come into
+// L2 ahead of its tiles: small blocks are prefetched by the tasks of the block before (memory streams while the
+// tiles work), others by their first task, a chunk ahead. A call of at most 64 rows reads each weight once, and
+// each core streams memory at only about half the machine's bandwidth: the threads split the weights evenly, by
+// halves of a block's K where the blocks do not divide evenly, one thread going on from the other's sums (the
+// same bits as on one thread). The sums leave the tiles through a 64 x 64 fp32 buffer for the epilogue (AVX-512;
+// portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -221,23 +222,18 @@ typedef struct {
     int out;
 } Call;
 
-// Per thread: the tiles' set-up (the 1 x 4 product's rows, 1-16, or TASK_ROWS for 2 x 2; 0 none) and the sums.
+// Per thread: whether the tiles are set up for the 2 x 2 products, and the sums.
 typedef struct {
     int configured;
     float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
 } Worker;
 
 // Rows r0 .. r0 + rows - 1 (at most TASK_ROWS) times block `block`, steps k0 to k1 of K, onto c (read when k0 >
-// 0); a task of at most 16 rows takes no prefetching (its reads stream in address order).
+// 0).
 static void multiply(const Call *g, Worker *w, int64_t r0, int rows, int64_t block, int64_t k0, int64_t k1,
                      float *c, Fetch *fetch) {
     const int32_t *b = g->packed + block * (g->k / 2) * NC;
-    if (rows <= 16) {
-        if (w->configured != rows) amx_configure_bf16(w->configured = rows);
-        amx_bf16_x64_span(g->x + r0 * g->ldx, g->ldx, b, k0, k1, c);
-        return;
-    }
-    if (w->configured <= 16) configure_2x2(), w->configured = TASK_ROWS;
+    if (!w->configured) configure_2x2(), w->configured = 1;
     const bf16 *a[4];
     int64_t lda[4];
     const int tiles = (rows + 15) / 16;
@@ -298,8 +294,8 @@ typedef struct {
 // Calls of at most TASK_ROWS rows read every weight once: the threads split the weights evenly by halves of a
 // block's K (a thread's first and last block may be halves). A thread multiplies its last block's first half
 // first and hands its sums over, then its whole blocks, then its first block's second half from the sums handed
-// to it, so each sum is added in the same order as on one thread. Tasks of 17-64 rows stream the weights into L2
-// STREAM_AHEAD bytes ahead of the tiles.
+// to it, so each sum is added in the same order as on one thread. The weights stream into L2 STREAM_AHEAD bytes
+// ahead of the tiles.
 static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs) {
     const int64_t k = g->k, blocks = g->blocks, halves = 2 * blocks;
     const int64_t u0 = halves * t / nt, u1 = halves * (t + 1) / nt, bytes = k / 2 * NC * 4;
@@ -314,18 +310,16 @@ static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs
     if (full1 > full0) add_range(&lines, base + full0 * bytes, base + full1 * bytes);
     if (lead >= 0) add_range(&lines, base + lead * bytes + half_bytes, base + (lead + 1) * bytes);
     // the first task prefetches its own weights and STREAM_AHEAD bytes more, each later one as many as it reads
-    // (tasks of at most 16 rows: no prefetching)
-    const int stream = rows > 16;
-    int64_t extra = stream ? STREAM_AHEAD : 0;
+    int64_t extra = STREAM_AHEAD;
     Fetch fetch = {&lines, 0, lines.from[0], 0, 0};
     if (trail >= 0) {
         HandOff *h = &handoffs[t];
-        fetch.left = stream ? half_bytes + extra : 0, extra = 0;
+        fetch.left = half_bytes + extra, extra = 0;
         multiply(g, w, 0, rows, trail, 0, kh, h->sums, &fetch);
         __atomic_store_n(&h->ready, 1, __ATOMIC_RELEASE);
     }
     for (int64_t block = full0; block < full1; block++) {
-        fetch.left = stream ? bytes + extra : 0, extra = 0;
+        fetch.left = bytes + extra, extra = 0;
         multiply(g, w, 0, rows, block, 0, k, w->sums, &fetch);
         write_task(g, w->sums, 0, rows, block);
     }
@@ -334,7 +328,7 @@ static void one_panel(const Call *g, Worker *w, int t, int nt, HandOff *handoffs
         for (int spins = 1; !__atomic_load_n(&h->ready, __ATOMIC_ACQUIRE); spins++)
             if (spins % 1024) _mm_pause();
             else sched_yield();  // more threads than cores: the one handing over may be waiting for this core
-        fetch.left = stream ? bytes - half_bytes + extra : 0;
+        fetch.left = bytes - half_bytes + extra;
         multiply(g, w, 0, rows, lead, kh, k, h->sums, &fetch);
         write_task(g, h->sums, 0, rows, lead);
     }
@@ -350,9 +344,9 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
     const int one = m <= TASK_ROWS && k >= 64;  // one_panel's calls (halves of K need two steps of 32)
     const int64_t units = one ? (blocks > 1 ? 2 * blocks : 1) : blocks * ((m + TASK_ROWS - 1) / TASK_ROWS);
     if (threads > units) threads = (int)units;
-    // the last task's last row tile, zero-padded to 16 rows, where that task takes the 2 x 2 products
+    // the last task's last row tile, zero-padded to 16 rows
     bf16 *pad = NULL;
-    if ((m - 1) % TASK_ROWS + 1 > 16 && m % 16) {
+    if (m % 16) {
         if (!(pad = calloc(16 * k, sizeof(bf16)))) return 3;
         for (int64_t r = 0; r < m % 16; r++) memcpy(pad + r * k, x + (m - m % 16 + r) * ldx, (size_t)k * sizeof(bf16));
     }
