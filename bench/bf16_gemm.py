@@ -5,20 +5,23 @@ Each cell multiplies by enough copies of the weight to stream them from memory, 
 roofline is max(weight bytes / bandwidth, FLOPs / peak), with this machine's memory bandwidth and its best bf16
 rate (oneDNN's or Flock's own 4096^3 product, --peak-n) measured in the same run. Columns: microseconds per GEMM, each
 path against the roofline, and oneDNN / Flock. Flock's GEMM is timed twice: through `gemm.linear` (Python, a
-fresh output: how prefill calls it) and at its C entry into one output (how a decode step's program calls it).
+fresh output: how prefill calls it) and at its C entry into one output, a pass over the copies run as one step
+program (flock_run_program, no Python between the GEMMs: how a decode step calls it).
 
     python -m bench.bf16_gemm                       # a few minutes on 2 cores
     python -m bench.bf16_gemm --models smollm2 --rows 1,8
 """
 
 import argparse
+import ctypes
 
+import numpy as np
 import torch
 
 from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.timing import best_time
-from flock.model import gemm, linear, resolve_model
+from flock.model import fused_ops, gemm, linear, program, resolve_model
 
 MODELS = {"smollm2": "flock/smollm2", "bench-mid": "flock/bench-mid"}
 
@@ -46,17 +49,23 @@ def per_call(multiply, weights: list, x: torch.Tensor) -> float | None:
     return best_time(one_pass, 5) / len(weights) if weights else None
 
 
-def c_entry(path: str | None, n: int, x: torch.Tensor):
-    """Flock's GEMM called at its C entry into one preallocated output, as the step program calls it."""
+def c_entry(path: str | None, n: int, weights: list, x: torch.Tensor) -> float | None:
+    """Seconds of one GEMM at its C entry into one preallocated output, each pass over the copies one step program
+    (a record per GEMM, as a decode step's program holds them) run by flock_run_program."""
+    if not weights:
+        return None
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
+    op = ctypes.cast(gemm._lib(path).flock_gemm_op, ctypes.c_void_p).value
+    records = np.zeros((len(weights), program.WIDTH), dtype=np.int64)
+    records[:, :11] = [[op, x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), n, x.shape[0], n, x.shape[1],
+                        gemm.OUT_BF16, torch.get_num_threads()] for w in weights]
+    run = fused_ops.KERNEL.load(fused_ops.isa()).flock_run_program
 
-    def multiply(v: torch.Tensor, packed: torch.Tensor) -> None:
-        code = gemm._lib(path).flock_gemm(v.data_ptr(), v.stride(0), packed.data_ptr(), out.data_ptr(), n,
-                                          v.shape[0], n, v.shape[1], gemm.OUT_BF16, threads)
-        if code:
-            raise RuntimeError(f"the bf16 GEMM failed ({code})")
-    return multiply
+    def one_pass():
+        if failed := run(records.ctypes.data, len(records), program.WIDTH):
+            raise RuntimeError(f"the bf16 GEMM failed (record {failed - 1})")
+
+    return best_time(one_pass, 5) / len(weights)
 
 
 def peak(path: str | None, with_onednn: bool, n: int) -> float:
@@ -89,7 +98,7 @@ def cells(args, bandwidth: float, gflops: float) -> list[list]:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 roof = max(weight.nbytes / bandwidth / 1e9, 2 * m * n * k / gflops / 1e9)
                 flock = per_call(lambda v, p: gemm.linear(v, p, n, path=args.path), ours, x)
-                entry = per_call(c_entry(args.path, n, x), ours, x)
+                entry = c_entry(args.path, n, ours, x)
                 dnn = per_call(onednn, theirs, x)
                 rows.append([model, name, f"{n} x {k}", m, f"{roof * 1e6:.0f}",
                              *(f"{t * 1e6:.0f}" if t else "-" for t in (flock, entry, dnn)),
