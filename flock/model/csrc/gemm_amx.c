@@ -228,8 +228,8 @@ typedef struct {
     float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
 } Worker;
 
-// Rows r0 .. r0 + rows - 1 (at most TASK_ROWS) times block `block`, steps k0 to k1 of K, onto c (read when k0 >
-// 0).
+// Rows r0 .. r0 + rows - 1 (at most TASK_ROWS) times block `block`, steps k0 to k1 of K, onto c (read when
+// k0 > 0).
 static void multiply(const Call *g, Worker *w, int64_t r0, int rows, int64_t block, int64_t k0, int64_t k1,
                      float *c, Fetch *fetch) {
     const int32_t *b = g->packed + block * (g->k / 2) * NC;
