@@ -279,7 +279,9 @@ def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
     with torch.inference_mode():
         seconds = statistics.median(best_time(run, 1) for _ in range(reps))
     flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
-    return seconds, flops, sum(2 * m.in_features * m.out_features for m in layers)
+    weight_bytes = sum(m.qweight.nbytes if m.qweight is not None else 2 * m.in_features * m.out_features
+                       for m in layers)  # a GGUF's blocks, else bf16
+    return seconds, flops, weight_bytes
 
 
 def section_decode(model: str, args, peak: float, report: dict) -> None:
@@ -287,9 +289,12 @@ def section_decode(model: str, args, peak: float, report: dict) -> None:
           "tokens (groups of 16 share the prefix); median step, parts timed by perf_counter (no profiler)\n")
     print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | "
           "in the step, ms: GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
+    projections = {}
     for n in (1, 8, 64):
         for ops in args.ops:
             llm = make_llm(model, ops)
+            paths = llm.engine.runner.paths  # a GGUF's blocks run on the int8 GEMM where "auto" keeps them
+            projections[ops] = paths.get("quantized") or paths.get("gemm", "PyTorch")
             start_decoding(llm, decode_prompts(args, n, llm.engine.model_config.vocab_size, seed=5))
             step = statistics.median(step_times(llm, args.decode_steps))
             gemm_s, flops, weight_bytes = gemms_alone(llm.engine.runner.model, n, args.decode_steps)
@@ -303,6 +308,9 @@ def section_decode(model: str, args, peak: float, report: dict) -> None:
             report.setdefault("decode", {})[f"{n}/{ops}"] = dict(step_s=step, gemm_s=gemm_s, flops=flops,
                                                                  weight_bytes=weight_bytes, parts=parts, wall=wall)
             del llm
+    for ops, path in projections.items():
+        print(f"\nprojections ({ops}): {path}")
+    report.setdefault("decode", {})["projections"] = projections
 
 
 STARTUP_CHILD = """
