@@ -284,9 +284,17 @@ def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
     return seconds, flops, weight_bytes
 
 
+def add_program_ops(parts: dict[str, float], op_seconds: dict[str, float]) -> None:
+    """Adds the step program's op times (timed inside its C call) to the parts the Python wrappers timed."""
+    for kind, seconds in op_seconds.items():
+        part = "gemm" if kind.endswith("GEMM") else "attention" if kind in ("attention", "KV write") else "elementwise"
+        parts[part] += seconds
+
+
 def section_decode(model: str, args, peak: float, report: dict) -> None:
     print(f"\n## Decode steps on SmolLM2: N single-token requests, contexts of {args.prefix} + {args.distinct} "
-          "tokens (groups of 16 share the prefix); median step, parts timed by perf_counter (no profiler)\n")
+          "tokens (groups of 16 share the prefix); median step, parts timed by perf_counter (no profiler; the step "
+          "program's ops inside its C call)\n")
     print("| N | ops | ms / step | GEMMs alone ms | step / GEMMs | GEMM GB/s | GEMM GFLOP/s (of peak) | "
           "in the step, ms: GEMM / attention / elementwise / rest |\n|--:|---|--:|--:|--:|--:|--:|---|")
     projections = {}
@@ -298,8 +306,14 @@ def section_decode(model: str, args, peak: float, report: dict) -> None:
             start_decoding(llm, decode_prompts(args, n, llm.engine.model_config.vocab_size, seed=5))
             step = statistics.median(step_times(llm, args.decode_steps))
             gemm_s, flops, weight_bytes = gemms_alone(llm.engine.runner.model, n, args.decode_steps)
+            program = llm.engine.runner.model.step_program
+            if program is not None:
+                program.op_seconds = {}
             wall, parts = timed(llm, lambda: step_times(llm, args.decode_steps))
             main = {p: parts[p] for p in ("gemm", "attention", "elementwise")}
+            if program is not None and program.op_seconds:
+                add_program_ops(main, program.op_seconds)
+                report.setdefault("decode_program_ops", {})[f"{n}/{ops}"] = program.op_seconds
             main["rest"] = wall - sum(main.values())
             split = " / ".join(f"{v / args.decode_steps * 1e3:.2f}" for v in main.values())
             gflops = flops / gemm_s / 1e9

@@ -56,6 +56,7 @@ class StepProgram:
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the records were built for
         self.step = _Args()  # the attention kernel's arguments, set at each run
+        self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
 
     def takes(self, x: torch.Tensor, meta) -> bool:
         return isinstance(meta, CpuMetadata) and 0 < len(x) <= MAX_ROWS
@@ -70,10 +71,19 @@ class StepProgram:
         self.slots[:m].copy_(meta.slot_mapping)
         self._set_step(m, meta)
         self.records[self.row_words] = m
-        failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH)
+        failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH) if self.op_seconds is None \
+            else self._run_timed()
         if failed:
             raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
         return self.x[:m], self.residual[:m]
+
+    def _run_timed(self) -> int:
+        ns = np.zeros(len(self.records), dtype=np.int64)
+        failed = self.run_timed(self.records.ctypes.data, len(self.records), WIDTH, ns.ctypes.data)
+        for name, t in zip(self.names, ns.tolist()):
+            kind = name.split(" ", 2)[2]  # "layer 3 qkv GEMM" -> "qkv GEMM"
+            self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + t / 1e9
+        return failed
 
     def _set_step(self, m: int, meta: CpuMetadata) -> None:
         """The attention kernel's arguments for this step (each layer's op takes its own caches)."""
@@ -103,7 +113,7 @@ class StepProgram:
 
     def _records(self, dtype: torch.dtype, threads: int) -> None:
         ops = fused_ops.KERNEL.load(fused_ops.isa())
-        self.run_program = ops.flock_run_program
+        self.run_program, self.run_timed = ops.flock_run_program, ops.flock_run_program_timed
         suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
         attention = kernel_library(self.model.layers[0].self_attn.backend.isa)
         records, self.names = [], []

@@ -62,6 +62,20 @@ def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch
     assert generate(plain, prompts) == with_program
 
 
+def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
+    """With op_seconds set, a step runs flock_run_program_timed: the same tokens, and a time for each kind of op."""
+    llm, plain = (LLM(str(gguf_models["Q4_1 with qkv bias"]), dtype="float32", quantization="gguf",
+                      kv_cache_memory_bytes=1 << 22) for _ in range(2))
+    plain.engine.runner.model.step_program = None
+    llm.engine.runner.model.step_program.op_seconds = {}
+    prompts = shared_prefix_prompts(seed=14)
+    assert generate(llm, prompts) == generate(plain, prompts)
+    times = llm.engine.runner.model.step_program.op_seconds
+    assert set(times) == {"input norm", "qkv GEMM", "qkv bias", "rope", "KV write", "attention", "o GEMM",
+                          "post-attention norm", "gate_up GEMM", "down GEMM"}
+    assert all(t > 0 for t in times.values())
+
+
 # the bf16 GEMM this CPU takes by default, and the AVX512-BF16 one (Zen 4/5's) where it runs here too
 BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
               if p and gemm.unavailable(torch.bfloat16, torch.device("cpu")) is None

@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint16_t bf16;
 
@@ -318,6 +319,21 @@ int64_t flock_run_program(const int64_t *records, int64_t n, int64_t width) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t *r = records + i * width;
         if (((program_op)(intptr_t)r[0])(r + 1)) return i + 1;
+    }
+    return 0;
+}
+
+// flock_run_program, adding each record's wall nanoseconds to ns[i] (bench/step_profile.py's split of a step).
+int64_t flock_run_program_timed(const int64_t *records, int64_t n, int64_t width, int64_t *ns) {
+    struct timespec start, end;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *r = records + i * width;
+        int32_t failed = ((program_op)(intptr_t)r[0])(r + 1);
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        ns[i] += (end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec);
+        start = end;
+        if (failed) return i + 1;
     }
     return 0;
 }
