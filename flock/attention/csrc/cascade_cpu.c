@@ -733,9 +733,20 @@ static Packed shared_chunk(const Args *a, const Unit *u, int64_t c0) {
     return (Packed){at + u->h0 * head, at + (H + u->h0) * head};
 }
 
-// Unit u; `next` (or NULL) is the unit this thread runs after it, whose first chunk is prefetched during u's
-// last one; `warm`: u's first chunk was prefetched so.
-INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm, const int pairs,
+// The units of a call, heaviest first, handed out one at a time to the threads.
+typedef struct {
+    const Unit *unit;
+    int units;
+    int *claimed;  // units handed out so far (shared by the threads)
+    int next;      // this thread's next unit: claimed when its current unit reaches its last chunk (-1: not yet)
+} Queue;
+
+static int claim(Queue *q) { return __atomic_fetch_add(q->claimed, 1, __ATOMIC_RELAXED); }
+
+// Unit u. The unit this thread runs after it is claimed (q->next) as u starts its last chunk, and its first
+// chunk prefetched during that one; claimed any earlier, a thread would hold two units while another has none.
+// `warm`: u's first chunk was prefetched so.
+INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int warm, const int pairs,
                      const int in_bf16) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, nrows = u->nrows;
     const int qd = pairs ? D / 2 : D;  // 32-bit elements of a query row in scratch
@@ -787,7 +798,8 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, const Unit *next,
         } else if (n1 > 0) {
             row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
             ahead = prefetch_plan(a, w->offset[!buf], n1, u->hb);
-        } else if (next != NULL && next->shared == NULL) {
+        } else if ((q->next = claim(q)) < q->units && q->unit[q->next].shared == NULL) {
+            const Unit *next = &q->unit[q->next];
             int64_t nk0, nk1;
             kv_range(a, next, &nk0, &nk1);
             const int nn = nk1 - nk0 < CHUNK ? nk1 - nk0 : CHUNK;
@@ -872,27 +884,27 @@ INLINE void pack_job(const Args *a, Scratch *w, const Job *j, const int pairs, c
 #endif
 }
 
-typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, const Unit *, int);
+typedef void (*RunUnit)(const Args *, Scratch *, const Unit *, Queue *, int);
 typedef void (*PackJob)(const Args *, Scratch *, const Job *);
 #if defined(__AVX512BF16__)
-static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
-    run_unit(a, w, u, next, warm, 1, 1);
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, Queue *q, int warm) {
+    run_unit(a, w, u, q, warm, 1, 1);
 }
 static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 1, 1); }
 #elif defined(AMX_TILES)  // emulated: the pairs layouts only where the tiles take them
-static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
-    if (a->head_dim % 32 == 0) run_unit(a, w, u, next, warm, 1, 1);
-    else run_unit(a, w, u, next, warm, 0, 1);
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, Queue *q, int warm) {
+    if (a->head_dim % 32 == 0) run_unit(a, w, u, q, warm, 1, 1);
+    else run_unit(a, w, u, q, warm, 0, 1);
 }
 static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, a->head_dim % 32 == 0, 1); }
 #else
-static void run_bf16(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
-    run_unit(a, w, u, next, warm, 0, 1);
+static void run_bf16(const Args *a, Scratch *w, const Unit *u, Queue *q, int warm) {
+    run_unit(a, w, u, q, warm, 0, 1);
 }
 static void pack_bf16(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 0, 1); }
 #endif
-static void run_fp32(const Args *a, Scratch *w, const Unit *u, const Unit *next, int warm) {
-    run_unit(a, w, u, next, warm, 0, 0);
+static void run_fp32(const Args *a, Scratch *w, const Unit *u, Queue *q, int warm) {
+    run_unit(a, w, u, q, warm, 0, 0);
 }
 static void pack_fp32(const Args *a, Scratch *w, const Job *j) { pack_job(a, w, j, 0, 0); }
 
@@ -936,20 +948,9 @@ static double unit_work(const Args *a, const int32_t *seg, int row0, int nrows) 
     return (double)nrows * ((double)(kv1 - kv0) + CHUNK);
 }
 
-// KV heads per unit, at most: as many as fit in SPAN (each position's K and V rows read as one run: whole
-// blocks of the cache in address order when all heads fit, which decode reads 25-30% faster than half
-// blocks), fewer when the heaviest unit would hold more than half a thread's share of the work.
-static int heads_per_unit(const Args *a, int threads) {
-    int hb = SPAN / a->head_dim < a->num_kv_heads ? SPAN / a->head_dim : a->num_kv_heads;
-    double total = 0, heaviest = 0;
-    for (int i = 0; i < a->num_segs; i++) {
-        const int32_t *seg = a->segs + i * SEG_FIELDS;
-        const double work = unit_work(a, seg, 0, seg[SEG_ROWS]);
-        total += work;
-        heaviest = work / row_blocks(seg) > heaviest ? work / row_blocks(seg) : heaviest;
-    }
-    while (hb > 1 && heaviest * hb / a->num_kv_heads > total / (2 * threads)) hb = (hb + 1) / 2;
-    return hb;
+static int heavier_first(const void *x, const void *y) {
+    const double a = ((const Unit *)x)->work, b = ((const Unit *)y)->work;
+    return (a < b) - (a > b);
 }
 
 // KV heads per unit of segment seg: at most `most`, and few enough that its rows x heads x head_dim fit in
@@ -960,9 +961,74 @@ static int segment_heads(const Args *a, const int32_t *seg, int most) {
     return fit < 1 ? 1 : fit < most ? fit : most;
 }
 
-static int heavier_first(const void *x, const void *y) {
-    const double a = ((const Unit *)x)->work, b = ((const Unit *)y)->work;
-    return (a < b) - (a > b);
+// Segment seg's units, of at most `most` KV heads each, into unit (NULL: only counted); their count.
+static int segment_units(const Args *a, const int32_t *seg, int most, Unit *unit) {
+    const int hb = segment_heads(a, seg, most), runs = (a->num_kv_heads + hb - 1) / hb;
+    int n = 0;
+    for (int b = 0; b < row_blocks(seg); b++) {
+        const int row0 = b * UNIT_ROWS, nrows = seg[SEG_ROWS] - row0 < UNIT_ROWS ? seg[SEG_ROWS] - row0 : UNIT_ROWS;
+        const double work = unit_work(a, seg, row0, nrows);
+        for (int r = 0; r < runs; r++, n++) {
+            const int h0 = r * hb, heads = a->num_kv_heads - h0 < hb ? a->num_kv_heads - h0 : hb;
+            if (unit != NULL) unit[n] = (Unit){seg, row0, nrows, h0, heads, work * heads, NULL};
+        }
+    }
+    return n;
+}
+
+// Every segment's units of at most `most` KV heads, heaviest first (NULL when out of memory); their count in
+// *units.
+static Unit *plan_units(const Args *a, int most, int *units) {
+    int n = 0;
+    for (int i = 0; i < a->num_segs; i++) n += segment_units(a, a->segs + i * SEG_FIELDS, most, NULL);
+    Unit *unit = malloc(sizeof(Unit) * (n > 0 ? n : 1));
+    if (unit == NULL) return NULL;
+    for (int i = 0, k = 0; i < a->num_segs; i++) k += segment_units(a, a->segs + i * SEG_FIELDS, most, unit + k);
+    qsort(unit, n, sizeof(Unit), heavier_first);  // dynamic scheduling balances the tail
+    *units = n;
+    return unit;
+}
+
+// When the last of `threads` threads finishes (in units of work), each taking the next unit as it frees up.
+static double makespan(const Unit *unit, int units, int threads) {
+    double load[threads], last = 0;
+    for (int t = 0; t < threads; t++) load[t] = 0;
+    for (int u = 0; u < units; u++) {
+        int t = 0;
+        for (int i = 1; i < threads; i++) t = load[i] < load[t] ? i : t;
+        load[t] += unit[u].work;
+        last = load[t] > last ? load[t] : last;
+    }
+    return last;
+}
+
+#define BALANCE 1.1  // a split of KV heads over more units must finish this much sooner to be taken
+
+// The call's units, heaviest first (NULL when out of memory), their count in *units. Each holds as many KV heads
+// as fit in SPAN (each position's K and V rows read as one run: whole blocks of the cache in address order,
+// which decode reads faster than a head at a time) unless fewer balance the threads better: the most heads whose
+// units finish within BALANCE of the best split's, or of an even split of the work.
+static Unit *balanced_units(const Args *a, int threads, int *units) {
+    const int most = SPAN / a->head_dim < a->num_kv_heads ? SPAN / a->head_dim : a->num_kv_heads;
+    double total = 0, best = INFINITY, span[8];
+    int heads[8], n = 0;
+    for (int hb = most;; hb = (hb + 1) / 2) {
+        Unit *unit = plan_units(a, hb, units);
+        if (unit == NULL) return NULL;
+        for (int u = 0; n == 0 && u < *units; u++) total += unit[u].work;
+        // (an even split plus the heaviest unit bounds it: where that is close enough, no need to count)
+        const double bound = *units > 0 ? total / threads + unit[0].work : 0;
+        span[n] = bound <= BALANCE * total / threads ? bound : makespan(unit, *units, threads);
+        heads[n] = hb;
+        best = span[n] < best ? span[n] : best;
+        const int even = span[n++] <= BALANCE * total / threads;
+        if (even && n == 1) return unit;
+        free(unit);
+        if (even || hb == 1) break;
+    }
+    int c = 0;
+    while (span[c] > BALANCE * best) c++;
+    return plan_units(a, heads[c], units);
 }
 
 #define SHARED_BLOCKS 4           // row blocks (of UNIT_ROWS) from which a segment's chunks are packed once
@@ -1061,30 +1127,12 @@ int flock_cpu_chunk(void) { return CHUNK; }
 int flock_cpu_cascade(const Args *a) {
     if (a->head_dim % 16 || a->head_dim > MAX_D || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return -1;
     const RunUnit run = a->bf16 ? run_bf16 : run_fp32;
-    const int most = heads_per_unit(a, omp_get_max_threads());
     int units = 0;
-    for (int i = 0; i < a->num_segs; i++) {
-        const int32_t *seg = a->segs + i * SEG_FIELDS;
-        const int hb = segment_heads(a, seg, most);
-        units += row_blocks(seg) * ((a->num_kv_heads + hb - 1) / hb);
-    }
-    Unit *unit = malloc(sizeof(Unit) * (units > 0 ? units : 1));
+    Unit *unit = balanced_units(a, omp_get_max_threads(), &units);
     if (unit == NULL) return -2;
-    for (int i = 0, n = 0; i < a->num_segs; i++) {
-        const int32_t *seg = a->segs + i * SEG_FIELDS;
-        const int hb = segment_heads(a, seg, most), runs = (a->num_kv_heads + hb - 1) / hb;
-        for (int b = 0; b < row_blocks(seg); b++) {
-            const int row0 = b * UNIT_ROWS, nrows = seg[SEG_ROWS] - row0 < UNIT_ROWS ? seg[SEG_ROWS] - row0 : UNIT_ROWS;
-            for (int r = 0; r < runs; r++, n++) {
-                const int h0 = r * hb, heads = a->num_kv_heads - h0 < hb ? a->num_kv_heads - h0 : hb;
-                unit[n] = (Unit){seg, row0, nrows, h0, heads, unit_work(a, seg, row0, nrows) * heads, NULL};
-            }
-        }
-    }
     int jobs;
     Job *job = plan_shared(a, unit, units, &jobs);
     const PackJob pack = a->bf16 ? pack_bf16 : pack_fp32;
-    qsort(unit, units, sizeof(Unit), heavier_first);  // dynamic scheduling balances the tail
     int failed = 0, claimed = 0;
 #pragma omp parallel
     {
@@ -1099,13 +1147,14 @@ int flock_cpu_cascade(const Args *a) {
 #pragma omp for schedule(dynamic)
         for (int j = 0; j < jobs; j++)
             if (w != NULL) pack(a, w, &job[j]);
-        // dynamic scheduling, each thread claiming its next unit one ahead (to prefetch its first chunk)
-        int cur = w != NULL ? __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED) : units, warm = 0;
+        // dynamic scheduling, each thread claiming its next unit during its current one's last chunk
+        Queue q = {unit, units, &claimed, -1};
+        int cur = w != NULL ? claim(&q) : units, warm = 0;
         while (cur < units) {
-            const int nxt = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            run(a, w, &unit[cur], nxt < units ? &unit[nxt] : NULL, warm);
-            cur = nxt;
-            warm = 1;
+            q.next = -1;
+            run(a, w, &unit[cur], &q, warm);
+            warm = q.next >= 0;
+            cur = warm ? q.next : claim(&q);
         }
 #ifdef AMX_TILES
         if (tile_rows) TILE_RELEASE(), tile_rows = 0;
