@@ -845,33 +845,24 @@ AI void dot_q45_x8(const int R, int type, const uint8_t *w, const act32 *const *
         // per int16 at most 16 products of 15 * 127; 5 bits: 8 of 31 * 127, then into int32 (wide)
         __m256i sums[MT], wide[MT];
         for (int r = 0; r < R; r++) sums[r] = wide[r] = _mm256_setzero_si256();
-#ifdef DPBUSD
-        // int32 sums cannot overflow: the low and the high nibbles' products in two chains, half as long
         for (int v = 0; v < 4; v++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
             __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
             if (five) fifth_bits(&lo, &hi, &h);
             for (int r = 0; r < R; r++) {
                 const int8_t *a = x[r][b].q + 8 * v;
-                sums[r] = DPBUSD(sums[r], lo, bcast4(a));
+#ifdef DPBUSD  // int32 sums: the low and the high nibbles' products in two chains, each half as long
                 wide[r] = DPBUSD(wide[r], hi, bcast4(a + 4));
-                settle(&sums[r]);
                 settle(&wide[r]);
-            }
-        }
+                sums[r] = DPBUSD(sums[r], lo, bcast4(a));
+                settle(&sums[r]);
 #else
-        for (int v = 0; v < 4; v++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * v));
-            __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-            if (five) fifth_bits(&lo, &hi, &h);
-            for (int r = 0; r < R; r++) {
-                const int8_t *a = x[r][b].q + 8 * v;
                 sums[r] = products(products(sums[r], lo, bcast4(a)), hi, bcast4(a + 4));
                 settle(&sums[r]);
                 if (five && v == 1) wide[r] = widened(sums[r]), sums[r] = _mm256_setzero_si256();
+#endif
             }
         }
-#endif
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         const __m256 o = has_min(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
                                        : _mm256_mul_ps(d, _mm256_set1_ps(x8_offset(type)));
