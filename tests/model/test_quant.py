@@ -104,6 +104,26 @@ def test_amx_tiles_give_the_vector_kernels_bits(name, path):
                                    quant.linear(rows, weight, glu=glu, path="avx2"))
 
 
+VECTOR_PATHS = [p for p in PATHS if LEVELS[p] == 2]
+
+
+@pytest.mark.skipif("avx2" not in RUNNABLE, reason="no AVX2 to compare with")
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("name", list(quant.X8_BYTES))
+def test_vnni_kernels_give_the_avx2_kernels_bits(name, path):
+    """The VNNI kernels (on AVX-512 two octets at once where a tile holds both) sum the same products in the same
+    order as AVX2's: every output the same bits, over 1-4 row tiles, partial ones, a last lone octet, glu and
+    bf16."""
+    k = 768
+    for m, n in ((1, 16), (2, 24), (3, 40), (4, 48), (7, 56), (13, 64)):
+        weight = QuantWeight([random_blocks(name, n, k, m, interleaved=True)])
+        x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+        for rows, glu in ((x, False), (x.bfloat16(), False), (x, True)):
+            if not glu or quant.fuses_glu(weight):
+                assert torch.equal(quant.linear(rows, weight, glu=glu, path=path),
+                                   quant.linear(rows, weight, glu=glu, path="avx2"))
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_scalar_dot_equals_the_avx2_gemm(name):
     if "avx2" not in PATHS:

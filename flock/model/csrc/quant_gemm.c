@@ -959,6 +959,8 @@ static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, i
 #endif
 }
 
+#include "quant_x16.h"
+
 // The kernels this build runs: 3 AMX tiles (and VNNI or AVX2 for fewer rows), 2 VNNI, 1 AVX2, 0 the baseline.
 int32_t flock_qgemm_level(void) {
 #ifdef AMX_TILES
@@ -1025,7 +1027,7 @@ int32_t flock_qgemm_init(void) {
 int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                     const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
                     int32_t glu, int32_t threads) {
-    const int bs = block_size(type), step = x8 ? 8 : 1;
+    const int bs = block_size(type);
     const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
     void *xq = malloc((size_t)((m + 15) / 16 * 16 * act_row));  // whole tiles of rows for the AMX tiles
@@ -1061,13 +1063,19 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
             const void *x[MT];
             for (int r = 0; r < R; r++) x[r] = (const uint8_t *)xq + (m0 + r) * act_row;
-            for (int64_t j = n0; j < n0 + NT && j < n; j += step) {
-                float sums[MT * 8], up[MT * 8];  // sums[step * r + i]: row j + i
-                if (x8) dot_octet(R, type, w + j * row_bytes, x, nb, sums);
-                else dot_rows(R, type, w + j * row_bytes, x, nb, sums);
+            for (int64_t j = n0, step; j < n0 + NT && j < n; j += step) {
+                float sums[MT * 16], up[MT * 16];  // sums[step * r + i]: row j + i
+                // two octets at once (dot_x16, where the build has it) once a band's first row tile has brought
+                // its weights into cache: from memory, one octet after the other reads them faster
+                const int pair = x8 && m0 > 0 && j + 16 <= n0 + NT && j + 16 <= n;
+                const uint8_t *wj = w + j * row_bytes, *uj = w + (j + n) * row_bytes;
+                step = pair && dot_x16(R, type, wj, wj + 8 * row_bytes, x, nb, sums) ? 16 : x8 ? 8 : 1;
+                if (step == 8) dot_octet(R, type, wj, x, nb, sums);
+                else if (step == 1) dot_rows(R, type, wj, x, nb, sums);
                 if (glu) {
-                    if (x8) dot_octet(R, type, w + (j + n) * row_bytes, x, nb, up);
-                    else dot_rows(R, type, w + (j + n) * row_bytes, x, nb, up);
+                    if (step == 16) dot_x16(R, type, uj, uj + 8 * row_bytes, x, nb, up);
+                    else if (step == 8) dot_octet(R, type, uj, x, nb, up);
+                    else dot_rows(R, type, uj, x, nb, up);
                     silu_mul_rows(sums, up, R * step);
                 }
                 for (int r = 0; r < R; r++)
