@@ -395,14 +395,9 @@ static Prefetch packed_plan(const Args *a, Packed p, int64_t *off, int hb, int p
     return (Prefetch){(const char *)p.kt, (const char *)p.v, 4, off, hb, 0, head * (pairs ? 2 : 4), 0};
 }
 
-// Into L2 on the AMX path (Intel Xeons): a chunk ahead of all of a unit's heads outgrows L1, and prefetches into
-// L1 stalled longer on the fill buffers (long decode contexts 10% slower); into L1 elsewhere (the AMD paths'
-// tuning).
-#ifdef AMX_TILES
+// Into L2: a chunk ahead of all of a unit's heads outgrows L1 beside the chunk being computed, and prefetches
+// into L1 stalled longer on the fill buffers (on Zen 4 a long context's decode took 1.5x the time).
 #define KV_HINT _MM_HINT_T1
-#else
-#define KV_HINT _MM_HINT_T0
-#endif
 
 static void prefetch_some(Prefetch *p, int lines) {
     for (; lines > 0 && p->t < p->n; lines -= 2) {
