@@ -5,14 +5,20 @@ float32 matmul on the same shape, in one run:
   last-level cache),
   the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
 Every kernel path this CPU runs but the baseline, side by side (on a VNNI CPU: avx2 and the VNNI path; on an
-AMX-INT8 CPU also amxint8, whose tiles take the calls of 3 rows or more on the 8-row layout).
+AMX-INT8 CPU also amxint8, whose tiles take the calls of 3 rows or more on the 8-row layout). With --sources,
+each path of each build of the kernel (copies of flock/model/csrc/quant_gemm.c beside it), one after the other
+in every cell: a change to the kernel measured against the source before it.
 
     python -m bench.quant_gemm                          # about a minute per path
     python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048 --paths avx2
+    python -m bench.quant_gemm --sources OLD.c,flock/model/csrc/quant_gemm.c --paths avx512vnni
 """
 
 import argparse
+import contextlib
+import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +60,35 @@ def seconds(fn, min_s: float = 0.3) -> float:
     return elapsed / calls
 
 
+@contextlib.contextmanager
+def built(source: Path | None):
+    """quant.linear on the build of `source` (None: the engine's own) inside the block."""
+    own = quant.KERNEL
+    if source is not None:
+        quant.KERNEL = kernel_of(source)
+    try:
+        yield
+    finally:
+        quant.KERNEL = own
+
+
+_KERNELS: dict[Path, object] = {}
+
+
+def kernel_of(source: Path):
+    """The kernel library built from `source` (one per source, kept: its loaded builds with it)."""
+    if source not in _KERNELS:
+        _KERNELS[source] = dataclasses.replace(quant.KERNEL, source=source.resolve())
+    return _KERNELS[source]
+
+
+def variants(args) -> list[tuple[str, Path | None, str]]:
+    """(column label, source, path) of every kernel the run compares."""
+    if not args.sources:
+        return [(path, None, path) for path in args.paths]
+    return [(f"{path} {source.name}", source, path) for path in args.paths for source in args.sources]
+
+
 def gflops(args) -> list[list]:
     rows = []
     w32 = torch.randn(args.n, args.k) * 0.02
@@ -63,7 +98,9 @@ def gflops(args) -> list[list]:
         row = [m, f"{flop / seconds(lambda: x @ w32.T) / 1e9:.1f}"]
         for name in args.types:
             for w in layouts(name, args.n, args.k).values():
-                row += [f"{flop / seconds(lambda: quant.linear(x, w, path=path)) / 1e9:.1f}" for path in args.paths]
+                for _, source, path in variants(args):
+                    with built(source):
+                        row.append(f"{flop / seconds(lambda: quant.linear(x, w, path=path)) / 1e9:.1f}")
         rows.append(row)
     return rows
 
@@ -75,9 +112,10 @@ def streamed(args) -> list[list]:
         for layout, w in layouts(name, args.stream_n, args.k).items():
             copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
                                                for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
-            for path in args.paths:
-                s = seconds(lambda: [quant.linear(x, c, path=path) for c in copies]) / len(copies)
-                rows.append([name, layout, path, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
+            for label, source, path in variants(args):
+                with built(source):
+                    s = seconds(lambda: [quant.linear(x, c, path=path) for c in copies]) / len(copies)
+                rows.append([name, layout, label, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
                              f"{w.nbytes / s / 1e9:.1f}"])
             copies.clear()
     return rows
@@ -94,14 +132,16 @@ def main() -> None:
     p.add_argument("--paths", type=lambda s: s.split(","),
                    default=[p for p in quant.KERNEL.runnable() if p != "baseline"] or ["baseline"],
                    help="comma-separated kernel paths (default: every one this CPU runs but the baseline)")
+    p.add_argument("--sources", type=lambda s: [Path(v) for v in s.split(",")], default=[],
+                   help="comma-separated builds of the kernel to compare (copies of quant_gemm.c beside it)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=OUT / "quant_gemm.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(machine.header("quant_gemm", dtype=torch.float32))
     print(f"# quantized GEMM paths: {', '.join(args.paths)} (the engine's: {quant.isa()}); weight {args.n} x {args.k}")
-    head = ["M", "fp32 matmul"] + [f"{name} {layout} {path}" for name in args.types for layout in layouts(name, 8, 256)
-                                   for path in args.paths]
+    head = ["M", "fp32 matmul"] + [f"{name} {layout} {label}" for name in args.types for layout in layouts(name, 8, 256)
+                                   for label, _, _ in variants(args)]
     table = gflops(args)
     print("\nGFLOP/s, weight in cache\n")
     print(markdown_table(head, table))
@@ -109,7 +149,7 @@ def main() -> None:
     stream = streamed(args)
     print(f"\nSingle-row GEMM, weights streamed from memory (this machine's read bandwidth, best of 7 sums: "
           f"{bandwidth:.1f} GB/s)\n")
-    print(markdown_table(["type", "layout", "path", "weight MB", "us per GEMM", "GB/s"], stream, "lllrrr"))
+    print(markdown_table(["type", "layout", "kernel", "weight MB", "us per GEMM", "GB/s"], stream, "lllrrr"))
     print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'gflops': table, 'streamed': stream})}")
 
 
