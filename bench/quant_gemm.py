@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from flock import native
 from flock.model import quant
 
 SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}  # float16 fields
@@ -61,35 +62,25 @@ def seconds(fn, min_s: float = 0.3) -> float:
 
 
 @contextlib.contextmanager
-def built(source: Path | None):
-    """quant.linear on the build of `source` (None: the engine's own) inside the block."""
+def built(kernel: native.Library | None):
+    """quant.linear on `kernel` (None: the engine's own) inside the block."""
     own = quant.KERNEL
-    if source is not None:
-        quant.KERNEL = kernel_of(source)
+    quant.KERNEL = kernel or own
     try:
         yield
     finally:
         quant.KERNEL = own
 
 
-_KERNELS: dict[Path, object] = {}
+def variants(paths: list[str], sources: list[Path]) -> list[tuple[str, native.Library | None, str]]:
+    """(column label, kernel, path) of every kernel the run compares: each path, of each source's build."""
+    if not sources:
+        return [(path, None, path) for path in paths]
+    builds = [(source.name, dataclasses.replace(quant.KERNEL, source=source.resolve())) for source in sources]
+    return [(f"{path} {name}", kernel, path) for path in paths for name, kernel in builds]
 
 
-def kernel_of(source: Path):
-    """The kernel library built from `source` (one per source, kept: its loaded builds with it)."""
-    if source not in _KERNELS:
-        _KERNELS[source] = dataclasses.replace(quant.KERNEL, source=source.resolve())
-    return _KERNELS[source]
-
-
-def variants(args) -> list[tuple[str, Path | None, str]]:
-    """(column label, source, path) of every kernel the run compares."""
-    if not args.sources:
-        return [(path, None, path) for path in args.paths]
-    return [(f"{path} {source.name}", source, path) for path in args.paths for source in args.sources]
-
-
-def gflops(args) -> list[list]:
+def gflops(args, kernels) -> list[list]:
     rows = []
     w32 = torch.randn(args.n, args.k) * 0.02
     for m in args.m:
@@ -98,22 +89,22 @@ def gflops(args) -> list[list]:
         row = [m, f"{flop / seconds(lambda: x @ w32.T) / 1e9:.1f}"]
         for name in args.types:
             for w in layouts(name, args.n, args.k).values():
-                for _, source, path in variants(args):
-                    with built(source):
+                for _, kernel, path in kernels:
+                    with built(kernel):
                         row.append(f"{flop / seconds(lambda: quant.linear(x, w, path=path)) / 1e9:.1f}")
         rows.append(row)
     return rows
 
 
-def streamed(args) -> list[list]:
+def streamed(args, kernels) -> list[list]:
     rows = []
     x = torch.randn(1, args.k)
     for name in args.types:
         for layout, w in layouts(name, args.stream_n, args.k).items():
             copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
                                                for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
-            for label, source, path in variants(args):
-                with built(source):
+            for label, kernel, path in kernels:
+                with built(kernel):
                     s = seconds(lambda: [quant.linear(x, c, path=path) for c in copies]) / len(copies)
                 rows.append([name, layout, label, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
                              f"{w.nbytes / s / 1e9:.1f}"])
@@ -138,15 +129,16 @@ def main() -> None:
     p.add_argument("--out", default=OUT / "quant_gemm.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = variants(args.paths, args.sources)
     print(machine.header("quant_gemm", dtype=torch.float32))
     print(f"# quantized GEMM paths: {', '.join(args.paths)} (the engine's: {quant.isa()}); weight {args.n} x {args.k}")
     head = ["M", "fp32 matmul"] + [f"{name} {layout} {label}" for name in args.types for layout in layouts(name, 8, 256)
-                                   for label, _, _ in variants(args)]
-    table = gflops(args)
+                                   for label, _, _ in kernels]
+    table = gflops(args, kernels)
     print("\nGFLOP/s, weight in cache\n")
     print(markdown_table(head, table))
     bandwidth = machine.memory_bandwidth(0.5)["read_sum_GBps"]
-    stream = streamed(args)
+    stream = streamed(args, kernels)
     print(f"\nSingle-row GEMM, weights streamed from memory (this machine's read bandwidth, best of 7 sums: "
           f"{bandwidth:.1f} GB/s)\n")
     print(markdown_table(["type", "layout", "kernel", "weight MB", "us per GEMM", "GB/s"], stream, "lllrrr"))
