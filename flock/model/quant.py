@@ -267,21 +267,28 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     return out if flat else out.view(*x.shape[:-1], n)
 
 
+def _part_rows(part: QuantTensor, ids: torch.Tensor, k: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:
+    """Rows `ids` (int64, contiguous, inside the part) of one part as `dtype` (float32 or bf16)."""
+    got = torch.empty((ids.numel(), k), dtype=dtype)
+    _lib(path).flock_dequantize_rows(part.qtype, int(part.interleaved), part.blocks.data_ptr(), part.blocks.shape[1],
+                                     ids.data_ptr(), ids.numel(), k, got.data_ptr(), int(dtype == torch.bfloat16),
+                                     torch.get_num_threads())
+    return got
+
+
 def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32,
                     path: str | None = None) -> torch.Tensor:
     """Rows `ids` of the weight as floats (float32, or bf16); an embedding lookup."""
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty((flat.numel(), weight.k), dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    start = 0
-    for part in weight.parts:
-        mine = (flat >= start) & (flat < start + part.rows)
-        picked = (flat[mine] - start).contiguous()
-        got = torch.empty((picked.numel(), weight.k), dtype=out.dtype)
-        _lib(path).flock_dequantize_rows(part.qtype, int(part.interleaved), part.blocks.data_ptr(), part.blocks.shape[1],
-                                         picked.data_ptr(), picked.numel(), weight.k, got.data_ptr(),
-                                         int(out.dtype == torch.bfloat16), torch.get_num_threads())
-        out[mine] = got
-        start += part.rows
+    kind = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if len(weight.parts) == 1 and flat.numel() and 0 <= int(flat.min()) and int(flat.max()) < weight.n:
+        out = _part_rows(weight.parts[0], flat, weight.k, kind, path)  # an embedding's lookup: no masks
+    else:
+        out, start = torch.empty((flat.numel(), weight.k), dtype=kind), 0
+        for part in weight.parts:
+            mine = (flat >= start) & (flat < start + part.rows)
+            out[mine] = _part_rows(part, (flat[mine] - start).contiguous(), weight.k, kind, path)
+            start += part.rows
     return out.to(dtype).view(*ids.shape, weight.k)
 
 
