@@ -1,6 +1,7 @@
 // Two octets of interleaved rows (16 weight rows) at once on 512-bit VNNI: lanes 0-7 are the first octet's rows,
 // 8-15 the second's. The same products and sums, in the same order, as the 8-row kernels run for each octet
-// alone, so the same bits, in half their instructions.
+// alone, so the same bits, in half their instructions. Only a band's later row tiles take them (flock_qgemm), its
+// weights already in cache: no prefetches.
 // Part of quant_gemm.c (included after the 8-row kernels).
 #pragma once
 
@@ -31,7 +32,6 @@ AI void dot_q8_0_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q8_0x8 *ba = (const blk_q8_0x8 *)wa + b, *bb = (const blk_q8_0x8 *)wb + b;
-        if (R == 1) prefetch_ahead(ba, sizeof(*ba)), prefetch_ahead(bb, sizeof(*bb));
         __m512i sums[MT];
         for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
         for (int v = 0; v < 8; v++) {
@@ -57,7 +57,6 @@ AI void dot_q45_x16(const int R, int type, const uint8_t *wa, const uint8_t *wb,
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ba = wa + b * bytes, *bb = wb + b * bytes;
-        if (R == 1) prefetch_ahead(ba, bytes), prefetch_ahead(bb, bytes);
         __m512i h = five ? join32(ba + x8_qh_at(type), bb + x8_qh_at(type)) : _mm512_setzero_si512();
         __m512i sums[MT], wide[MT];  // the low and the high nibbles' products, as dot_q45_x8's two chains
         for (int r = 0; r < R; r++) sums[r] = wide[r] = _mm512_setzero_si512();
@@ -110,7 +109,6 @@ AI void dot_q45_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *w
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q4_Kx8 *ba = (const blk_q4_Kx8 *)(wa + b * bytes), *bb = (const blk_q4_Kx8 *)(wb + b * bytes);
-        if (R == 1) prefetch_ahead(ba, bytes), prefetch_ahead(bb, bytes);
         __m512i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         for (int sb = 0; sb < 8; sb++) {
@@ -155,7 +153,6 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q6_Kx8 *ba = (const blk_q6_Kx8 *)wa + b, *bb = (const blk_q6_Kx8 *)wb + b;
-        if (R == 1) prefetch_ahead(ba, sizeof(*ba)), prefetch_ahead(bb, sizeof(*bb));
         __m512i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
