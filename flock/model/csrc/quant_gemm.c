@@ -1019,6 +1019,15 @@ int32_t flock_qgemm_init(void) {
 #endif
 }
 
+// Weight bands a thread takes at a time. Few activation rows stream the weights from memory, and a thread's
+// stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 4 tasks a
+// thread, still taken as threads come free. Many rows take one band at a time.
+static int64_t bands_per_task(int64_t m_tiles, int64_t bands, int threads) {
+    if (m_tiles >= 4) return 1;
+    const int64_t even = bands / (4 * (threads > 1 ? threads : 1));
+    return even > 4 ? even : 4;
+}
+
 // y (m rows, ldy apart; fp32, or bf16 with out_bf16) = x W^T for x: m rows of k floats (ldx apart; bf16 with
 // x_bf16), quantized here as the type needs, and the n weight rows of w (row_bytes each; interleaved with x8).
 // With glu, w holds 2n rows [gate | up] and y gets silu(gate) * up. Interleaved weights take the AMX tiles (AMX
@@ -1030,6 +1039,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
     const int bs = block_size(type);
     const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
+    const int64_t chunk = bands_per_task(m_tiles, tiles / m_tiles, threads) * m_tiles;
     void *xq = malloc((size_t)((m + 15) / 16 * 16 * act_row));  // whole tiles of rows for the AMX tiles
     if (!xq) return -1;
     int failed = 0;
@@ -1057,7 +1067,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
 #endif
         // whole bands of one weight tile's m tiles (its weights stay in cache), taken as threads come free: a
         // thread that starts late (woken from sleep) or shares its core leaves no other waiting at the end
-#pragma omp for schedule(dynamic, m_tiles >= 4 ? m_tiles : 4 * m_tiles)
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t i = 0; i < tiles * !tiled; i++) {
             const int64_t n0 = i / m_tiles * NT, m0 = i % m_tiles * MT;
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
