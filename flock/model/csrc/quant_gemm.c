@@ -474,12 +474,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Ask for the weight bytes a block ahead of [p, p + bytes) (the hardware prefetcher alone leaves a
-// single-row decode short of the memory bandwidth while the core is busy with the products).
-#define PREFETCH_AHEAD 2048
+// Ask for the weight bytes PREFETCH_AHEAD past [p, p + bytes), into L2: a band's first row tile streams its
+// weights from memory, and the hardware prefetchers alone leave it short of the bandwidth while the core is busy
+// with the products. L2, well ahead: a GLU call alternates between its gate and up rows, which lines a few KiB
+// ahead in L1 did not keep up with (half the bandwidth).
+#define PREFETCH_AHEAD 8192
 // always inlined: a call to it left standing looks free of side effects to gcc, which then deletes it
 AI void prefetch_ahead(const void *p, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + at, _MM_HINT_T0);
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + at, _MM_HINT_T1);
 }
 
 // 32 bytes 0xff where bit i of `bits` is set
@@ -573,13 +575,14 @@ AI __m256i small_block(int type, const uint8_t *blk, float *d, float *o) {
     return u;
 }
 
-AI void dot_small(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, float *out) {
+AI void dot_small(const int R, const int stream, int type,
+                  const uint8_t *w, const act32 *const *x, int64_t nb, float *out) {
     const int64_t bb = block_bytes(type);
     __m256 acc[MT];
     float off[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), off[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) prefetch_ahead(w + b * bb, bb);
+        if (stream) prefetch_ahead(w + b * bb, bb);
         float d, o;
         __m256i u = small_block(type, w + b * bb, &d, &o);
         const __m256i wq = u;
@@ -596,14 +599,15 @@ AI void dot_small(const int R, int type, const uint8_t *w, const act32 *const *x
 }
 
 // Q4_K and Q5_K
-AI void dot_q45_K(const int R, int type, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+AI void dot_q45_K(const int R, const int stream, int type,
+                  const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
     const int five = type == Q5_K;
     const int64_t bb = block_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) prefetch_ahead(w + b * bb, bb);
+        if (stream) prefetch_ahead(w + b * bb, bb);
         const blk_q4_K *b4 = (const blk_q4_K *)(w + b * bb);
         const blk_q5_K *b5 = (const blk_q5_K *)b4;
         const uint8_t *qs = five ? b5->qs : b4->qs;
@@ -647,12 +651,12 @@ AI void dot_q45_K(const int R, int type, const uint8_t *w, const act256 *const *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
-AI void dot_q6_K(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+AI void dot_q6_K(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0xf), low2 = _mm256_set1_epi8(3);
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        if (R == 1) prefetch_ahead(w + b * sizeof(blk_q6_K), sizeof(blk_q6_K));
+        if (stream) prefetch_ahead(w + b * sizeof(blk_q6_K), sizeof(blk_q6_K));
         const blk_q6_K *blk = (const blk_q6_K *)w + b;
         const float d = f16_to_f32(blk->d);
         const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
@@ -705,14 +709,15 @@ static inline __m256i pair_scale(__m256i pairs, int odd) {
 }
 
 // Q4_K and Q5_K (whose fifth bits join the nibbles as the 32-blocks' do)
-AI void dot_q45_K_x8(const int R, int type, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+AI void dot_q45_K_x8(const int R, const int stream, int type,
+                     const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
     const int five = type == Q5_K;
     const __m256i low4 = _mm256_set1_epi8(0xf);
     const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q4_Kx8 *blk = (const blk_q4_Kx8 *)(w + b * bb);
-        if (R == 1) prefetch_ahead(blk, bb);
+        if (stream) prefetch_ahead(blk, bb);
         __m256i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int sb = 0; sb < 8; sb++) {
@@ -752,12 +757,12 @@ AI void dot_q45_K_x8(const int R, int type, const uint8_t *w, const act256 *cons
     }
 }
 
-AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0xf), top2 = _mm256_set1_epi8(0x30);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q6_Kx8 *blk = (const blk_q6_Kx8 *)w + b;
-        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
+        if (stream) prefetch_ahead(blk, sizeof(*blk));
         __m256i isum[MT];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
@@ -794,11 +799,11 @@ AI void dot_q6_K_x8(const int R, const uint8_t *w, const act256 *const *x, int64
 // Q8_0: the weights plus 128 (unsigned bytes) times the activations, less 128 times their sum. On AVX2 the int16
 // pairs of bytes up to 255 would saturate, so each byte is split into its nibbles (w + 128 = 16 h + l), which
 // meet the same broadcast activations.
-AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
+AI void dot_q8_0_x8(const int R, const int stream, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_q8_0x8 *blk = (const blk_q8_0x8 *)w + b;
-        if (R == 1) prefetch_ahead(blk, sizeof(*blk));
+        if (stream) prefetch_ahead(blk, sizeof(*blk));
         __m256i lo[MT], hi[MT];
         for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();
         for (int v = 0; v < 8; v++) {
@@ -833,14 +838,15 @@ AI void dot_q8_0_x8(const int R, const uint8_t *w, const act32 *const *x, int64_
 
 // Q4_0, Q4_1, Q5_0 and Q5_1: the weights times the activations, plus the offset (-8 d, -16 d, or the minimum m)
 // times their sum.
-AI void dot_q45_x8(const int R, int type, const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
+AI void dot_q45_x8(const int R, const int stream, int type,
+                   const uint8_t *w, const act32 *const *x, int64_t nb, __m256 *acc) {
     const int five = has_qh(type);
     const __m256i low4 = _mm256_set1_epi8(0xf);
     const int64_t bb = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb, *qs = blk + x8_qs_at(type);
-        if (R == 1) prefetch_ahead(blk, bb);
+        if (stream) prefetch_ahead(blk, bb);
         __m256i h = five ? _mm256_loadu_si256((const __m256i *)(blk + x8_qh_at(type))) : _mm256_setzero_si256();
         // per int16 at most 16 products of 15 * 127; 5 bits: 8 of 31 * 127, then into int32 (wide)
         __m256i sums[MT], wide[MT];
@@ -900,7 +906,7 @@ static void dot_scalar(int R, int type, const uint8_t *w, int lane, const void *
     for (int r = 0; r < R; r++) out[r] = (float)acc[r];
 }
 
-static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     // R and the type as constants of each inlined body
 #define ROWS(call, T)                 \
@@ -910,9 +916,9 @@ static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, in
         case 3: call(3, T); return;   \
         default: call(4, T); return;  \
     }
-#define SMALL(r, T) dot_small(r, T, w, (const act32 *const *)x, nb, out)
-#define K45(r, T) dot_q45_K(r, T, w, (const act256 *const *)x, nb, out)
-#define K6(r, T) dot_q6_K(r, w, (const act256 *const *)x, nb, out)
+#define SMALL(r, T) dot_small(r, stream, T, w, (const act32 *const *)x, nb, out)
+#define K45(r, T) dot_q45_K(r, stream, T, w, (const act256 *const *)x, nb, out)
+#define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
     switch (type) {
         case Q8_0: ROWS(SMALL, Q8_0)
         case Q4_0: ROWS(SMALL, Q4_0)
@@ -929,19 +935,19 @@ static void dot_rows(int R, int type, const uint8_t *w, const void *const *x, in
 }
 
 // The dot products of 8 interleaved rows with R activation rows: out[8 r + i] for row i.
-static void dot_octet(int R, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
+static void dot_octet(int R, int stream, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     __m256 acc[MT];
 #define OCTET(r)                                                                        \
     switch (type) {                                                                     \
-        case Q4_K: dot_q45_K_x8(r, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q5_K: dot_q45_K_x8(r, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q6_K: dot_q6_K_x8(r, w, (const act256 *const *)x, nb, acc); break;         \
-        case Q8_0: dot_q8_0_x8(r, w, (const act32 *const *)x, nb, acc); break;          \
-        case Q4_0: dot_q45_x8(r, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
-        case Q4_1: dot_q45_x8(r, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
-        case Q5_0: dot_q45_x8(r, Q5_0, w, (const act32 *const *)x, nb, acc); break;     \
-        default: dot_q45_x8(r, Q5_1, w, (const act32 *const *)x, nb, acc); break;       \
+        case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
+        case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \
+        case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
+        case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
+        case Q5_0: dot_q45_x8(r, stream, Q5_0, w, (const act32 *const *)x, nb, acc); break;     \
+        default: dot_q45_x8(r, stream, Q5_1, w, (const act32 *const *)x, nb, acc); break;       \
     }
     switch (R) {
         case 1: OCTET(1); break;
@@ -1080,12 +1086,12 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
                 const int pair = x8 && m0 > 0 && j + 16 <= n0 + NT && j + 16 <= n;
                 const uint8_t *wj = w + j * row_bytes, *uj = w + (j + n) * row_bytes;
                 step = pair && dot_x16(R, type, wj, wj + 8 * row_bytes, x, nb, sums) ? 16 : x8 ? 8 : 1;
-                if (step == 8) dot_octet(R, type, wj, x, nb, sums);
-                else if (step == 1) dot_rows(R, type, wj, x, nb, sums);
+                if (step == 8) dot_octet(R, m0 == 0, type, wj, x, nb, sums);
+                else if (step == 1) dot_rows(R, m0 == 0, type, wj, x, nb, sums);
                 if (glu) {
                     if (step == 16) dot_x16(R, type, uj, uj + 8 * row_bytes, x, nb, up);
-                    else if (step == 8) dot_octet(R, type, uj, x, nb, up);
-                    else dot_rows(R, type, uj, x, nb, up);
+                    else if (step == 8) dot_octet(R, m0 == 0, type, uj, x, nb, up);
+                    else dot_rows(R, m0 == 0, type, uj, x, nb, up);
                     silu_mul_rows(sums, up, R * step);
                 }
                 for (int r = 0; r < R; r++)
