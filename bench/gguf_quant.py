@@ -6,7 +6,8 @@ llama.cpp's own tools on first use):
   flock/tiny engine with the same KV budget, as a ratio to the file's size (bar: <= 1.25x, quantized engine);
 - single-stream decode: `llama-bench -p 0 -n N -t T` (tg) vs Flock's decode phase (one short prompt, N new
   tokens, ignore_eos; tokens/s after the first token), quantized and quantization="none" (bars: >= 1.0x
-  llama.cpp, >= 2.5x "none");
+  llama.cpp, >= 2.5x "none"); with --decode-rounds N the two again, alternating, N rounds in all, and the median
+  of the rounds' ratios;
 - a shared-prefix batch (two 600-token prefixes x 8 distinct 40-token tails, 32 new tokens each): llama-server
   with 16 slots driven by 16 concurrent requests vs Flock scheduler="batchllm" (bars: >= 10x, >= 1.5x "none");
   with --batch-rounds N the two again, alternating, N rounds in all, and the median of the rounds' ratios.
@@ -173,6 +174,14 @@ def measure(gguf: Path, args, llama: llama_cpp.LlamaCpp, sections: list[str], mo
             quiet(args)
             r["flock"][mode] = in_child(child_speed, str(gguf), args.threads, engine_kwargs(mode), decode_tokens,
                                         args.decode_repeats, batch if "batch" in sections else [], args.gen, warmup)
+    if "llama_decode" in r and "decode" in r["flock"].get("quantized", {}):
+        r["decode_rounds"] = [decode_round(r["llama_decode"], r["flock"]["quantized"]["decode"])]
+        for _ in range(args.decode_rounds - 1):
+            ll = llama_decode(llama, gguf, args)
+            quiet(args)
+            fq = in_child(child_speed, str(gguf), args.threads, engine_kwargs("quantized"), decode_tokens,
+                          args.decode_repeats, [], args.gen, warmup)
+            r["decode_rounds"].append(decode_round(ll, fq["decode"]))
     if "llama_batch" in r and "batch" in r["flock"].get("quantized", {}):
         r["batch_rounds"] = [batch_round(r["llama_batch"], r["flock"]["quantized"]["batch"])]
         for _ in range(args.batch_rounds - 1):
@@ -182,6 +191,11 @@ def measure(gguf: Path, args, llama: llama_cpp.LlamaCpp, sections: list[str], mo
                           warmup)
             r["batch_rounds"].append(batch_round(ll, fq["batch"]))
     return r
+
+
+def decode_round(llama: dict, flock: dict) -> dict:
+    return {"llama_tokens_per_s": llama["tokens_per_s"], "quantized_tokens_per_s": flock["tokens_per_s"],
+            "ratio": flock["tokens_per_s"] / llama["tokens_per_s"]}
 
 
 def batch_round(llama: dict, flock: dict) -> dict:
@@ -225,6 +239,14 @@ def table_rows(quant: str, r: dict) -> list[list]:
                                                             n.get("decode", {}))]
         rows.append([quant, "decode tokens/s, best run", _f(best[0], ".1f"), _f(best[1], ".1f"), _f(best[2], ".1f"),
                      _x(best[1], best[0]), _x(best[1], best[2]), "(memory bandwidth here swings: peak vs peak)", "-"])
+    rounds = r.get("decode_rounds", [])
+    if len(rounds) > 1:
+        median = {key: statistics.median(x[key] for x in rounds)
+                  for key in ("llama_tokens_per_s", "quantized_tokens_per_s", "ratio")}
+        rows.append([quant, f"decode in {len(rounds)} alternating rounds, median tokens/s",
+                     _f(median["llama_tokens_per_s"], ".1f"), _f(median["quantized_tokens_per_s"], ".1f"), "-",
+                     f"{median['ratio']:.2f}x", "-", f">= 1.0x: {_bar(median['ratio'] >= 1)}; rounds " +
+                     ", ".join(f"{x['ratio']:.2f}x" for x in rounds), "-"])
     if "batch" in q or "batch" in n or "llama_batch" in r:
         ll = r.get("llama_batch", {}).get("wall_s")
         fq, fn = q.get("batch", {}).get("wall_s"), n.get("batch", {}).get("wall_s")
@@ -277,6 +299,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=600)
     p.add_argument("--tail-len", type=int, default=40)
     p.add_argument("--gen", type=int, default=32, help="new tokens per batch prompt")
+    p.add_argument("--decode-rounds", type=int, default=1,
+                   help="llama.cpp's and Flock quantized's decode again, alternating, this many rounds in all: the "
+                        "ratio of each round and their median (memory bandwidth here swings over minutes)")
     p.add_argument("--batch-rounds", type=int, default=1,
                    help="llama-server's and Flock quantized's batch again, alternating, this many rounds in all: the "
                         "ratio of each round and their median (both engines' speed drifts over minutes here)")
