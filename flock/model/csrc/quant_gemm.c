@@ -1026,11 +1026,11 @@ int32_t flock_qgemm_init(void) {
 }
 
 // Weight bands a thread takes at a time. Few activation rows stream the weights from memory, and a thread's
-// stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 4 tasks a
+// stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 2 tasks a
 // thread, still taken as threads come free. Many rows take one band at a time.
 static int64_t bands_per_task(int64_t m_tiles, int64_t bands, int threads) {
     if (m_tiles >= 4) return 1;
-    const int64_t even = bands / (4 * (threads > 1 ? threads : 1));
+    const int64_t even = bands / (2 * (threads > 1 ? threads : 1));
     return even > 4 ? even : 4;
 }
 
