@@ -1,9 +1,9 @@
 """The quantized GEMM alone (flock.model.quant), per quant type and weight layout, side by side with torch's
 float32 matmul on the same shape, in one run:
 - GFLOP/s at M activation rows (1: decode, 16 and 256: prefill) on one N x K weight that stays in cache;
-- GB/s of single-row GEMMs over weights streamed from memory (copies of a --stream-n x K weight past the
-  last-level cache),
-  the figure a decode step lives by, next to this machine's read bandwidth measured in the same run.
+- GB/s of GEMMs of --stream-rows rows (default 1) over weights streamed from memory (copies of a --stream-n x K
+  weight past the last-level cache, on 2 MiB pages as a model's; with --glu as an MLP's gate_up calls), the figure
+  a decode step lives by, next to this machine's read bandwidth measured in the same run.
 Every kernel path this CPU runs but the baseline, side by side (on a VNNI CPU: avx2 and the VNNI path; on an
 AMX-INT8 CPU also amxint8, whose tiles take the calls of 3 rows or more on the 8-row layout). With --sources,
 each path of each build of the kernel (copies of flock/model/csrc/quant_gemm.c beside it), one after the other
@@ -12,6 +12,7 @@ in every cell: a change to the kernel measured against the source before it.
     python -m bench.quant_gemm                          # about a minute per path
     python -m bench.quant_gemm --types Q4_K --n 16384 --k 2048 --paths avx2
     python -m bench.quant_gemm --sources OLD.c,flock/model/csrc/quant_gemm.c --paths avx512vnni
+    python -m bench.quant_gemm --types Q4_K --m 1 --stream-n 16384 --stream-rows 1,4 --glu
 """
 
 import argparse
@@ -27,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from bench.harness import machine
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from flock import native
-from flock.model import quant
+from flock.model import huge_pages, quant
 
 SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}  # float16 fields
 
@@ -96,18 +97,27 @@ def gflops(args, kernels) -> list[list]:
     return rows
 
 
+def on_huge_pages(w: quant.QuantWeight) -> quant.QuantWeight:
+    """A copy of w on 2 MiB pages, as a model's weights are (a clone's 4 KiB pages stream slower)."""
+    parts = []
+    for p in w.parts:
+        blocks = huge_pages.empty(tuple(p.blocks.shape), torch.uint8)
+        parts.append(quant.QuantTensor(p.qtype, blocks.copy_(p.blocks), p.interleaved))
+    return quant.QuantWeight(parts)
+
+
 def streamed(args, kernels) -> list[list]:
     rows = []
-    x = torch.randn(1, args.k)
     for name in args.types:
         for layout, w in layouts(name, args.stream_n, args.k).items():
-            copies = [w] + [quant.QuantWeight([quant.QuantTensor(p.qtype, p.blocks.clone(), p.interleaved)
-                                               for p in w.parts]) for _ in range(int(args.stream_mb * 1e6 // w.nbytes))]
-            for label, kernel, path in kernels:
-                with built(kernel):
-                    s = seconds(lambda: [quant.linear(x, c, path=path) for c in copies]) / len(copies)
-                rows.append([name, layout, label, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
-                             f"{w.nbytes / s / 1e9:.1f}"])
+            copies = [on_huge_pages(w) for _ in range(int(args.stream_mb * 1e6 // w.nbytes) + 1)]
+            for m in args.stream_rows:
+                x = torch.randn(m, args.k)
+                for label, kernel, path in kernels:
+                    with built(kernel):
+                        s = seconds(lambda: [quant.linear(x, c, glu=args.glu, path=path) for c in copies]) / len(copies)
+                    rows.append([name, layout, m, label, f"{w.nbytes / 1e6:.1f}", f"{s * 1e6:.0f}",
+                                 f"{w.nbytes / s / 1e9:.1f}"])
             copies.clear()
     return rows
 
@@ -118,8 +128,12 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048, help="weight rows")
     p.add_argument("--k", type=int, default=2048, help="weight columns")
     p.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 256])
-    p.add_argument("--stream-n", type=int, default=8192, help="weight rows of the streamed single-row GEMMs")
-    p.add_argument("--stream-mb", type=float, default=400.0, help="weights streamed per single-row pass")
+    p.add_argument("--stream-n", type=int, default=8192, help="weight rows of the streamed GEMMs")
+    p.add_argument("--stream-mb", type=float, default=400.0, help="weights streamed per pass")
+    p.add_argument("--stream-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1],
+                   help="activation rows of the streamed GEMMs (decode steps: 1 to a few)")
+    p.add_argument("--glu", action="store_true",
+                   help="the streamed GEMMs as an MLP's gate_up calls: [gate | up] rows, silu(gate) * up out")
     p.add_argument("--paths", type=lambda s: s.split(","),
                    default=[p for p in quant.KERNEL.runnable() if p != "baseline"] or ["baseline"],
                    help="comma-separated kernel paths (default: every one this CPU runs but the baseline)")
@@ -139,9 +153,9 @@ def main() -> None:
     print(markdown_table(head, table))
     bandwidth = machine.memory_bandwidth(0.5)["read_sum_GBps"]
     stream = streamed(args, kernels)
-    print(f"\nSingle-row GEMM, weights streamed from memory (this machine's read bandwidth, best of 7 sums: "
-          f"{bandwidth:.1f} GB/s)\n")
-    print(markdown_table(["type", "layout", "kernel", "weight MB", "us per GEMM", "GB/s"], stream, "lllrrr"))
+    print(f"\n{'GLU ' if args.glu else ''}GEMMs of few rows, weights streamed from memory (this machine's read "
+          f"bandwidth, best of 7 sums: {bandwidth:.1f} GB/s)\n")
+    print(markdown_table(["type", "layout", "M", "kernel", "weight MB", "us per GEMM", "GB/s"], stream, "llrlrrr"))
     print(f"# wrote {write_json(args.out, {'args': args_dict(args), 'gflops': table, 'streamed': stream})}")
 
 
