@@ -938,8 +938,8 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 static void dot_octet(int R, int stream, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     __m256 acc[MT];
-#define OCTET(r)                                                                        \
-    switch (type) {                                                                     \
+#define OCTET(r)                                                                                \
+    switch (type) {                                                                             \
         case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
@@ -1083,15 +1083,15 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
                 float sums[MT * 16], up[MT * 16];  // sums[step * r + i]: row j + i
                 // two octets at once (dot_x16, where the build has it) once a band's first row tile has brought
                 // its weights into cache: from memory, one octet after the other reads them faster
-                const int pair = x8 && m0 > 0 && j + 16 <= n0 + NT && j + 16 <= n;
+                const int pair = x8 && m0 > 0 && j + 16 <= n0 + NT && j + 16 <= n, stream = m0 == 0;
                 const uint8_t *wj = w + j * row_bytes, *uj = w + (j + n) * row_bytes;
                 step = pair && dot_x16(R, type, wj, wj + 8 * row_bytes, x, nb, sums) ? 16 : x8 ? 8 : 1;
-                if (step == 8) dot_octet(R, m0 == 0, type, wj, x, nb, sums);
-                else if (step == 1) dot_rows(R, m0 == 0, type, wj, x, nb, sums);
+                if (step == 8) dot_octet(R, stream, type, wj, x, nb, sums);
+                else if (step == 1) dot_rows(R, stream, type, wj, x, nb, sums);
                 if (glu) {
                     if (step == 16) dot_x16(R, type, uj, uj + 8 * row_bytes, x, nb, up);
-                    else if (step == 8) dot_octet(R, m0 == 0, type, uj, x, nb, up);
-                    else dot_rows(R, m0 == 0, type, uj, x, nb, up);
+                    else if (step == 8) dot_octet(R, stream, type, uj, x, nb, up);
+                    else dot_rows(R, stream, type, uj, x, nb, up);
                     silu_mul_rows(sums, up, R * step);
                 }
                 for (int r = 0; r < R; r++)
