@@ -84,7 +84,7 @@ def main() -> None:
                 program.op_seconds = None
                 print(f"# {name}: ms a decode step, " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                               sorted(ops.items(), key=lambda kv: -kv[1])))
-            elif rnd:
+            elif 0 < rnd <= args.rounds:
                 rates[name].append(rate)
     rows = [[name, *(f"{r:.1f}" for r in rates[name]), f"{statistics.median(rates[name]):.1f}",
              "the first's" if same[name] else "OTHER"] for name, _ in builds]
