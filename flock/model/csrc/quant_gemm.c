@@ -1027,11 +1027,11 @@ int32_t flock_qgemm_init(void) {
 
 // Weight bands a thread takes at a time. A band's first row tile streams its weights from memory, and a thread's
 // stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 2 tasks a
-// thread, still taken as threads come free. From CHUNK_ROWS rows a band's products dwarf its stream's restarts, and one band at a time keeps the
-// threads even when one of them is held up.
-#define CHUNK_ROWS 256
+// thread, still taken as threads come free. From ONE_BAND_ROWS rows on, a band's products dwarf its stream's
+// restarts, and one band at a time keeps the threads even when one of them is held up.
+#define ONE_BAND_ROWS 256
 static int64_t bands_per_task(int64_t m_tiles, int64_t bands, int threads) {
-    if (m_tiles * MT >= CHUNK_ROWS) return 1;
+    if (m_tiles * MT >= ONE_BAND_ROWS) return 1;
     const int64_t even = bands / (2 * (threads > 1 ? threads : 1));
     return even > 4 ? even : 4;
 }
