@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+from flock.engine import runner  # noqa: E402
 from flock.model.builtin import write_tokenizer  # noqa: E402
 
 VOCAB = 8192
@@ -56,6 +57,15 @@ def make_hf_model(kind: str, folder, seed: int = 0, **save_kwargs):
     model.save_pretrained(folder, **save_kwargs)
     write_tokenizer(folder, VOCAB)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_unless_named():
+    """device="auto" is the CPU in tests, also on a CUDA machine: the suite tests the CPU paths, and the GPU
+    tests (tests/engine/test_cuda.py, tests/attention/test_triton.py) name cuda."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "resolve_device", lambda name: torch.device("cpu" if name == "auto" else name))
+        yield
 
 
 @pytest.fixture(scope="session")

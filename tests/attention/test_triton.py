@@ -101,7 +101,8 @@ def test_importing_the_backend_does_not_import_triton():
 def test_greedy_tokens_match_transformers_end_to_end(hf_folders):
     from tests.engine.test_parity import flock_greedy, hf_greedy, shared_prefix_prompts
 
-    prompts = shared_prefix_prompts(seed=7)[:6]
-    got, llm = flock_greedy(hf_folders["llama"], prompts, attention="triton", block_size=8, device=DEVICE.type)
-    assert got == hf_greedy(hf_folders["llama"], prompts)
+    prompts = shared_prefix_prompts(seed=7)[:6]  # float32: on GPUs the kernel leaves float64 to torch-cascade
+    got, llm = flock_greedy(hf_folders["llama"], prompts, dtype="float32", attention="triton", block_size=8,
+                            device=DEVICE.type)
+    assert got == hf_greedy(hf_folders["llama"], prompts, dtype=torch.float32)
     assert llm.engine.runner.backend.uses_kernel(DEVICE)
