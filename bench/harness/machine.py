@@ -51,9 +51,13 @@ def kernel_paths(dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
 def attention_path(attention: str, model: str | Path, dtype: torch.dtype = torch.bfloat16) -> str:
     """The attention backend (and ISA path) an engine of `model` takes for `attention`, and why not the kernel."""
     from flock.attention import cpu, make_backend
+    from flock.engine.runner import resolve_device
     from flock.model import resolve_model
 
-    backend = make_backend(attention, resolve_model(str(model)).config, torch.device("cpu"), dtype)
+    device = resolve_device("auto")
+    backend = make_backend(attention, resolve_model(str(model)).config, device, dtype)
+    if device.type == "cuda":
+        return f"{backend.name} on {torch.cuda.get_device_name(device)}"
     if not isinstance(backend, cpu.CpuCascadeBackend):
         return backend.name
     if backend.uses_kernel(torch.device("cpu")):
