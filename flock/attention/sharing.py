@@ -25,19 +25,22 @@ def find_prefix_groups(
     rows = [i for i in range(len(block_tables)) if usable_blocks[i] >= min_blocks]
     if len(rows) < 2:
         return []
-    keys = {i: tuple(block_tables[i][: usable_blocks[i]].tolist()) for i in rows}
+    # big-endian bytes of non-negative ids sort as the id sequences do (a sequence's own prefix first)
+    keys = {i: block_tables[i][: usable_blocks[i]].astype(">i8").tobytes() for i in rows}
     rows.sort(key=keys.__getitem__)
-    lcp = [_common_length(keys[a], keys[b]) for a, b in zip(rows, rows[1:])]
-    _, groups = _best(rows, lcp, 0, len(rows) - 1, min_blocks)
+    _, groups = _best(rows, _neighbour_lcp(block_tables, usable_blocks, rows), 0, len(rows) - 1, min_blocks)
     return groups
 
 
-def _common_length(a: tuple, b: tuple) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _neighbour_lcp(block_tables: list[np.ndarray], usable_blocks: np.ndarray, rows: list[int]) -> list[int]:
+    """Shared leading blocks of each pair of neighbours in `rows`."""
+    lens = np.asarray(usable_blocks)[rows].astype(np.int64)
+    table = np.full((len(rows), int(lens.max())), -1, dtype=np.int64)
+    for j, i in enumerate(rows):
+        table[j, : lens[j]] = block_tables[i][: lens[j]]
+    differ = table[1:] != table[:-1]
+    first = np.where(differ.any(axis=1), differ.argmax(axis=1), table.shape[1])
+    return np.minimum(first, np.minimum(lens[1:], lens[:-1])).tolist()
 
 
 def _best(rows: list[int], lcp: list[int], lo: int, hi: int, min_blocks: int) -> tuple[int, list[SharingGroup]]:

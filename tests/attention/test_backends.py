@@ -161,3 +161,21 @@ def test_groups_maximise_saved_prefix_reads():
     groups = find_prefix_groups(tables[:2], np.array([7, 3]), min_blocks=2)
     assert [(sorted(g.members), g.num_blocks) for g in groups] == [([0, 1], 3)]
     assert find_prefix_groups(tables[:2], np.array([7, 1]), min_blocks=2) == []
+
+
+def test_groups_equal_those_of_tables_sorted_and_compared_as_tuples():
+    """The tables are sorted as byte strings and compared as one array; the groups are those of Python tuples."""
+    from flock.attention import sharing
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        trunks = [rng.integers(0, 5000, size=int(rng.integers(1, 12))) for _ in range(3)]
+        tails = [rng.integers(5000, 9999, size=int(rng.integers(0, 3))) for _ in range(int(rng.integers(0, 24)))]
+        tables = [np.concatenate([trunks[int(rng.integers(3))][: int(rng.integers(13))], tail]).astype(
+            rng.choice(["i4", "i8"])) for tail in tails]
+        usable = np.array([int(rng.integers(len(t) + 1)) for t in tables], dtype=np.int64)
+        rows = sorted((i for i in range(len(tables)) if usable[i] >= 2), key=lambda i: tuple(tables[i][: usable[i]]))
+        lcp = [next((d for d, (x, y) in enumerate(zip(tables[a][: usable[a]], tables[b][: usable[b]])) if x != y),
+                    min(usable[a], usable[b])) for a, b in zip(rows, rows[1:])]
+        expected = sharing._best(rows, lcp, 0, len(rows) - 1, 2)[1] if len(rows) > 1 else []
+        assert find_prefix_groups(tables, usable) == expected
