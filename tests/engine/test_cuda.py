@@ -35,4 +35,3 @@ def test_float32_greedy_with_the_triton_kernel_matches_transformers(hf_folders, 
     assert got == expected
     assert llm.stats()["saving_rate"] > 0.2
     assert_no_leak(llm)
-

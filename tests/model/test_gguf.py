@@ -57,7 +57,8 @@ def test_loading_a_gguf_imports_nothing_slow(hf_folders, tmp_path):
     import them on first use) and transformers' GGUF tensor processors."""
     gguf_file = write_gguf(hf_folders["llama"], tmp_path / "llama.gguf", Q.Q8_0)
     slow = {"sympy", "torch._dynamo", "transformers.modeling_gguf_pytorch_utils"}
-    code = f"import sys; from flock import LLM; LLM({str(gguf_file)!r}, device='cpu'); assert not {slow!r} & set(sys.modules)"
+    code = (f"import sys; from flock import LLM; LLM({str(gguf_file)!r}, device='cpu'); "
+            f"assert not {slow!r} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
