@@ -225,6 +225,8 @@ def main() -> None:
         print(f"wrote {sweep_png}")
         return
     print(machine.header("engine_speed"))
+    if torch.cuda.is_available():  # the engine's device "auto"
+        print(f"# Flock runs on cuda ({torch.cuda.get_device_name()}); the kernel paths above are this CPU's")
     print(f"# bf16 matmul peak {machine.matmul_peak():.0f} GFLOP/s (measured now), {machine.load_note()}", flush=True)
     python: Path | str | None = None  # the venv's python, or why vLLM is unavailable
     if not args.skip_vllm:  # install first, so that a slow install does not sit between measurements
