@@ -41,6 +41,7 @@ from bench.harness import machine, vllm
 from bench.harness.offline import (BLOCK, Result, Workload, block_bound_tokens, blocks_needed, hf_folder,
                                    kv_bytes_per_token, run_flock, shared_workload, unshared_workload, warmup_prompts)
 from bench.harness.report import OUT, args_dict, fmt, markdown_table, pyplot, save_figure, write_json
+from flock.engine.runner import resolve_device
 
 MODELS = {"tiny": "flock/bench-tiny", "mid": "flock/bench-mid", "kv": "flock/bench-kv"}
 KV_PRESSURE = dict(groups=16, per_group=8, prefix=1500, distinct=100)
@@ -225,7 +226,7 @@ def main() -> None:
         print(f"wrote {sweep_png}")
         return
     print(machine.header("engine_speed"))
-    if torch.cuda.is_available():  # the engine's device "auto"
+    if resolve_device("auto").type == "cuda":
         print(f"# Flock runs on cuda ({torch.cuda.get_device_name()}); the kernel paths above are this CPU's")
     print(f"# bf16 matmul peak {machine.matmul_peak():.0f} GFLOP/s (measured now), {machine.load_note()}", flush=True)
     python: Path | str | None = None  # the venv's python, or why vLLM is unavailable
