@@ -3,6 +3,10 @@ import json
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activation Flock runs
+# transformers' class defaults for keys a config.json may omit
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+MISTRAL_DEFAULT_WINDOW = 4096
 
 
 @dataclass
@@ -40,7 +44,12 @@ class ModelConfig:
             scaling = dict(scaling)
             scaling.setdefault("rope_type", scaling.get("type", "default"))
         eos = d.get("eos_token_id")
-        use_window = d.get("use_sliding_window", model_type == "mistral")
+        act = d.get("hidden_act", "silu")
+        if act not in SILU_NAMES:
+            raise ValueError(f"hidden_act {act!r} is not supported (Flock runs SiLU: {', '.join(SILU_NAMES)})")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported (Flock's MLP projections have no bias)")
+        window = cls._sliding_window(d, model_type)
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -53,18 +62,43 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", model_type == "qwen2"),
+            attention_bias=model_type == "qwen2" or d.get("attention_bias", False),  # Qwen2: qkv bias always
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
-            sliding_window=d.get("sliding_window") if use_window else None,
+            sliding_window=window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+    @staticmethod
+    def _sliding_window(d: dict, model_type: str) -> int | None:
+        """The window every layer uses, as transformers reads it: Mistral's on every layer (4096 when the key is
+        absent); Qwen2's only on the layers `layer_types` marks (from `max_window_layers`, default 28). Flock
+        has one window for all layers, so a mix is an error rather than a silently wrong model."""
+        if model_type == "mistral":
+            return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        if model_type != "qwen2" or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
+            return None
+        layers = d["num_hidden_layers"]
+        types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
+                                         "full_attention" for i in range(layers)]
+        if all(t == "full_attention" for t in types):
+            return None
+        if all(t == "sliding_attention" for t in types):
+            return d["sliding_window"]
+        raise ValueError(f"layer_types {types} mixes full and sliding-window attention (Qwen2 max_window_layers="
+                         f"{d.get('max_window_layers', 28)}); Flock runs one attention kind for every layer")
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
         config_file = Path(path) / "config.json"
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
-        return cls.from_dict(json.loads(config_file.read_text()))
+        config = cls.from_dict(json.loads(config_file.read_text()))
+        generation = Path(path) / "generation_config.json"
+        if generation.exists():  # transformers' generate (and vLLM) also stop at generation_config's eos ids
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            config.eos_token_id += [e for e in extra if e not in config.eos_token_id]
+        return config

@@ -95,3 +95,21 @@ def test_config_variants():
     assert c.attention_bias and not c.o_proj_bias and c.rope_theta == 1e6 and c.rope_scaling is None
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         ModelConfig.from_dict(base | {"model_type": "gpt2"})
+
+
+def test_config_keys_read_as_transformers_reads_them(tmp_path):
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
+    assert ModelConfig.from_dict(base | {"model_type": "mistral"}).sliding_window == 4096  # MistralConfig's default
+    assert ModelConfig.from_dict(base | {"model_type": "mistral", "sliding_window": None}).sliding_window is None
+    qwen = base | {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}
+    assert ModelConfig.from_dict(qwen).sliding_window is None  # max_window_layers 28: no layer slides
+    assert ModelConfig.from_dict(qwen | {"max_window_layers": 0}).sliding_window == 8
+    with pytest.raises(ValueError, match="mixes full and sliding-window"):
+        ModelConfig.from_dict(qwen | {"max_window_layers": 1})
+    assert ModelConfig.from_dict(base | {"model_type": "qwen2", "attention_bias": False}).attention_bias
+    for unsupported, match in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_dict(base | unsupported)
+    (tmp_path / "config.json").write_text(json.dumps(base | {"eos_token_id": 3}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert ModelConfig.from_folder(tmp_path).eos_token_id == [3, 7]  # generate() stops at both
