@@ -10,6 +10,7 @@ where it is."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -48,10 +49,12 @@ class GrammarCompiler:
         grammar = self.cache.get(key)
         if grammar is None:
             try:
+                if spec.kind == "json":
+                    check_enforced(spec.json)
                 grammar = self._compile(spec, key[-1])
             except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors carry its source position first
-                raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: "
-                                 f"{str(e).strip().rsplit('] ', 1)[-1]}") from None
+                reason = re.sub(r"^.*?\.cc:\d+:\s*", "", str(e).strip().rsplit("] ", 1)[-1])
+                raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: {reason}") from None
             self.cache[key] = grammar
         return grammar
 
@@ -73,7 +76,7 @@ class GrammarCompiler:
         if spec.kind == "regex":
             return c.compile_regex(spec.regex)
         if spec.kind == "choice":
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
         return c.compile_grammar(spec.grammar)
 
     def _xgr_compiler(self):
@@ -83,6 +86,50 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
+
+
+# JSON Schema keywords xgrammar compiles without enforcing them (it ignores them, at most with a warning on
+# stderr), found by compiling schemas and feeding the matcher instances that break them. A schema using one is
+# rejected, as vLLM rejects it, rather than giving output that does not validate.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+            "else", "unevaluatedProperties", "unevaluatedItems")
+
+
+def check_enforced(schema, path: str = "#") -> None:
+    """ValueError naming the first keyword of `schema` (a JSON Schema as a dict or JSON text) that the grammar
+    engine would not enforce, and where it is."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return  # xgrammar reports it
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    unenforced = [k for k in ("not", "if", "dependentRequired", "contains", "minContains", "maxContains") if k in schema]
+    if schema.get("uniqueItems") is True:
+        unenforced.append("uniqueItems")
+    if "multipleOf" in schema and "integer" not in types:
+        unenforced.append("multipleOf (on numbers)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        unenforced.append("allOf (with more than one schema)")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        unenforced.append("minLength / maxLength (with a pattern or format)")
+    if unenforced:
+        raise ValueError(f"{unenforced[0]} at {path} is not supported")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                check_enforced(sub, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                check_enforced(sub, f"{path}/{key}/{i}")
+    for key in _SCHEMAS:
+        check_enforced(schema.get(key), f"{path}/{key}")
 
 
 class GrammarMasks:

@@ -1,7 +1,8 @@
 """Penalties, logit biases and min_tokens, with vLLM's semantics, on the rows that ask for them.
 
 In vLLM's order, before temperature, top-k and top-p (and before a greedy row's argmax):
-1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens;
+1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens
+   (unless they are all the row has left: a grammar that can only end ends);
 2. logit_bias: each listed token's bias is added to its logit;
 3. repetition_penalty over the prompt and output tokens: a positive logit is divided by it, a negative one
    multiplied; then frequency and presence over the output tokens only (the OpenAI definition):
@@ -70,7 +71,12 @@ def _min_tokens(logits: torch.Tensor, params, histories, eos_token_ids: set[int]
             rows += [i] * len(held)
             ids += held
     if rows:
-        logits[_long(rows, logits), _long(ids, logits)] = float("-inf")
+        r, t = _long(rows, logits), _long(ids, logits)
+        held = logits[r, t]
+        logits[r, t] = float("-inf")
+        # a row left with no token at all (a grammar that can only end) ends: its grammar wins over min_tokens
+        ends = torch.isneginf(logits).all(-1)[r]
+        logits[r[ends], t[ends]] = held[ends]
 
 
 def _logit_bias(logits: torch.Tensor, params) -> None:

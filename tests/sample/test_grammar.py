@@ -45,7 +45,7 @@ def assert_valid(spec: StructuredOutputsParams, text: str) -> None:
 SPECS = [
     StructuredOutputsParams(json=SCHEMA),
     StructuredOutputsParams(regex=r"[0-9]{3}-(yes|no)"),
-    StructuredOutputsParams(choice=["alpha", "beta gamma", "δ"]),
+    StructuredOutputsParams(choice=["alpha", "beta gamma", "δ", "🎉"]),
     StructuredOutputsParams(grammar='root ::= "(" [a-c]{1,3} ")"'),
 ]
 
@@ -99,6 +99,11 @@ def test_json_has_no_free_whitespace_unless_asked(tiny):
     assert g.matcher(StructuredOutputsParams(json_object=True)).accept_string('{"a":')
 
 
+def test_choices_beyond_the_basic_plane_match_themselves(tiny):
+    m = tiny.engine.grammars.matcher(StructuredOutputsParams(choice=["🎉 party", "ok"]))
+    assert m.accept_string("🎉 party")
+
+
 def test_each_distinct_spec_compiles_once(tiny):
     g = tiny.engine.grammars
     before = len(g.cache)
@@ -109,8 +114,30 @@ def test_each_distinct_spec_compiles_once(tiny):
     assert len(g.cache) == before + 1
 
 
+def test_a_grammar_that_can_only_end_ends_within_min_tokens(tiny):
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    outs = tiny.generate(PROMPTS, [constrained(spec, min_tokens=5, temperature=t, seed=1) for t in (0, 1, 0, 1)],
+                         use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].text in spec.choice and o.outputs[0].finish_reason == "stop"
+
+
+def test_keywords_the_grammar_engine_would_not_enforce_are_refused(tiny):
+    g = tiny.engine.grammars
+    ok = {"type": "object", "properties": {"not": {"type": "integer", "multipleOf": 2}, "if": {"type": "string"}}}
+    g.compile(StructuredOutputsParams(json=ok))  # properties named like keywords are names
+    for schema, where in [({"type": "array", "uniqueItems": True}, "uniqueItems at #"),
+                          ({"allOf": [{"type": "string"}, {"enum": ["a"]}]}, "allOf"),
+                          ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a", "maxLength": 3}}},
+                           "at #/properties/a"),
+                          ({"type": "array", "items": {"type": "number", "multipleOf": 0.5}}, "at #/items"),
+                          ({"$defs": {"d": {"not": {"type": "null"}}}}, "not at #/$defs/d")]:
+        with pytest.raises(ValueError, match=f"structured_outputs.json was rejected.*{re.escape(where)}"):
+            g.compile(StructuredOutputsParams(json=schema))
+
+
 @pytest.mark.parametrize("spec,match", [
-    (StructuredOutputsParams(json={"type": "strng"}), "structured_outputs.json was rejected"),
+    (StructuredOutputsParams(json={"type": "strng"}), r"structured_outputs.json was rejected[^/]*$"),
     (StructuredOutputsParams(regex="a("), "structured_outputs.regex was rejected"),
     (StructuredOutputsParams(grammar="root ::= undefined_rule"), "structured_outputs.grammar was rejected"),
     (StructuredOutputsParams(regex="a", choice=["b"]), "exactly one of"),
