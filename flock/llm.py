@@ -50,14 +50,21 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's next message for one conversation (a list of {"role", "content"} dicts) or
-        for a list of them, through the tokenizer's chat template, as vLLM's `LLM.chat`."""
+        for a list of them, through the tokenizer's chat template, as vLLM's `LLM.chat` (whose template options
+        it takes: `tools` are shown to the template; their calls come back as text)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools, chat_template_kwargs=chat_template_kwargs)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
-                ids = encode_chat(self.engine.tokenizer, conversation)
+                ids = encode_chat(self.engine.tokenizer, conversation, **options)
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids, "prompt": self.engine.tokenizer.decode(ids)})

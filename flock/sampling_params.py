@@ -53,12 +53,14 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: all tokens
     top_p: float = 1.0
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely (after temperature)
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token) that ended the output
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already in the output
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
@@ -75,11 +77,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.logit_bias, dict):
-            try:
-                self.logit_bias = {_token_id(t): _clamp_bias(b) for t, b in self.logit_bias.items()}
-            except (TypeError, ValueError):
-                pass  # validate() names the bad entry
+        if isinstance(self.logit_bias, dict):  # what does not convert stays as it is, for validate() to name
+            self.logit_bias = {_token_id(t) if _converts(t) else t: _clamp_bias(b) if _bias(b) else b
+                               for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +95,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -103,8 +105,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -134,7 +136,7 @@ class SamplingParams:
         bad_ids = [t for t in bias if not _converts(t)] or [t for t in bias if not isinstance(t, int)]
         if bad_ids:
             raise ValueError(f"logit_bias has keys that are not integer token ids: {bad_ids!r}")
-        bad_values = {t: b for t, b in bias.items() if not _is_real(b) or math.isnan(b)}
+        bad_values = {t: b for t, b in bias.items() if not _bias(b)}
         if bad_values:
             raise ValueError(f"logit_bias values must be numbers, got {bad_values!r}")
         if vocab_size is not None:
@@ -162,7 +164,9 @@ def _converts(t) -> bool:
     return True
 
 
+def _bias(b) -> bool:
+    return _is_real(b) and not math.isnan(b)
+
+
 def _clamp_bias(b) -> float:
-    if not _is_real(b) or math.isnan(b):
-        raise ValueError(b)
     return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b)))

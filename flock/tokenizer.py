@@ -24,12 +24,24 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat through the tokenizer's chat template (the ChatML fallback when it has none), ready
-    for the assistant's answer."""
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template (the ChatML fallback when it has none): ready
+    for the assistant's answer, or, with continue_final_message, continuing the last message (as vLLM's).
+    `tools` and `chat_template_kwargs` go to the template."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(kwargs.keys() & {"conversation", "messages", "chat_template", "tokenize", "tools",
+                                       "add_generation_prompt", "continue_final_message", "return_dict"})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}")
     try:
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, add_generation_prompt=True)
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, tools=tools,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)

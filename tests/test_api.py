@@ -43,6 +43,8 @@ def test_string_and_token_prompts_in_input_order(llm):
         ("ok", SamplingParams(top_p=0.0), "top_p"),
         ("ok", SamplingParams(top_p=1.5), "top_p"),
         ("ok", SamplingParams(temperature=-1), "temperature"),
+        ("ok", SamplingParams(seed=2**63), "seed"),
+        ("ok", SamplingParams(min_p=-0.1), "min_p"),
         ({"text": "no prompt field"}, SamplingParams(), "'prompt' or 'prompt_token_ids'"),
     ],
 )
@@ -72,11 +74,24 @@ def test_stop_token_ids_and_strings(llm):
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                           stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=True)  # as vLLM: the stop token is not
+    kept = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                           stop_token_ids=[stop_id], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(out.token_ids, skip_special_tokens=True)
     stop_str = base.text[len(base.text) // 2 :][:3]
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                          stop=[stop_str]), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.stop_reason == stop_str
-    assert stop_str not in out.text and base.text.startswith(out.text)
+    cut = base.text.index(stop_str)
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop_str],
+                                include_stop_str_in_output=include)
+        out = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop_str
+        assert out.text == base.text[: cut + len(stop_str) * include]
+        # the same stop string completed by the last token max_tokens allows still stops the output
+        params.max_tokens = len(out.token_ids)
+        last = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+        assert (last.finish_reason, last.text) == ("stop", out.text)
     assert_clean(llm)
 
 
@@ -100,3 +115,12 @@ def test_stats_keys(llm):
         assert key in s
     assert s["num_requests"] == 2 and s["generated_tokens"] == 4
     assert 0 < s["saving_rate"] < 1  # the second prompt reuses the first one's full block
+
+
+def test_chat_template_options_as_vllm(llm):
+    partial = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    out = llm.chat(partial, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids).endswith("My answer is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(partial, greedy, use_tqdm=False, continue_final_message=True)

@@ -17,13 +17,17 @@ from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
 
-_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                    "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias", "min_tokens"}
-_COMMON_FIELDS = _SAMPLING_FIELDS | {"model", "n", "stream", "stream_options", "user", "logprobs", "prompt_logprobs",
-                                     "response_format", "structured_outputs"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+# OpenAI fields that do not change what is generated: accepted and not used
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "stream_options", "logprobs",
+                                                       "prompt_logprobs", "response_format", "structured_outputs",
+                                                       "echo"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                                "continue_final_message", "chat_template_kwargs", "tools", "tool_choice"}
 STRUCTURED_FIELDS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
@@ -54,7 +58,9 @@ class GenerationRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
-    echo: bool = False  # completions: the prompt comes back before the output (with its logprobs, if asked)
+    echo: bool = False  # the prompt (completions, with its logprobs if asked) or the last message (chat) comes
+    # back before the output: texts[i] (None: the prompt's ids decoded)
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone (one token generated, unsent)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was set: the response carries them
     structured_param: str | None = None  # the field that asked for structured outputs
     extra: dict = field(default_factory=dict)
@@ -88,10 +94,17 @@ def parse_request(kind: str, body, tokenizer,
     if unknown:
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
     _check_unsupported(body)
+    bad = lone_surrogate(body)
+    if bad:
+        raise APIError(f"the request body {bad}")
+    echo = _typed(body, "echo", bool, False)
+    echo_only = echo and kind == "completion" and body.get("max_tokens") == 0
+    if echo_only:  # as vLLM: one token is generated and not returned
+        body = body | {"max_tokens": 1}
     if kind == "completion":
         texts, prompts = _completion_prompts(body, tokenizer)
     else:
-        texts, prompts = [None], [encode_messages(tokenizer, _messages(body))]
+        texts, prompts = _chat_prompt(body, tokenizer)
     n = _typed(body, "n", int, 1)
     if n < 1:
         raise APIError(f"n must be at least 1, got {n}", param="n")
@@ -104,13 +117,16 @@ def parse_request(kind: str, body, tokenizer,
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     params = _sampling_params(body, kind, default_max_tokens)
     params.logprobs = _logprobs(body, kind)
-    echo = kind == "completion" and _typed(body, "echo", bool, False)
+    if params.seed is not None and params.seed + n - 1 >= 2**63:
+        raise APIError(f"seed + n - 1 must be below 2**63 (sample j uses seed + j), got seed {params.seed}",
+                       param="seed")
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
-    if echo and params.logprobs is not None:
+    if echo and kind == "completion" and params.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     params.structured_outputs, structured_param = _structured_outputs(body)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
                              stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
+                             echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param)
 
@@ -221,7 +237,7 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-        out.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
+        out.append(m | {"content": _content_text(m.get("content"), i)})  # name, tool_calls, ... as sent
     return out
 
 
@@ -234,16 +250,54 @@ def _content_text(content, i: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins text parts
     raise APIError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat through the tokenizer's chat template (a ChatML fallback when it has none)."""
+def encode_messages(tokenizer, messages: list[dict], **template_options) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template (a ChatML fallback when it has none); the
+    options of `flock.tokenizer.encode_chat`."""
     try:
-        return encode_chat(tokenizer, messages)
+        return encode_chat(tokenizer, messages, **template_options)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
+
+
+def lone_surrogate(value) -> str | None:
+    """Why a decoded JSON value cannot be tokenized or written back as UTF-8 (a lone \\udXXX escape), or None."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        return f"contains a lone UTF-16 surrogate escape ({e.object[e.start]!r}), which is not valid Unicode"
+    return None
+
+
+def _chat_prompt(body: dict, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """The chat's echo text and token ids, with vLLM's template options. The echo is the last message's content
+    when the answer continues it (continue_final_message, or an assistant message last), else empty."""
+    messages = _messages(body)
+    add = _typed(body, "add_generation_prompt", bool, True)
+    ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
+                          continue_final_message=_typed(body, "continue_final_message", bool, False),
+                          tools=_tools(body), chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None))
+    last = messages[-1]
+    return [last["content"] if not add or last["role"] == "assistant" else ""], [ids]
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """Tools for the chat template to show. Flock does not parse tool calls, so the answer must be plain text:
+    tool_choice 'none' (vLLM without a tool-call parser rejects 'auto' and 'required' the same way)."""
+    tools, choice = _typed(body, "tools", list, None), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        return None
+    if not all(isinstance(t, dict) for t in tools):
+        raise APIError("tools must be a list of objects", param="tools")
+    if choice != "none":
+        raise APIError(f"tool calls are not supported: with tools, tool_choice must be 'none' (the tools are shown "
+                       f"to the chat template, the answer is text), got {choice!r}", param="tool_choice")
+    return tools
 
 
 def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> SamplingParams:
@@ -257,12 +311,14 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> S
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=_typed(body, "top_k", int, -1),
+        min_p=_number(body, "min_p", 0.0),
         seed=_typed(body, "seed", int, None),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         stop=stop,
         stop_token_ids=_int_list(body, "stop_token_ids"),
         ignore_eos=_typed(body, "ignore_eos", bool, False),
         skip_special_tokens=_typed(body, "skip_special_tokens", bool, True),
+        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", bool, False),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
@@ -336,6 +392,8 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
                 token_text: TokenText) -> Choice:
     """Choice `index` of a finished request (prompt index // n), echoed and with logprobs as the body asked."""
     prompt_ids = gen.prompts[index // gen.n]
+    if gen.echo_only:
+        text, output_ids, logprobs = "", [], [] if logprobs is not None else None
     if gen.echo:
         prompt_text = gen.texts[index // gen.n]
         text = (prompt_text if prompt_text is not None else token_text.tokenizer.decode(prompt_ids)) + text

@@ -154,11 +154,13 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     break
                 last[i] = out
                 text, ids, entries = out.text, out.token_ids, out.logprobs
+                if gen.echo_only:
+                    text, ids, entries = "", [], [] if entries is not None else None
                 if first[i] and gen.echo:
                     prompt = gen.prompts[i // gen.n]
                     echoed = gen.texts[i // gen.n]
                     text = (echoed if echoed is not None else ctx.engine.tokenizer.decode(prompt)) + text
-                    if entries is not None:
+                    if entries is not None and gen.kind == "completion":
                         ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
                 logprobs = None
                 if entries is not None and gen.kind == "chat":

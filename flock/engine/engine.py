@@ -141,12 +141,12 @@ class LLMEngine:
             req.finish_reason = "stop"
         elif stoppable and token in p.stop_token_ids:
             req.finish_reason, req.stop_text = "stop", token
+        elif p.stop and req.num_output_tokens > p.min_tokens and self._find_stop_string(req):
+            req.finish_reason = "stop"  # before the length caps: a stop string in the last token still stops
         elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
             req.finish_reason = "length"
         elif req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
-        elif p.stop and req.num_output_tokens > p.min_tokens and self._find_stop_string(req):
-            req.finish_reason = "stop"
         return req.finish_reason is not None
 
     def _find_stop_string(self, req: Request) -> bool:
@@ -167,10 +167,15 @@ class LLMEngine:
         return max(0, len(held) - len(stop) + 1)
 
     def decode(self, req: Request) -> str:
-        """Output text; cut before the stop string that ended the request, as vLLM does."""
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        """Output text, as vLLM gives it: without the stop string or the EOS / stop token that ended the request
+        (unless `include_stop_str_in_output`)."""
+        ids, keep = req.output_token_ids, req.params.include_stop_str_in_output
+        if req.finish_reason == "stop" and not isinstance(req.stop_text, str) and not keep:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         if isinstance(req.stop_text, str):
-            text = text[: text.find(req.stop_text, self._stop_search_start(req, req.stop_text))]
+            at = text.find(req.stop_text, self._stop_search_start(req, req.stop_text))
+            text = text[: at + len(req.stop_text) if keep else at]
         return text
 
     def reset_stats(self) -> None:

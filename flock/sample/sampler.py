@@ -89,7 +89,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         u = self._uniforms(generators)
         vocab = logits.shape[-1]
-        plain = all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 for p in params)
+        plain = all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 and p.min_p == 0 for p in params)
         if plain and _fused(logits):
             # temperature alone: the fused kernel draws as _draw does, from the logits as they are (~7x faster)
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
@@ -101,6 +101,10 @@ class Sampler:
         if any(p.temperature != 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
             temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
             logits = logits / temps[:, None]
+        if any(p.min_p > 0 for p in params):  # as vLLM: after temperature, before top-k and top-p
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+            floor = logits.max(dim=-1, keepdim=True).values + min_p.log()[:, None]
+            logits = logits.masked_fill(logits < floor, float("-inf"))
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         if min(top_k) < vocab:
             k = torch.tensor(top_k, device=logits.device)

@@ -1,6 +1,6 @@
 import pytest
 
-from flock.api.protocol import APIError, chunk_body, encode_messages, parse_request, response_body
+from flock.api.protocol import APIError, chunk_body, encode_messages, make_choice, parse_request, response_body
 from flock.engine.text_stream import TextStream
 from flock.model import resolve_model
 from flock.tokenizer import load_tokenizer
@@ -58,6 +58,27 @@ def test_chat_body_uses_template(tok):
     assert r.params.max_tokens == 4 and r.stream and r.include_usage
 
 
+def test_vllm_fields(tok):
+    """Fields vLLM's server takes: sampling extras, chat template options, tools shown but not called, echo, and
+    OpenAI's fields that change nothing generated."""
+    user = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    r = parse_request("chat", {"messages": user, "min_p": 0.1, "include_stop_str_in_output": True, "user": "u",
+                               "metadata": {"k": "v"}, "store": False, "tools": [], "tool_choice": "none"}, tok)
+    assert r.params.min_p == 0.1 and r.params.include_stop_str_in_output
+    assert r.prompt_token_ids == encode_messages(tok, [{"role": "user", "content": "a\nb"}])  # parts as vLLM joins
+    partial = user + [{"role": "assistant", "content": "The answer is", "name": "bot"}]
+    r = parse_request("chat", {"messages": partial, "add_generation_prompt": False, "continue_final_message": True,
+                               "echo": True}, tok)
+    assert tok.decode(r.prompt_token_ids).endswith("The answer is") and r.texts == ["The answer is"] and r.echo
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse_request("chat", {"messages": user, "tools": tools, "tool_choice": "none"}, tok).prompts
+    echo = parse_request("chat", {"messages": user, "echo": True}, tok)
+    assert echo.texts == [""]  # the answer starts a new message: nothing to echo
+    only = parse_request("completion", {"prompt": "a b", "max_tokens": 0, "echo": True, "logprobs": 1}, tok)
+    assert only.echo_only and only.params.max_tokens == 1 and only.params.prompt_logprobs == 1
+    assert make_choice(only, 0, "c", "length", [7], None, None, None).text == "a b"  # the prompt alone
+
+
 def test_fallback_template_when_tokenizer_has_none(tok):
     saved = tok.chat_template
     tok.chat_template = None
@@ -98,6 +119,19 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("completion", {"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
     ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
+    ("completion", {"prompt": "a", "seed": 2**64}, "seed"),
+    ("completion", {"prompt": "a", "seed": 2**63 - 1, "n": 2}, "seed"),
+    ("completion", {"prompt": "a", "min_p": 1.5}, "min_p"),
+    ("completion", {"prompt": "a \ud800"}, None),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tool_choice"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+              "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": ["f"], "tool_choice": "none"}, "tools"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
+     "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+              "continue_final_message": True}, "messages"),
     ("completion", {"prompt": "a", "stop": [1]}, "stop"),
     ("completion", {"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
     ("completion", {"prompt": "a", "frequency_penalty": "x"}, "frequency_penalty"),

@@ -247,6 +247,12 @@ def test_completion_logprobs_and_echo_equal_offline_llm(client, offline):
     # what lm-evaluation-harness sends for a loglikelihood: token ids, echo, logprobs=1, max_tokens=1
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
     assert r.choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected[: len(ids) - 1], abs=1e-4)
+    # vLLM's echo with max_tokens 0: the prompt alone, with its logprobs, streamed or not
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert r.choices[0].text == prompt and len(r.choices[0].logprobs.tokens) == len(ids)
+    assert r.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected[: len(ids) - 1], abs=1e-4)
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
     # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
     got = r.choices[0].model_extra["prompt_logprobs"]

@@ -123,6 +123,17 @@ def test_top_p_applies_after_temperature():
     assert abs(got[RANKED[0]] - 16 / 25) < 0.02
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_top_after_temperature():
+    n = 10_000
+    # 0.4, 0.3, 0.2, 0.1: min_p=0.5 keeps p >= 0.2, three tokens renormalised
+    got = freqs(draw(SamplingParams(temperature=1.0, min_p=0.5), n, seed=18), 4)
+    assert got[RANKED[3]] == 0 and abs(got[RANKED[0]] - 4 / 9) < 0.02 and got[RANKED[2]] > 0
+    # sharpened (16, 9, 4, 1 over 30) first: 0.5 of 16/30 drops the two least likely
+    got = freqs(draw(SamplingParams(temperature=0.5, min_p=0.5), n, seed=19), 4)
+    assert set(torch.nonzero(got).flatten().tolist()) == {RANKED[0], RANKED[1]}
+    assert set(draw(SamplingParams(temperature=1.0, min_p=1.0), 1000, seed=20).tolist()) == {RANKED[0]}
+
+
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
     # top_k=2 leaves 4/7, 3/7; top_p=0.5 then keeps only the first (on the raw distribution it would keep two)
     out = draw(SamplingParams(temperature=1.0, top_k=2, top_p=0.5), 5000, seed=17)
