@@ -104,6 +104,9 @@ def _check_paths(cfg: JobConfig) -> None:
     inp, out, err = Path(cfg.input), cfg.output_path, cfg.errors_path
     if not inp.is_file():
         raise FileNotFoundError(f"cannot read {inp}: no such file")
+    for path in (out, err):
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot write {path}: no such directory {path.parent}")
     if len({inp.resolve(), out.resolve(), err.resolve()}) < 3:
         raise ValueError("the input, output and error files must be three different files")
     existing = [str(p) for p in (out, err) if p.exists()]
@@ -158,12 +161,12 @@ class BatchJob:
         first_line: dict[str, int] = {}
         for line in read_lines(self.cfg.input):
             try:
+                first = first_line.setdefault(line.custom_id, line.number)  # a bad line claims its id too
                 if isinstance(line, LineError):
                     raise line
-                if line.custom_id in first_line:
-                    why = f"duplicate custom_id {line.custom_id!r} (first on line {first_line[line.custom_id]})"
+                if first != line.number:
+                    why = f"duplicate custom_id {line.custom_id!r} (first on line {first})"
                     raise LineError(line.number, why, line.custom_id, "duplicate_custom_id", "custom_id")
-                first_line[line.custom_id] = line.number
                 if line.custom_id in self.done:
                     self.counts.skipped += 1
                 else:
@@ -204,7 +207,8 @@ class BatchJob:
 
     def generate(self) -> None:
         ids = list(self.pending)  # in input order
-        self.answers = {ids[i * len(ids) // SHOWN_ANSWERS]: None for i in range(min(SHOWN_ANSWERS, len(ids)))}
+        count = min(SHOWN_ANSWERS, len(ids))
+        self.answers = {ids[i * len(ids) // count]: None for i in range(count)}
         stats, skipped = self.engine.stats, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
         bar = tqdm(total=len(self.pending) + skipped, initial=skipped, desc="flock run", unit="req",

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from flock.api.protocol import lone_surrogate
+
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 BATCH_FIELDS = {"custom_id", "method", "url", "body"}
 
@@ -65,6 +67,9 @@ def parse_line(raw: bytes | str, number: int) -> BatchLine:
     custom_id = item.get("custom_id", f"line-{number}")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(number, f"custom_id must be a non-empty string, got {custom_id!r}", param="custom_id")
+    bad = lone_surrogate(item)
+    if bad:
+        raise LineError(number, bad, None if lone_surrogate(custom_id) else custom_id, code="invalid_json")
     if item.keys() & (BATCH_FIELDS - {"custom_id"}):
         return _batch_line(item, number, custom_id)
     return _plain_line(item, number, custom_id)
@@ -90,6 +95,9 @@ def _batch_line(item: dict, number: int, custom_id: str) -> BatchLine:
 
 
 def _plain_line(item: dict, number: int, custom_id: str) -> BatchLine:
+    if "messages" in item and item.keys() & {"prompt", "prompt_token_ids"}:
+        raise LineError(number, "a plain line has 'messages' or a prompt ('prompt', 'prompt_token_ids'), not both",
+                        custom_id, param="messages")
     body = {k: v for k, v in item.items() if k not in ("custom_id", "prompt_token_ids")}
     if "prompt_token_ids" in item:
         ids = item["prompt_token_ids"]

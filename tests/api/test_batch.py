@@ -53,6 +53,11 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
         batch(7, {"prompt": "x"}),  # 17
         json.dumps({"prompt_token_ids": [-1, 5]}),  # 18
         json.dumps(chat),  # 19
+        batch("bad-unicode", {"prompt": "hi \ud800"}),  # 20
+        json.dumps({"custom_id": "x\ud800", "prompt": "x"}),  # 21
+        json.dumps(chat | {"prompt": "x"}),  # 22
+        batch("bad-method", {"prompt": "x"}),  # 23: its id was claimed by line 6, a bad line
+        batch("bad-seed", {"prompt": "x", "seed": 2**64}),  # 24
     ]
     inp = tmp_path / "mixed.jsonl"
     inp.write_text("\n".join(lines) + "\n")
@@ -62,23 +67,24 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     errors = {r["error"]["line"]: r for r in records(err)}
     expected = {2: None, 3: None, 5: "bad-url", 6: "bad-method", 7: "bad-extra", 8: "bad-field", 9: "bad-param",
                 11: "bad-long", 12: "bad-vocab", 13: "good-1", 15: "line-15", 16: "bad-stream", 17: None,
-                18: "line-18"}
+                18: "line-18", 20: "bad-unicode", 21: None, 22: "line-22", 23: "bad-method", 24: "bad-seed"}
     assert len(records(err)) == len(expected)
     assert {n: r["custom_id"] for n, r in errors.items()} == expected
     for n, r in errors.items():
         assert r["response"] is None and r["id"].startswith("batch_req_")
         assert r["error"]["message"].startswith(f"line {n}: ")
     assert errors[2]["error"]["code"] == "invalid_json" and errors[13]["error"]["code"] == "duplicate_custom_id"
-    assert (errors[8]["error"]["param"], errors[9]["error"]["param"]) == ("foo", "max_tokens")
+    assert errors[23]["error"]["code"] == "duplicate_custom_id" and "surrogate" in errors[21]["error"]["message"]
+    assert [errors[n]["error"]["param"] for n in (8, 9, 22, 24)] == ["foo", "max_tokens", "messages", "seed"]
     assert "max_model_len" in errors[11]["error"]["message"] and "vocabulary" in errors[12]["error"]["message"]
     _, stderr = capsys.readouterr()
-    assert f"14 line(s) failed (14 newly reported); see {err}" in stderr
+    assert f"19 line(s) failed (19 newly reported); see {err}" in stderr
 
     before = out.read_bytes(), err.read_bytes()
     assert run(engine, tmp_path, inp, resume=True, strict=True) == 1  # --strict: any failed line is fatal
     assert (out.read_bytes(), err.read_bytes()) == before
     stdout, stderr = capsys.readouterr()
-    assert "0 succeeded, 14 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
+    assert "0 succeeded, 19 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
 
 
 def test_gzip_plain_lines_chat_and_defaults(engine, tmp_path):
@@ -147,6 +153,18 @@ def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
     shown = out.split("answers (8 of 20, all in ")[1].splitlines()[1:]
     assert [line.split()[0] for line in shown] == ["q0", "q2", "q5", "q7", "q10", "q12", "q15", "q17"]
     assert all(" ".join(answers[line.split()[0]].split()) in line for line in shown)
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"prompt": f"question {i}", "max_tokens": 2}) + "\n" for i in range(3)))
+    assert run_job(JobConfig(str(few), str(tmp_path / "few.out.jsonl")), engine) == 0
+    assert "answers (3 of 3, all in " in capsys.readouterr().out
+
+
+def test_missing_output_folder_is_refused_before_the_model_loads(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    unbuilt = lambda: pytest.fail("the engine was built")  # noqa: E731
+    assert run_job(JobConfig(str(inp), str(tmp_path / "no" / "out.jsonl")), build_engine=unbuilt) == 2
+    assert "no such directory" in capsys.readouterr().err
 
 
 def test_n_and_prompt_lists_make_one_record_per_line(engine, tmp_path):
