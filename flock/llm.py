@@ -29,8 +29,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. All prompts and parameters are
-        checked before any work starts: a bad one raises ValueError naming its index and field."""
+        """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
+        outputs come back in input order. All prompts and parameters are checked before any work starts: a bad
+        one raises ValueError naming its index and field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -41,9 +42,9 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         self.engine.reset_stats()
-        requests = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, params)]
-        self._run(requests, use_tqdm)
-        return [self._output(req, text) for req, text in zip(requests, texts)]
+        samples = [[self.engine.add_request(ids, s) for s in p.samples()] for ids, p in zip(token_ids, params)]
+        self._run([req for reqs in samples for req in reqs], use_tqdm)
+        return [self._output(reqs, text) for reqs, text in zip(samples, texts)]
 
     def chat(
         self,
@@ -109,21 +110,23 @@ class LLM:
             return None, list(prompt)
         raise ValueError(f"request {index}: prompt must be a string, a token-id list or a dict, not {type(prompt).__name__}")
 
-    def _output(self, req: Request, prompt: str | None) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
+    def _output(self, samples: list[Request], prompt: str | None) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=j,
             text=self.engine.decode(req),
             token_ids=req.output_token_ids,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_text,
             logprobs=req.logprobs,
-        )
+            cumulative_logprob=None if req.logprobs is None else sum(e.logprob for e in req.logprobs),
+        ) for j, req in enumerate(samples)]
+        first = samples[0]
         return RequestOutput(
-            request_id=str(req.request_id),
+            request_id=str(first.request_id),
             prompt=prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.is_finished,
-            num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=all(req.is_finished for req in samples),
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
         )

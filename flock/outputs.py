@@ -11,6 +11,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (eos, stop token or string) or "length"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs, when they are asked
 
 
 @dataclass

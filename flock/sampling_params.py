@@ -1,5 +1,5 @@
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
@@ -50,6 +50,7 @@ class SamplingParams:
     """How to pick tokens, as in vLLM. temperature 0 is greedy; a seed makes a request reproducible. Penalties,
     logit_bias and min_tokens adjust the logits first, greedy rows included (flock/sample/penalties.py)."""
 
+    n: int = 1  # samples of the prompt (LLM.generate, the API): sample j seeded seed + j, as vLLM's
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: all tokens
     top_p: float = 1.0
@@ -81,6 +82,12 @@ class SamplingParams:
             self.logit_bias = {_token_id(t) if _converts(t) else t: _clamp_bias(b) if _bias(b) else b
                                for t, b in self.logit_bias.items()}
 
+    def samples(self) -> list["SamplingParams"]:
+        """The params of each of the n samples, one engine request each."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -105,8 +112,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        last = 2**63 - self.n  # sample j uses seed + j, an int64
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= last):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - n], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -124,3 +124,20 @@ def test_chat_template_options_as_vllm(llm):
     assert llm.get_tokenizer().decode(out.prompt_token_ids).endswith("My answer is")
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(partial, greedy, use_tqdm=False, continue_final_message=True)
+
+
+def test_n_samples_of_a_prompt_as_vllm(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate(["The cache", "x y"], params, use_tqdm=False)
+    assert [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2]] * 2
+    for j, c in enumerate(outs[0].outputs):  # sample j is the request seeded seed + j
+        alone = llm.generate("The cache", SamplingParams(temperature=1.0, seed=40 + j, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+        assert c.cumulative_logprob == pytest.approx(sum(e.logprob for e in c.logprobs))
+    assert llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate("a", SamplingParams(n=0), use_tqdm=False)
+    with pytest.raises(ValueError, match="one sample"):
+        llm.engine.add_request([1, 2], SamplingParams(n=2))
+    assert_clean(llm)

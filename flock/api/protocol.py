@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
@@ -79,8 +79,7 @@ class GenerationRequest:
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a
         seed, sample j uses seed + j, as vLLM's child requests do."""
-        return [(ids, self.params if self.params.seed is None else replace(self.params, seed=self.params.seed + j))
-                for ids in self.prompts for j in range(self.n)]
+        return [(ids, p) for ids in self.prompts for p in self.params.samples()]
 
 
 def parse_request(kind: str, body, tokenizer,
@@ -115,11 +114,8 @@ def parse_request(kind: str, body, tokenizer,
     options = _typed(body, "stream_options", dict, None) or {}
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-    params = _sampling_params(body, kind, default_max_tokens)
+    params = _sampling_params(body, kind, default_max_tokens, n)
     params.logprobs = _logprobs(body, kind)
-    if params.seed is not None and params.seed + n - 1 >= 2**63:
-        raise APIError(f"seed + n - 1 must be below 2**63 (sample j uses seed + j), got seed {params.seed}",
-                       param="seed")
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
     if echo and kind == "completion" and params.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
@@ -300,7 +296,7 @@ def _tools(body: dict) -> list[dict] | None:
     return tools
 
 
-def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> SamplingParams:
+def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: int = 1) -> SamplingParams:
     max_tokens = _typed(body, "max_tokens", int, None)
     if kind == "chat":
         max_tokens = _typed(body, "max_completion_tokens", int, max_tokens)
@@ -308,6 +304,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> S
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError("stop must be a string or a list of strings", param="stop")
     params = SamplingParams(
+        n=n,
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=_typed(body, "top_k", int, -1),

@@ -71,6 +71,8 @@ class LLMEngine:
             self.grammars.compile(params.structured_outputs)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         self._next_id += 1
