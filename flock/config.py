@@ -10,6 +10,13 @@ def option(default, help: str, **cli):
     return field(default=default, metadata={"help": help, **cli})
 
 
+# vLLM engine keywords whose value Flock always runs with (accepted with that value, refused with another), and
+# those no value of which changes what Flock does (it runs no model code from a folder, logs no stats)
+VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
+                      "enable_chunked_prefill": True, "tokenizer_mode": "auto"}
+VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats"}
+
+
 @dataclass
 class EngineConfig:
     """Engine settings; names follow vLLM's where vLLM has one."""
@@ -46,6 +53,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        for name, value in list(kwargs.items()):
+            if name in VLLM_AS_FLOCK_RUNS and value != VLLM_AS_FLOCK_RUNS[name]:
+                raise ValueError(f"{name}={value!r} is not supported: Flock runs as {name}={VLLM_AS_FLOCK_RUNS[name]!r}")
+            if name in VLLM_AS_FLOCK_RUNS or name in VLLM_NO_EFFECT:
+                del kwargs[name]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -141,3 +141,10 @@ def test_n_samples_of_a_prompt_as_vllm(llm):
     with pytest.raises(ValueError, match="one sample"):
         llm.engine.add_request([1, 2], SamplingParams(n=2))
     assert_clean(llm)
+
+
+def test_vllm_engine_keywords_flock_already_runs_as():
+    llm = LLM("flock/tiny", tensor_parallel_size=1, enforce_eager=True, trust_remote_code=True, disable_log_stats=False)
+    assert llm.generate("a", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        LLM("flock/tiny", tensor_parallel_size=2)
