@@ -150,8 +150,11 @@ class FeatherScheduler(FCFSScheduler):
             yield req
 
     def _candidate(self) -> Request:
+        """The CHT's best when the batch covers some of it; else the oldest waiting request, unless that one is
+        parked: then the best after all (it fits no worse, and stopping there would leave the focus group's
+        waiting members, ranked behind it, out until the batch drains)."""
         best = self._timed(self.cht, self.cht.best)
-        if best is not None and self.cht.misses(best) < self._chunks(best):
+        if best is not None and (self.cht.misses(best) < self._chunks(best) or self.waiting[0] in self.parked):
             return best
         return self.waiting[0]
 

@@ -182,3 +182,21 @@ def test_learning_policies_follow_rewards(cls):
     if isinstance(policy, QLearningPolicy):
         policy.epsilon = 0.0
     assert policy.decide(calm) is STOP
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_short_loner_ranked_best_does_not_stop_admission(policy):
+    """A prompt under one chunk never misses, so it ranks first; when the oldest waiting request was parked,
+    admission stopped there and left the focus group's other members waiting until the batch drained."""
+    engine, rng = make_llm(policy=policy).engine, random.Random(0)
+    a, b, c = ([rng.randrange(100, 8000) for _ in range(40)] for _ in range(3))
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request(a, params)
+    engine.step()
+    for ids in (c + [1], b + [2], [7, 8, 9], b + [3], c + [4]):
+        engine.add_request(ids, params)
+    for _ in range(4):
+        engine.step()
+    assert not engine.scheduler.waiting  # every one fits the pool: all admitted within a few steps
+    while engine.has_unfinished():
+        engine.step()
