@@ -29,6 +29,9 @@ ROPE_SCALING_TYPES = ("none", "linear")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens
+END_OF_TURN = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+               "<|end_of_text|>", "<EOT>"}  # how common chat formats end a turn or a text
 
 log = logging.getLogger("flock")
 
@@ -106,13 +109,26 @@ def hf_config(reader, path: str) -> dict:
     config.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     config["tie_word_embeddings"] = "output.weight" not in tensors  # llama.cpp drops a tied output matrix
     config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+    for name, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in reader.fields:
             config[name] = _field(reader, f"tokenizer.ggml.{key}")
+    config["eos_token_id"] = end_of_generation_ids(reader)
     config["torch_dtype"] = _file_dtype(reader)
     _rope_scaling(reader, arch, tensors, config, path)
     return config
+
+
+def end_of_generation_ids(reader) -> list[int]:
+    """The tokens generation stops at, as llama.cpp stops: the file's EOS, end-of-turn and end-of-message ids,
+    and any control token named as a common chat format ends a turn (a Qwen2 file whose EOS is <|endoftext|>
+    still ends its turns with <|im_end|>)."""
+    ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if f"tokenizer.ggml.{key}" in reader.fields]
+    types, tokens = reader.fields.get("tokenizer.ggml.token_type"), reader.fields["tokenizer.ggml.tokens"]
+    if types is not None:
+        control = np.flatnonzero(np.asarray(types.contents()) == CONTROL_TOKEN)
+        ids += [int(i) for i in control if bytes(tokens.parts[tokens.data[i]]).decode(errors="replace") in END_OF_TURN]
+    return sorted(set(ids))
 
 
 def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str) -> None:

@@ -19,7 +19,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
-               metadata: dict[str, str | float] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+               metadata: dict[str, str | int | float] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
     """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
     `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
     llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
@@ -39,7 +39,9 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
     _add_tokenizer(writer, folder)
     for key, value in (metadata or {}).items():
-        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
+        add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else \
+            writer.add_float32
+        add(key, value)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     for hf_name, w in load_file(str(folder / "model.safetensors")).items():
         module, _, kind = hf_name.rpartition(".")

@@ -12,6 +12,7 @@ import torch
 from flock import LLM, SamplingParams
 from flock.api.protocol import parse_request
 from flock.model import resolve_model, save_model
+from flock.model.gguf import read_gguf
 from flock.model.builtin import WHEEL_MODELS
 from flock.tokenizer import load_tokenizer
 from tests.engine.test_parity import MAX_NEW, flock_greedy, hf_greedy, shared_prefix_prompts
@@ -50,6 +51,17 @@ def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, ki
     if kind == "llama3":
         assert c.rope_scaling["rope_type"] == "llama3"
     assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
+
+
+def test_generation_stops_where_llama_cpp_stops(hf_folders, tmp_path):
+    """The EOS, the file's end-of-turn id, and control tokens named as chat formats end a turn (<|end|> here)."""
+    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "eot.gguf", metadata={"tokenizer.ggml.eot_token_id": 5})
+    assert read_gguf(gguf_file).config["eos_token_id"] == [1, 5, 6]
+    llm = LLM(str(gguf_file), dtype="float32")
+    for token in (5, 6):
+        out = llm.generate({"prompt_token_ids": [9, 10, 11]}, SamplingParams(temperature=0, max_tokens=4,
+                                                                            logit_bias={token: 100}), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == [token] and out[0].outputs[0].finish_reason == "stop"
 
 
 def test_loading_a_gguf_imports_nothing_slow(hf_folders, tmp_path):
@@ -131,6 +143,10 @@ def test_sentencepiece_vocabulary(tmp_path):
     for text in ["the cat sat on a mat", "the  dog!\nüx"]:
         assert tok.encode(text) == ref.encode(text)
         assert tok.encode(text)[0] == 1 and tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    # as llama.cpp: every piece of text gets its "▁", after a special token and before a leading space too
+    split = ref.backend_tokenizer.model.tokenize  # the vocabulary's own split of an already normalized text
+    assert tok.encode(" the cat", add_special_tokens=False) == [t.id for t in split("▁▁the▁cat")]
+    assert tok.encode("</s>the", add_special_tokens=False) == [2] + [t.id for t in split("▁the")]
 
 
 def test_save_model_writes_a_folder_transformers_loads(hf_folders, tmp_path):
@@ -307,7 +323,8 @@ def test_smollm2_chat_ids_equal_transformers(smollm2_reference):
     prompts, _ = smollm2_reference
     tok = load_tokenizer(SMOLLM2)
     assert [parse_request("chat", {"messages": c}, tok, None).prompt_token_ids for c in CHATS] == prompts
-    assert tok.eos_token == "<|im_end|>" and resolve_model("flock/smollm2").config.eos_token_id == [tok.eos_token_id]
+    assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(0) == "<|endoftext|>"
+    assert resolve_model("flock/smollm2").config.eos_token_id == [0, tok.eos_token_id]  # as llama.cpp stops
 
 
 @needs_smollm2
