@@ -44,6 +44,7 @@ def test_string_and_token_prompts_in_input_order(llm):
         ("ok", SamplingParams(top_p=1.5), "top_p"),
         ("ok", SamplingParams(temperature=-1), "temperature"),
         ("ok", SamplingParams(seed=2**63), "seed"),
+        ("ok", SamplingParams(temperature=float("nan")), "temperature"),
         ("ok", SamplingParams(min_p=-0.1), "min_p"),
         ({"text": "no prompt field"}, SamplingParams(), "'prompt' or 'prompt_token_ids'"),
     ],

@@ -398,9 +398,11 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     if logprobs is not None and gen.kind == "chat":
         shaped = chat_logprobs(token_text, logprobs)
     elif logprobs is not None:
-        ids, entries = (prompt_ids + output_ids, prompt_entries + logprobs) if gen.echo else (output_ids, logprobs)
+        echoed = prompt_entries if prompt_entries is not None else [None] * len(prompt_ids)
+        ids, entries = (prompt_ids + output_ids, echoed + logprobs) if gen.echo else (output_ids, logprobs)
         shaped = completion_logprobs(token_text, ids, entries)
-    prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) if gen.prompt_logprobs else None
+    prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
+        if gen.prompt_logprobs and prompt_entries is not None else None
     return Choice(text, finish_reason, shaped, prompt)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
@@ -70,6 +71,14 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         default_max_tokens=16 if kind == "completion" else None)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
+    spec = gen.params.structured_outputs
+    if spec is not None:  # compile (or find in the cache) on a worker thread, not on the event loop
+        try:
+            await ctx.engine.compile_grammar(spec)
+        except EngineDead as e:
+            raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
+        except ValueError as e:
+            raise engine_error(e, gen) from None
     streams = _submit(gen, ctx)
     reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
     if gen.stream:
@@ -79,9 +88,15 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
 
 async def _json_body(raw: Request):
     try:
-        return json.loads(await raw.body())
+        body = await raw.body()
+    except ClientDisconnect:  # nobody to answer; not a server error
+        raise APIError("the client disconnected while sending the request body", status=400) from None
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
 
 
 def _submit(gen: GenerationRequest, ctx: ServerContext) -> list[RequestStream]:

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -145,6 +146,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._closed = False
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="flock-grammar")
 
     # ---- any thread -------------------------------------------------------------------------------------
 
@@ -159,6 +161,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is left and stop the engine thread."""
         self._closed = True
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
@@ -186,6 +189,14 @@ class AsyncEngine:
         self._num_submitted += 1
         self._commands.put(partial(self._add, stream, list(prompt_token_ids), params))
         return stream
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile a structured-output spec into the engine's grammar cache on one worker thread (ValueError if
+        rejected), so the event loop never compiles and compiling never takes more than one core from the engine;
+        `add_request` then finds it compiled."""
+        if not self.is_running:
+            raise EngineDead("the engine is not running")
+        await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self._engine.grammars.compile, spec)
 
     def abort(self, key: int) -> None:
         self._commands.put(partial(self._abort, key))

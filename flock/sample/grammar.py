@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from flock.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar
+
+MAX_CACHED_GRAMMARS = 512  # compiled grammars kept, least recently used out first (~0.2 MB each)
 
 
 def _xgrammar():
@@ -36,7 +39,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self.any_whitespace = any_whitespace  # for a spec that does not say (its disable_any_whitespace None)
         self._compiler = None
-        self.cache: dict[tuple, xgrammar.CompiledGrammar] = {}
+        self.cache: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()  # least recently used first
 
     def matcher(self, spec: StructuredOutputsParams) -> xgrammar.GrammarMatcher:
         """A fresh matcher at the start of the spec's grammar; ValueError naming the field when xgrammar rejects
@@ -47,7 +50,12 @@ class GrammarCompiler:
         spec.validate()
         key = self._key(spec)
         grammar = self.cache.get(key)
-        if grammar is None:
+        if grammar is not None:
+            try:
+                self.cache.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        else:
             try:
                 if spec.kind == "json":
                     check_enforced(spec.json)
@@ -56,6 +64,8 @@ class GrammarCompiler:
                 reason = re.sub(r"^.*?\.cc:\d+:\s*", "", str(e).strip().rsplit("] ", 1)[-1])
                 raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: {reason}") from None
             self.cache[key] = grammar
+            while len(self.cache) > MAX_CACHED_GRAMMARS:  # live matchers keep their own reference
+                self.cache.popitem(last=False)
         return grammar
 
     def _key(self, spec: StructuredOutputsParams) -> tuple:

@@ -77,6 +77,8 @@ def test_vllm_fields(tok):
     only = parse_request("completion", {"prompt": "a b", "max_tokens": 0, "echo": True, "logprobs": 1}, tok)
     assert only.echo_only and only.params.max_tokens == 1 and only.params.prompt_logprobs == 1
     assert make_choice(only, 0, "c", "length", [7], None, None, None).text == "a b"  # the prompt alone
+    asked = parse_request("completion", {"prompt": "a b", "prompt_logprobs": 1}, tok)
+    assert make_choice(asked, 0, "", "abort", [], None, None, None).prompt_logprobs is None  # aborted before any
 
 
 def test_fallback_template_when_tokenizer_has_none(tok):

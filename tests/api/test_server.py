@@ -115,6 +115,11 @@ def test_bad_request_names_the_parameter(client, kw, param):
     assert e.value.status_code == 400 and e.value.param == param and e.value.message
 
 
+def test_a_body_nested_too_deeply_is_a_400(server):
+    r = httpx.post(f"{server.url}/v1/completions", content="[" * 100_000 + "]" * 100_000, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+
+
 def test_invalid_json_and_unknown_model(server, client):
     r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -11,6 +11,7 @@ import torch
 
 from flock import LLM, SamplingParams, StructuredOutputsParams
 from flock.model import fused_ops
+from flock.sample import grammar
 
 SCHEMA = {
     "type": "object",
@@ -102,6 +103,14 @@ def test_json_has_no_free_whitespace_unless_asked(tiny):
 def test_choices_beyond_the_basic_plane_match_themselves(tiny):
     m = tiny.engine.grammars.matcher(StructuredOutputsParams(choice=["🎉 party", "ok"]))
     assert m.accept_string("🎉 party")
+
+
+def test_the_compiled_grammars_kept_are_bounded(tiny, monkeypatch):
+    monkeypatch.setattr(grammar, "MAX_CACHED_GRAMMARS", 2)
+    g = tiny.engine.grammars
+    for n in range(4):
+        g.compile(StructuredOutputsParams(regex=f"a{{{n + 1}}}"))
+    assert len(g.cache) == 2 and ("regex", "a{4}", False) in g.cache
 
 
 def test_each_distinct_spec_compiles_once(tiny):
