@@ -217,12 +217,13 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantTensor:
     return QuantTensor(int(qtype), torch.from_numpy(np.ascontiguousarray(blocks)))
 
 
-def quantize_activations(rows: torch.Tensor, block: int, path: str | None = None) -> torch.Tensor:
-    """The int8 activation blocks of float32/bf16 rows [m, k], as flock_qgemm makes them inside its call (for
-    the scalar reference dot product, flock_qdot_scalar)."""
+def quantize_activations(rows: torch.Tensor, qtype: int, path: str | None = None) -> torch.Tensor:
+    """The int8 activation blocks of float32/bf16 rows [m, k] that weights of GGML type `qtype` meet, as
+    flock_qgemm makes them inside its call (for the scalar reference dot product, flock_qdot_scalar)."""
     m, k = rows.shape
+    block = KERNEL_TYPES[TYPE_NAMES[qtype]][1]
     out = torch.empty(m * (k // block) * ACT_BYTES[block], dtype=torch.uint8)
-    _lib(path).flock_quantize_rows(rows.data_ptr(), rows.stride(0), int(rows.dtype == torch.bfloat16), m, k, block,
+    _lib(path).flock_quantize_rows(rows.data_ptr(), rows.stride(0), int(rows.dtype == torch.bfloat16), m, k, qtype,
                                    out.data_ptr(), torch.get_num_threads())
     return out
 

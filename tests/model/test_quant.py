@@ -38,11 +38,25 @@ def reference(t: QuantTensor) -> np.ndarray:
 
 
 def quantized_rows(x: np.ndarray, block: int) -> np.ndarray:
-    """The activations as the kernels see them: int8 per block of `block`, scale max|x| / 127."""
+    """The activations as the kernels see them: int8 per block of `block`, scale max|x| / 127 (a 32-block's
+    scale then rounded to fp16, as llama.cpp's Q8_0 stores it)."""
     b = x.reshape(x.shape[0], -1, block)
-    d = np.abs(b).max(-1, keepdims=True) / 127
+    d = (np.abs(b).max(-1, keepdims=True) / 127).astype(np.float32)
     q = np.where(d > 0, np.round(b / np.where(d > 0, d, 1)), 0)
-    return (q * d).reshape(x.shape)
+    return (q * (d.astype(np.float16) if block == 32 else d).astype(np.float64)).reshape(x.shape)
+
+
+def minimum_sums_correction(x: np.ndarray, t: QuantTensor) -> np.ndarray:
+    """Q4_1 / Q5_1: what the kernels' minimum term adds beyond `quantized_rows`: they take each block's minimum
+    times its activations' scaled sum as llama.cpp's Q8_1 stores it, d * sum(q) rounded to fp16 itself."""
+    if t.name not in ("Q4_1", "Q5_1"):
+        return 0.0
+    acts = quant.quantize_activations(torch.from_numpy(x), t.qtype).numpy().reshape(len(x), -1, 40)
+    d, stored = (acts[:, :, at:at + 4].copy().view(np.float32)[..., 0].astype(np.float64) for at in (0, 4))
+    exact = d * acts[:, :, 8:].view(np.int8).sum(-1)
+    size = KERNEL_TYPES[t.name][2]
+    minimums = t.blocks.numpy().reshape(t.rows, -1, size)[:, :, 2:4].copy().view(np.float16)[..., 0]
+    return (stored - exact) @ minimums.astype(np.float64).T
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -70,7 +84,7 @@ def test_gemm_equals_float64_on_the_kernels_activations(name, interleaved, path,
     block = t.act_block
     xq = quantized_rows(x.astype(np.float64), block)
     scale = np.abs(xq) @ np.abs(w).T
-    assert np.abs(got - xq @ w.T).max() <= 2e-6 * scale.max()
+    assert np.abs(got - xq @ w.T - minimum_sums_correction(x, t)).max() <= 2e-6 * scale.max()
     step = (np.abs(x).reshape(m, -1, block).max(-1) / 127 / 2).repeat(block, 1)
     assert (np.abs(got - x.astype(np.float64) @ w.T) <= step @ np.abs(w).T * 1.01 + 2e-6 * scale).all()
 
@@ -130,7 +144,7 @@ def test_scalar_dot_equals_the_avx2_gemm(name):
         pytest.skip("this CPU has no AVX2")
     t = random_blocks(name, 1, 1024, seed=5)
     x = torch.randn(1, 1024)
-    acts = quant.quantize_activations(x, t.act_block)
+    acts = quant.quantize_activations(x, t.qtype)
     out = torch.empty(1)
     quant.KERNEL.load("baseline").flock_qdot_scalar(t.qtype, t.blocks.data_ptr(), acts.data_ptr(), 1024,
                                                     out.data_ptr())
@@ -155,8 +169,8 @@ def test_a_nan_in_a_row_comes_out_nan_in_that_row_only(name, interleaved, path):
 def test_activations_quantize_alike_on_every_path(dtype):
     x = (torch.randn(9, 512) * torch.rand(9, 1) * 4).to(dtype)
     x[2] = 0
-    for block in (32, 256):
-        got = [quant.quantize_activations(x, block, path=p) for p in PATHS]
+    for qtype in (8, 3, 12):  # Q8_0, Q4_1 (its sums in fp16 too), Q4_K
+        got = [quant.quantize_activations(x, qtype, path=p) for p in PATHS]
         assert all(torch.equal(g, got[-1]) for g in got)
 
 

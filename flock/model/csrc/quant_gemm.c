@@ -108,6 +108,16 @@ static inline float f16_to_f32(f16 h) {
 #endif
 }
 
+// v rounded to the nearest fp16 value, back as a float: how llama.cpp stores an activation 32-block's scale (Q8_0)
+// and its scaled sum (Q8_1)
+static inline float round_f16(float v) {
+#ifdef __AVX2__
+    return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    return (float)(_Float16)v;
+#endif
+}
+
 static inline float bf16_to_f32(bf16 h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -436,15 +446,20 @@ static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t
 }
 #endif
 
-static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int64_t k, int blocks, void *out) {
+// Row r as the activation blocks weight type `type` meets, as llama.cpp makes them: 32-blocks as its Q8_0 (the
+// scale d in fp16) or, for the types with a minimum, Q8_1 (the scaled sum s = d * sum in fp16 as well, from the
+// unrounded d); 256-blocks as its Q8_K (a float scale, the integer sums of each 16).
+static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int64_t k, int type, void *out) {
+    const int blocks = block_size(type);
     const int64_t nb = k / blocks;
     for (int64_t b = 0; b < nb; b++) {
             if (blocks == 32) {
                 act32 *a = (act32 *)out + r * nb + b;
-                a->d = quantize_span(x, r * ldx + b * 32, 32, is_bf16, a->q);
+                const float d = quantize_span(x, r * ldx + b * 32, 32, is_bf16, a->q);
                 int sum = 0;
                 for (int i = 0; i < 32; i++) sum += a->q[i];
-                a->s = a->d * (float)sum;
+                a->d = round_f16(d);
+                a->s = has_min(type) ? round_f16(d * (float)sum) : a->d * (float)sum;  // the latter exact
             } else {
                 act256 *a = (act256 *)out + r * nb + b;
                 a->d = quantize_span(x, r * ldx + b * 256, 256, is_bf16, a->q);
@@ -458,11 +473,11 @@ static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int
         }
 }
 
-// m rows of x (k floats each, ldx apart; bf16 with is_bf16) as act32 (blocks 32) or act256 (blocks 256) rows.
-void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m, int64_t k, int32_t blocks,
+// m rows of x (k floats each, ldx apart; bf16 with is_bf16) as the act32 or act256 rows weight type `type` meets.
+void flock_quantize_rows(const void *x, int64_t ldx, int32_t is_bf16, int64_t m, int64_t k, int32_t type,
                          void *out, int32_t threads) {
 #pragma omp parallel for num_threads(threads) if(threads > 1 && m * k >= 65536)
-    for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, is_bf16, r, k, blocks, out);
+    for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, is_bf16, r, k, type, out);
 }
 
 // ---- dot products of one weight row with R activation rows ----------------------------------------------------
@@ -894,13 +909,15 @@ static void dot_scalar(int R, int type, const uint8_t *w, int lane, const void *
         for (int r = 0; r < R; r++) {
             const int8_t *q = bs == 32 ? ((const act32 *)x[r])[b].q : ((const act256 *)x[r])[b].q;
             const float da = bs == 32 ? ((const act32 *)x[r])[b].d : ((const act256 *)x[r])[b].d;
-            float sum = 0.0f;
+            float sum = 0.0f, offset = 0.0f;
             for (int t = 0; t < bs / 16; t++) {
                 int32_t dot = 0, qsum = 0;
                 for (int i = 16 * t; i < 16 * t + 16; i++) dot += u[i] * q[i], qsum += q[i];
-                sum += s[t] * (float)dot + o[t] * (float)qsum;
+                sum += s[t] * (float)dot;
+                offset += o[t] * (float)qsum;
             }
-            acc[r] += (double)(da * sum);
+            // a 32-block's offset times its activations' stored scaled sum, as the vector kernels take it
+            acc[r] += bs == 32 ? (double)(da * sum + o[0] * ((const act32 *)x[r])[b].s) : (double)(da * (sum + offset));
         }
     }
     for (int r = 0; r < R; r++) out[r] = (float)acc[r];
@@ -1055,12 +1072,12 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
     // the first thread until the others have woken up
     const int few = m * k < 65536;
     if (few)
-        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
+        for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, type, xq);
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
         if (!few) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, bs, xq);
+            for (int64_t r = 0; r < m; r++) quantize_row(x, ldx, x_bf16, r, k, type, xq);
         }
         int tiled = 0;
 #ifdef AMX_TILES
