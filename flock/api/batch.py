@@ -241,7 +241,8 @@ class BatchJob:
         gen = line.request
         request_id = new_id(gen.kind)
         choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,
-                               self.token_text) for i, (text, r) in enumerate(zip(line.texts, line.finished))]
+                               self.token_text, r.stop_text)
+                   for i, (text, r) in enumerate(zip(line.texts, line.finished))]
         body = response_body(gen.kind, request_id, self.engine.config.model, choices,
                              choices_usage(line.finished, gen.n))
         if line.custom_id in self.answers:

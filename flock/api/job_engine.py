@@ -28,6 +28,7 @@ class FinishedRequest(Protocol):
     output_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None  # per output token, when the params asked
     prompt_logprobs: list[TokenLogprobs | None] | None  # per prompt token, when the params asked
+    stop_text: int | str | None  # the stop token or string that ended it (vLLM's stop_reason)
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int

@@ -382,11 +382,12 @@ class Choice(NamedTuple):
     finish_reason: str | None
     logprobs: dict | None = None
     prompt_logprobs: list | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
 
 def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: str | None, output_ids: list[int],
                 logprobs: list[TokenLogprobs] | None, prompt_entries: list[TokenLogprobs | None] | None,
-                token_text: TokenText) -> Choice:
+                token_text: TokenText, stop_reason: int | str | None = None) -> Choice:
     """Choice `index` of a finished request (prompt index // n), echoed and with logprobs as the body asked."""
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
@@ -403,7 +404,7 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
         shaped = completion_logprobs(token_text, ids, entries)
     prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
         if gen.prompt_logprobs and prompt_entries is not None else None
-    return Choice(text, finish_reason, shaped, prompt)
+    return Choice(text, finish_reason, shaped, prompt, stop_reason)
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
@@ -412,13 +413,14 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
     created = created or int(time.time())
     choices = [Choice(*c) for c in choices]
     if kind == "completion":
-        out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
                | ({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {})
                for i, c in enumerate(choices)]
         obj = "text_completion"
     else:
         out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)]
         obj = "chat.completion"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
     if kind == "chat" and choices and choices[0].prompt_logprobs is not None:
@@ -427,16 +429,19 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
 
 
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
-               first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
+               first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
+               stop_reason: int | str | None = None) -> dict:
     """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked). With `usage_` it is the
     final usage-only chunk (empty choices), as OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
-        choices = [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        choices = [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-        choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason}]
+        choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}]
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None:

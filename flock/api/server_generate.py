@@ -61,9 +61,9 @@ class Reply:
     created: int
 
     def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False,
-              logprobs: dict | None = None) -> str:
+              logprobs: dict | None = None, stop_reason: int | str | None = None) -> str:
         return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
-                               index=index, logprobs=logprobs))
+                               index=index, logprobs=logprobs, stop_reason=stop_reason))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
@@ -151,7 +151,7 @@ async def _whole(reply: Reply, gen: GenerationRequest, streams: list[RequestStre
         watcher.cancel()
         _close(streams, ctx.metrics)
     choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
-                           p.prompt_logprobs, ctx.token_text) for i, p in enumerate(parts)]
+                           p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
     usage_ = choices_usage([p.last for p in parts], gen.n)
     return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
 
@@ -184,7 +184,8 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     logprobs = completion_logprobs(ctx.token_text, ids, entries, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 if text or ids or out.finished or (first[i] and reply.kind == "chat"):
-                    yield reply.chunk(i, text, out.finish_reason, first=first[i], logprobs=logprobs)
+                    yield reply.chunk(i, text, out.finish_reason, first=first[i], logprobs=logprobs,
+                                      stop_reason=out.stop_reason)
                     first[i] = False
             else:
                 if gen.include_usage:

@@ -46,6 +46,7 @@ class Finished:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_text: int | str | None = None
 
 
 @dataclass
@@ -107,5 +108,5 @@ class EngineWorker:
             for req in step.finished:
                 finished.append(Finished(self.keys.pop(req.request_id), engine.decode(req), req.output_token_ids,
                                          req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
-                                         req.num_cached_tokens, req.logprobs, req.prompt_logprobs))
+                                         req.num_cached_tokens, req.logprobs, req.prompt_logprobs, req.stop_text))
         return Progress(finished, engine.stats, len(self.keys))

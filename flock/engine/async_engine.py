@@ -51,6 +51,7 @@ class StreamOutput:
     token_ids: list[int] = field(default_factory=list)  # the output tokens since the previous event
     logprobs: list[TokenLogprobs] | None = None  # theirs, when the params asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first event with tokens, when asked
+    stop_reason: int | str | None = None  # the stop token or string that ended it, in the last event
 
     @property
     def finished(self) -> bool:
@@ -116,6 +117,7 @@ class _Tracked:
         """The event after `sent` output tokens were reported (None: no tokens in it)."""
         r = self.req
         out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
+        out.stop_reason = r.stop_text if finish_reason == "stop" else None
         if sent is not None:
             out.token_ids = r.output_token_ids[sent:]
             out.logprobs = None if r.logprobs is None else r.logprobs[sent:]

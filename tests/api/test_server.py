@@ -115,6 +115,20 @@ def test_bad_request_names_the_parameter(client, kw, param):
     assert e.value.status_code == 400 and e.value.param == param and e.value.message
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_as_vllm(client, stream):
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, **GREEDY)
+    tokens = whole.choices[0].text
+    stop = tokens[len(tokens) // 2:][:2]
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, stop=[stop], stream=stream,
+                                  **GREEDY)
+    last = [c for c in r if c.choices][-1] if stream else r
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].model_extra["stop_reason"] == stop
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           **GREEDY)
+    assert plain.choices[0].finish_reason == "length" and plain.choices[0].model_extra["stop_reason"] is None
+
+
 def test_a_body_nested_too_deeply_is_a_400(server):
     r = httpx.post(f"{server.url}/v1/completions", content="[" * 100_000 + "]" * 100_000, headers=AUTH, timeout=30)
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
@@ -341,6 +355,7 @@ def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
 
 @pytest.mark.parametrize("n,stream", [(1, False), (3, False), (2, True)])
 def test_request_is_aborted_when_its_client_leaves(server, n, stream):
+    wait_idle(server)  # an earlier test's aborts are counted before this one's
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
     body = {"model": MODEL, "prompt": ["a very long answer", "another"][: 1 + stream], "max_tokens": 5000,
             "ignore_eos": True, "n": n, "stream": stream}
