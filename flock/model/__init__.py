@@ -15,7 +15,14 @@ from flock.attention.base import AttentionBackend
 from flock.model import fused_ops, gemm, gguf_table, linear, quant
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
-from flock.model.gguf import GGUFCheckpoint, find_gguf, load_gguf_weights, quantized_layers, read_gguf
+from flock.model.gguf import (
+    GGUFCheckpoint,
+    find_gguf,
+    load_gguf_weights,
+    quantized_layers,
+    read_gguf,
+    split_as_llama_cpp,
+)
 from flock.model.llama import LlamaForCausalLM
 from flock.model.loader import init_dummy, load_safetensors, save_safetensors
 
@@ -75,27 +82,10 @@ def load_gguf_tokenizer(gguf_file: Path):
         # the fast class itself: AutoTokenizer would first read the whole file again for its config
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                             local_files_only=True)
+        split_as_llama_cpp(tokenizer, gguf_file)
         gguf_table.keep_tokenizer(tokenizer, kept)
-    _sentencepiece_as_llama_cpp(tokenizer, gguf_file)
     tokenizer.name_or_path = str(gguf_file)  # loading it again by this name finds the same file
     return tokenizer
-
-
-def _sentencepiece_as_llama_cpp(tokenizer, gguf_file: Path) -> None:
-    """A SentencePiece vocabulary splits text as llama.cpp (and Llama 2's and Mistral's own tokenizer.json) do:
-    every piece of text between special tokens gets the leading "▁" (unless the file says not to) and spaces
-    become "▁". transformers converts it with a Metaspace that prefixes the first piece only and none already
-    starting with a space: " Hello" and "[INST]Hi" after "<s>" came out as other tokens."""
-    from gguf import GGUFReader
-    from tokenizers import normalizers, pre_tokenizers
-
-    backend = tokenizer.backend_tokenizer
-    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace):
-        return
-    prefix = GGUFReader(gguf_file).fields.get("tokenizer.ggml.add_space_prefix")
-    steps = [normalizers.Prepend("▁")] if prefix is None or prefix.contents() else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    backend.pre_tokenizer = None
 
 
 def resolve_model(name: str) -> ResolvedModel:

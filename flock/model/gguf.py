@@ -131,6 +131,30 @@ def end_of_generation_ids(reader) -> list[int]:
     return sorted(set(ids))
 
 
+def split_as_llama_cpp(tokenizer, path: Path) -> None:
+    """Make the tokenizer transformers converted from the file split text as llama.cpp does (the converted one is
+    kept, and this file's code names the kept copy, so a change here converts again).
+    - A SentencePiece vocabulary: every piece of text between special tokens gets the leading "▁" (unless
+      tokenizer.ggml.add_space_prefix says not to) and spaces become "▁", as in Llama 2's and Mistral's own
+      tokenizer.json; transformers' Metaspace prefixed the first piece only and none already starting with a
+      space (" Hello", or "[INST]" after "<s>", came out as other ids).
+    - SmolLM's BPE ("smollm"): every numeric character alone, as its own tokenizer.json (Digits before the
+      byte-level split; " ½" was one piece)."""
+    from gguf import GGUFReader
+    from tokenizers import normalizers, pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    spm = isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)
+    reader = GGUFReader(path)
+    if spm:
+        steps = [normalizers.Prepend("▁")] if _field(reader, "tokenizer.ggml.add_space_prefix", True) else []
+        backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = None
+    elif _field(reader, "tokenizer.ggml.pre") == "smollm":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         backend.pre_tokenizer])
+
+
 def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str) -> None:
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     if kind not in ROPE_SCALING_TYPES:

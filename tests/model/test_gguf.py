@@ -328,6 +328,12 @@ def test_smollm2_chat_ids_equal_transformers(smollm2_reference):
 
 
 @needs_smollm2
+def test_smollm2_splits_every_numeral_as_llama_cpp():
+    tok = load_tokenizer(SMOLLM2)  # ids from llama-server on the same file: "½" alone, not " ½"
+    assert tok.encode("4 ½ months", add_special_tokens=False) == [36, 216, 16738, 2704]
+
+
+@needs_smollm2
 @pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather"])
 def test_smollm2_greedy_equals_transformers(smollm2_reference, scheduler):
     prompts, expected = smollm2_reference
