@@ -19,7 +19,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
-               metadata: dict[str, str | int | float] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+               metadata: dict[str, str | int | float] | None = None, rope_freqs: np.ndarray | None = None,
+               pre: str = "default") -> Path:
     """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
     `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
     llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
@@ -37,7 +38,7 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    _add_tokenizer(writer, folder)
+    _add_tokenizer(writer, folder, pre)
     for key, value in (metadata or {}).items():
         add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else \
             writer.add_float32
@@ -118,14 +119,14 @@ def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0
     return blocks.reshape(rows, -1)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
-    """The built-in byte-level BPE tokenizer as llama.cpp stores a "gpt2" vocabulary."""
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:
+    """The built-in byte-level BPE tokenizer as llama.cpp stores a "gpt2" vocabulary (`pre`: its pre-tokenizer)."""
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])

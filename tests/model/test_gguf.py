@@ -327,6 +327,12 @@ def test_smollm2_chat_ids_equal_transformers(smollm2_reference):
     assert resolve_model("flock/smollm2").config.eos_token_id == [0, tok.eos_token_id]  # as llama.cpp stops
 
 
+def test_llama3_vocabulary_takes_whole_words_first(hf_folders, tmp_path):
+    for pre, whole_words in (("llama-bpe", True), ("default", False)):
+        path = write_gguf(hf_folders["llama"], tmp_path / f"{pre}.gguf", pre=pre)
+        assert load_tokenizer(path).backend_tokenizer.model.ignore_merges is whole_words
+
+
 @needs_smollm2
 def test_smollm2_splits_every_numeral_as_llama_cpp():
     tok = load_tokenizer(SMOLLM2)  # ids from llama-server on the same file: "½" alone, not " ½"
