@@ -67,9 +67,9 @@ def parse_line(raw: bytes | str, number: int) -> BatchLine:
     custom_id = item.get("custom_id", f"line-{number}")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError(number, f"custom_id must be a non-empty string, got {custom_id!r}", param="custom_id")
-    bad = lone_surrogate(item)
+    bad = lone_surrogate(custom_id)  # the body's are parse_request's to report; this id could not be written back
     if bad:
-        raise LineError(number, bad, None if lone_surrogate(custom_id) else custom_id, code="invalid_json")
+        raise LineError(number, f"custom_id {bad}", code="invalid_json", param="custom_id")
     if item.keys() & (BATCH_FIELDS - {"custom_id"}):
         return _batch_line(item, number, custom_id)
     return _plain_line(item, number, custom_id)
