@@ -27,7 +27,7 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence, and never rep
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY,
-                       "--num-kv-blocks", "1024", "--max-model-len", "512", env=ONE_THREAD) as s:
+                       "--num-kv-blocks", "1024", "--max-model-len", "2048", env=ONE_THREAD) as s:
         yield s
 
 
@@ -107,7 +107,7 @@ def test_stream_chat_equals_whole(client):
 
 @pytest.mark.parametrize("kw,param", [({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 2}, "best_of"),
                                       ({"prompt": ["x", [5]]}, "prompt"), ({"prompt": []}, "prompt"), ({"temperature": -1}, "temperature"),
-                                      ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5] * 600}, "prompt"),
+                                      ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5] * 2100}, "prompt"),
                                       ({"extra_body": {"bogus": 1}}, "bogus")])
 def test_bad_request_names_the_parameter(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
