@@ -33,6 +33,7 @@ class Request:
         self.generator = None  # torch.Generator of a seeded request
         self.prefix_only = prefix_only  # a scheduler's pseudo-request for a shared prefix: computes KV, never samples
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
+        self.detokenizer = None  # the engine's IncrementalText of its output, for stop strings and streams
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None  # per output token
         # per prompt token (the first has none); filled as the prompt is computed
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (

@@ -279,7 +279,7 @@ class AsyncEngine:
             if req.num_output_tokens == t.num_sent and not req.is_finished:
                 continue
             sent, t.num_sent = t.num_sent, req.num_output_tokens
-            text = t.text.delta(self._engine.decode(req), req.is_finished)
+            text = t.text.delta(self._engine.running_text(req), req.is_finished)
             outputs.append((t.stream, t.output(text, req.finish_reason, sent=sent)))
             if req.is_finished:
                 del self._tracked[key]

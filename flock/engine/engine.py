@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from flock.config import EngineConfig
+from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
 from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
@@ -44,6 +45,7 @@ class LLMEngine:
         self.model_config = resolved.config
         max_len = config.max_model_len or resolved.config.max_position_embeddings
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
+        self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -152,9 +154,11 @@ class LLMEngine:
         return req.finish_reason is not None
 
     def _find_stop_string(self, req: Request) -> bool:
-        text = self.decode(req)
+        searched = len(req.detokenizer.text) if req.detokenizer is not None else 0
+        text = self.running_text(req)
         for s in req.params.stop:
-            if text.find(s, self._stop_search_start(req, s)) >= 0:
+            # in the new text and the end of the text before it (one character more: a clean-up may drop a space)
+            if text.find(s, max(self._stop_search_start(req, s), searched - len(s))) >= 0:
                 req.stop_text = s
                 return True
         return False
@@ -167,6 +171,15 @@ class LLMEngine:
             return 0
         held = self.tokenizer.decode(req.output_token_ids[:n], skip_special_tokens=req.params.skip_special_tokens)
         return max(0, len(held) - len(stop) + 1)
+
+    def running_text(self, req: Request) -> str:
+        """The output text so far: of a running request, the text of its settled tokens, decoded incrementally
+        (at a cost per token that does not grow with the output); of a finished one, `decode`."""
+        if req.is_finished:
+            return self.decode(req)
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalText(self.tokenizer, req.params.skip_special_tokens, self._cleans_up_spaces)
+        return req.detokenizer.update(req.output_token_ids)
 
     def decode(self, req: Request) -> str:
         """Output text, as vLLM gives it: without the stop string or the EOS / stop token that ended the request

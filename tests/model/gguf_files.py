@@ -136,6 +136,24 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
+def write_spm_gguf(path: Path) -> Path:
+    """A GGUF file with only a small SentencePiece ("llama") vocabulary: pieces, their letters, byte fallback."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    pieces = ["▁the", "▁cat", "▁sat", "▁on", "▁a", "at", "th", "he", "▁t", "▁c", "▁s", "on"]
+    letters = sorted({ch for p in pieces for ch in p} - set(pieces))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces, *letters]
+    T = gguf.TokenType
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL, *[T.BYTE] * 256, *[T.NORMAL] * (len(tokens) - 259)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    return path
+
+
 def write_metadata_only(path: Path, arch: str) -> Path:
     """A valid GGUF with no tensors, for errors raised while reading the config."""
     writer = gguf.GGUFWriter(str(path), arch)

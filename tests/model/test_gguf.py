@@ -16,7 +16,7 @@ from flock.model.gguf import read_gguf
 from flock.model.builtin import WHEEL_MODELS
 from flock.tokenizer import load_tokenizer
 from tests.engine.test_parity import MAX_NEW, flock_greedy, hf_greedy, shared_prefix_prompts
-from tests.model.gguf_files import Q, write_gguf, write_metadata_only
+from tests.model.gguf_files import Q, write_gguf, write_metadata_only, write_spm_gguf
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the cache?"},
         {"role": "assistant", "content": "In blocks."}, {"role": "user", "content": "And  the\n prefix? 12345"}]
@@ -123,22 +123,9 @@ def test_tokenizer_and_chat_template_equal_transformers(hf_folders, tmp_path):
 
 
 def test_sentencepiece_vocabulary(tmp_path):
-    import gguf
     from transformers import AutoTokenizer
 
-    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
-    pieces = ["▁the", "▁cat", "▁sat", "▁on", "▁a", "at", "th", "he", "▁t", "▁c", "▁s", "on"]
-    letters = sorted({ch for p in pieces for ch in p} - set(pieces))
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces, *letters]
-    T = gguf.TokenType
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
-    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL, *[T.BYTE] * 256, *[T.NORMAL] * (len(tokens) - 259)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
-        step()
+    write_spm_gguf(tmp_path / "spm.gguf")
     tok, ref = load_tokenizer(tmp_path / "spm.gguf"), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in ["the cat sat on a mat", "the  dog!\nüx"]:
         assert tok.encode(text) == ref.encode(text)
