@@ -3,13 +3,15 @@ from dataclasses import dataclass, field, replace
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a grammar, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema
     (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression, a choice of
-    strings, or an EBNF grammar (xgrammar's GBNF dialect). JSON has no free whitespace between tokens unless
+    strings, an EBNF grammar (xgrammar's GBNF dialect), or an xgrammar structural tag (its JSON text: formats such
+    as tags around JSON, which tool calls use). JSON has no free whitespace between tokens unless
     `disable_any_whitespace` is False (None: the engine's default, see `--structured-outputs-any-whitespace`),
     so a small model cannot loop on whitespace."""
 
@@ -18,14 +20,14 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool | None = None
 
     @property
     def kind(self) -> str:
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {kinds or 'none'}")
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {kinds or 'none'}")
         return kinds[0]
 
     def validate(self) -> None:
@@ -33,7 +35,7 @@ class StructuredOutputsParams:
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, (dict, str)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object or its text, got {value!r}")
-        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+        if kind in ("regex", "grammar", "structural_tag") and (not isinstance(value, str) or not value):
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
         if kind == "choice" and (not isinstance(value, list) or not value
                                  or not all(isinstance(c, str) and c for c in value)):

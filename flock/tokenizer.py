@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -29,9 +30,10 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
                 chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template (the ChatML fallback when it has none): ready
     for the assistant's answer, or, with continue_final_message, continuing the last message (as vLLM's).
-    `tools` and `chat_template_kwargs` go to the template."""
+    `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as objects."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    messages = [assistant_tool_calls(m) for m in messages]
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(kwargs.keys() & {"conversation", "messages", "chat_template", "tokenize", "tools",
@@ -45,3 +47,23 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def assistant_tool_calls(message: dict) -> dict:
+    """An assistant message with `tool_calls` as chat templates expect it (as vLLM passes it): each call's
+    arguments as an object, not JSON text (not an object: {})."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            try:
+                args = json.loads(f["arguments"])
+            except ValueError:
+                args = {}
+            call = call | {"function": f | {"arguments": args if isinstance(args, dict) else {}}}
+        out.append(call)
+    return message | {"tool_calls": out}
+

@@ -48,6 +48,7 @@ class JobConfig:
     sampling: dict = field(default_factory=dict)  # temperature, top_p, ... for lines that set none
     engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
     strict: bool = False  # a failed line makes the exit status 1
+    tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: chat lines cannot call tools
 
     @property
     def output_path(self) -> Path:
@@ -180,7 +181,8 @@ class BatchJob:
         if default_max is None and line.kind == "completion":
             default_max = COMPLETION_MAX_TOKENS
         try:
-            parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max)
+            parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max,
+                                   self.cfg.tool_parser)
             if parsed.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
             for ids in parsed.prompts:

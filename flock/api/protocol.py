@@ -13,22 +13,24 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.sample.logprobs import TokenLogprobs
-from flock.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 # OpenAI fields that do not change what is generated: accepted and not used
-_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "stream_options", "logprobs",
                                                        "prompt_logprobs", "response_format", "structured_outputs",
                                                        "echo"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                "continue_final_message", "chat_template_kwargs", "tools", "tool_choice"}
-STRUCTURED_FIELDS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+                                "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
+                                "parallel_tool_calls"}
+STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
 
@@ -63,6 +65,7 @@ class GenerationRequest:
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone (one token generated, unsent)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was set: the response carries them
     structured_param: str | None = None  # the field that asked for structured outputs
+    tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -82,10 +85,11 @@ class GenerationRequest:
         return [(ids, p) for ids in self.prompts for p in self.params.samples()]
 
 
-def parse_request(kind: str, body, tokenizer,
-                  default_max_tokens: int | None = COMPLETION_MAX_TOKENS) -> GenerationRequest:
+def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = COMPLETION_MAX_TOKENS,
+                  tool_parser: str | None = None) -> GenerationRequest:
     """Check and convert a /v1/completions (kind="completion") or /v1/chat/completions (kind="chat") body.
-    Raises APIError naming the bad parameter. `default_max_tokens` applies when the body sets none."""
+    Raises APIError naming the bad parameter. `default_max_tokens` applies when the body sets none; a chat's tool
+    calls are parsed with `tool_parser` (`flock.api.tools.TOOL_PARSERS`; None: tool_choice must be 'none')."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
@@ -100,10 +104,11 @@ def parse_request(kind: str, body, tokenizer,
     echo_only = echo and kind == "completion" and body.get("max_tokens") == 0
     if echo_only:  # as vLLM: one token is generated and not returned
         body = body | {"max_tokens": 1}
+    tools = None
     if kind == "completion":
         texts, prompts = _completion_prompts(body, tokenizer)
     else:
-        texts, prompts = _chat_prompt(body, tokenizer)
+        texts, prompts, tools = _chat_prompt(body, tokenizer, tool_parser)
     n = _typed(body, "n", int, 1)
     if n < 1:
         raise APIError(f"n must be at least 1, got {n}", param="n")
@@ -120,11 +125,31 @@ def parse_request(kind: str, body, tokenizer,
     if echo and kind == "completion" and params.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     params.structured_outputs, structured_param = _structured_outputs(body)
+    if tools is not None:
+        structured_param = _tool_constraint(tools, params, body) or structured_param
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
                              stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
-                             structured_param=structured_param)
+                             structured_param=structured_param, tools=tools)
+
+
+def _tool_constraint(tools: ToolCalling, params: SamplingParams, body: dict) -> str | None:
+    """Constrain a forced tool call (required or named) to its format; the field that asked for it, if any.
+    Hermes' tags may be special tokens: they stay in the text unless the body says otherwise (as vLLM)."""
+    if tools.parser == "hermes" and body.get("skip_special_tokens") is None:
+        params.skip_special_tokens = False
+    try:
+        spec = tools.constraint()
+    except ToolError as e:
+        raise APIError(str(e), param=e.param) from None
+    if spec is None:
+        return None
+    if params.structured_outputs is not None:
+        raise APIError("a forced tool call (tool_choice 'required' or a named function) and response_format / "
+                       "structured_outputs cannot both constrain the answer", param="tool_choice")
+    params.structured_outputs = spec
+    return "tools"
 
 
 def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
@@ -134,8 +159,8 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
     message = str(e)
     first = message.split(" ", 1)[0]
     if first.startswith("structured_outputs"):
-        if gen.structured_param == "response_format":
-            message = "response_format: " + message.split(" ", 1)[1]
+        if gen.structured_param != "structured_outputs":
+            message = f"{gen.structured_param}: " + message.split(" ", 1)[1]
         return APIError(message, param=gen.structured_param)
     param = first if first in _SAMPLING_FIELDS else "prompt" if gen.kind == "completion" else "messages"
     return APIError(message, param=param)
@@ -176,6 +201,8 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str
         if not isinstance(extra, dict) or not extra.keys() <= STRUCTURED_FIELDS:
             raise APIError(f"structured_outputs must be an object with some of {sorted(STRUCTURED_FIELDS)}",
                            param="structured_outputs")
+        if isinstance(extra.get("structural_tag"), dict):
+            extra = extra | {"structural_tag": json.dumps(extra["structural_tag"])}
         spec = StructuredOutputsParams(**extra)
         return _checked(spec, "structured_outputs"), "structured_outputs"
     if fmt is None:
@@ -185,8 +212,11 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str
         return None, None
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True), "response_format"
+    if kind == "structural_tag":  # xgrammar's (and vLLM's) {"type": "structural_tag", "format": {...}}
+        return StructuredOutputsParams(structural_tag=json.dumps(fmt)), "response_format"
     if kind != "json_schema":
-        raise APIError("response_format.type must be text, json_object or json_schema", param="response_format")
+        raise APIError("response_format.type must be text, json_object, json_schema or structural_tag",
+                       param="response_format")
     schema = fmt.get("json_schema")
     if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), (dict, str)):
         raise APIError("response_format.json_schema must be an object with a 'schema' object",
@@ -268,32 +298,22 @@ def lone_surrogate(value) -> str | None:
     return None
 
 
-def _chat_prompt(body: dict, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """The chat's echo text and token ids, with vLLM's template options. The echo is the last message's content
-    when the answer continues it (continue_final_message, or an assistant message last), else empty."""
+def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
+                 ) -> tuple[list[str], list[list[int]], ToolCalling | None]:
+    """The chat's echo text and token ids, with vLLM's template options, and how it may call tools. The echo is
+    the last message's content when the answer continues it (continue_final_message, or an assistant message
+    last), else empty."""
     messages = _messages(body)
+    try:
+        tools, calling = parse_tools(body, tool_parser)
+    except ToolError as e:
+        raise APIError(str(e), param=e.param) from None
     add = _typed(body, "add_generation_prompt", bool, True)
     ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
                           continue_final_message=_typed(body, "continue_final_message", bool, False),
-                          tools=_tools(body), chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None))
+                          tools=tools, chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None))
     last = messages[-1]
-    return [last["content"] if not add or last["role"] == "assistant" else ""], [ids]
-
-
-def _tools(body: dict) -> list[dict] | None:
-    """Tools for the chat template to show. Flock does not parse tool calls, so the answer must be plain text:
-    tool_choice 'none' (vLLM without a tool-call parser rejects 'auto' and 'required' the same way)."""
-    tools, choice = _typed(body, "tools", list, None), body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none"):
-            raise APIError("tool_choice needs tools", param="tool_choice")
-        return None
-    if not all(isinstance(t, dict) for t in tools):
-        raise APIError("tools must be a list of objects", param="tools")
-    if choice != "none":
-        raise APIError(f"tool calls are not supported: with tools, tool_choice must be 'none' (the tools are shown "
-                       f"to the chat template, the answer is text), got {choice!r}", param="tool_choice")
-    return tools
+    return [last["content"] if not add or last["role"] == "assistant" else ""], [ids], calling
 
 
 def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: int = 1) -> SamplingParams:
@@ -383,18 +403,26 @@ class Choice(NamedTuple):
     logprobs: dict | None = None
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
+    tool_calls: list[dict] | None = None  # a chat answer's calls, parsed out of its text (then None or the rest)
 
 
 def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: str | None, output_ids: list[int],
                 logprobs: list[TokenLogprobs] | None, prompt_entries: list[TokenLogprobs | None] | None,
                 token_text: TokenText, stop_reason: int | str | None = None) -> Choice:
-    """Choice `index` of a finished request (prompt index // n), echoed and with logprobs as the body asked."""
+    """Choice `index` of a finished request (prompt index // n), echoed, with logprobs and its tool calls as the
+    body asked."""
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None
+    tool_calls = None
+    if gen.tools is not None:
+        text, tool_calls = gen.tools.extract(text)
+        finish_reason = gen.tools.finish_reason(tool_calls, finish_reason)
+        if gen.tools.choice != "auto":  # a forced call's content is "", not null (as vLLM's)
+            text = text or ""
     if gen.echo:
         prompt_text = gen.texts[index // gen.n]
-        text = (prompt_text if prompt_text is not None else token_text.tokenizer.decode(prompt_ids)) + text
+        text = (prompt_text if prompt_text is not None else token_text.tokenizer.decode(prompt_ids)) + (text or "")
     shaped = None
     if logprobs is not None and gen.kind == "chat":
         shaped = chat_logprobs(token_text, logprobs)
@@ -404,7 +432,7 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
         shaped = completion_logprobs(token_text, ids, entries)
     prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
         if gen.prompt_logprobs and prompt_entries is not None else None
-    return Choice(text, finish_reason, shaped, prompt, stop_reason)
+    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None)
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
@@ -419,8 +447,10 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
                for i, c in enumerate(choices)]
         obj = "text_completion"
     else:
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)]
+        out = [{"index": i, "message": {"role": "assistant", "content": c.text}
+                | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
+                "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+               for i, c in enumerate(choices)]
         obj = "chat.completion"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
     if kind == "chat" and choices and choices[0].prompt_logprobs is not None:
@@ -430,9 +460,9 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
 
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
                first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
-               stop_reason: int | str | None = None) -> dict:
-    """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked). With `usage_` it is the
-    final usage-only chunk (empty choices), as OpenAI sends it."""
+               stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked; a chat's with whole
+    tool calls). With `usage_` it is the final usage-only chunk (empty choices), as OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
@@ -440,6 +470,8 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
                     "stop_reason": stop_reason}]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+        if tool_calls:
+            d["tool_calls"] = [{"index": k} | call for k, call in enumerate(tool_calls)]
         choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}]
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"

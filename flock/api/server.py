@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from flock.api.tools import add_tool_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("flock")
@@ -33,6 +34,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
+    add_tool_arguments(p)
     add_engine_args(p, scheduler="feather")
     p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
     p.add_argument("--shutdown-timeout", type=int, default=30,
@@ -52,13 +54,14 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        parser = tool_parser(args)
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting).start()
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key)
+        ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key, parser)
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         server = uvicorn.Server(uvicorn.Config(

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
+from flock.api.tools import ToolCallStream
 from flock.api.protocol import (
     APIError,
     GenerationRequest,
@@ -47,6 +48,7 @@ class ServerContext:
     metrics: Metrics
     model_names: list[str]  # the first one is reported in responses
     api_key: str | None = None
+    tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
     token_text: TokenText = field(init=False)
 
     def __post_init__(self):
@@ -61,14 +63,15 @@ class Reply:
     created: int
 
     def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False,
-              logprobs: dict | None = None, stop_reason: int | str | None = None) -> str:
+              logprobs: dict | None = None, stop_reason: int | str | None = None,
+              tool_calls: list[dict] | None = None) -> str:
         return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
-                               index=index, logprobs=logprobs, stop_reason=stop_reason))
+                               index=index, logprobs=logprobs, stop_reason=stop_reason, tool_calls=tool_calls))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
     gen = parse_request(kind, await _json_body(raw), ctx.engine.tokenizer,
-                        default_max_tokens=16 if kind == "completion" else None)
+                        default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
     spec = gen.params.structured_outputs
@@ -160,6 +163,7 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                   ctx: ServerContext) -> AsyncIterator[str]:
     first = [True] * len(streams)
     offsets = [0] * len(streams)  # completions' text_offset of each choice's next token
+    calls = [ToolCallStream(gen.tools) if gen.tools is not None else None for _ in streams]
     last: list[StreamOutput | None] = [None] * len(streams)
     try:
         async with aclosing(_merged(streams, ctx.metrics)) as outs:
@@ -169,6 +173,12 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     break
                 last[i] = out
                 text, ids, entries = out.text, out.token_ids, out.logprobs
+                finish_reason, tool_calls = out.finish_reason, None
+                if calls[i] is not None:
+                    text = calls[i].content(text)
+                    if out.finished:
+                        rest, tool_calls = calls[i].finish()
+                        text, finish_reason = text + rest, gen.tools.finish_reason(tool_calls, finish_reason)
                 if gen.echo_only:
                     text, ids, entries = "", [], [] if entries is not None else None
                 if first[i] and gen.echo:
@@ -183,8 +193,11 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                 elif entries is not None:
                     logprobs = completion_logprobs(ctx.token_text, ids, entries, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                if tool_calls:  # whole, in their own chunk before the finish
+                    yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls)
+                    text, logprobs, first[i] = "", None, False
                 if text or ids or out.finished or (first[i] and reply.kind == "chat"):
-                    yield reply.chunk(i, text, out.finish_reason, first=first[i], logprobs=logprobs,
+                    yield reply.chunk(i, text, finish_reason, first=first[i], logprobs=logprobs,
                                       stop_reason=out.stop_reason)
                     first[i] = False
             else:

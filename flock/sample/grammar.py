@@ -87,6 +87,8 @@ class GrammarCompiler:
             return c.compile_regex(spec.regex)
         if spec.kind == "choice":
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
+        if spec.kind == "structural_tag":
+            return c.compile_structural_tag(spec.structural_tag)
         return c.compile_grammar(spec.grammar)
 
     def _xgr_compiler(self):

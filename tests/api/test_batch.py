@@ -231,3 +231,24 @@ def test_structured_and_logprob_lines(engine, tmp_path):
     (error,) = records(tmp_path / "out.errors.jsonl")
     assert error["custom_id"] == "bad-schema" and error["error"]["param"] == "response_format"
     assert "rejected by the grammar engine" in error["error"]["message"]
+
+
+def test_tool_call_lines(engine, tmp_path):
+    """With a tool-call parser a named function's call comes back in tool_calls, following its schema; without
+    one the line is an error record naming tool_choice (tool_choice 'none' still works)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    chat = lambda choice: {"messages": [{"role": "user", "content": "Call f."}], "tools": [tool],  # noqa: E731
+                           "tool_choice": choice, "max_tokens": 40, "temperature": 0}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(batch("named", chat({"type": "function", "function": {"name": "f"}}), "/v1/chat/completions")
+                   + "\n" + batch("none", chat("none"), "/v1/chat/completions") + "\n")
+    assert run(engine, tmp_path, inp, tool_parser="llama3_json") == 0
+    out = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records(tmp_path / "out.jsonl")}
+    (call,) = out["named"]["message"]["tool_calls"]
+    assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["ok"], bool)
+    assert out["named"]["message"]["content"] == "" and out["named"]["finish_reason"] == "stop"
+    assert "tool_calls" not in out["none"]["message"]
+    assert run(engine, tmp_path, inp, overwrite=True) == 0
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert (error["custom_id"], error["error"]["param"]) == ("named", "tool_choice")

@@ -63,7 +63,7 @@ def test_vllm_fields(tok):
     OpenAI's fields that change nothing generated."""
     user = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     r = parse_request("chat", {"messages": user, "min_p": 0.1, "include_stop_str_in_output": True, "user": "u",
-                               "metadata": {"k": "v"}, "store": False, "tools": [], "tool_choice": "none"}, tok)
+                               "metadata": {"k": "v"}, "store": False, "tool_choice": "none"}, tok)
     assert r.params.min_p == 0.1 and r.params.include_stop_str_in_output
     assert r.prompt_token_ids == encode_messages(tok, [{"role": "user", "content": "a\nb"}])  # parts as vLLM joins
     partial = user + [{"role": "assistant", "content": "The answer is", "name": "bot"}]
@@ -125,11 +125,13 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("completion", {"prompt": "a", "seed": 2**63 - 1, "n": 2}, "seed"),
     ("completion", {"prompt": "a", "min_p": 1.5}, "min_p"),
     ("completion", {"prompt": "a \ud800"}, None),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tool_choice"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f"}}]}, "tool_choice"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f"}}],
               "tool_choice": "required"}, "tool_choice"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": ["f"], "tool_choice": "none"}, "tools"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": ["f"], "tool_choice": "none"}, "tools[0]"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none"}, "tools"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
      "messages"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,

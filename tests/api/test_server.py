@@ -27,7 +27,8 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence, and never rep
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY,
-                       "--num-kv-blocks", "1024", "--max-model-len", "2048", env=ONE_THREAD) as s:
+                       "--num-kv-blocks", "1024", "--max-model-len", "2048", "--tool-call-parser", "hermes",
+                       env=ONE_THREAD) as s:
         yield s
 
 
@@ -315,6 +316,35 @@ def test_structured_outputs_over_the_api(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format=bad)
     assert e.value.param == "response_format" and "rejected by the grammar engine" in str(e.value)
+
+
+def test_tool_calls_over_the_api(client):
+    """A forced call (required, a named function) follows its tool's schema and comes back in tool_calls, whole or
+    streamed alike (the openai client reassembles the stream); a structural tag constrains a plain answer."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "celsius": {"type": "boolean"}},
+        "required": ["city", "celsius"]}}}
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather, now],
+              max_tokens=200, temperature=0, parallel_tool_calls=False)  # then a call ends a required answer
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, reason in [(named, "stop"), ("required", "tool_calls")]:
+        whole = client.chat.completions.create(tool_choice=choice, **kw).choices[0]
+        assert whole.finish_reason == reason and whole.message.content == ""
+        call = whole.message.tool_calls[0].function
+        if choice == named:
+            assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+        chunks = list(client.chat.completions.create(tool_choice=choice, stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks]
+        streamed = [t for d in deltas for t in d.tool_calls or []]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == \
+            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == reason and "".join(d.content or "" for d in deltas) == ""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<answer>", "end": "</answer>",
+                                                "content": {"type": "const_string", "value": "yes"}}}
+    r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=40, temperature=0,
+                                  extra_body={"response_format": tag})
+    assert r.choices[0].text == "<answer>yes</answer>"
 
 
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):

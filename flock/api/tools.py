@@ -1,0 +1,199 @@
+"""Tool calls in chat completions, as vLLM's server makes them with `--tool-call-parser`.
+
+A request's `tools` go to the chat template. With a parser, `tool_choice` "auto" lets the model call them,
+"required" and a named function constrain the answer to the model's call format (xgrammar's structural tag for
+it, each call's arguments following its tool's parameter schema), and the calls are parsed out of the answer
+into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM without a parser.
+
+Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
+optional text) and "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from flock.sampling_params import StructuredOutputsParams
+
+# a parser's name -> xgrammar's name of the model format it parses
+TOOL_PARSERS = {"hermes": "qwen_3", "llama3_json": "llama"}
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_HERMES_START = "<tool_call>"
+_LLAMA_TAG = "<|python_tag|>"
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolError(ValueError):
+    """A bad tools / tool_choice field: the message, and the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCalling:
+    """How one chat request may call tools: the parser of its model's format, its tools, and its choice ("auto",
+    "required", or the name of the function it must call)."""
+
+    parser: str
+    tools: list[dict]
+    choice: str
+    named: bool = False
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar a forced call follows (required or named); none for auto."""
+        if self.choice == "auto":
+            return None
+        from xgrammar.builtin_structural_tag import get_model_structural_tag
+
+        from flock.sample.grammar import check_enforced
+
+        tools = [{"type": "function", "function": t["function"] | {
+            "parameters": t["function"].get("parameters") or _EMPTY_PARAMETERS}} for t in self.tools]
+        for i, t in enumerate(tools):
+            try:
+                check_enforced(t["function"]["parameters"], f"tools[{i}].function.parameters")
+            except ValueError as e:
+                raise ToolError(str(e), "tools") from None
+        choice = {"type": "function", "function": {"name": self.choice}} if self.named else self.choice
+        tag = get_model_structural_tag(TOOL_PARSERS[self.parser], tools=tools, tool_choice=choice,
+                                       reasoning="disabled", parallel_tool_calls=self.parallel,
+                                       max_whitespace_cnt=1)
+        return StructuredOutputsParams(structural_tag=tag.model_dump_json())
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
+        not parse, there are none and the whole text is the content."""
+        content, calls = (_hermes if self.parser == "hermes" else _llama3_json)(text)
+        if not calls:
+            return text, []
+        return content, [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+                         for name, args in calls]
+
+    def streamable(self, text: str) -> int:
+        """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
+        if self.choice != "auto":
+            return 0
+        if self.parser == "hermes":
+            at = text.find(_HERMES_START)
+            if at >= 0:
+                return at
+            held = next((k for k in range(len(_HERMES_START) - 1, 0, -1) if text.endswith(_HERMES_START[:k])), 0)
+            return len(text) - held
+        start = text.lstrip()
+        may_call = not start or start.startswith(("{", _LLAMA_TAG)) or _LLAMA_TAG.startswith(start)
+        return 0 if may_call else len(text)
+
+    def finish_reason(self, calls: list[dict], engine_reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the answer called tools, but "stop" for a named function."""
+        return "tool_calls" if calls and not self.named and engine_reason == "stop" else engine_reason
+
+
+def _hermes(text: str) -> tuple[str | None, list[tuple[str, object]]]:
+    if _HERMES_START not in text:
+        return text, []
+    try:
+        calls = [json.loads(closed or open_) for closed, open_ in _HERMES_CALL.findall(text)]
+        calls = [(c["name"], c["arguments"]) for c in calls]
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return text[: text.index(_HERMES_START)] or None, calls
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, object]]]:
+    """Every JSON object in the text is a call ({"name", "parameters" or "arguments"}); the rest is dropped."""
+    decoder, calls, at = json.JSONDecoder(), [], text.find("{")
+    try:
+        while at >= 0:
+            obj, end = decoder.raw_decode(text, at)
+            args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+            calls.append((obj["name"], args))
+            at = text.find("{", end)
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return None, calls
+
+
+def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
+    """The tools to show the chat template, and how the answer may call them (None: it is text), from a chat
+    body's `tools`, `tool_choice` and `parallel_tool_calls`, checked as vLLM checks them."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools", "tool_choice")
+        return None, None
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools must be a non-empty list of {'type': 'function', 'function': {...}}", "tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("parameters") or {}, dict):
+            raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'parameters': "
+                            f"object, ...}}}}", f"tools[{i}]")
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return tools, None
+    named = isinstance(choice, dict)
+    if named:
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ToolError("a named tool_choice is {'type': 'function', 'function': {'name': NAME}}", "tool_choice")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ToolError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        choice = name
+    elif choice not in ("auto", "required"):
+        raise ToolError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                        "tool_choice")
+    if parser is None:
+        raise ToolError(f"tool_choice {body.get('tool_choice', 'auto')!r} needs a tool-call parser (flock serve / "
+                        f"flock run --tool-call-parser {' | '.join(TOOL_PARSERS)}); without one it must be 'none'",
+                        "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError(f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
+    return tools, ToolCalling(parser, tools, choice, named, parallel is not False)
+
+
+class ToolCallStream:
+    """A streamed chat choice that may call tools: its text is sent as content as far as it cannot start a call;
+    at the end the whole text is parsed, and its calls are sent whole."""
+
+    def __init__(self, calling: ToolCalling):
+        self.calling, self.text, self.sent = calling, "", 0
+
+    def content(self, delta: str) -> str:
+        """The content to send now, after the answer grew by `delta`."""
+        self.text += delta
+        end = max(self.sent, self.calling.streamable(self.text))
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The content not sent yet, and the answer's tool calls."""
+        content, calls = self.calling.extract(self.text)
+        if not calls:
+            return self.text[self.sent :], []
+        sent = self.text[: self.sent]
+        return (content[len(sent) :] if content and content.startswith(sent) else ""), calls
+
+
+def add_tool_arguments(p) -> None:
+    """`flock serve` / `flock run` flags, vLLM's names."""
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                   help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
+                        "llama3_json: Llama 3.1 / 3.2): tool_choice auto, required and named functions work")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
+
+
+def tool_parser(args) -> str | None:
+    """The parser the flags ask for; ValueError for --enable-auto-tool-choice alone (as vLLM)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser

@@ -1,0 +1,142 @@
+import json
+
+import pytest
+
+from flock.api.protocol import APIError, make_choice, parse_request, response_body
+from flock.api.tools import ToolCalling, ToolCallStream
+from flock.model import resolve_model
+from flock.tokenizer import assistant_tool_calls, load_tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "celsius": {"type": "boolean"}},
+    "required": ["city", "celsius"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("flock/tiny").folder)
+
+
+def hermes(choice="auto") -> ToolCalling:
+    return ToolCalling("hermes", [WEATHER, NOW], choice)
+
+
+def llama(choice="auto") -> ToolCalling:
+    return ToolCalling("llama3_json", [WEATHER, NOW], choice)
+
+
+def calls(extracted) -> tuple:
+    content, found = extracted
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in found)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
+
+
+def test_hermes_calls_as_vllm_parses_them():
+    """Text before the first <tool_call> is the content; a closed or unterminated call's JSON is one call; if any
+    call does not parse there are none and the whole text is the content."""
+    one = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}\n</tool_call>'
+    assert calls(hermes().extract(one)) == ("Let me look.\n", [("get_weather", {"city": "Paris", "celsius": True})])
+    two = '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>{"name": "now", "arguments": {"é": 1}}'
+    assert calls(hermes().extract(two)) == (None, [("now", {}), ("now", {"é": 1})])
+    assert hermes().extract(two)[1][1]["function"]["arguments"] == '{"é": 1}'  # json.dumps, non-ASCII kept
+    for text in ("It is sunny.", '<tool_call>{"name": "now"}</tool_call>', '<tool_call>{"name": "now", "argu'):
+        assert hermes().extract(text) == (text, [])
+
+
+def test_llama3_json_calls_as_vllm_parses_them():
+    """Every JSON object is a call with "parameters" (or "arguments"); the content is then none."""
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "celsius": false}}; ' \
+           '{"name": "now", "arguments": {}}'
+    assert calls(llama().extract(text)) == (None, [("get_weather", {"city": "Rome", "celsius": False}), ("now", {})])
+    for text in ("No tools needed.", 'Use {braces} {"name": "now", "parameters": {}}', '{"name": "now"}'):
+        assert llama().extract(text) == (text, [])
+
+
+@pytest.mark.parametrize("make, text, streamed_before_end", [
+    (hermes, 'Sure thing. <tool_call>{"name": "now", "arguments": {}}</tool_call>', "Sure thing. "),
+    (hermes, "Plain <tool answer, no call.", "Plain <tool answer, no call."),
+    (llama, '  {"name": "now", "parameters": {}}', ""),
+    (llama, "  Plain {answer}.", "  Plain {answer}."),
+])
+def test_a_stream_sends_content_until_a_call_may_start(make, text, streamed_before_end):
+    """Streamed in 1-3 character deltas: content goes out while it cannot start a call (a partial "<tool_call>" is
+    held back); at the end the rest, or the calls, and together they are the whole answer's."""
+    stream, sent = ToolCallStream(make()), ""
+    for at in range(0, len(text), 2):
+        sent += stream.content(text[at : at + 2])
+        assert text.startswith(sent)
+    assert sent == streamed_before_end
+    rest, found = stream.finish()
+    content, whole = make().extract(text)
+    assert sent + rest == (content or "") and [c["function"] for c in found] == [c["function"] for c in whole]
+
+
+def test_forced_calls_stream_nothing_before_the_end():
+    stream = ToolCallStream(hermes("required"))
+    assert stream.content('<tool_call>{"name": "now", "arguments": {}}</tool_call>') == ""
+    assert calls(stream.finish()) == ("", [("now", {})])
+
+
+def test_tool_fields_checked_as_vllm_checks_them(tok):
+    def param(body, parser="hermes"):
+        with pytest.raises(APIError) as e:
+            parse_request("chat", {"messages": USER} | body, tok, None, parser)
+        return e.value.param
+
+    assert param({"tools": [WEATHER]}, parser=None) == "tool_choice"  # auto by default: needs a parser
+    assert param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}) == \
+        "tool_choice"
+    assert param({"tools": [WEATHER], "tool_choice": "always"}) == "tool_choice"
+    assert param({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}) == \
+        "tool_choice"
+    assert param({"tools": [WEATHER], "parallel_tool_calls": "yes"}) == "parallel_tool_calls"
+    unenforced = {"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "null"}}}}
+    assert param({"tools": [unenforced], "tool_choice": "required"}) == "tools"
+    shown = parse_request("chat", {"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, tok, None, None)
+    assert shown.tools is None and shown.params.structured_outputs is None
+
+
+def test_forced_calls_are_constrained_and_auto_is_not(tok):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parser in [("required", "hermes"), (named, "hermes"), (named, "llama3_json")]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice}, tok, None,
+                            parser)
+        assert gen.params.structured_outputs.kind == "structural_tag" and gen.structured_param == "tools"
+        assert gen.params.skip_special_tokens == (parser != "hermes")  # hermes' tags may be special tokens
+    auto = parse_request("chat", {"messages": USER, "tools": [WEATHER], "parallel_tool_calls": False}, tok, None,
+                         "hermes")
+    assert auto.tools.choice == "auto" and not auto.tools.parallel and auto.params.structured_outputs is None
+
+
+def test_a_choice_with_calls(tok):
+    """content "" for a forced call (null for auto), tool_calls beside it, finish_reason tool_calls (a named
+    function's: stop, as OpenAI's)."""
+    answer = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}</tool_call>'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, content, reason in [("auto", None, "tool_calls"), ("required", "", "tool_calls"), (named, "", "stop")]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER], "tool_choice": choice}, tok, None, "hermes")
+        c = make_choice(gen, 0, answer, "stop", [1], None, None, None)
+        message = response_body("chat", "id", "m", [c], {})["choices"][0]["message"]
+        assert (message["content"], c.finish_reason, message["tool_calls"][0]["function"]["name"]) == \
+            (content, reason, "get_weather")
+    text = make_choice(gen, 0, "Cannot say.", "stop", [1], None, None, None)
+    assert (text.text, text.tool_calls, text.finish_reason) == ("Cannot say.", None, "stop")
+
+
+def test_past_calls_reach_the_template_with_object_arguments(tok):
+    """An assistant message's tool_calls carry their arguments as JSON text (OpenAI's); templates index them as
+    objects (as vLLM passes them), and a tool's answer follows."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert assistant_tool_calls(messages[1])["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}[{{ c.function.arguments.city }}]"
+                "{% endfor %}{{ m.content or '' }}|{% endfor %}")
+    tok.chat_template, original = template, tok.chat_template
+    try:
+        ids = parse_request("chat", {"messages": messages}, tok).prompts[0]
+    finally:
+        tok.chat_template = original
+    assert tok.decode(ids) == "Weather in Paris?|[Rome]|sunny|"
