@@ -1,10 +1,12 @@
 """The FastAPI app of `flock serve`: routes, API-key check, OpenAI-style errors, metrics."""
 
 import hmac
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -13,6 +15,7 @@ from starlette.exceptions import HTTPException
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
 from flock.api.server_generate import ServerContext, generate
+from flock.engine.async_engine import AsyncEngine
 
 V1_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions"}
 
@@ -93,3 +96,18 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     # Starlette re-raises after sending this, so uvicorn logs the traceback
     return JSONResponse(APIError("internal server error", status=500, type="server_error").body(), status_code=500)
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGINT / SIGTERM, in-flight requests get `drain_s` seconds to finish; then the engine ends them (finish
+    reason "abort", with what they generated so far) so that they answer before uvicorn cancels their handlers."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float):
+        super().__init__(config)
+        self.timer = threading.Timer(drain_s, engine.shutdown)
+        self.timer.daemon = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.timer.is_alive() and not self.timer.finished.is_set():
+            self.timer.start()
+        super().handle_exit(sig, frame)

@@ -76,3 +76,23 @@ def test_graceful_shutdown_finishes_in_flight_requests(server):
     assert r.usage.completion_tokens == 80 and r.choices[0].finish_reason == "length"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=2)
+
+
+def test_requests_past_the_shutdown_timeout_end_with_what_they_generated():
+    """After --shutdown-timeout a stream ends with finish_reason abort and [DONE], a whole response is a 200 with
+    its partial text: nothing generated is lost, no handler is cancelled."""
+    with ServerProcess("--model", "flock/tiny", "--shutdown-timeout", "1", env=ONE_THREAD) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        endless = dict(prompt="go on", max_tokens=100_000, **LONG)
+        with ThreadPoolExecutor(2) as pool:
+            whole = pool.submit(client.completions.create, **endless)
+            streamed = pool.submit(lambda: list(client.completions.create(stream=True, **endless)))
+            deadline = time.monotonic() + 30
+            while health(s)["num_running"] < 2:
+                assert time.monotonic() < deadline and not whole.done()
+                time.sleep(0.02)
+            assert s.stop(timeout=60) in (0, -signal.SIGTERM)
+            r, chunks = whole.result(timeout=30), streamed.result(timeout=30)
+        assert "Traceback" not in s.logs()
+    assert r.choices[0].finish_reason == "abort" and r.usage.completion_tokens > 0 and r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "abort" and "".join(c.choices[0].text for c in chunks)
