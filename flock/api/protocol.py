@@ -134,6 +134,11 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              structured_param=structured_param, tools=tools)
 
 
+def chat_token_ids(body: dict, tokenizer) -> list[int]:
+    """The prompt token ids of a chat body as /v1/chat/completions makes them (its tools shown, not called)."""
+    return _chat_prompt(body | {"tool_choice": "none"} if body.get("tools") else body, tokenizer, None)[1][0]
+
+
 def _tool_constraint(tools: ToolCalling, params: SamplingParams, body: dict) -> str | None:
     """Constrain a forced tool call (required or named) to its format; the field that asked for it, if any.
     Hermes' tags may be special tokens: they stay in the text unless the body says otherwise (as vLLM)."""

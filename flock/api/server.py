@@ -2,7 +2,8 @@
 
     flock serve --model flock/tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N] ...
 
-Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /health, /metrics.
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /tokenize, /detokenize,
+/health, /metrics.
 """
 
 import argparse

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException
 
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
-from flock.api.server_generate import ServerContext, generate
+from flock.api.server_generate import ServerContext, generate, json_body
+from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine
 
 V1_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions"}
@@ -27,7 +28,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
 
     app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.include_router(_v1_router(ctx), dependencies=[Depends(_auth(ctx.api_key))] if ctx.api_key else [])
+    auth = [Depends(_auth(ctx.api_key))] if ctx.api_key else []
+    app.include_router(_v1_router(ctx), dependencies=auth)
 
     @app.get("/health")
     async def health():
@@ -36,6 +38,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize_(raw: Request):
+        return tokenize(await json_body(raw), ctx.engine.tokenizer, ctx.engine.max_model_len)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize_(raw: Request):
+        return detokenize(await json_body(raw), ctx.engine.tokenizer)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -70,7 +70,7 @@ class Reply:
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
-    gen = parse_request(kind, await _json_body(raw), ctx.engine.tokenizer,
+    gen = parse_request(kind, await json_body(raw), ctx.engine.tokenizer,
                         default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
@@ -89,7 +89,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     return await _whole(reply, gen, streams, raw, ctx)
 
 
-async def _json_body(raw: Request):
+async def json_body(raw: Request):
     try:
         body = await raw.body()
     except ClientDisconnect:  # nobody to answer; not a server error

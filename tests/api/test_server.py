@@ -347,6 +347,22 @@ def test_tool_calls_over_the_api(client):
     assert r.choices[0].text == "<answer>yes</answer>"
 
 
+def test_tokenize_and_detokenize_as_vllm(server):
+    """vLLM's /tokenize (a prompt, or a chat as /v1/chat/completions templates it) and /detokenize."""
+    post = lambda path, body, headers=AUTH: httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=10)  # noqa: E731
+    tok = LLM("flock/tiny", load_format="dummy").get_tokenizer()
+    r = post("/tokenize", {"prompt": "The cache is paged.", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("The cache is paged.") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 2048 and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    assert post("/tokenize", {"messages": chat}).json()["tokens"] == encode_messages(tok, chat)
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "The cache is paged."}
+    bad = post("/detokenize", {"tokens": [len(tok)]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert post("/tokenize", {"prompt": "x", "stream": True}).json()["error"]["param"] == "stream"
+    assert post("/tokenize", {"prompt": "x"}, headers={}).status_code == 401
+
+
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
 

@@ -1,0 +1,43 @@
+"""POST /tokenize and /detokenize, as vLLM's server has them: a prompt's token ids, or a chat's as
+/v1/chat/completions would send it through the chat template, and token ids back to text."""
+
+from flock.api.protocol import APIError, chat_token_ids
+
+PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+               "tools", "add_special_tokens", "return_token_strs"}
+
+
+def tokenize(body, tokenizer, max_model_len: int) -> dict:
+    """vLLM's TokenizeResponse of a {"prompt"} or {"messages"} body: count, max_model_len, tokens (and token_strs
+    with return_token_strs)."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    unknown = sorted(set(body) - (CHAT_FIELDS if "messages" in body else PROMPT_FIELDS))
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    for name in ("add_special_tokens", "return_token_strs"):
+        if not isinstance(body.get(name, False), bool):
+            raise APIError(f"{name} must be a bool", param=name)
+    if "messages" in body:  # the template adds the special tokens (vLLM's add_special_tokens false by default)
+        ids = chat_token_ids(body, tokenizer)
+    elif isinstance(body.get("prompt"), str):
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+    else:
+        raise APIError("'prompt' (a string) or 'messages' is required", param="prompt")
+    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if body.get("return_token_strs"):
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(body, tokenizer) -> dict:
+    """vLLM's DetokenizeResponse of a {"tokens": [...]} body: {"prompt": their text}."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    vocab = len(tokenizer)
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError("'tokens' must be a list of token ids", param="tokens")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(f"tokens[{bad}] = {tokens[bad]} is outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
