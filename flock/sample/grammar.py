@@ -88,8 +88,8 @@ class GrammarCompiler:
         if spec.kind == "choice":
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
         if spec.kind == "structural_tag":
-            return c.compile_structural_tag(spec.structural_tag)
-        return c.compile_grammar(spec.grammar)
+            return c.compile_structural_tag(_structural_tag(spec.structural_tag))
+        return c.compile_lark(spec.grammar) if is_lark(spec.grammar) else c.compile_grammar(spec.grammar)
 
     def _xgr_compiler(self):
         if self._compiler is None:
@@ -98,6 +98,26 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is in Lark's syntax rather than EBNF (GBNF): no `::=` rule outside comments, as vLLM
+    tells them apart."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
+
+
+def _structural_tag(text: str) -> str:
+    """xgrammar's structural tag JSON; vLLM's earlier form ({"structures": [{begin, schema, end}], "triggers"})
+    converted to it."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError:
+        return text  # xgrammar reports it
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return text
+    xgr = _xgrammar()
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in tag["structures"]]
+    return xgr.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers", [])).model_dump_json()
 
 
 # JSON Schema keywords xgrammar compiles without enforcing them (it ignores them, at most with a warning on

@@ -1,5 +1,5 @@
 """Structured outputs through xgrammar: every output of a constrained request fits its grammar (JSON schema,
-JSON object, regex, choice, EBNF) under every scheduler, attention backend and preemption; a constrained row never
+JSON object, regex, choice, EBNF or Lark, structural tags) under every scheduler, attention backend and preemption; a constrained row never
 changes the tokens of an unconstrained one; each distinct spec compiles once; bad specs are named errors."""
 
 import json
@@ -48,6 +48,12 @@ SPECS = [
     StructuredOutputsParams(regex=r"[0-9]{3}-(yes|no)"),
     StructuredOutputsParams(choice=["alpha", "beta gamma", "δ", "🎉"]),
     StructuredOutputsParams(grammar='root ::= "(" [a-c]{1,3} ")"'),
+    StructuredOutputsParams(grammar='// Lark, as vLLM takes it too\nstart: "(" LETTERS ")"\nLETTERS: /[a-c]{1,3}/'),
+    StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "(", "end": ")", "content": {"type": "regex", "pattern": "[a-c]{1,3}"}}})),
+    StructuredOutputsParams(structural_tag=json.dumps({  # vLLM's earlier form
+        "type": "structural_tag", "triggers": ["("], "structures": [{"begin": "(", "schema": {"enum": [1, 2]},
+                                                                     "end": ")"}]})),
 ]
 
 
@@ -59,11 +65,15 @@ def tiny():
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind)
 def test_outputs_fit_the_grammar_and_stop(tiny, spec):
     outs = tiny.generate(PROMPTS, [constrained(spec), constrained(spec, temperature=1.0, seed=1)] * 2, use_tqdm=False)
+    if spec.structural_tag and "structures" in spec.structural_tag:  # free text around tags: it need not stop
+        for o in outs:
+            assert all(m in ("(1)", "(2)") for m in re.findall(r"\([^)]*\)", o.outputs[0].text))
+        return
     for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         text = o.outputs[0].text
         assert_valid(spec, text)
-        if spec.kind == "grammar":
+        if spec.kind == "grammar" or (spec.kind == "structural_tag" and "structures" not in spec.structural_tag):
             assert re.fullmatch(r"\([a-c]{1,3}\)", text)
 
 
