@@ -69,6 +69,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit divided by it (if > 0), else multiplied
     logit_bias: dict[int, float] | None = None  # token id (or its string) -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len - 1)
+    truncation_side: str = "left"  # "right": keep the first k instead
     # the logprob of each sampled (prompt) token and this many most likely alternatives, from the raw logits
     # (after a grammar's mask, before penalties and temperature, as vLLM's default); None: none
     logprobs: int | None = None
@@ -97,6 +100,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it (vLLM's: from the left unless truncation_side says)."""
+        k = self.truncate_prompt_tokens
+        k = max_model_len - 1 if k == -1 else k
+        if k is None or len(prompt_token_ids) <= k:
+            return prompt_token_ids
+        return prompt_token_ids[-k:] if self.truncation_side == "left" else prompt_token_ids[:k]
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field (logit_bias ids are checked against vocab_size when given)."""
@@ -129,6 +140,16 @@ class SamplingParams:
                 or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         self._validate_logit_bias(vocab_size)
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
+                isinstance(t, int) and not isinstance(t, bool) and (vocab_size is None or 0 <= t < vocab_size)
+                for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids in the vocabulary, got {allowed!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1 or k == 0):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
+        if self.truncation_side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -185,6 +185,7 @@ class BatchJob:
                                    self.cfg.tool_parser)
             if parsed.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
+            parsed.truncate(self.engine.max_model_len)
             for ids in parsed.prompts:
                 self.engine.check_request(ids, parsed.params)
         except APIError as e:

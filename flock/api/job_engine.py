@@ -37,6 +37,7 @@ class FinishedRequest(Protocol):
 class JobEngine(Protocol):
     config: EngineConfig
     tokenizer: Any
+    max_model_len: int
     stats: RunStats  # of the job since `reset_stats`
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...

@@ -20,13 +20,14 @@ from flock.tokenizer import encode_chat
 
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
+                    "truncate_prompt_tokens", "truncation_side"}
 # OpenAI fields that do not change what is generated: accepted and not used
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "stream_options", "logprobs",
                                                        "prompt_logprobs", "response_format", "structured_outputs",
-                                                       "echo"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix"}
+                                                       "echo", "return_token_ids"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
                                 "parallel_tool_calls"}
@@ -65,6 +66,7 @@ class GenerationRequest:
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone (one token generated, unsent)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was set: the response carries them
     structured_param: str | None = None  # the field that asked for structured outputs
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids come back too
     tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
     extra: dict = field(default_factory=dict)
 
@@ -78,6 +80,13 @@ class GenerationRequest:
     @property
     def prompt(self) -> str | None:
         return self.texts[0] if len(self.texts) == 1 else None
+
+    def truncate(self, max_model_len: int) -> None:
+        """Apply truncate_prompt_tokens now, so that echo, usage and returned ids show the prompts that run."""
+        for i, ids in enumerate(self.prompts):
+            kept = self.params.truncated(ids, max_model_len)
+            if len(kept) < len(ids):
+                self.prompts[i], self.texts[i] = kept, None
 
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a
@@ -131,7 +140,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
-                             structured_param=structured_param, tools=tools)
+                             structured_param=structured_param, tools=tools,
+                             return_token_ids=_typed(body, "return_token_ids", bool, False))
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -253,7 +263,8 @@ def _completion_prompts(body: dict, tokenizer) -> tuple[list[str | None], list[l
     if any(x == "" for x in p):
         raise APIError("prompt is empty", param="prompt")
     texts = [x if isinstance(x, str) else None for x in p]
-    return texts, [tokenizer.encode(x, add_special_tokens=True) if isinstance(x, str) else list(x) for x in p]
+    special = _typed(body, "add_special_tokens", bool, True)
+    return texts, [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in p]
 
 
 def _is_token_ids(p) -> bool:
@@ -346,6 +357,9 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=_typed(body, "logit_bias", dict, None),
         min_tokens=_typed(body, "min_tokens", int, 0),
+        allowed_token_ids=_typed(body, "allowed_token_ids", list, None),
+        truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None),
+        truncation_side=_typed(body, "truncation_side", str, "left"),
     )
     try:
         params.validate()
@@ -409,6 +423,8 @@ class Choice(NamedTuple):
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
     tool_calls: list[dict] | None = None  # a chat answer's calls, parsed out of its text (then None or the rest)
+    token_ids: list[int] | None = None  # with return_token_ids: the output's
+    prompt_token_ids: list[int] | None = None  # and the prompt's
 
 
 def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: str | None, output_ids: list[int],
@@ -437,7 +453,8 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
         shaped = completion_logprobs(token_text, ids, entries)
     prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
         if gen.prompt_logprobs and prompt_entries is not None else None
-    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None)
+    ids = (output_ids, prompt_ids) if gen.return_token_ids else (None, None)
+    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None, *ids)
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
@@ -449,15 +466,17 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
         out = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
                | ({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {})
-               for i, c in enumerate(choices)]
+               | _token_ids(c.token_ids, c.prompt_token_ids) for i, c in enumerate(choices)]
         obj = "text_completion"
     else:
         out = [{"index": i, "message": {"role": "assistant", "content": c.text}
                 | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
                 "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, c in enumerate(choices)]
+               | _token_ids(c.token_ids) for i, c in enumerate(choices)]
         obj = "chat.completion"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": out, "usage": usage_}
+    if kind == "chat" and choices:
+        body |= _token_ids(prompt_token_ids=choices[0].prompt_token_ids)  # vLLM's place for a chat's
     if kind == "chat" and choices and choices[0].prompt_logprobs is not None:
         body["prompt_logprobs"] = choices[0].prompt_logprobs  # vLLM's place for a chat's
     return body
@@ -465,22 +484,32 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
 
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
                first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
-               stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict:
+               stop_reason: int | str | None = None, tool_calls: list[dict] | None = None,
+               token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
     """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked; a chat's with whole
-    tool calls). With `usage_` it is the final usage-only chunk (empty choices), as OpenAI sends it."""
+    tool calls; with return_token_ids its token ids, and the prompt's in the first). With `usage_` it is the
+    final usage-only chunk (empty choices), as OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
         choices = [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                    "stop_reason": stop_reason}]
+                    "stop_reason": stop_reason} | _token_ids(token_ids, prompt_token_ids)]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
         if tool_calls:
             d["tool_calls"] = [{"index": k} | call for k, call in enumerate(tool_calls)]
         choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason,
-                    "stop_reason": stop_reason}]
+                    "stop_reason": stop_reason} | _token_ids(token_ids)]
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if kind == "chat":
+        body |= _token_ids(prompt_token_ids=prompt_token_ids)
     if usage_ is not None:
         body["usage"] = usage_
     return body
+
+
+def _token_ids(token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """vLLM's return_token_ids fields, those that are set."""
+    return ({} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}) | \
+        ({} if token_ids is None else {"token_ids": token_ids})

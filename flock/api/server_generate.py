@@ -63,10 +63,9 @@ class Reply:
     created: int
 
     def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False,
-              logprobs: dict | None = None, stop_reason: int | str | None = None,
-              tool_calls: list[dict] | None = None) -> str:
+              logprobs: dict | None = None, stop_reason: int | str | None = None, **ids_and_calls) -> str:
         return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
-                               index=index, logprobs=logprobs, stop_reason=stop_reason, tool_calls=tool_calls))
+                               index=index, logprobs=logprobs, stop_reason=stop_reason, **ids_and_calls))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
@@ -74,6 +73,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
+    gen.truncate(ctx.engine.max_model_len)
     spec = gen.params.structured_outputs
     if spec is not None:  # compile (or find in the cache) on a worker thread, not on the event loop
         try:
@@ -181,6 +181,11 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                         text, finish_reason = text + rest, gen.tools.finish_reason(tool_calls, finish_reason)
                 if gen.echo_only:
                     text, ids, entries = "", [], [] if entries is not None else None
+                returned = {}
+                if gen.return_token_ids:
+                    returned["token_ids"] = ids
+                    if first[i]:
+                        returned["prompt_token_ids"] = gen.prompts[i // gen.n]
                 if first[i] and gen.echo:
                     prompt = gen.prompts[i // gen.n]
                     echoed = gen.texts[i // gen.n]
@@ -194,11 +199,12 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     logprobs = completion_logprobs(ctx.token_text, ids, entries, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 if tool_calls:  # whole, in their own chunk before the finish
-                    yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls)
-                    text, logprobs, first[i] = "", None, False
+                    yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls,
+                                      **returned)
+                    text, logprobs, first[i], returned = "", None, False, {"token_ids": []} if returned else {}
                 if text or ids or out.finished or (first[i] and reply.kind == "chat"):
                     yield reply.chunk(i, text, finish_reason, first=first[i], logprobs=logprobs,
-                                      stop_reason=out.stop_reason)
+                                      stop_reason=out.stop_reason, **returned)
                     first[i] = False
             else:
                 if gen.include_usage:

@@ -110,6 +110,7 @@ class ClusterEngine(JobEngine):
             raise
         self.info: EngineInfo = self.slots[0].info
         self.tokenizer = self.info.tokenizer
+        self.max_model_len = self.info.max_model_len
         self.reset_stats()
 
     # -- the engine interface of a batch job ----------------------------------------------------------------

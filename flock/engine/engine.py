@@ -21,8 +21,10 @@ log = logging.getLogger("flock")
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError naming the bad field of a request for an engine with these limits."""
+    """Raise ValueError naming the bad field of a request for an engine with these limits (its prompt as
+    truncate_prompt_tokens keeps it)."""
     params.validate(vocab_size)
+    prompt_token_ids = params.truncated(prompt_token_ids, max_model_len)
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt is empty")
@@ -76,6 +78,7 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
+        prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         self._next_id += 1
         if params.structured_outputs is not None:

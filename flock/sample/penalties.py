@@ -1,6 +1,7 @@
 """Penalties, logit biases and min_tokens, with vLLM's semantics, on the rows that ask for them.
 
 In vLLM's order, before temperature, top-k and top-p (and before a greedy row's argmax):
+0. allowed_token_ids: every other token goes to -inf;
 1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens
    (unless they are all the row has left: a grammar that can only end ends);
 2. logit_bias: each listed token's bias is added to its logit;
@@ -32,7 +33,7 @@ class TokenHistory(Protocol):
 
 def adjusts(p: SamplingParams, history: TokenHistory) -> bool:
     """Whether this row's logits change in this step."""
-    return (p.has_penalties or bool(p.logit_bias)
+    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
             or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
 
 
@@ -42,7 +43,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
     written in place (half-precision logits are first widened to a float32 copy)."""
     # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
     rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
-            or p.frequency_penalty or p.repetition_penalty != 1.0]
+            or p.frequency_penalty or p.repetition_penalty != 1.0 or p.allowed_token_ids is not None]
     rows = [i for i in rows if adjusts(params[i], histories[i])]
     if not rows:
         return logits
@@ -56,10 +57,20 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
 def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
            eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
     """Every row of `logits` adjusted by its own params and tokens, in place; returns it."""
+    _allowed(logits, params)
     _min_tokens(logits, params, histories, set(eos_token_ids))
     _logit_bias(logits, params)
     _penalties(logits, params, histories)
     return logits
+
+
+def _allowed(logits: torch.Tensor, params) -> None:
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = _long(p.allowed_token_ids, logits)
+            kept = logits[i, keep]
+            logits[i] = float("-inf")
+            logits[i, keep] = kept
 
 
 def _min_tokens(logits: torch.Tensor, params, histories, eos_token_ids: set[int]) -> None:

@@ -174,3 +174,12 @@ def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
     assert s.delta("abcENDx", True) == "NDx"
     plain = TextStream(stop=[])
     assert plain.delta("a\ufffd", False) == "a" and plain.delta("a\u00e9", True) == "\u00e9"
+
+
+def test_add_special_tokens_reaches_the_tokenizer():
+    class Recording:
+        def encode(self, text, add_special_tokens):
+            return [1, 5] if add_special_tokens else [5]
+
+    assert parse_request("completion", {"prompt": "a"}, Recording()).prompts == [[1, 5]]
+    assert parse_request("completion", {"prompt": "a", "add_special_tokens": False}, Recording()).prompts == [[5]]

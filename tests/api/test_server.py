@@ -363,6 +363,29 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert post("/tokenize", {"prompt": "x"}, headers={}).status_code == 401
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_and_truncation_as_vllm(client, chat):
+    """return_token_ids: the prompt's ids (a chat's at the top level) and each choice's output ids, whole and
+    streamed (the prompt's in the first chunk); truncate_prompt_tokens keeps the prompt's last tokens."""
+    prompt = "The cache is paged and shared by prefix."
+    kw = dict(model=MODEL, max_tokens=5, **GREEDY)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    if chat:
+        create, kw["messages"] = client.chat.completions.create, [{"role": "user", "content": prompt}]
+    else:
+        create, kw["prompt"] = client.completions.create, prompt
+    whole = create(**kw | {"extra_body": extra}).model_dump()
+    prompt_ids = whole["prompt_token_ids"] if chat else whole["choices"][0]["prompt_token_ids"]
+    assert len(prompt_ids) == whole["usage"]["prompt_tokens"] and len(whole["choices"][0]["token_ids"]) == 5
+    chunks = [c.model_dump() for c in create(stream=True, **kw | {"extra_body": extra})]
+    first = chunks[0] if chat else chunks[0]["choices"][0]
+    assert first["prompt_token_ids"] == prompt_ids
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == whole["choices"][0]["token_ids"]
+    cut = create(**kw | {"extra_body": extra | {"truncate_prompt_tokens": 3}}).model_dump()
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert (cut["prompt_token_ids"] if chat else cut["choices"][0]["prompt_token_ids"]) == prompt_ids[-3:]
+
+
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
 

@@ -26,6 +26,8 @@ def reference(row: torch.Tensor, p: SamplingParams, tokens: Tokens, eos: set[int
     """One row adjusted token by token in float64, in vLLM's order."""
     x = row.double().tolist()
     out = tokens.output_token_ids
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else float("-inf") for t, v in enumerate(x)]
     if len(out) < p.min_tokens:
         for t in eos | set(p.stop_token_ids):
             x[t] = float("-inf")
@@ -51,10 +53,12 @@ KINDS = {
     "repetition": lambda rng: SamplingParams(repetition_penalty=rng.uniform(0.2, 3)),
     "logit_bias": lambda rng: SamplingParams(logit_bias={rng.randrange(VOCAB): rng.uniform(-10, 10) for _ in range(5)}),
     "min_tokens": lambda rng: SamplingParams(min_tokens=rng.randrange(0, 25), stop_token_ids=[rng.randrange(VOCAB)]),
+    "allowed_token_ids": lambda rng: SamplingParams(allowed_token_ids=rng.sample(range(VOCAB), 5)),
     "all": lambda rng: SamplingParams(
         presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
         repetition_penalty=rng.uniform(0.2, 3), logit_bias={rng.randrange(VOCAB): rng.uniform(-10, 10)},
-        min_tokens=rng.randrange(0, 25), stop_token_ids=[rng.randrange(VOCAB)]),
+        min_tokens=rng.randrange(0, 25), stop_token_ids=[rng.randrange(VOCAB)],
+        allowed_token_ids=[EOS, 7] + rng.sample(range(8, VOCAB), 10)),
 }
 
 
@@ -185,6 +189,27 @@ def test_logit_bias_forces_a_token(tiny):
         assert [o.token_ids for o in run(tiny, PROMPTS, params)] == [[42] * 4] * 2
 
 
+def test_allowed_token_ids_are_the_only_ones_sampled(tiny):
+    for params in (SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[42, 77]),
+                   SamplingParams(temperature=1.5, seed=3, max_tokens=6, ignore_eos=True, allowed_token_ids=[42, 77])):
+        assert all(set(o.token_ids) <= {42, 77} for o in run(tiny, PROMPTS, params))
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
+    """As vLLM: the last k tokens (the first with truncation_side right); -1 keeps max_model_len - 1."""
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    long = list(range(5, 105))
+    out = tiny.generate([{"prompt_token_ids": long}], SamplingParams(truncate_prompt_tokens=8, **greedy))[0]
+    assert out.prompt_token_ids == long[-8:] and out.outputs[0].token_ids == run(tiny, [long[-8:]],
+                                                                                 SamplingParams(**greedy))[0].token_ids
+    right = SamplingParams(truncate_prompt_tokens=8, truncation_side="right", **greedy)
+    assert tiny.generate([{"prompt_token_ids": long}], right)[0].prompt_token_ids == long[:8]
+    limit = tiny.engine.max_model_len
+    too_long = list(range(5, 5 + limit + 10))
+    out = tiny.generate([{"prompt_token_ids": too_long}], SamplingParams(truncate_prompt_tokens=-1, **greedy))[0]
+    assert out.prompt_token_ids == too_long[-(limit - 1):]
+
+
 def test_a_penalised_request_leaves_a_plain_one_in_its_step_unchanged(tiny):
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     penalised = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.5,
@@ -214,6 +239,11 @@ def test_logit_bias_keys_and_values_are_normalised():
     (dict(logit_bias={5: "high"}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"),
     (dict(logit_bias=[5, 1.0]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(truncation_side="middle"), "truncation_side"),
 ])
 def test_validation_names_the_field(kwargs, field_name):
     with pytest.raises(ValueError, match=field_name):
