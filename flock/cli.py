@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from flock.api.server import add_serve_parser, serve_main
-from flock.api.tools import add_tool_arguments, tool_parser
+from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
@@ -61,7 +61,7 @@ def _add_run(sub) -> None:
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, a one-line summary")
     run.add_argument("--strict", action="store_true", help="exit with status 1 if any line failed (by default a "
                                                            "job that ran to the end exits 0, failed lines or not)")
-    add_tool_arguments(run)
+    add_parser_arguments(run)
     add_engine_args(run, scheduler="batchllm")
     defaults = run.add_argument_group("sampling defaults for lines that set none (else OpenAI's: temperature 1, "
                                       "max_tokens 16 for completions, none for chat)")
@@ -93,7 +93,7 @@ def run_batch(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
-                    sampling, engine_kwargs(args), args.strict, parser)
+                    sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser)
     if args.workers is None:
         if any(getattr(args, k) is not None for k in RAY_FLAGS):
             print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)

@@ -49,6 +49,7 @@ class JobConfig:
     engine: dict = field(default_factory=dict)  # EngineConfig keywords, model included
     strict: bool = False  # a failed line makes the exit status 1
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: chat lines cannot call tools
+    reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
 
     @property
     def output_path(self) -> Path:
@@ -182,7 +183,7 @@ class BatchJob:
             default_max = COMPLETION_MAX_TOKENS
         try:
             parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max,
-                                   self.cfg.tool_parser)
+                                   self.cfg.tool_parser, self.cfg.reasoning_parser)
             if parsed.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
             parsed.truncate(self.engine.max_model_len)

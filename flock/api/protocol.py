@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from flock.api.reasoning import split_reasoning
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -30,7 +31,7 @@ _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
-                                "parallel_tool_calls"}
+                                "parallel_tool_calls", "include_reasoning"}
 STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
@@ -68,6 +69,8 @@ class GenerationRequest:
     structured_param: str | None = None  # the field that asked for structured outputs
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids come back too
     tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
+    reasoning: bool = False  # a chat's thinking is split from its answer
+    include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -95,10 +98,11 @@ class GenerationRequest:
 
 
 def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = COMPLETION_MAX_TOKENS,
-                  tool_parser: str | None = None) -> GenerationRequest:
+                  tool_parser: str | None = None, reasoning_parser: str | None = None) -> GenerationRequest:
     """Check and convert a /v1/completions (kind="completion") or /v1/chat/completions (kind="chat") body.
     Raises APIError naming the bad parameter. `default_max_tokens` applies when the body sets none; a chat's tool
-    calls are parsed with `tool_parser` (`flock.api.tools.TOOL_PARSERS`; None: tool_choice must be 'none')."""
+    calls are parsed with `tool_parser` (`flock.api.tools.TOOL_PARSERS`; None: tool_choice must be 'none'), its
+    thinking split off with `reasoning_parser` (`flock.api.reasoning.REASONING_PARSERS`)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
@@ -141,7 +145,9 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param, tools=tools,
-                             return_token_ids=_typed(body, "return_token_ids", bool, False))
+                             return_token_ids=_typed(body, "return_token_ids", bool, False),
+                             reasoning=reasoning_parser is not None and kind == "chat",
+                             include_reasoning=_typed(body, "include_reasoning", bool, True))
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -423,6 +429,7 @@ class Choice(NamedTuple):
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
     tool_calls: list[dict] | None = None  # a chat answer's calls, parsed out of its text (then None or the rest)
+    reasoning: str | None = None  # a chat answer's thinking, split off its text
     token_ids: list[int] | None = None  # with return_token_ids: the output's
     prompt_token_ids: list[int] | None = None  # and the prompt's
 
@@ -435,8 +442,11 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None
-    tool_calls = None
-    if gen.tools is not None:
+    tool_calls = reasoning = None
+    if gen.reasoning:
+        reasoning, text = split_reasoning(text)
+        reasoning = reasoning if gen.include_reasoning else None
+    if gen.tools is not None and text is not None:
         text, tool_calls = gen.tools.extract(text)
         finish_reason = gen.tools.finish_reason(tool_calls, finish_reason)
         if gen.tools.choice != "auto":  # a forced call's content is "", not null (as vLLM's)
@@ -454,7 +464,7 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
         if gen.prompt_logprobs and prompt_entries is not None else None
     ids = (output_ids, prompt_ids) if gen.return_token_ids else (None, None)
-    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None, *ids)
+    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None, reasoning, *ids)
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
@@ -470,6 +480,7 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
         obj = "text_completion"
     else:
         out = [{"index": i, "message": {"role": "assistant", "content": c.text}
+                | ({"reasoning": c.reasoning} if c.reasoning is not None else {})
                 | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
                 "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                | _token_ids(c.token_ids) for i, c in enumerate(choices)]
@@ -485,7 +496,8 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
 def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason: str | None, created: int,
                first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
                stop_reason: int | str | None = None, tool_calls: list[dict] | None = None,
-               token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+               token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+               reasoning: str = "") -> dict:
     """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked; a chat's with whole
     tool calls; with return_token_ids its token ids, and the prompt's in the first). With `usage_` it is the
     final usage-only chunk (empty choices), as OpenAI sends it."""
@@ -496,6 +508,8 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
                     "stop_reason": stop_reason} | _token_ids(token_ids, prompt_token_ids)]
     else:
         d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+        if reasoning:
+            d["reasoning"] = reasoning
         if tool_calls:
             d["tool_calls"] = [{"index": k} | call for k, call in enumerate(tool_calls)]
         choices = [{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason,

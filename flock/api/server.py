@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from flock.api.tools import add_tool_arguments, tool_parser
+from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("flock")
@@ -37,7 +37,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
-    add_tool_arguments(p)
+    add_parser_arguments(p)
     add_engine_args(p, scheduler="feather")
     p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
     p.add_argument("--shutdown-timeout", type=int, default=30,
@@ -65,7 +65,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key, parser)
+        ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key, parser,
+                            args.reasoning_parser)
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         server = DrainingServer(uvicorn.Config(

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
+from flock.api.reasoning import ReasoningStream
 from flock.api.tools import ToolCallStream
 from flock.api.protocol import (
     APIError,
@@ -49,6 +50,7 @@ class ServerContext:
     model_names: list[str]  # the first one is reported in responses
     api_key: str | None = None
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
+    reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
     token_text: TokenText = field(init=False)
 
     def __post_init__(self):
@@ -70,7 +72,8 @@ class Reply:
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
     gen = parse_request(kind, await json_body(raw), ctx.engine.tokenizer,
-                        default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser)
+                        default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser,
+                        reasoning_parser=ctx.reasoning_parser)
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
     gen.truncate(ctx.engine.max_model_len)
@@ -163,7 +166,7 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                   ctx: ServerContext) -> AsyncIterator[str]:
     first = [True] * len(streams)
     offsets = [0] * len(streams)  # completions' text_offset of each choice's next token
-    calls = [ToolCallStream(gen.tools) if gen.tools is not None else None for _ in streams]
+    answers = [_StreamedAnswer(gen) for _ in streams]
     last: list[StreamOutput | None] = [None] * len(streams)
     try:
         async with aclosing(_merged(streams, ctx.metrics)) as outs:
@@ -172,16 +175,11 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield _sse(APIError(out.error, status=500, type="server_error").body())
                     break
                 last[i] = out
-                text, ids, entries = out.text, out.token_ids, out.logprobs
-                finish_reason, tool_calls = out.finish_reason, None
-                if calls[i] is not None:
-                    text = calls[i].content(text)
-                    if out.finished:
-                        rest, tool_calls = calls[i].finish()
-                        text, finish_reason = text + rest, gen.tools.finish_reason(tool_calls, finish_reason)
+                ids, entries = out.token_ids, out.logprobs
+                reasoning, text, tool_calls, finish_reason = answers[i].split(out)
+                returned = {"reasoning": reasoning} if reasoning else {}
                 if gen.echo_only:
                     text, ids, entries = "", [], [] if entries is not None else None
-                returned = {}
                 if gen.return_token_ids:
                     returned["token_ids"] = ids
                     if first[i]:
@@ -201,7 +199,8 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                 if tool_calls:  # whole, in their own chunk before the finish
                     yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls,
                                       **returned)
-                    text, logprobs, first[i], returned = "", None, False, {"token_ids": []} if returned else {}
+                    text, logprobs, first[i] = "", None, False
+                    returned = {"token_ids": []} if gen.return_token_ids else {}
                 if text or ids or out.finished or (first[i] and reply.kind == "chat"):
                     yield reply.chunk(i, text, finish_reason, first=first[i], logprobs=logprobs,
                                       stop_reason=out.stop_reason, **returned)
@@ -213,6 +212,28 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
         yield "data: [DONE]\n\n"
     finally:
         _close(streams, ctx.metrics)
+
+
+class _StreamedAnswer:
+    """A streamed chat choice's text as the body asked it: the thinking split off (reasoning), and tool calls held
+    back and parsed at the end."""
+
+    def __init__(self, gen: GenerationRequest):
+        self.gen = gen
+        self.thinking = ReasoningStream() if gen.reasoning else None
+        self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
+
+    def split(self, out: StreamOutput) -> tuple[str, str, list[dict] | None, str | None]:
+        """(reasoning, content, tool calls, finish reason) to send for this output."""
+        reasoning, text, tool_calls, finish_reason = "", out.text, None, out.finish_reason
+        if self.thinking is not None:
+            reasoning, text = self.thinking.delta(text, out.finished)
+        if self.calls is not None:
+            text = self.calls.content(text)
+            if out.finished:
+                rest, tool_calls = self.calls.finish()
+                text, finish_reason = text + rest, self.gen.tools.finish_reason(tool_calls, finish_reason)
+        return (reasoning if self.gen.include_reasoning else ""), text, tool_calls, finish_reason
 
 
 async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterator[tuple[int, StreamOutput]]:

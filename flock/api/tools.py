@@ -16,6 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
 # a parser's name -> xgrammar's name of the model format it parses
@@ -84,8 +85,7 @@ class ToolCalling:
             at = text.find(_HERMES_START)
             if at >= 0:
                 return at
-            held = next((k for k in range(len(_HERMES_START) - 1, 0, -1) if text.endswith(_HERMES_START[:k])), 0)
-            return len(text) - held
+            return len(text) - held_back(text, _HERMES_START)
         start = text.lstrip()
         may_call = not start or start.startswith(("{", _LLAMA_TAG)) or _LLAMA_TAG.startswith(start)
         return 0 if may_call else len(text)
@@ -183,13 +183,16 @@ class ToolCallStream:
         return (content[len(sent) :] if content and content.startswith(sent) else ""), calls
 
 
-def add_tool_arguments(p) -> None:
-    """`flock serve` / `flock run` flags, vLLM's names."""
+def add_parser_arguments(p) -> None:
+    """`flock serve` / `flock run` flags of the chat answers' parsers, vLLM's names."""
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
                         "llama3_json: Llama 3.1 / 3.2): tool_choice auto, required and named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split a reasoning model's thinking from its answer into message.reasoning "
+                        "(deepseek_r1: <think>...</think>, DeepSeek-R1 distills, QwQ)")
 
 
 def tool_parser(args) -> str | None:
