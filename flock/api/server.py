@@ -3,7 +3,7 @@
     flock serve --model flock/tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N] ...
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /tokenize, /detokenize,
-/health, /metrics.
+/health, /metrics, and SGLang's /generate, /get_model_info, /health_generate.
 """
 
 import argparse

@@ -14,11 +14,12 @@ from starlette.exceptions import HTTPException
 
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
-from flock.api.server_generate import ServerContext, generate, json_body
+from flock.api.server_generate import ServerContext, generate, generate_native, json_body
+from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine
 
-V1_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/generate"}  # requests by status
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -39,6 +40,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def metrics():
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=auth)
+    async def generate_(raw: Request):  # SGLang's native endpoint
+        return await generate_native(raw, ctx)
+
+    @app.get("/get_model_info", dependencies=auth)
+    async def model_info_():
+        return model_info(ctx.model_names[0], ctx.engine.tokenizer.name_or_path)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return _health(ctx)
+
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
         return tokenize(await json_body(raw), ctx.engine.tokenizer, ctx.engine.max_model_len)
@@ -50,7 +63,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(StatusCounter, metrics=ctx.metrics, paths=V1_PATHS)
+    app.add_middleware(StatusCounter, metrics=ctx.metrics, paths=COUNTED_PATHS)
     return app
 
 

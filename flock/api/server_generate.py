@@ -9,7 +9,7 @@ their KV blocks freed, as they are when one of them fails.
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -19,8 +19,6 @@ from starlette.requests import ClientDisconnect
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
-from flock.api.reasoning import ReasoningStream
-from flock.api.tools import ToolCallStream
 from flock.api.protocol import (
     APIError,
     GenerationRequest,
@@ -32,6 +30,9 @@ from flock.api.protocol import (
     parse_request,
     response_body,
 )
+from flock.api.reasoning import ReasoningStream
+from flock.api.sglang import NativeRequest, output_object, parse_generate
+from flock.api.tools import ToolCallStream
 from flock.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -39,6 +40,7 @@ from flock.engine.async_engine import (
     RequestStream,
     StreamOutput,
 )
+from flock.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
 
@@ -77,19 +79,27 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     if gen.model is not None and gen.model not in ctx.model_names:
         raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
     gen.truncate(ctx.engine.max_model_len)
-    spec = gen.params.structured_outputs
-    if spec is not None:  # compile (or find in the cache) on a worker thread, not on the event loop
-        try:
-            await ctx.engine.compile_grammar(spec)
-        except EngineDead as e:
-            raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
-        except ValueError as e:
-            raise engine_error(e, gen) from None
-    streams = _submit(gen, ctx)
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
     reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
     if gen.stream:
         return _SSEResponse(_stream(reply, gen, streams, ctx), media_type="text/event-stream")
-    return await _whole(reply, gen, streams, raw, ctx)
+    parts = await _collect(streams, raw, ctx)
+    choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
+                           p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
+    usage_ = choices_usage([p.last for p in parts], gen.n)
+    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
+
+
+async def generate_native(raw: Request, ctx: ServerContext):
+    """SGLang's POST /generate (flock/api/sglang.py)."""
+    req = parse_generate(await json_body(raw), ctx.engine.tokenizer)
+    streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
+    start = time.monotonic()
+    if req.stream:
+        return _SSEResponse(_native_stream(req, streams, ctx), media_type="text/event-stream")
+    parts = await _collect(streams, raw, ctx)
+    objects = [_native_object(req, i, p, ctx, time.monotonic() - start) for i, p in enumerate(parts)]
+    return JSONResponse(objects[0] if req.single else objects)
 
 
 async def json_body(raw: Request):
@@ -105,11 +115,22 @@ async def json_body(raw: Request):
         raise APIError("the request body is nested too deeply") from None
 
 
-def _submit(gen: GenerationRequest, ctx: ServerContext) -> list[RequestStream]:
-    """One engine request per choice; if one cannot be added, those already added are aborted."""
+async def _submit(requests: list[tuple[list[int], SamplingParams]], ctx: ServerContext,
+                  rejected: Callable[[ValueError], APIError]) -> list[RequestStream]:
+    """One engine request each, their grammars compiled first (on a worker thread, not the event loop); if one
+    cannot be added, those already added are aborted. `rejected` words the engine's ValueError."""
+    for spec in {id(p.structured_outputs): p.structured_outputs for _, p in requests}.values():
+        if spec is None:
+            continue
+        try:
+            await ctx.engine.compile_grammar(spec)
+        except EngineDead as e:
+            raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
+        except ValueError as e:
+            raise rejected(e) from None
     streams = []
     try:
-        for ids, params in gen.engine_requests():
+        for ids, params in requests:
             streams.append(ctx.engine.add_request(ids, params))
             ctx.metrics.prompt_tokens.inc(len(ids))
     except QueueFull as e:
@@ -120,7 +141,7 @@ def _submit(gen: GenerationRequest, ctx: ServerContext) -> list[RequestStream]:
         raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
     except ValueError as e:
         _close(streams, ctx.metrics)
-        raise engine_error(e, gen) from None
+        raise rejected(e) from None
     return streams
 
 
@@ -143,8 +164,8 @@ class ChoiceParts:
         self.last = out
 
 
-async def _whole(reply: Reply, gen: GenerationRequest, streams: list[RequestStream], raw: Request,
-                 ctx: ServerContext) -> JSONResponse:
+async def _collect(streams: list[RequestStream], raw: Request, ctx: ServerContext) -> list[ChoiceParts]:
+    """Each stream's outputs, whole; the requests are aborted if the client leaves first."""
     watcher = asyncio.create_task(_abort_on_disconnect(raw, streams))
     parts = [ChoiceParts() for _ in streams]
     try:
@@ -156,10 +177,7 @@ async def _whole(reply: Reply, gen: GenerationRequest, streams: list[RequestStre
     finally:
         watcher.cancel()
         _close(streams, ctx.metrics)
-    choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
-                           p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
-    usage_ = choices_usage([p.last for p in parts], gen.n)
-    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
+    return parts
 
 
 async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStream],
@@ -212,6 +230,33 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
         yield "data: [DONE]\n\n"
     finally:
         _close(streams, ctx.metrics)
+
+
+async def _native_stream(req: NativeRequest, streams: list[RequestStream], ctx: ServerContext
+                         ) -> AsyncIterator[str]:
+    """SGLang's events: each with the text and ids so far (and its index in a batch), then [DONE]."""
+    start = time.monotonic()
+    parts = [ChoiceParts() for _ in streams]
+    try:
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    yield _sse({"error": {"message": out.error}})
+                    break
+                parts[i].add(out)
+                obj = _native_object(req, i, parts[i], ctx, time.monotonic() - start if out.finished else None)
+                yield _sse(obj if req.single else obj | {"index": i})
+        yield "data: [DONE]\n\n"
+    finally:
+        _close(streams, ctx.metrics)
+
+
+def _native_object(req: NativeRequest, i: int, part: ChoiceParts, ctx: ServerContext,
+                   latency: float | None) -> dict:
+    last = part.last
+    return output_object(req, i, "".join(part.texts), part.token_ids, last.num_prompt_tokens, last.num_cached_tokens,
+                         last.finish_reason, last.stop_reason, req.requests[i][0], part.logprobs,
+                         part.prompt_logprobs, ctx.token_text, latency)
 
 
 class _StreamedAnswer:

@@ -386,6 +386,43 @@ def test_return_token_ids_and_truncation_as_vllm(client, chat):
     assert (cut["prompt_token_ids"] if chat else cut["choices"][0]["prompt_token_ids"]) == prompt_ids[-3:]
 
 
+def test_sglang_generate(server, client):
+    """SGLang's native /generate: one prompt answers an object, a batch with n a list (prompt-major); text without
+    the stop, output_ids with it; streamed events carry the text so far; logprob triples; prefill only; errors."""
+    post = lambda body: httpx.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=60)  # noqa: E731
+    prompt = "The cache is paged and shared by prefix."
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    one = post({"text": prompt, "sampling_params": greedy, "rid": "r1"}).json()
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+    assert one["text"] == same and len(one["output_ids"]) == 8 and one["meta_info"]["id"] == "r1"
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 8} and meta["completion_tokens"] == 8
+    ids = LLM("flock/tiny", load_format="dummy").get_tokenizer().encode(prompt)
+    assert post({"input_ids": ids, "sampling_params": greedy}).json()["text"] == same
+    batch = post({"text": [prompt, "Other"], "sampling_params": greedy | {"n": 2}}).json()
+    assert [b["text"] for b in batch[:2]] == [same, same] and len(batch) == 4
+    events = [line[6:] for line in httpx.post(f"{server.url}/generate", headers=AUTH, timeout=60, json={
+        "text": prompt, "sampling_params": greedy, "stream": True}).text.split("\n\n") if line]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == same
+    assert all(same.startswith(json.loads(e)["text"]) for e in events[:-1])
+    stop = same[3:6]
+    stopped = post({"text": prompt, "sampling_params": greedy | {"stop": stop}}).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == same[: same.index(stop)]
+    scored = post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                   "logprob_start_len": 0, "top_logprobs_num": 2}).json()
+    assert scored["text"] == "" and scored["output_ids"] == [] and scored["meta_info"]["completion_tokens"] == 0
+    prompt_lp = scored["meta_info"]["input_token_logprobs"]
+    assert len(prompt_lp) == len(ids) and prompt_lp[0][0] is None and all(lp < 0 for lp, _, _ in prompt_lp[1:])
+    assert [t for _, t, _ in prompt_lp] == ids and len(scored["meta_info"]["input_top_logprobs"][1]) == 2
+    for bad in ({"text": prompt, "input_ids": ids}, {"text": prompt, "sampling_params": {"seed": 1}},
+                {"text": prompt, "sampling_params": {"top_k": 0}}):
+        r = post(bad)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    info = httpx.get(f"{server.url}/get_model_info", headers=AUTH, timeout=10).json()
+    assert info["is_generation"] is True and info["model_path"] == MODEL
+
+
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):
     aborted_before = metrics(server).get("flock_requests_finished_total{reason=abort}", 0.0)
 

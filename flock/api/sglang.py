@@ -1,0 +1,211 @@
+"""SGLang's native `POST /generate`: its request body -> engine requests, engine outputs -> its response objects,
+so a client written for an SGLang server (`{"text": ..., "sampling_params": {...}}`) runs unchanged.
+
+A body is one prompt (`text` a string or `input_ids` a list of ids) or a batch of them, each sampled
+`sampling_params.n` times; one prompt with n = 1 answers one object, anything else a list in prompt-major order.
+Each object is `{"text", "output_ids", "meta_info"}`; `text` leaves out the stop string or token that ended it
+(unless `no_stop_trim`), `output_ids` keep the token. Streamed events carry the text and ids so far.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from flock.api.logprobs import TokenText
+from flock.api.protocol import APIError
+from flock.sample.logprobs import TokenLogprobs
+from flock.sampling_params import SamplingParams, StructuredOutputsParams
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+GREEDY_BELOW = 1e-6  # a temperature under this samples greedily, as SGLang's
+FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+          "return_text_in_logprobs", "stream"}
+_PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
+          "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
+          "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+          "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
+          "no_stop_trim": "include_stop_str_in_output", "logit_bias": "logit_bias", "sampling_seed": "seed", "n": "n"}
+_GRAMMARS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
+# besides: max_new_tokens, temperature, top_k; the last two change nothing here
+_ACCEPTED = {"max_new_tokens", "temperature", "top_k", "spaces_between_special_tokens", "stream_interval"}
+
+
+@dataclass
+class NativeRequest:
+    """A parsed /generate body: one engine request per (prompt, sample), prompt-major."""
+
+    single: bool  # one prompt, one sample: the answer is an object, not a list
+    requests: list[tuple[list[int], SamplingParams]]
+    rids: list[str]
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # the first prompt position with logprobs; -1: the last one only
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    prefill_only: list[bool] | None = None  # per request: max_new_tokens 0, one token generated and not returned
+
+
+def parse_generate(body, tokenizer) -> NativeRequest:
+    """Check and convert a /generate body; APIError names what is wrong."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    prompts, single = _prompts(body, tokenizer)
+    specs = body.get("sampling_params") or {}
+    specs = specs if isinstance(specs, list) else [specs] * len(prompts)
+    if len(specs) != len(prompts) or not all(isinstance(s, dict) for s in specs):
+        raise APIError("sampling_params must be an object, or a list of one per prompt", param="sampling_params")
+    params = [_sampling_params(s) for s in specs]
+    prefill = [s.get("max_new_tokens") == 0 for s in specs]
+    n = {p.n for p in params}
+    if len(n) > 1:
+        raise APIError("sampling_params.n must be the same for every prompt", param="sampling_params")
+    logprob = body.get("return_logprob", False)
+    start, top = body.get("logprob_start_len", -1), body.get("top_logprobs_num", 0)
+    if not isinstance(logprob, bool) or not _int(start) or start < -1 or not _int(top) or not 0 <= top <= 20:
+        raise APIError("return_logprob must be a bool, logprob_start_len an integer >= -1 and top_logprobs_num an "
+                       "integer in [0, 20]", param="return_logprob")
+    for p, ids in zip(params, prompts):
+        if logprob:
+            p.logprobs = top
+            if start >= len(ids):
+                raise APIError(f"logprob_start_len ({start}) must be less than the prompt's {len(ids)} tokens",
+                               param="logprob_start_len")
+            if 0 <= start < len(ids) - 1:
+                p.prompt_logprobs = top
+    requests = [(ids, s) for ids, p in zip(prompts, params) for s in p.samples()]
+    prefill = [flag for flag, p in zip(prefill, params) for _ in range(p.n)]
+    rid = body.get("rid")
+    rids = [rid] if single and isinstance(rid, str) and len(requests) == 1 else [uuid.uuid4().hex for _ in requests]
+    return NativeRequest(single and len(requests) == 1, requests, rids, _bool(body, "stream"), logprob, start, top,
+                         _bool(body, "return_text_in_logprobs"), prefill)
+
+
+def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise APIError("give either text or input_ids", param="text")
+    if text is not None:
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise APIError("text must be a non-empty string or a non-empty list of them", param="text")
+        return [tokenizer.encode(t) for t in texts], isinstance(text, str)
+    single = isinstance(ids, list) and bool(ids) and _int(ids[0])
+    batch = [ids] if single else ids
+    if not isinstance(batch, list) or not batch or not all(
+            isinstance(b, list) and b and all(_int(t) for t in b) for b in batch):
+        raise APIError("input_ids must be a non-empty list of token ids, or a list of them", param="input_ids")
+    return batch, single
+
+
+def _sampling_params(spec: dict) -> SamplingParams:
+    unknown = sorted(set(spec) - _PLAIN.keys() - _GRAMMARS.keys() - _ACCEPTED)
+    if unknown:
+        raise APIError(f"sampling_params has unknown key(s) {unknown}", param="sampling_params")
+    kwargs = {name: spec[key] for key, name in _PLAIN.items() if spec.get(key) is not None}
+    max_new = spec.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)  # null: up to the context length
+    if max_new is not None and (not _int(max_new) or max_new < 0):
+        raise APIError(f"sampling_params.max_new_tokens must be at least 0, got {max_new!r}", param="sampling_params")
+    kwargs["max_tokens"] = 1 if max_new == 0 else max_new  # 0: prefill only, the one token is dropped
+    temperature = spec.get("temperature")
+    if temperature is not None:
+        kwargs["temperature"] = 0.0 if _number(temperature) and 0 <= temperature < GREEDY_BELOW else temperature
+    top_k = spec.get("top_k")
+    if top_k == 0:
+        raise APIError("sampling_params.top_k must be -1 (disable) or at least 1, got 0", param="sampling_params")
+    kwargs["top_k"] = -1 if top_k is None else top_k
+    grammars = {name: spec[key] for key, name in _GRAMMARS.items() if spec.get(key) is not None}
+    if len(grammars) > 1:
+        raise APIError("only one of regex, json_schema, ebnf or structural_tag can be set", param="sampling_params")
+    if grammars:
+        (kind, value), = grammars.items()
+        if kind == "json" and isinstance(value, str):  # SGLang's is JSON text
+            value = _json(value)
+        elif kind == "structural_tag" and not isinstance(value, str):
+            value = json.dumps(value)
+        kwargs["structured_outputs"] = StructuredOutputsParams(**{kind: value})
+    try:
+        params = SamplingParams(**kwargs)
+        params.validate()
+    except (TypeError, ValueError) as e:
+        raise APIError(f"sampling_params: {e}", param="sampling_params") from None
+    return params
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(f"sampling_params.json_schema is not valid JSON: {e}", param="sampling_params") from None
+
+
+def output_object(req: NativeRequest, index: int, text: str, output_ids: list[int], num_prompt_tokens: int,
+                  num_cached_tokens: int, finish_reason: str | None, stop_reason, prompt_ids: list[int],
+                  logprobs: list[TokenLogprobs] | None, prompt_entries: list[TokenLogprobs | None] | None,
+                  token_text: TokenText, latency: float | None = None) -> dict:
+    """One prompt-sample's {"text", "output_ids", "meta_info"} (so far, while `finish_reason` is None)."""
+    if req.prefill_only[index]:
+        text, output_ids, logprobs = "", [], [] if logprobs is not None else None
+    meta = {"id": req.rids[index], "finish_reason": _finish_reason(req, index, finish_reason, stop_reason,
+                                                                   output_ids),
+            "prompt_tokens": num_prompt_tokens, "completion_tokens": len(output_ids),
+            "cached_tokens": num_cached_tokens, "weight_version": "default"}
+    if latency is not None:
+        meta["e2e_latency"] = latency
+    if req.return_logprob:
+        meta |= _logprobs(req, prompt_ids, logprobs or [], prompt_entries, token_text)
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def _finish_reason(req: NativeRequest, index: int, reason: str | None, stop_reason, output_ids: list[int]):
+    if reason is None:
+        return None
+    if reason == "length" or req.prefill_only[index]:
+        return {"type": "length", "length": 0 if req.prefill_only[index] else req.requests[index][1].max_tokens}
+    if reason == "stop":  # a stop string or token, or the EOS / a grammar's end: the last token
+        return {"type": "stop", "matched": stop_reason if stop_reason is not None else output_ids[-1]}
+    return {"type": "abort", "message": reason, "status_code": None, "err_type": None}
+
+
+def _logprobs(req: NativeRequest, prompt_ids: list[int], entries: list[TokenLogprobs],
+              prompt_entries: list[TokenLogprobs | None] | None, token_text: TokenText) -> dict:
+    """SGLang's [logprob, token id, text or null] triples: of the prompt from logprob_start_len (the first
+    position's logprob null), of the output, and the top alternatives of each when asked."""
+    text = token_text if req.return_text_in_logprobs else (lambda _: None)
+    start = len(prompt_ids) - 1 if req.logprob_start_len == -1 else req.logprob_start_len
+    known = prompt_entries if prompt_entries is not None else [None] * len(prompt_ids)
+    prompt = list(zip(prompt_ids[start:], known[start:]))
+    out = {"input_token_logprobs": [[None if i == 0 or e is None else e.logprob, t, text(t)]
+                                    for i, (t, e) in enumerate(prompt)],
+           "output_token_logprobs": [[e.logprob, e.token_id, text(e.token_id)] for e in entries]}
+    if req.top_logprobs_num:
+        out["input_top_logprobs"] = [None if i == 0 or e is None else [[lp, t, text(t)] for t, lp in e.top]
+                                     for i, (_, e) in enumerate(prompt)]
+        out["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in e.top] for e in entries]
+    return out
+
+
+def model_info(model: str, tokenizer_path: str) -> dict:
+    """SGLang's GET /get_model_info."""
+    return {"model_path": model, "tokenizer_path": tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False}
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be a bool, got {value!r}", param=name)
+    return value
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
