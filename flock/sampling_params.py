@@ -70,6 +70,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit divided by it (if > 0), else multiplied
     logit_bias: dict[int, float] | None = None  # token id (or its string) -> added to its logit, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (vLLM's): a word's last token is banned after the rest
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len - 1)
     truncation_side: str = "left"  # "right": keep the first k instead
     # the logprob of each sampled (prompt) token and this many most likely alternatives, from the raw logits
@@ -77,6 +78,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # a prompt with these is computed whole: it never reads the prefix cache
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,11 +105,26 @@ class SamplingParams:
 
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it (vLLM's: from the left unless truncation_side says)."""
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         k = max_model_len - 1 if k == -1 else k
         if k is None or len(prompt_token_ids) <= k:
             return prompt_token_ids
         return prompt_token_ids[-k:] if self.truncation_side == "left" else prompt_token_ids[:k]
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """bad_words_token_ids from bad_words, as vLLM's: each word alone and, when that makes other tokens of
+        the same count, after a space."""
+        out = []
+        for word in self.bad_words or []:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        self.bad_words_token_ids = out or None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field (logit_bias ids are checked against vocab_size when given)."""
@@ -145,6 +162,9 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and (vocab_size is None or 0 <= t < vocab_size)
                 for t in allowed)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids in the vocabulary, got {allowed!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1 or k == 0):
             raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")

@@ -22,7 +22,7 @@ from flock.tokenizer import encode_chat
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-                    "truncate_prompt_tokens", "truncation_side"}
+                    "bad_words", "truncate_prompt_tokens", "truncation_side"}
 # OpenAI fields that do not change what is generated: accepted and not used
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "stream_options", "logprobs",
@@ -364,6 +364,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         logit_bias=_typed(body, "logit_bias", dict, None),
         min_tokens=_typed(body, "min_tokens", int, 0),
         allowed_token_ids=_typed(body, "allowed_token_ids", list, None),
+        bad_words=_typed(body, "bad_words", list, None),
         truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None),
         truncation_side=_typed(body, "truncation_side", str, "left"),
     )

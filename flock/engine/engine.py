@@ -79,6 +79,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
         prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
+        if params.bad_words:
+            params.tokenize_bad_words(self.tokenizer)
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         self._next_id += 1
         if params.structured_outputs is not None:

@@ -1,7 +1,8 @@
 """Penalties, logit biases and min_tokens, with vLLM's semantics, on the rows that ask for them.
 
 In vLLM's order, before temperature, top-k and top-p (and before a greedy row's argmax):
-0. allowed_token_ids: every other token goes to -inf;
+0. allowed_token_ids: every other token goes to -inf; bad_words: a word's last token goes to -inf when the output
+   ends with the word's other tokens;
 1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens
    (unless they are all the row has left: a grammar that can only end ends);
 2. logit_bias: each listed token's bias is added to its logit;
@@ -33,7 +34,7 @@ class TokenHistory(Protocol):
 
 def adjusts(p: SamplingParams, history: TokenHistory) -> bool:
     """Whether this row's logits change in this step."""
-    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
+    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
             or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
 
 
@@ -43,7 +44,8 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
     written in place (half-precision logits are first widened to a float32 copy)."""
     # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
     rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
-            or p.frequency_penalty or p.repetition_penalty != 1.0 or p.allowed_token_ids is not None]
+            or p.frequency_penalty or p.repetition_penalty != 1.0 or p.allowed_token_ids is not None
+            or p.bad_words_token_ids]
     rows = [i for i in rows if adjusts(params[i], histories[i])]
     if not rows:
         return logits
@@ -58,6 +60,7 @@ def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Se
            eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
     """Every row of `logits` adjusted by its own params and tokens, in place; returns it."""
     _allowed(logits, params)
+    _bad_words(logits, params, histories)
     _min_tokens(logits, params, histories, set(eos_token_ids))
     _logit_bias(logits, params)
     _penalties(logits, params, histories)
@@ -71,6 +74,16 @@ def _allowed(logits: torch.Tensor, params) -> None:
             kept = logits[i, keep]
             logits[i] = float("-inf")
             logits[i, keep] = kept
+
+
+def _bad_words(logits: torch.Tensor, params, histories) -> None:
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if p.bad_words_token_ids:
+            out = h.output_token_ids
+            for ids in p.bad_words_token_ids:
+                before = ids[:-1]
+                if len(before) <= len(out) and out[len(out) - len(before):] == before:
+                    logits[i, ids[-1]] = float("-inf")
 
 
 def _min_tokens(logits: torch.Tensor, params, histories, eos_token_ids: set[int]) -> None:

@@ -28,6 +28,9 @@ def reference(row: torch.Tensor, p: SamplingParams, tokens: Tokens, eos: set[int
     out = tokens.output_token_ids
     if p.allowed_token_ids is not None:
         x = [v if t in p.allowed_token_ids else float("-inf") for t, v in enumerate(x)]
+    for ids in p.bad_words_token_ids or []:
+        if len(ids) - 1 <= len(out) and out[len(out) - len(ids) + 1:] == ids[:-1]:
+            x[ids[-1]] = float("-inf")
     if len(out) < p.min_tokens:
         for t in eos | set(p.stop_token_ids):
             x[t] = float("-inf")
@@ -54,6 +57,8 @@ KINDS = {
     "logit_bias": lambda rng: SamplingParams(logit_bias={rng.randrange(VOCAB): rng.uniform(-10, 10) for _ in range(5)}),
     "min_tokens": lambda rng: SamplingParams(min_tokens=rng.randrange(0, 25), stop_token_ids=[rng.randrange(VOCAB)]),
     "allowed_token_ids": lambda rng: SamplingParams(allowed_token_ids=rng.sample(range(VOCAB), 5)),
+    "bad_words": lambda rng: SamplingParams(bad_words_token_ids=[[rng.randrange(VOCAB)], [3, rng.randrange(VOCAB)]] + [
+        [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 4))] for _ in range(3)]),
     "all": lambda rng: SamplingParams(
         presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
         repetition_penalty=rng.uniform(0.2, 3), logit_bias={rng.randrange(VOCAB): rng.uniform(-10, 10)},
@@ -195,6 +200,21 @@ def test_allowed_token_ids_are_the_only_ones_sampled(tiny):
         assert all(set(o.token_ids) <= {42, 77} for o in run(tiny, PROMPTS, params))
 
 
+def test_bad_words_are_never_generated(tiny):
+    """A word that greedy decoding would write first is not written with bad_words, with or without the space
+    that begins it; the other rows are untouched."""
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    free = run(tiny, PROMPTS, SamplingParams(**greedy))
+    tok = tiny.get_tokenizer()
+    for prompt, out in zip(PROMPTS, free):
+        word = tok.decode(out.token_ids[:1])
+        banned = run(tiny, [prompt], SamplingParams(bad_words=[word], **greedy))[0].token_ids
+        assert banned[0] != out.token_ids[0] and word.strip() not in tok.decode(banned[:1])
+    params = SamplingParams(bad_words=["x"], **greedy)
+    params.tokenize_bad_words(tok)
+    assert params.bad_words_token_ids[0] == tok.encode("x", add_special_tokens=False)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
     """As vLLM: the last k tokens (the first with truncation_side right); -1 keeps max_model_len - 1."""
     greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
@@ -241,6 +261,8 @@ def test_logit_bias_keys_and_values_are_normalised():
     (dict(logit_bias=[5, 1.0]), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[True]), "allowed_token_ids"),
+    (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words="word"), "bad_words"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(truncation_side="middle"), "truncation_side"),
