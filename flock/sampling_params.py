@@ -22,6 +22,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool | None = None
+    after: str | None = None  # free text up to and including this string comes first (a reasoning model's thinking)
 
     @property
     def kind(self) -> str:
@@ -42,6 +43,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
         if kind == "json_object" and value is not True:
             raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise ValueError(f"structured_outputs.after must be a non-empty string, got {self.after!r}")
         if self.disable_any_whitespace not in (None, True, False):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be a boolean, "
                              f"got {self.disable_any_whitespace!r}")
@@ -110,6 +113,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         k = max_model_len - 1 if k == -1 else k
+        if k is not None and k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len})")
         if k is None or len(prompt_token_ids) <= k:
             return prompt_token_ids
         return prompt_token_ids[-k:] if self.truncation_side == "left" else prompt_token_ids[:k]

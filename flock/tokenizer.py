@@ -27,10 +27,11 @@ def load_tokenizer(path: str | Path):
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
-                chat_template_kwargs: dict | None = None) -> list[int]:
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template (the ChatML fallback when it has none): ready
     for the assistant's answer, or, with continue_final_message, continuing the last message (as vLLM's).
-    `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as objects."""
+    `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as objects;
+    add_special_tokens adds the tokenizer's (a BOS) to what the template writes."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     messages = [assistant_tool_calls(m) for m in messages]
@@ -41,11 +42,13 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}")
     try:
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, tools=tools,
-                                            add_generation_prompt=add_generation_prompt,
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=not add_special_tokens,
+                                            tools=tools, add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
+    if add_special_tokens:
+        return tokenizer.encode(out, add_special_tokens=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -55,13 +58,15 @@ def assistant_tool_calls(message: dict) -> dict:
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not isinstance(calls, list):
         return message
+    if not calls:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
     out = []
     for call in calls:
         f = call.get("function") if isinstance(call, dict) else None
-        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+        if isinstance(f, dict) and not isinstance(f.get("arguments"), dict):
             try:
-                args = json.loads(f["arguments"])
-            except ValueError:
+                args = json.loads(f.get("arguments") or "{}")
+            except (TypeError, ValueError):
                 args = {}
             call = call | {"function": f | {"arguments": args if isinstance(args, dict) else {}}}
         out.append(call)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
-from flock.api.reasoning import split_reasoning
+from flock.api.reasoning import THINKING_END, split_reasoning, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -31,7 +31,7 @@ _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
-                                "parallel_tool_calls", "include_reasoning"}
+                                "parallel_tool_calls", "include_reasoning", "add_special_tokens"}
 STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
@@ -85,11 +85,14 @@ class GenerationRequest:
         return self.texts[0] if len(self.texts) == 1 else None
 
     def truncate(self, max_model_len: int) -> None:
-        """Apply truncate_prompt_tokens now, so that echo, usage and returned ids show the prompts that run."""
+        """Apply truncate_prompt_tokens now, so that usage, returned ids and a completion's echo show the prompts
+        that run (a chat's echo stays its last message)."""
         for i, ids in enumerate(self.prompts):
             kept = self.params.truncated(ids, max_model_len)
             if len(kept) < len(ids):
-                self.prompts[i], self.texts[i] = kept, None
+                self.prompts[i] = kept
+                if self.kind == "completion":
+                    self.texts[i] = None
 
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a
@@ -139,15 +142,18 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     params.structured_outputs, structured_param = _structured_outputs(body)
     if tools is not None:
-        structured_param = _tool_constraint(tools, params, body) or structured_param
+        structured_param = _tool_constraint(tools, params, structured_param, body) or structured_param
+    include_reasoning = _typed(body, "include_reasoning", bool, True)
+    reasoning = reasoning_parser is not None and kind == "chat" and thinking_open(tokenizer, prompts[0])
+    if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
+        params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
                              stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param, tools=tools,
                              return_token_ids=_typed(body, "return_token_ids", bool, False),
-                             reasoning=reasoning_parser is not None and kind == "chat",
-                             include_reasoning=_typed(body, "include_reasoning", bool, True))
+                             reasoning=reasoning, include_reasoning=include_reasoning)
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -155,20 +161,19 @@ def chat_token_ids(body: dict, tokenizer) -> list[int]:
     return _chat_prompt(body | {"tool_choice": "none"} if body.get("tools") else body, tokenizer, None)[1][0]
 
 
-def _tool_constraint(tools: ToolCalling, params: SamplingParams, body: dict) -> str | None:
-    """Constrain a forced tool call (required or named) to its format; the field that asked for it, if any.
-    Hermes' tags may be special tokens: they stay in the text unless the body says otherwise (as vLLM)."""
+def _tool_constraint(tools: ToolCalling, params: SamplingParams, structured_param: str | None,
+                     body: dict) -> str | None:
+    """Constrain a forced tool call (required or named) to its format, in place of a response_format (as vLLM);
+    the field that asked for it, if any. Hermes' tags may be special tokens: they stay in the text unless the
+    body says otherwise (as vLLM)."""
     if tools.parser == "hermes" and body.get("skip_special_tokens") is None:
         params.skip_special_tokens = False
-    try:
-        spec = tools.constraint()
-    except ToolError as e:
-        raise APIError(str(e), param=e.param) from None
+    spec = tools.constraint()
     if spec is None:
         return None
-    if params.structured_outputs is not None:
-        raise APIError("a forced tool call (tool_choice 'required' or a named function) and response_format / "
-                       "structured_outputs cannot both constrain the answer", param="tool_choice")
+    if tools.named and structured_param == "structured_outputs":
+        raise APIError("a named tool_choice and structured_outputs cannot both constrain the answer",
+                       param="tool_choice")
     params.structured_outputs = spec
     return "tools"
 
@@ -285,6 +290,12 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        calls = m.get("tool_calls")
+        if m["role"] == "assistant" and calls is not None and not (isinstance(calls, list) and all(
+                isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("function"), dict)
+                for c in calls)):
+            raise APIError(f"messages[{i}].tool_calls must be a list of {{'type': 'function', 'function': {{...}}}}",
+                           param=f"messages[{i}].tool_calls")
         out.append(m | {"content": _content_text(m.get("content"), i)})  # name, tool_calls, ... as sent
     return out
 
@@ -333,7 +344,8 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
     add = _typed(body, "add_generation_prompt", bool, True)
     ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
                           continue_final_message=_typed(body, "continue_final_message", bool, False),
-                          tools=tools, chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None))
+                          tools=tools, chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None),
+                          add_special_tokens=_typed(body, "add_special_tokens", bool, False))
     last = messages[-1]
     return [last["content"] if not add or last["role"] == "assistant" else ""], [ids], calling
 
@@ -446,7 +458,9 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     tool_calls = reasoning = None
     if gen.reasoning:
         reasoning, text = split_reasoning(text)
-        reasoning = reasoning if gen.include_reasoning else None
+        if not gen.include_reasoning:  # nor its tokens, in logprobs or ids (as vLLM)
+            reasoning = logprobs = None
+            gen = replace(gen, return_token_ids=False)
     if gen.tools is not None and text is not None:
         text, tool_calls = gen.tools.extract(text)
         finish_reason = gen.tools.finish_reason(tool_calls, finish_reason)

@@ -7,6 +7,14 @@ the rest its `content`. An answer that never closes its thinking is all reasonin
 
 REASONING_PARSERS = ("deepseek_r1",)
 _START, _END = "<think>", "</think>"
+THINKING_END = _END
+
+
+def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether the answer to this prompt starts by thinking: unless the chat template closed the thinking already
+    (a `</think>` after its last `<think>`, as templates do to turn thinking off)."""
+    tail = tokenizer.decode(prompt_ids[-64:])
+    return tail.rfind(_END) <= tail.rfind(_START)
 
 
 def split_reasoning(text: str) -> tuple[str | None, str | None]:

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
-from flock.api.server_generate import ServerContext, generate, generate_native, json_body
+from flock.api.server_generate import ServerContext, check_model, generate, generate_native, json_body
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine
@@ -54,11 +54,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
-        return tokenize(await json_body(raw), ctx.engine.tokenizer, ctx.engine.max_model_len)
+        body = check_model(await json_body(raw), ctx)
+        return tokenize(body, ctx.engine.tokenizer, ctx.engine.max_model_len)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize_(raw: Request):
-        return detokenize(await json_body(raw), ctx.engine.tokenizer)
+        return detokenize(check_model(await json_body(raw), ctx), ctx.engine.tokenizer)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -76,8 +76,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     gen = parse_request(kind, await json_body(raw), ctx.engine.tokenizer,
                         default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser,
                         reasoning_parser=ctx.reasoning_parser)
-    if gen.model is not None and gen.model not in ctx.model_names:
-        raise APIError(f"the model `{gen.model}` does not exist", param="model", status=404, code="model_not_found")
+    check_model({"model": gen.model}, ctx)
     gen.truncate(ctx.engine.max_model_len)
     streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
     reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
@@ -100,6 +99,14 @@ async def generate_native(raw: Request, ctx: ServerContext):
     parts = await _collect(streams, raw, ctx)
     objects = [_native_object(req, i, p, ctx, time.monotonic() - start) for i, p in enumerate(parts)]
     return JSONResponse(objects[0] if req.single else objects)
+
+
+def check_model(body, ctx: ServerContext):
+    """The body, if it names no model or one this server serves (else a 404)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and model not in ctx.model_names:
+        raise APIError(f"the model `{model}` does not exist", param="model", status=404, code="model_not_found")
+    return body
 
 
 async def json_body(raw: Request):
@@ -196,9 +203,12 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                 ids, entries = out.token_ids, out.logprobs
                 reasoning, text, tool_calls, finish_reason = answers[i].split(out)
                 returned = {"reasoning": reasoning} if reasoning else {}
+                hidden = gen.reasoning and not gen.include_reasoning  # nor its tokens' logprobs and ids (as vLLM)
+                if hidden:
+                    entries = None
                 if gen.echo_only:
                     text, ids, entries = "", [], [] if entries is not None else None
-                if gen.return_token_ids:
+                if gen.return_token_ids and not hidden:
                     returned["token_ids"] = ids
                     if first[i]:
                         returned["prompt_token_ids"] = gen.prompts[i // gen.n]
@@ -218,8 +228,8 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls,
                                       **returned)
                     text, logprobs, first[i] = "", None, False
-                    returned = {"token_ids": []} if gen.return_token_ids else {}
-                if text or ids or out.finished or (first[i] and reply.kind == "chat"):
+                    returned = {"token_ids": []} if "token_ids" in returned else {}
+                if text or returned or logprobs is not None or out.finished or (first[i] and reply.kind == "chat"):
                     yield reply.chunk(i, text, finish_reason, first=first[i], logprobs=logprobs,
                                       stop_reason=out.stop_reason, **returned)
                     first[i] = False

@@ -9,26 +9,24 @@ CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_mes
 
 
 def tokenize(body, tokenizer, max_model_len: int) -> dict:
-    """vLLM's TokenizeResponse of a {"prompt"} or {"messages"} body: count, max_model_len, tokens (and token_strs
-    with return_token_strs)."""
+    """vLLM's TokenizeResponse of a {"prompt"} or {"messages"} body: count, max_model_len, tokens, token_strs
+    (with return_token_strs, else null)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - (CHAT_FIELDS if "messages" in body else PROMPT_FIELDS))
     if unknown:
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
     for name in ("add_special_tokens", "return_token_strs"):
-        if not isinstance(body.get(name, False), bool):
+        if body.get(name) is not None and not isinstance(body[name], bool):
             raise APIError(f"{name} must be a bool", param=name)
     if "messages" in body:  # the template adds the special tokens (vLLM's add_special_tokens false by default)
         ids = chat_token_ids(body, tokenizer)
     elif isinstance(body.get("prompt"), str):
-        ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
     else:
         raise APIError("'prompt' (a string) or 'messages' is required", param="prompt")
-    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
-    if body.get("return_token_strs"):
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-    return out
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body, tokenizer) -> dict:

@@ -1,12 +1,14 @@
 """Tool calls in chat completions, as vLLM's server makes them with `--tool-call-parser`.
 
 A request's `tools` go to the chat template. With a parser, `tool_choice` "auto" lets the model call them,
-"required" and a named function constrain the answer to the model's call format (xgrammar's structural tag for
-it, each call's arguments following its tool's parameter schema), and the calls are parsed out of the answer
-into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM without a parser.
+"required" and a named function constrain the answer to calls in the model's format and nothing else (an
+xgrammar structural tag: one call, or with parallel_tool_calls one or more; each call's arguments following its
+tool's `parameters` schema, as far as the grammar engine enforces it), and the calls are parsed out of the
+answer into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM without a parser.
 
 Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
-optional text) and "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`).
+optional text) and "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
+`<|python_tag|>`). The content is the text before the first call, without the whitespace that ends it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from dataclasses import dataclass
 from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
-# a parser's name -> xgrammar's name of the model format it parses
-TOOL_PARSERS = {"hermes": "qwen_3", "llama3_json": "llama"}
+TOOL_PARSERS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# a format's call as (begin, end) around the arguments, in the forms a model writes it; the separator of calls
+_CALL_FORMS = {"hermes": ([('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"),
+                           ('<tool_call>{{"name": {}, "arguments": ', "}</tool_call>")], ""),
+               "llama3_json": ([('{{"name": {}, "parameters": ', "}")], "; ")}
 
 
 class ToolError(ValueError):
@@ -47,55 +52,45 @@ class ToolCalling:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar a forced call follows (required or named); none for auto."""
+        """The grammar of a forced answer (required or named): calls and nothing else; none for auto."""
         if self.choice == "auto":
             return None
-        from xgrammar.builtin_structural_tag import get_model_structural_tag
-
-        from flock.sample.grammar import check_enforced
-
-        tools = [{"type": "function", "function": t["function"] | {
-            "parameters": t["function"].get("parameters") or _EMPTY_PARAMETERS}} for t in self.tools]
-        for i, t in enumerate(tools):
-            try:
-                check_enforced(t["function"]["parameters"], f"tools[{i}].function.parameters")
-            except ValueError as e:
-                raise ToolError(str(e), "tools") from None
-        choice = {"type": "function", "function": {"name": self.choice}} if self.named else self.choice
-        tag = get_model_structural_tag(TOOL_PARSERS[self.parser], tools=tools, tool_choice=choice,
-                                       reasoning="disabled", parallel_tool_calls=self.parallel,
-                                       max_whitespace_cnt=1)
-        return StructuredOutputsParams(structural_tag=tag.model_dump_json())
+        forms, separator = _CALL_FORMS[self.parser]
+        tags = [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
+                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or _EMPTY_PARAMETERS,
+                             "max_whitespace_cnt": 1}}
+                for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice
+                for begin, end in forms]
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+                 "stop_after_first": self.named or not self.parallel}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
-        not parse, there are none and the whole text is the content."""
+        not parse, there are none and the whole text is the content. Without parallel calls only the first
+        counts."""
         content, calls = (_hermes if self.parser == "hermes" else _llama3_json)(text)
         if not calls:
             return text, []
-        return content, [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-                         for name, args in calls]
+        return content.rstrip() or None, [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+                                  "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+                                 for name, args in calls[: None if self.parallel else 1]]
 
     def streamable(self, text: str) -> int:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
         if self.choice != "auto":
             return 0
-        if self.parser == "hermes":
-            at = text.find(_HERMES_START)
-            if at >= 0:
-                return at
-            return len(text) - held_back(text, _HERMES_START)
-        start = text.lstrip()
-        may_call = not start or start.startswith(("{", _LLAMA_TAG)) or _LLAMA_TAG.startswith(start)
-        return 0 if may_call else len(text)
+        starts = [_HERMES_START] if self.parser == "hermes" else ["{", _LLAMA_TAG]
+        found = [at for at in (text.find(s) for s in starts) if at >= 0]
+        end = min(found) if found else len(text) - max(held_back(text, s) for s in starts)
+        return len(text[:end].rstrip())  # the content before a call ends without its whitespace
 
     def finish_reason(self, calls: list[dict], engine_reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the answer called tools, but "stop" for a named function."""
         return "tool_calls" if calls and not self.named and engine_reason == "stop" else engine_reason
 
 
-def _hermes(text: str) -> tuple[str | None, list[tuple[str, object]]]:
+def _hermes(text: str) -> tuple[str, list[tuple[str, object]]]:
     if _HERMES_START not in text:
         return text, []
     try:
@@ -103,11 +98,12 @@ def _hermes(text: str) -> tuple[str | None, list[tuple[str, object]]]:
         calls = [(c["name"], c["arguments"]) for c in calls]
     except (ValueError, KeyError, TypeError):
         return text, []
-    return text[: text.index(_HERMES_START)] or None, calls
+    return text[: text.index(_HERMES_START)], calls
 
 
-def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, object]]]:
-    """Every JSON object in the text is a call ({"name", "parameters" or "arguments"}); the rest is dropped."""
+def _llama3_json(text: str) -> tuple[str, list[tuple[str, object]]]:
+    """Every JSON object from the first `{` on is a call ({"name", "parameters" or "arguments"}); text between
+    them is dropped, as vLLM's parser drops it."""
     decoder, calls, at = json.JSONDecoder(), [], text.find("{")
     try:
         while at >= 0:
@@ -117,7 +113,7 @@ def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, object]]]:
             at = text.find("{", end)
     except (ValueError, KeyError, TypeError):
         return text, []
-    return None, calls
+    return text[: text.find("{")].replace(_LLAMA_TAG, ""), calls
 
 
 def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
@@ -142,7 +138,7 @@ def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, Tool
     named = isinstance(choice, dict)
     if named:
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if choice.get("type", "function") != "function" or not isinstance(name, str):
+        if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
             raise ToolError("a named tool_choice is {'type': 'function', 'function': {'name': NAME}}", "tool_choice")
         if name not in {t["function"]["name"] for t in tools}:
             raise ToolError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")

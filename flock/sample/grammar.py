@@ -75,21 +75,16 @@ class GrammarCompiler:
         elif spec.kind == "choice":
             value = tuple(value)
         any_whitespace = self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
-        return spec.kind, value, any_whitespace
+        return spec.kind, value, spec.after, any_whitespace
 
     def _compile(self, spec: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.CompiledGrammar:
-        c = self._xgr_compiler()
-        if spec.kind == "json":
-            return c.compile_json_schema(spec.json, any_whitespace=any_whitespace, strict_mode=True)
-        if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-        if spec.kind == "regex":
-            return c.compile_regex(spec.regex)
-        if spec.kind == "choice":
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
-        if spec.kind == "structural_tag":
-            return c.compile_structural_tag(_structural_tag(spec.structural_tag))
-        return c.compile_lark(spec.grammar) if is_lark(spec.grammar) else c.compile_grammar(spec.grammar)
+        xgr = _xgrammar()
+        grammar = _grammar(xgr, spec, any_whitespace)
+        if spec.after is not None:  # free text up to it first
+            free = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": spec.after}
+            grammar = xgr.Grammar.concat(
+                xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": free})), grammar)
+        return self._xgr_compiler().compile_grammar(grammar)
 
     def _xgr_compiler(self):
         if self._compiler is None:
@@ -98,6 +93,20 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
+
+
+def _grammar(xgr, spec: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.Grammar:
+    if spec.kind in ("json", "json_object"):
+        schema = spec.json if spec.kind == "json" else {"type": "object"}
+        return xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                            any_whitespace=any_whitespace, strict_mode=spec.kind == "json")
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
+    if spec.kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(_structural_tag(spec.structural_tag))
+    return xgr.Grammar.from_lark(spec.grammar) if is_lark(spec.grammar) else xgr.Grammar.from_ebnf(spec.grammar)
 
 
 def is_lark(grammar: str) -> bool:

@@ -183,3 +183,12 @@ def test_add_special_tokens_reaches_the_tokenizer():
 
     assert parse_request("completion", {"prompt": "a"}, Recording()).prompts == [[1, 5]]
     assert parse_request("completion", {"prompt": "a", "add_special_tokens": False}, Recording()).prompts == [[5]]
+
+
+def test_chat_add_special_tokens_adds_them_to_the_template(tmp_path):
+    from tests.model.gguf_files import write_spm_gguf
+
+    spm = load_tokenizer(write_spm_gguf(tmp_path / "spm.gguf"))  # adds a BOS; the fallback template does not
+    chat = {"messages": [{"role": "user", "content": "the cat"}]}
+    plain = parse_request("chat", chat, spm).prompts[0]
+    assert parse_request("chat", chat | {"add_special_tokens": True}, spm).prompts[0] == [spm.bos_token_id] + plain

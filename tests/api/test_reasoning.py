@@ -27,31 +27,46 @@ def test_a_stream_splits_as_the_whole_answer(text, step):
     assert (reasoning, content or None) == split_reasoning(text)
 
 
-def test_reasoning_and_tool_calls_over_the_api():
-    """With --reasoning-parser the thinking comes back as message.reasoning (streamed as delta.reasoning), the
-    rest as content, or as tool calls with --tool-call-parser; include_reasoning false leaves it out. The tiny
-    model is held to such answers by a regex."""
+def test_thinking_then_tool_calls_in_a_choice():
+    from flock.api.protocol import make_choice, parse_request
+    from flock.api.tools import ToolCalling
+    from flock.model import resolve_model
+    from flock.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model("flock/tiny").folder)
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": [{"role": "user", "content": "Time?"}], "tools": [now], "tool_choice": "required"}
+    gen = parse_request("chat", body, tok, None, "hermes", "deepseek_r1")
+    assert gen.reasoning and gen.params.structured_outputs.after == "</think>"  # thinking first, then the calls
+    c = make_choice(gen, 0, 'ab</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>', "stop", [1],
+                    None, None, None)
+    assert (c.reasoning, c.text, c.finish_reason) == ("ab", "", "tool_calls") and c.tool_calls[0]["function"][
+        "name"] == "now"
+    assert isinstance(gen.tools, ToolCalling)
+    closed = parse_request("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content":
+                           "<think>ab</think>"}], "continue_final_message": True, "add_generation_prompt": False},
+                           tok, None, None, "deepseek_r1")
+    assert not closed.reasoning  # the prompt closed the thinking: the answer is content
+
+
+def test_reasoning_over_the_api():
+    """With --reasoning-parser the thinking comes back as message.reasoning (streamed as delta.reasoning); a
+    grammar applies only after it (the random model never ends its thinking, so its answer stays reasoning);
+    include_reasoning false hides the thinking, its logprobs too."""
     import openai
 
     from bench.harness.server_process import ServerProcess
 
-    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
-    call = r'<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
-    with ServerProcess("--model", "flock/tiny", "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes",
-                       env={"OMP_NUM_THREADS": "1"}) as s:
+    with ServerProcess("--model", "flock/tiny", "--reasoning-parser", "deepseek_r1", env={"OMP_NUM_THREADS": "1"}) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for after, tools, content, called in [(r"Yes\.", {}, "Yes.", []), (call, {"tools": [now]}, None, ["now"])]:
-            kw = dict(model="flock/tiny", messages=[{"role": "user", "content": "Yes?"}], max_tokens=60,
-                      temperature=0, extra_body={"structured_outputs": {"regex": "<think>[a-c]{2}</think>" + after}})
-            whole = client.chat.completions.create(**kw | tools).choices[0]
-            message = whole.message.model_dump()
-            assert len(message["reasoning"]) == 2 and set(message["reasoning"]) <= set("abc")
-            assert message["content"] == content
-            assert [c["function"]["name"] for c in message.get("tool_calls") or []] == called
-            deltas = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(stream=True, **kw | tools)]
-            assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
-            assert "".join(d.get("content") or "" for d in deltas) == (content or "")
-            assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or []] == called
-            hidden = client.chat.completions.create(**kw | tools | {"extra_body": kw["extra_body"] | {
-                "include_reasoning": False}}).choices[0].message.model_dump()
-            assert hidden.get("reasoning") is None and hidden["content"] == content
+        kw = dict(model="flock/tiny", messages=[{"role": "user", "content": "Yes?"}], max_tokens=12, temperature=0,
+                  extra_body={"structured_outputs": {"regex": r"Yes\."}, "ignore_eos": True})
+        message = client.chat.completions.create(**kw).choices[0].message.model_dump()
+        assert message["reasoning"] and message["reasoning"] != "Yes." and message["content"] is None
+        deltas = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(stream=True, **kw)]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+        assert not any(d.get("content") for d in deltas)
+        hidden = kw | {"extra_body": kw["extra_body"] | {"include_reasoning": False}, "logprobs": True}
+        choice = client.chat.completions.create(**hidden).choices[0]
+        assert choice.message.content is None and choice.logprobs is None
+        assert choice.message.model_dump().get("reasoning") is None

@@ -361,6 +361,8 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert post("/tokenize", {"prompt": "x", "stream": True}).json()["error"]["param"] == "stream"
     assert post("/tokenize", {"prompt": "x"}, headers={}).status_code == 401
+    assert post("/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+    assert post("/tokenize", {"prompt": "x", "return_token_strs": None}).json()["token_strs"] is None
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -37,7 +37,7 @@ def test_hermes_calls_as_vllm_parses_them():
     """Text before the first <tool_call> is the content; a closed or unterminated call's JSON is one call; if any
     call does not parse there are none and the whole text is the content."""
     one = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}\n</tool_call>'
-    assert calls(hermes().extract(one)) == ("Let me look.\n", [("get_weather", {"city": "Paris", "celsius": True})])
+    assert calls(hermes().extract(one)) == ("Let me look.", [("get_weather", {"city": "Paris", "celsius": True})])
     two = '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>{"name": "now", "arguments": {"é": 1}}'
     assert calls(hermes().extract(two)) == (None, [("now", {}), ("now", {"é": 1})])
     assert hermes().extract(two)[1][1]["function"]["arguments"] == '{"é": 1}'  # json.dumps, non-ASCII kept
@@ -46,7 +46,7 @@ def test_hermes_calls_as_vllm_parses_them():
 
 
 def test_llama3_json_calls_as_vllm_parses_them():
-    """Every JSON object is a call with "parameters" (or "arguments"); the content is then none."""
+    """Every JSON object is a call with "parameters" (or "arguments"); the content is the text before them."""
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "celsius": false}}; ' \
            '{"name": "now", "arguments": {}}'
     assert calls(llama().extract(text)) == (None, [("get_weather", {"city": "Rome", "celsius": False}), ("now", {})])
@@ -55,10 +55,11 @@ def test_llama3_json_calls_as_vllm_parses_them():
 
 
 @pytest.mark.parametrize("make, text, streamed_before_end", [
-    (hermes, 'Sure thing. <tool_call>{"name": "now", "arguments": {}}</tool_call>', "Sure thing. "),
+    (hermes, 'Sure thing. <tool_call>{"name": "now", "arguments": {}}</tool_call>', "Sure thing."),
     (hermes, "Plain <tool answer, no call.", "Plain <tool answer, no call."),
     (llama, '  {"name": "now", "parameters": {}}', ""),
-    (llama, "  Plain {answer}.", "  Plain {answer}."),
+    (llama, "  Plain {answer}.", "  Plain"),
+    (llama, 'Sure: <|python_tag|>{"name": "now", "parameters": {}}', "Sure:"),
 ])
 def test_a_stream_sends_content_until_a_call_may_start(make, text, streamed_before_end):
     """Streamed in 1-3 character deltas: content goes out while it cannot start a call (a partial "<tool_call>" is
@@ -89,11 +90,17 @@ def test_tool_fields_checked_as_vllm_checks_them(tok):
     assert param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}) == \
         "tool_choice"
     assert param({"tools": [WEATHER], "tool_choice": "always"}) == "tool_choice"
-    assert param({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}) == \
+    assert param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ""}}}) == \
         "tool_choice"
+    history = USER + [{"role": "assistant", "content": "", "tool_calls": ["get_weather"]}]
+    assert param({"messages": history}) == "messages[1].tool_calls"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert param({"tools": [WEATHER], "tool_choice": named, "structured_outputs": {"json_object": True}}) == \
+        "tool_choice"
+    forced = parse_request("chat", {"messages": USER, "tools": [WEATHER], "tool_choice": "required",
+                                    "response_format": {"type": "json_object"}}, tok, None, "hermes")
+    assert forced.params.structured_outputs.structural_tag  # the forced call's grammar wins, as vLLM's
     assert param({"tools": [WEATHER], "parallel_tool_calls": "yes"}) == "parallel_tool_calls"
-    unenforced = {"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "null"}}}}
-    assert param({"tools": [unenforced], "tool_choice": "required"}) == "tools"
     shown = parse_request("chat", {"messages": USER, "tools": [WEATHER], "tool_choice": "none"}, tok, None, None)
     assert shown.tools is None and shown.params.structured_outputs is None
 

@@ -110,6 +110,13 @@ def test_json_has_no_free_whitespace_unless_asked(tiny):
     assert g.matcher(StructuredOutputsParams(json_object=True)).accept_string('{"a":')
 
 
+def test_a_grammar_after_free_text_applies_once_it_ends(tiny):
+    """A reasoning model's thinking comes first, unconstrained, up to its end tag; then the grammar."""
+    m = tiny.engine.grammars.matcher(StructuredOutputsParams(choice=["yes", "no"], after="</think>"))
+    assert m.accept_string("Any <think> text {") and m.accept_string("</think>")
+    assert not m.accept_string("maybe") and m.accept_string("yes") and not m.accept_string("s")
+
+
 def test_choices_beyond_the_basic_plane_match_themselves(tiny):
     m = tiny.engine.grammars.matcher(StructuredOutputsParams(choice=["🎉 party", "ok"]))
     assert m.accept_string("🎉 party")
@@ -120,7 +127,7 @@ def test_the_compiled_grammars_kept_are_bounded(tiny, monkeypatch):
     g = tiny.engine.grammars
     for n in range(4):
         g.compile(StructuredOutputsParams(regex=f"a{{{n + 1}}}"))
-    assert len(g.cache) == 2 and ("regex", "a{4}", False) in g.cache
+    assert len(g.cache) == 2 and ("regex", "a{4}", None, False) in g.cache
 
 
 def test_each_distinct_spec_compiles_once(tiny):

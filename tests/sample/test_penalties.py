@@ -228,6 +228,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
     too_long = list(range(5, 5 + limit + 10))
     out = tiny.generate([{"prompt_token_ids": too_long}], SamplingParams(truncate_prompt_tokens=-1, **greedy))[0]
     assert out.prompt_token_ids == too_long[-(limit - 1):]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        tiny.generate([{"prompt_token_ids": long}], SamplingParams(truncate_prompt_tokens=limit + 1, **greedy))
 
 
 def test_a_penalised_request_leaves_a_plain_one_in_its_step_unchanged(tiny):
