@@ -186,7 +186,7 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
     first = message.split(" ", 1)[0]
     if first.startswith("structured_outputs"):
         if gen.structured_param != "structured_outputs":
-            message = f"{gen.structured_param}: " + message.split(" ", 1)[1]
+            message = f"{gen.structured_param}: {message}"
         return APIError(message, param=gen.structured_param)
     param = first if first in _SAMPLING_FIELDS else "prompt" if gen.kind == "completion" else "messages"
     return APIError(message, param=param)

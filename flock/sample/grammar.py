@@ -13,11 +13,13 @@ import json
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from flock.model import fused_ops
+from flock.sample.json_schema import enforceable
 from flock.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -57,9 +59,8 @@ class GrammarCompiler:
                 pass
         else:
             try:
-                if spec.kind == "json":
-                    check_enforced(spec.json)
-                grammar = self._compile(spec, key[-1])
+                prepared = replace(spec, json=enforceable(spec.json)) if spec.kind == "json" else spec
+                grammar = self._compile(prepared, key[-1])
             except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors carry its source position first
                 reason = re.sub(r"^.*?\.cc:\d+:\s*", "", str(e).strip().rsplit("] ", 1)[-1])
                 raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: {reason}") from None
@@ -127,50 +128,6 @@ def _structural_tag(text: str) -> str:
     xgr = _xgrammar()
     items = [xgr.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in tag["structures"]]
     return xgr.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers", [])).model_dump_json()
-
-
-# JSON Schema keywords xgrammar compiles without enforcing them (it ignores them, at most with a warning on
-# stderr), found by compiling schemas and feeding the matcher instances that break them. A schema using one is
-# rejected, as vLLM rejects it, rather than giving output that does not validate.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_SCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
-            "else", "unevaluatedProperties", "unevaluatedItems")
-
-
-def check_enforced(schema, path: str = "#") -> None:
-    """ValueError naming the first keyword of `schema` (a JSON Schema as a dict or JSON text) that the grammar
-    engine would not enforce, and where it is."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError:
-            return  # xgrammar reports it
-    if not isinstance(schema, dict):
-        return
-    types = schema.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    unenforced = [k for k in ("not", "if", "dependentRequired", "contains", "minContains", "maxContains") if k in schema]
-    if schema.get("uniqueItems") is True:
-        unenforced.append("uniqueItems")
-    if "multipleOf" in schema and "integer" not in types:
-        unenforced.append("multipleOf (on numbers)")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        unenforced.append("allOf (with more than one schema)")
-    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
-        unenforced.append("minLength / maxLength (with a pattern or format)")
-    if unenforced:
-        raise ValueError(f"{unenforced[0]} at {path} is not supported")
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                check_enforced(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                check_enforced(sub, f"{path}/{key}/{i}")
-    for key in _SCHEMAS:
-        check_enforced(schema.get(key), f"{path}/{key}")
 
 
 class GrammarMasks:

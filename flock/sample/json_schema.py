@@ -1,0 +1,129 @@
+"""JSON Schemas as xgrammar can enforce them.
+
+xgrammar compiles some keywords without enforcing them, found by compiling schemas and feeding the matcher
+instances that break them. Where a rewrite keeps a schema's meaning, `enforceable` makes it (a string's length
+as a pattern, which also keeps raw control characters out of the JSON; an enum filtered by its type); where none
+does, it refuses the schema naming the keyword and where it is, as vLLM refuses some, rather than letting output
+through that does not validate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+# keys that do not constrain an instance
+ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+               "$schema", "$id", "$defs", "definitions", "discriminator", "nullable"}
+# standard formats xgrammar has no grammar for (it lets any string through); other names are annotations
+UNENFORCED_FORMATS = {"regex", "idn-email", "idn-hostname", "iri", "iri-reference"}
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+            "else", "unevaluatedProperties", "unevaluatedItems")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+               "array": (list,), "object": (dict,)}
+
+
+def enforceable(schema: dict | str) -> dict | str:
+    """`schema` (a dict or JSON text) as xgrammar enforces it, a copy; ValueError naming the first keyword it
+    would not enforce, and where."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return schema  # xgrammar reports it
+    schema = copy.deepcopy(schema)
+    _walk(schema, "#")
+    return schema
+
+
+def _walk(schema, path: str) -> None:
+    if not isinstance(schema, dict):
+        return
+    _refuse_unenforced(schema, path)
+    _lengths_as_pattern(schema)
+    _filter_enum(schema, path)
+    for key in _MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                _walk(sub, f"{path}/{key}/{name}")
+    for key in _LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                _walk(sub, f"{path}/{key}/{i}")
+    for key in _SCHEMAS:
+        _walk(schema.get(key), f"{path}/{key}")
+
+
+def _refuse_unenforced(schema: dict, path: str) -> None:
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    constraints = set(schema) - ANNOTATIONS
+    unenforced = [k for k in ("not", "if", "dependentRequired", "dependentSchemas", "dependencies", "contains",
+                              "minContains", "maxContains") if k in schema]
+    if schema.get("uniqueItems") is True:
+        unenforced.append("uniqueItems")
+    if "multipleOf" in schema and "integer" not in types:
+        unenforced.append("multipleOf (on numbers)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        unenforced.append("allOf (with more than one schema)")
+    if ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        unenforced.append("minLength / maxLength (with a pattern or format)")
+    if "pattern" in schema and "format" in schema:
+        unenforced.append("pattern (with a format)")
+    if schema.get("format") in UNENFORCED_FORMATS:
+        unenforced.append(f"format {schema['format']!r}")
+    for key in ("pattern", "patternProperties", "propertyNames"):
+        if _LOOKAROUND.search(json.dumps(schema.get(key, ""))):
+            unenforced.append(f"a lookaround in {key}")
+    for key in ("anyOf", "oneOf", "$ref"):
+        if key in schema and constraints - {key}:
+            unenforced.append(f"{sorted(constraints - {key})[0]} (beside {key})")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        unenforced.append(f"$ref {ref!r} (only '#/...' pointers)")
+    unenforced += [f"required {name!r} (not in properties)" for name in _undeclared_required(schema)]
+    if unenforced:
+        raise ValueError(f"{unenforced[0]} at {path} is not supported")
+
+
+def _undeclared_required(schema: dict) -> list[str]:
+    """Required names that no property can give: xgrammar's strict mode leaves them out."""
+    required, properties = schema.get("required"), schema.get("properties") or {}
+    if not isinstance(required, list) or "patternProperties" in schema or schema.get("additionalProperties") not in (
+            None, False):
+        return []
+    return [name for name in required if isinstance(name, str) and name not in properties]
+
+
+def _lengths_as_pattern(schema: dict) -> None:
+    """minLength / maxLength alone let xgrammar write raw control characters into the string; the same bounds
+    as a pattern do not."""
+    if "pattern" in schema or "format" in schema or not ({"minLength", "maxLength"} & schema.keys()):
+        return
+    low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
+    schema["pattern"] = f"^.{{{low},{high}}}$"
+
+
+def _filter_enum(schema: dict, path: str) -> None:
+    """An enum (or const) wins over its siblings in xgrammar: keep the values of the declared type; other
+    constraints beside it are refused."""
+    key = "enum" if "enum" in schema else "const" if "const" in schema else None
+    if key is None:
+        return
+    others = set(schema) - ANNOTATIONS - {key, "type"}
+    if others:
+        raise ValueError(f"{sorted(others)[0]} (beside {key}) at {path} is not supported")
+    types = schema.get("type")
+    if types is None:
+        return
+    allowed = tuple(t for name in ([types] if isinstance(types, str) else types) for t in _JSON_TYPES.get(name, ()))
+    fits = [v for v in (schema[key] if key == "enum" else [schema[key]])
+            if isinstance(v, allowed) and (bool in allowed or not isinstance(v, bool))]
+    if not fits:
+        raise ValueError(f"no value of {key} at {path} has its type {types!r}")
+    if key == "enum":
+        schema["enum"] = fits
