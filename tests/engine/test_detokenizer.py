@@ -41,8 +41,9 @@ def sequences(tok, rng: random.Random) -> list[list[int]]:
     return encoded + [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))] for _ in range(30)]
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "windows"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_text_is_the_decoded_text(tmp_path, skip_special_tokens):
+def test_incremental_text_is_the_decoded_text(tmp_path, skip_special_tokens, stream):
     """After every update the text is the decoded text of all ids but a few last unsettled ones (a prefix of
     it), and at the end all of it, for each kind of decoder; only transformers' clean-up may change text
     already given (a space before a later '.'), so there only the end is compared."""
@@ -52,7 +53,7 @@ def test_incremental_text_is_the_decoded_text(tmp_path, skip_special_tokens):
         assert cleans == (name == "WordPiece")
         decode = lambda ids: tok.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
         for ids in sequences(tok, rng):
-            inc, k, text = IncrementalText(tok, skip_special_tokens, cleans), 0, ""
+            inc, k, text = IncrementalText(tok, skip_special_tokens, cleans, stream), 0, ""
             while k < len(ids):
                 k = min(len(ids), k + rng.choice([1, 1, 1, 2, 3]))
                 text = inc.update(ids[:k])
