@@ -72,9 +72,10 @@ class ToolCalling:
         content, calls = (_hermes if self.parser == "hermes" else _llama3_json)(text)
         if not calls:
             return text, []
-        return content.rstrip() or None, [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
-                                  "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-                                 for name, args in calls[: None if self.parallel else 1]]
+        calls = calls if self.parallel else calls[:1]
+        return content.rstrip() or None, [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
 
     def streamable(self, text: str) -> int:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
