@@ -88,7 +88,10 @@ class GenerationRequest:
         """Apply truncate_prompt_tokens now, so that usage, returned ids and a completion's echo show the prompts
         that run (a chat's echo stays its last message)."""
         for i, ids in enumerate(self.prompts):
-            kept = self.params.truncated(ids, max_model_len)
+            try:
+                kept = self.params.truncated(ids, max_model_len)
+            except ValueError as e:
+                raise APIError(str(e), param="truncate_prompt_tokens") from None
             if len(kept) < len(ids):
                 self.prompts[i] = kept
                 if self.kind == "completion":

@@ -14,22 +14,25 @@ import uuid
 from dataclasses import dataclass
 
 from flock.api.logprobs import TokenText
-from flock.api.protocol import APIError
+from flock.api.protocol import MAX_CHOICES, APIError
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 GREEDY_BELOW = 1e-6  # a temperature under this samples greedily, as SGLang's
-FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-          "return_text_in_logprobs", "stream"}
+# SGLang's fields for what Flock does not run: refused unless left at their defaults; other unknown fields are
+# ignored, as SGLang ignores them
+UNSUPPORTED = {"input_embeds", "image_data", "video_data", "audio_data", "lora_path", "return_hidden_states",
+               "custom_logit_processor", "token_ids_logprob", "session_params"}
 _PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
           "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
           "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
           "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
           "no_stop_trim": "include_stop_str_in_output", "logit_bias": "logit_bias", "sampling_seed": "seed", "n": "n"}
 _GRAMMARS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
-# besides: max_new_tokens, temperature, top_k; the last two change nothing here
-_ACCEPTED = {"max_new_tokens", "temperature", "top_k", "spaces_between_special_tokens", "stream_interval"}
+# besides: max_new_tokens, temperature, top_k; the last three change nothing here (custom_params only when null)
+_ACCEPTED = {"max_new_tokens", "temperature", "top_k", "spaces_between_special_tokens", "stream_interval",
+             "custom_params"}
 
 
 @dataclass
@@ -51,9 +54,9 @@ def parse_generate(body, tokenizer) -> NativeRequest:
     """Check and convert a /generate body; APIError names what is wrong."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    unsupported = sorted(k for k in UNSUPPORTED if body.get(k) not in (None, False, [], {}))
+    if unsupported:
+        raise APIError(f"{unsupported[0]} is not supported", param=unsupported[0])
     prompts, single = _prompts(body, tokenizer)
     specs = body.get("sampling_params") or {}
     specs = specs if isinstance(specs, list) else [specs] * len(prompts)
@@ -77,12 +80,26 @@ def parse_generate(body, tokenizer) -> NativeRequest:
                                param="logprob_start_len")
             if 0 <= start < len(ids) - 1:
                 p.prompt_logprobs = top
+    if len(prompts) * params[0].n > MAX_CHOICES:
+        raise APIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="sampling_params")
     requests = [(ids, s) for ids, p in zip(prompts, params) for s in p.samples()]
     prefill = [flag for flag, p in zip(prefill, params) for _ in range(p.n)]
-    rid = body.get("rid")
-    rids = [rid] if single and isinstance(rid, str) and len(requests) == 1 else [uuid.uuid4().hex for _ in requests]
-    return NativeRequest(single and len(requests) == 1, requests, rids, _bool(body, "stream"), logprob, start, top,
-                         _bool(body, "return_text_in_logprobs"), prefill)
+    return NativeRequest(single and len(requests) == 1, requests, _rids(body.get("rid"), len(prompts), len(requests)),
+                         _bool(body, "stream"), logprob, start, top, _bool(body, "return_text_in_logprobs"), prefill)
+
+
+def _rids(rid, num_prompts: int, num_requests: int) -> list[str]:
+    """SGLang's request ids: the body's (a string; a batch's list, or a string with _i added), fresh ones for
+    n > 1 samples."""
+    if rid is None or num_requests != num_prompts:
+        return [uuid.uuid4().hex for _ in range(num_requests)]
+    rids = [rid] if num_prompts == 1 and isinstance(rid, str) else \
+        [f"{rid}_{i}" for i in range(num_prompts)] if isinstance(rid, str) else rid
+    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) for r in rids):
+        raise APIError("rid must be a string, or a list of one string per prompt", param="rid")
+    if len(set(rids)) != len(rids):
+        raise APIError("rid has duplicate request ids", param="rid")
+    return rids
 
 
 def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
@@ -104,8 +121,9 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
 
 def _sampling_params(spec: dict) -> SamplingParams:
     unknown = sorted(set(spec) - _PLAIN.keys() - _GRAMMARS.keys() - _ACCEPTED)
-    if unknown:
-        raise APIError(f"sampling_params has unknown key(s) {unknown}", param="sampling_params")
+    if unknown or spec.get("custom_params") is not None:
+        raise APIError(f"sampling_params has unknown or unsupported key(s) {unknown or ['custom_params']}",
+                       param="sampling_params")
     kwargs = {name: spec[key] for key, name in _PLAIN.items() if spec.get(key) is not None}
     max_new = spec.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)  # null: up to the context length
     if max_new is not None and (not _int(max_new) or max_new < 0):

@@ -383,6 +383,9 @@ def test_return_token_ids_and_truncation_as_vllm(client, chat):
     first = chunks[0] if chat else chunks[0]["choices"][0]
     assert first["prompt_token_ids"] == prompt_ids
     assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == whole["choices"][0]["token_ids"]
+    with pytest.raises(openai.BadRequestError) as e:
+        create(**kw | {"extra_body": extra | {"truncate_prompt_tokens": 100_000}})
+    assert e.value.param == "truncate_prompt_tokens"
     cut = create(**kw | {"extra_body": extra | {"truncate_prompt_tokens": 3}}).model_dump()
     assert cut["usage"]["prompt_tokens"] == 3
     assert (cut["prompt_token_ids"] if chat else cut["choices"][0]["prompt_token_ids"]) == prompt_ids[-3:]
@@ -418,9 +421,14 @@ def test_sglang_generate(server, client):
     assert len(prompt_lp) == len(ids) and prompt_lp[0][0] is None and all(lp < 0 for lp, _, _ in prompt_lp[1:])
     assert [t for _, t, _ in prompt_lp] == ids and len(scored["meta_info"]["input_top_logprobs"][1]) == 2
     for bad in ({"text": prompt, "input_ids": ids}, {"text": prompt, "sampling_params": {"seed": 1}},
-                {"text": prompt, "sampling_params": {"top_k": 0}}):
+                {"text": prompt, "sampling_params": {"top_k": 0}}, {"text": prompt, "image_data": "x.png"},
+                {"text": prompt, "sampling_params": {"n": 200}}, {"text": [prompt, "b"], "rid": ["a", "a"]}):
         r = post(bad)
         assert r.status_code == 400 and r.json()["error"]["message"]
+    # SGLang's own fields at their defaults, and fields it does not know, are ignored as SGLang ignores them
+    named = post({"text": [prompt, "b"], "rid": ["x", "y"], "sampling_params": greedy, "lora_path": None,
+                  "model": "anything"}).json()
+    assert [o["meta_info"]["id"] for o in named] == ["x", "y"] and named[0]["text"] == same
     info = httpx.get(f"{server.url}/get_model_info", headers=AUTH, timeout=10).json()
     assert info["is_generation"] is True and info["model_path"] == MODEL
 
