@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from flock.api.reasoning import THINKING_END
 from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
 
@@ -69,6 +70,9 @@ def serve_main(args: argparse.Namespace) -> int:
                             args.reasoning_parser)
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
+        if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():
+            log.warning("--reasoning-parser %s: the tokenizer has no %s token, so every answer that does not write "
+                        "the tag is all reasoning (vLLM refuses to start)", args.reasoning_parser, THINKING_END)
         server = DrainingServer(uvicorn.Config(
             build_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
             timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_AFTER_ABORT_S), engine, args.shutdown_timeout)
