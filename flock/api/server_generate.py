@@ -189,9 +189,7 @@ async def _collect(streams: list[RequestStream], raw: Request, ctx: ServerContex
 
 async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStream],
                   ctx: ServerContext) -> AsyncIterator[str]:
-    first = [True] * len(streams)
-    offsets = [0] * len(streams)  # completions' text_offset of each choice's next token
-    answers = [_StreamedAnswer(gen) for _ in streams]
+    choices = [_StreamedChoice(reply, gen, i, ctx) for i in range(len(streams))]
     last: list[StreamOutput | None] = [None] * len(streams)
     try:
         async with aclosing(_merged(streams, ctx.metrics)) as outs:
@@ -200,39 +198,8 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield _sse(APIError(out.error, status=500, type="server_error").body())
                     break
                 last[i] = out
-                ids, entries = out.token_ids, out.logprobs
-                reasoning, text, tool_calls, finish_reason = answers[i].split(out)
-                returned = {"reasoning": reasoning} if reasoning else {}
-                hidden = gen.reasoning and not gen.include_reasoning  # nor its tokens' logprobs and ids (as vLLM)
-                if hidden:
-                    entries = None
-                if gen.echo_only:
-                    text, ids, entries = "", [], [] if entries is not None else None
-                if gen.return_token_ids and not hidden:
-                    returned["token_ids"] = ids
-                    if first[i]:
-                        returned["prompt_token_ids"] = gen.prompts[i // gen.n]
-                if first[i] and gen.echo:
-                    prompt = gen.prompts[i // gen.n]
-                    echoed = gen.texts[i // gen.n]
-                    text = (echoed if echoed is not None else ctx.engine.tokenizer.decode(prompt)) + text
-                    if entries is not None and gen.kind == "completion":
-                        ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
-                logprobs = None
-                if entries is not None and gen.kind == "chat":
-                    logprobs = chat_logprobs(ctx.token_text, entries)
-                elif entries is not None:
-                    logprobs = completion_logprobs(ctx.token_text, ids, entries, offsets[i])
-                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                if tool_calls:  # whole, in their own chunk before the finish
-                    yield reply.chunk(i, text, None, first=first[i], logprobs=logprobs, tool_calls=tool_calls,
-                                      **returned)
-                    text, logprobs, first[i] = "", None, False
-                    returned = {"token_ids": []} if "token_ids" in returned else {}
-                if text or returned or logprobs is not None or out.finished or (first[i] and reply.kind == "chat"):
-                    yield reply.chunk(i, text, finish_reason, first=first[i], logprobs=logprobs,
-                                      stop_reason=out.stop_reason, **returned)
-                    first[i] = False
+                for chunk in choices[i].chunks(out):
+                    yield chunk
             else:
                 if gen.include_usage:
                     usage_ = choices_usage(last, gen.n)
@@ -269,17 +236,45 @@ def _native_object(req: NativeRequest, i: int, part: ChoiceParts, ctx: ServerCon
                          part.prompt_logprobs, ctx.token_text, latency)
 
 
-class _StreamedAnswer:
-    """A streamed chat choice's text as the body asked it: the thinking split off (reasoning), and tool calls held
-    back and parsed at the end."""
+class _StreamedChoice:
+    """One choice of a streamed response: each engine output as the chunks to send, shaped as the body asked (echo,
+    logprobs, token ids; a chat's thinking split off, its tool calls held back and parsed at the end)."""
 
-    def __init__(self, gen: GenerationRequest):
-        self.gen = gen
+    def __init__(self, reply: Reply, gen: GenerationRequest, index: int, ctx: ServerContext):
+        self.reply, self.gen, self.index, self.ctx = reply, gen, index, ctx
+        self.first = True
+        self.offset = 0  # a completion's text_offset of its next token
         self.thinking = ReasoningStream() if gen.reasoning else None
         self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
+        self.hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs and ids too (as vLLM)
 
-    def split(self, out: StreamOutput) -> tuple[str, str, list[dict] | None, str | None]:
-        """(reasoning, content, tool calls, finish reason) to send for this output."""
+    def chunks(self, out: StreamOutput) -> list[str]:
+        gen = self.gen
+        reasoning, text, tool_calls, finish_reason = self._split(out)
+        ids, entries = out.token_ids, None if self.hidden else out.logprobs
+        fields = {"reasoning": reasoning} if reasoning and not self.hidden else {}
+        if gen.echo_only:
+            text, ids, entries = "", [], [] if entries is not None else None
+        if gen.return_token_ids and not self.hidden:
+            fields["token_ids"] = ids
+            if self.first:
+                fields["prompt_token_ids"] = gen.prompts[self.index // gen.n]
+        if self.first and gen.echo:
+            prompt, echoed = gen.prompts[self.index // gen.n], gen.texts[self.index // gen.n]
+            text = (echoed if echoed is not None else self.ctx.engine.tokenizer.decode(prompt)) + text
+            if entries is not None and gen.kind == "completion":
+                ids, entries = prompt + ids, (out.prompt_logprobs or [None] * len(prompt)) + entries
+        logprobs = self._logprobs(ids, entries)
+        chunks = []
+        if tool_calls:  # whole, in their own chunk before the finish
+            chunks.append(self._chunk(text, None, logprobs, tool_calls=tool_calls, **fields))
+            text, logprobs, fields = "", None, {"token_ids": []} if "token_ids" in fields else {}
+        if text or fields or logprobs is not None or out.finished or (self.first and gen.kind == "chat"):
+            chunks.append(self._chunk(text, finish_reason, logprobs, stop_reason=out.stop_reason, **fields))
+        return chunks
+
+    def _split(self, out: StreamOutput) -> tuple[str, str, list[dict] | None, str | None]:
+        """(reasoning, content, tool calls, finish reason) of this output."""
         reasoning, text, tool_calls, finish_reason = "", out.text, None, out.finish_reason
         if self.thinking is not None:
             reasoning, text = self.thinking.delta(text, out.finished)
@@ -288,7 +283,21 @@ class _StreamedAnswer:
             if out.finished:
                 rest, tool_calls = self.calls.finish()
                 text, finish_reason = text + rest, self.gen.tools.finish_reason(tool_calls, finish_reason)
-        return (reasoning if self.gen.include_reasoning else ""), text, tool_calls, finish_reason
+        return reasoning, text, tool_calls, finish_reason
+
+    def _logprobs(self, ids: list[int], entries) -> dict | None:
+        if entries is None:
+            return None
+        if self.gen.kind == "chat":
+            return chat_logprobs(self.ctx.token_text, entries)
+        shaped = completion_logprobs(self.ctx.token_text, ids, entries, self.offset)
+        self.offset += sum(len(t) for t in shaped["tokens"])
+        return shaped
+
+    def _chunk(self, text: str, finish_reason: str | None, logprobs: dict | None, **fields) -> str:
+        chunk = self.reply.chunk(self.index, text, finish_reason, first=self.first, logprobs=logprobs, **fields)
+        self.first = False
+        return chunk
 
 
 async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterator[tuple[int, StreamOutput]]:
