@@ -10,6 +10,7 @@ against transformers loading the same file).
 
 import functools
 import itertools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,9 +142,11 @@ def split_as_llama_cpp(tokenizer, path: Path) -> None:
     - SmolLM's BPE ("smollm"): every numeric character alone, as its own tokenizer.json (Digits before the
       byte-level split; " ½" was one piece).
     - Llama 3's BPE ("llama-bpe"): a word the vocabulary holds whole is that one token (`ignore_merges`, as in its
-      tokenizer.json; "Cửa Việt" came out in 5 tokens instead of 3)."""
+      tokenizer.json; "Cửa Việt" came out in 5 tokens instead of 3).
+    - No token past the file's vocabulary: transformers adds "<|endoftext|>" after a Llama 3 one (id 128256, which
+      the model has no row for, so a prompt with that text was refused); it is text, as for llama.cpp."""
     from gguf import GGUFReader
-    from tokenizers import normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
     spm = isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)
@@ -157,6 +160,10 @@ def split_as_llama_cpp(tokenizer, path: Path) -> None:
                                                          backend.pre_tokenizer])
     elif _field(reader, "tokenizer.ggml.pre") == "llama-bpe":
         backend.model.ignore_merges = True  # Llama 3's: a word in the vocabulary is one token, whatever the merges
+    data, vocab = json.loads(backend.to_str()), len(reader.fields["tokenizer.ggml.tokens"].data)
+    inside = [t for t in data["added_tokens"] if t["id"] < vocab]
+    if len(inside) < len(data["added_tokens"]):
+        tokenizer._tokenizer = Tokenizer.from_str(json.dumps(data | {"added_tokens": inside}))
 
 
 def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str) -> None:

@@ -354,3 +354,12 @@ def test_smollm2_known_answers(quantization):
     else:
         assert france.text.startswith("L'Étoile, la ")
         assert "quantized" in llm.engine.runner.paths
+
+
+def test_no_token_past_the_files_vocabulary(hf_folders, tmp_path):
+    """transformers adds "<|endoftext|>" past a GGUF vocabulary (a Llama 3 one's id 128256, no row in the model):
+    it stays text, as llama.cpp has it."""
+    from tests.conftest import VOCAB
+
+    tok = load_tokenizer(write_gguf(hf_folders["llama"], tmp_path / "m.gguf", pre="llama-bpe"))
+    assert len(tok) == VOCAB and max(tok.encode("a <|endoftext|> b")) < VOCAB
