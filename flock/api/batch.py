@@ -25,7 +25,7 @@ from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
-                                make_choice, new_id, parse_request, response_body)
+                                make_choice, new_id, parse_request, reasoning_usage, response_body)
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -248,7 +248,7 @@ class BatchJob:
                                self.token_text, r.stop_text)
                    for i, (text, r) in enumerate(zip(line.texts, line.finished))]
         body = response_body(gen.kind, request_id, self.engine.config.model, choices,
-                             choices_usage(line.finished, gen.n))
+                             choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
         if line.custom_id in self.answers:
             self.answers[line.custom_id] = line.texts[0]
         self.output.write(result_record(line.custom_id, request_id, body))

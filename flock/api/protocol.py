@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
-from flock.api.reasoning import THINKING_END, split_reasoning, thinking_open
+from flock.api.reasoning import THINKING_END, reasoning_token_count, split_reasoning, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -428,12 +428,16 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def choices_usage(finals: list, n: int) -> dict:
+def choices_usage(finals: list, n: int, reasoning_tokens: int | None = None) -> dict:
     """Usage of a request's finished choices (in choice order, each with num_prompt/output/cached_tokens): each
-    prompt counts once however many samples it has, as vLLM counts it."""
+    prompt counts once however many samples it has, as vLLM counts it; with a reasoning parser, vLLM's
+    completion_tokens_details too."""
     firsts = finals[::n]
-    return usage(sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in finals),
-                 sum(f.num_cached_tokens for f in firsts))
+    out = usage(sum(f.num_prompt_tokens for f in firsts), sum(f.num_output_tokens for f in finals),
+                sum(f.num_cached_tokens for f in firsts))
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 class Choice(NamedTuple):
@@ -446,6 +450,7 @@ class Choice(NamedTuple):
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
     tool_calls: list[dict] | None = None  # a chat answer's calls, parsed out of its text (then None or the rest)
     reasoning: str | None = None  # a chat answer's thinking, split off its text
+    reasoning_tokens: int | None = None  # and how many output tokens it took
     token_ids: list[int] | None = None  # with return_token_ids: the output's
     prompt_token_ids: list[int] | None = None  # and the prompt's
 
@@ -458,9 +463,10 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None
-    tool_calls = reasoning = None
+    tool_calls = reasoning = reasoning_tokens = None
     if gen.reasoning:
         reasoning, text = split_reasoning(text)
+        reasoning_tokens = reasoning_token_count(token_text.tokenizer, output_ids)
         if not gen.include_reasoning:  # nor its tokens, in logprobs or ids (as vLLM)
             reasoning = logprobs = None
             gen = replace(gen, return_token_ids=False)
@@ -482,7 +488,8 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
     prompt = prompt_logprobs(token_text, prompt_ids, prompt_entries) \
         if gen.prompt_logprobs and prompt_entries is not None else None
     ids = (output_ids, prompt_ids) if gen.return_token_ids else (None, None)
-    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None, reasoning, *ids)
+    return Choice(text, finish_reason, shaped, prompt, stop_reason, tool_calls or None, reasoning, reasoning_tokens,
+                  *ids)
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
@@ -545,3 +552,8 @@ def _token_ids(token_ids: list[int] | None = None, prompt_token_ids: list[int] |
     """vLLM's return_token_ids fields, those that are set."""
     return ({} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}) | \
         ({} if token_ids is None else {"token_ids": token_ids})
+
+
+def reasoning_usage(gen: GenerationRequest, choices: list[Choice]) -> int | None:
+    """The choices' reasoning tokens, when the request's thinking was split off."""
+    return sum(c.reasoning_tokens for c in choices) if gen.reasoning else None

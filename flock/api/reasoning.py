@@ -25,6 +25,22 @@ def split_reasoning(text: str) -> tuple[str | None, str | None]:
     return reasoning, (content or None) if end else None
 
 
+def reasoning_token_count(tokenizer, output_ids: list[int]) -> int:
+    """How many output tokens are thinking (vLLM's usage.completion_tokens_details.reasoning_tokens): those before
+    the first `</think>` (all, when it never comes), not a `<think>` the answer starts with."""
+    def tokens_within(chars: int) -> int:  # the most leading tokens whose text fits in `chars` characters
+        low, high = 0, len(output_ids)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if len(tokenizer.decode(output_ids[:mid])) <= chars else (low, mid - 1)
+        return low
+
+    text = tokenizer.decode(output_ids)
+    end = text.find(_END)
+    start = len(_START) if text.startswith(_START) else 0
+    return tokens_within(end if end >= 0 else len(text)) - (tokens_within(start) if start else 0)
+
+
 class ReasoningStream:
     """A streamed answer split as it grows: thinking goes out as reasoning until `</think>`, then the rest as
     content. A possible start of either tag is held back until the next delta tells."""

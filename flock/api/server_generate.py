@@ -28,9 +28,10 @@ from flock.api.protocol import (
     make_choice,
     new_id,
     parse_request,
+    reasoning_usage,
     response_body,
 )
-from flock.api.reasoning import ReasoningStream
+from flock.api.reasoning import ReasoningStream, reasoning_token_count
 from flock.api.sglang import NativeRequest, output_object, parse_generate
 from flock.api.tools import ToolCallStream
 from flock.engine.async_engine import (
@@ -85,7 +86,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     parts = await _collect(streams, raw, ctx)
     choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
                            p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
-    usage_ = choices_usage([p.last for p in parts], gen.n)
+    usage_ = choices_usage([p.last for p in parts], gen.n, reasoning_usage(gen, choices))
     return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
 
 
@@ -202,7 +203,8 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield chunk
             else:
                 if gen.include_usage:
-                    usage_ = choices_usage(last, gen.n)
+                    thinking = sum(c.reasoning_tokens for c in choices) if gen.reasoning else None
+                    usage_ = choices_usage(last, gen.n, thinking)
                     yield _sse(chunk_body(reply.kind, reply.id, reply.model, "", None, reply.created, usage_=usage_))
         yield "data: [DONE]\n\n"
     finally:
@@ -247,9 +249,15 @@ class _StreamedChoice:
         self.thinking = ReasoningStream() if gen.reasoning else None
         self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
         self.hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs and ids too (as vLLM)
+        self.output_ids: list[int] = []  # of a reasoning answer, to count its thinking
+        self.reasoning_tokens = 0
 
     def chunks(self, out: StreamOutput) -> list[str]:
         gen = self.gen
+        if self.thinking is not None:
+            self.output_ids += out.token_ids
+            if out.finished:
+                self.reasoning_tokens = reasoning_token_count(self.ctx.engine.tokenizer, self.output_ids)
         reasoning, text, tool_calls, finish_reason = self._split(out)
         ids, entries = out.token_ids, None if self.hidden else out.logprobs
         fields = {"reasoning": reasoning} if reasoning and not self.hidden else {}

@@ -27,7 +27,21 @@ def test_a_stream_splits_as_the_whole_answer(text, step):
     assert (reasoning, content or None) == split_reasoning(text)
 
 
+def test_reasoning_tokens_are_those_of_the_thinking():
+    from flock.api.reasoning import reasoning_token_count
+    from flock.model import resolve_model
+    from flock.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model("flock/tiny").folder)
+    for text, thinking in [("<think>ab cd</think>Yes", "ab cd"), ("ab cd</think>", "ab cd"), ("never closed", None),
+                           ("</think>x", "")]:
+        ids = tok.encode(text, add_special_tokens=False)
+        expected = len(ids) if thinking is None else len(tok.encode(thinking, add_special_tokens=False))
+        assert reasoning_token_count(tok, ids) == expected
+
+
 def test_thinking_then_tool_calls_in_a_choice():
+    from flock.api.logprobs import TokenText
     from flock.api.protocol import make_choice, parse_request
     from flock.api.tools import ToolCalling
     from flock.model import resolve_model
@@ -38,10 +52,11 @@ def test_thinking_then_tool_calls_in_a_choice():
     body = {"messages": [{"role": "user", "content": "Time?"}], "tools": [now], "tool_choice": "required"}
     gen = parse_request("chat", body, tok, None, "hermes", "deepseek_r1")
     assert gen.reasoning and gen.params.structured_outputs.after == "</think>"  # thinking first, then the calls
-    c = make_choice(gen, 0, 'ab</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>', "stop", [1],
-                    None, None, None)
+    answer = 'ab</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    c = make_choice(gen, 0, answer, "stop", tok.encode(answer, add_special_tokens=False), None, None, TokenText(tok))
     assert (c.reasoning, c.text, c.finish_reason) == ("ab", "", "tool_calls") and c.tool_calls[0]["function"][
         "name"] == "now"
+    assert c.reasoning_tokens == len(tok.encode("ab", add_special_tokens=False))
     assert isinstance(gen.tools, ToolCalling)
     closed = parse_request("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content":
                            "<think>ab</think>"}], "continue_final_message": True, "add_generation_prompt": False},
@@ -61,8 +76,12 @@ def test_reasoning_over_the_api():
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
         kw = dict(model="flock/tiny", messages=[{"role": "user", "content": "Yes?"}], max_tokens=12, temperature=0,
                   extra_body={"structured_outputs": {"regex": r"Yes\."}, "ignore_eos": True})
-        message = client.chat.completions.create(**kw).choices[0].message.model_dump()
+        whole = client.chat.completions.create(**kw)
+        message = whole.choices[0].message.model_dump()
         assert message["reasoning"] and message["reasoning"] != "Yes." and message["content"] is None
+        assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens == 12
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
         deltas = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(stream=True, **kw)]
         assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
         assert not any(d.get("content") for d in deltas)
