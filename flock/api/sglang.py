@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flock.api.logprobs import TokenText
 from flock.api.protocol import MAX_CHOICES, APIError
@@ -47,7 +47,7 @@ class NativeRequest:
     logprob_start_len: int = -1  # the first prompt position with logprobs; -1: the last one only
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    prefill_only: list[bool] | None = None  # per request: max_new_tokens 0, one token generated and not returned
+    prefill_only: list[bool] = field(default_factory=list)  # per request: max_new_tokens 0, its one token dropped
 
 
 def parse_generate(body, tokenizer) -> NativeRequest:
