@@ -7,24 +7,30 @@ tool's `parameters` schema, as far as the grammar engine enforces it), and the c
 answer into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM without a parser.
 
 Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
-optional text) and "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
-`<|python_tag|>`). The content is the text before the first call, without the whitespace that ends it.
+optional text), "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
+`<|python_tag|>`) and "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
+...]`, ids of 9 letters and digits as Mistral's template wants them). The content is the text before the first
+call, without the whitespace that ends it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
 from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
-TOOL_PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
+_MISTRAL_START = "[TOOL_CALLS]"
+_STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START]}
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # a format's call as (begin, end) around the arguments, in the forms a model writes it; the separator of calls
 _CALL_FORMS = {"hermes": ([('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"),
@@ -55,6 +61,8 @@ class ToolCalling:
         """The grammar of a forced answer (required or named): calls and nothing else; none for auto."""
         if self.choice == "auto":
             return None
+        if self.parser == "mistral":
+            return self._mistral_constraint()
         forms, separator = _CALL_FORMS[self.parser]
         tags = [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
                  "content": {"type": "json_schema", "json_schema": f.get("parameters") or _EMPTY_PARAMETERS,
@@ -65,23 +73,41 @@ class ToolCalling:
                  "stop_after_first": self.named or not self.parallel}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
 
+    def _mistral_constraint(self) -> StructuredOutputsParams:
+        """[TOOL_CALLS] and a JSON array of calls ({"name", "arguments"}), one when not parallel or named."""
+        calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                  "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or _EMPTY_PARAMETERS}}
+                 for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.named or not self.parallel:
+            array["maxItems"] = 1
+        answer = {"type": "sequence", "elements": [{"type": "const_string", "value": _MISTRAL_START + " "},
+                                                   {"type": "json_schema", "json_schema": array,
+                                                    "max_whitespace_cnt": 1}]}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": answer}))
+
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
         not parse, there are none and the whole text is the content. Without parallel calls only the first
         counts."""
-        content, calls = (_hermes if self.parser == "hermes" else _llama3_json)(text)
+        content, calls = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}[self.parser](text)
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
         return content.rstrip() or None, [
-            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+            {"id": self._call_id(), "type": "function",
              "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
+
+    def _call_id(self) -> str:
+        if self.parser == "mistral":  # Mistral's template refuses other tool_call_ids
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
 
     def streamable(self, text: str) -> int:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
         if self.choice != "auto":
             return 0
-        starts = [_HERMES_START] if self.parser == "hermes" else ["{", _LLAMA_TAG]
+        starts = _STARTS[self.parser]
         found = [at for at in (text.find(s) for s in starts) if at >= 0]
         end = min(found) if found else len(text) - max(held_back(text, s) for s in starts)
         return len(text[:end].rstrip())  # the content before a call ends without its whitespace
@@ -115,6 +141,19 @@ def _llama3_json(text: str) -> tuple[str, list[tuple[str, object]]]:
     except (ValueError, KeyError, TypeError):
         return text, []
     return text[: text.find("{")].replace(_LLAMA_TAG, ""), calls
+
+
+def _mistral(text: str) -> tuple[str, list[tuple[str, object]]]:
+    """The JSON after [TOOL_CALLS]: a list of calls (or one call) with "name" and "arguments"."""
+    if _MISTRAL_START not in text:
+        return text, []
+    content, _, rest = text.partition(_MISTRAL_START)
+    try:
+        calls, _ = json.JSONDecoder().raw_decode(rest.strip())
+        calls = [(c["name"], c["arguments"]) for c in (calls if isinstance(calls, list) else [calls])]
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return content, calls
 
 
 def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
@@ -184,7 +223,8 @@ def add_parser_arguments(p) -> None:
     """`flock serve` / `flock run` flags of the chat answers' parsers, vLLM's names."""
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
-                        "llama3_json: Llama 3.1 / 3.2): tool_choice auto, required and named functions work")
+                        "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3): tool_choice auto, required and "
+                        "named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,

@@ -29,7 +29,8 @@ def llama(choice="auto") -> ToolCalling:
 
 def calls(extracted) -> tuple:
     content, found = extracted
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in found)
+    assert all(c["type"] == "function" and (c["id"].startswith("chatcmpl-tool-") or len(c["id"]) == 9)
+               for c in found)
     return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
 
 
@@ -147,3 +148,37 @@ def test_past_calls_reach_the_template_with_object_arguments(tok):
     finally:
         tok.chat_template = original
     assert tok.decode(ids) == "Weather in Paris?|[Rome]|sunny|"
+
+
+def mistral(choice="auto") -> ToolCalling:
+    return ToolCalling("mistral", [WEATHER, NOW], choice)
+
+
+def test_mistral_calls_as_vllm_parses_them():
+    """[TOOL_CALLS] then a JSON list of calls; ids of 9 letters and digits, as Mistral's template wants them."""
+    import re
+
+    text = 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}, ' \
+           '{"name": "now", "arguments": {}}]'
+    assert calls(mistral().extract(text)) == ("Checking.", [("get_weather", {"city": "Rome", "celsius": True}),
+                                                            ("now", {})])
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in mistral().extract(text)[1])
+    for text in ("No call.", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"name": "now"}]'):
+        assert mistral().extract(text) == (text, [])
+    stream = ToolCallStream(mistral())
+    assert stream.content("Sure. [TOOL") == "Sure." and stream.content('_CALLS] [{"name": "now", ') == ""
+
+
+def test_forced_mistral_calls_follow_the_format(tok):
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, answer in [("required", '[TOOL_CALLS] [{"name": "now", "arguments": {}}]'),
+                           (named, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
+                                   '"celsius": false}}]')]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice}, tok, None,
+                            "mistral")
+        assert not gen.params.skip_special_tokens  # [TOOL_CALLS] is a control token of Mistral's vocabulary
+        assert grammars.matcher(gen.params.structured_outputs).accept_string(answer)
+        assert not grammars.matcher(gen.params.structured_outputs).accept_string("Sure.")
