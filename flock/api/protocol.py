@@ -554,6 +554,7 @@ def _token_ids(token_ids: list[int] | None = None, prompt_token_ids: list[int] |
         ({} if token_ids is None else {"token_ids": token_ids})
 
 
-def reasoning_usage(gen: GenerationRequest, choices: list[Choice]) -> int | None:
-    """The choices' reasoning tokens, when the request's thinking was split off."""
+def reasoning_usage(gen: GenerationRequest, choices: list) -> int | None:
+    """The choices' reasoning tokens (each a Choice or a streamed choice, with `reasoning_tokens`), when the
+    request's thinking was split off."""
     return sum(c.reasoning_tokens for c in choices) if gen.reasoning else None

@@ -203,8 +203,7 @@ async def _stream(reply: Reply, gen: GenerationRequest, streams: list[RequestStr
                     yield chunk
             else:
                 if gen.include_usage:
-                    thinking = sum(c.reasoning_tokens for c in choices) if gen.reasoning else None
-                    usage_ = choices_usage(last, gen.n, thinking)
+                    usage_ = choices_usage(last, gen.n, reasoning_usage(gen, choices))
                     yield _sse(chunk_body(reply.kind, reply.id, reply.model, "", None, reply.created, usage_=usage_))
         yield "data: [DONE]\n\n"
     finally:
