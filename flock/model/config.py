@@ -2,10 +2,10 @@ from dataclasses import dataclass, field
 import json
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activation Flock runs
 # transformers' class defaults for keys a config.json may omit
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 MISTRAL_DEFAULT_WINDOW = 4096
 
 
@@ -28,6 +28,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before the rotary embedding
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -66,6 +67,7 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or d.get("attention_bias", False),  # Qwen2: qkv bias always
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
             sliding_window=window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
@@ -74,11 +76,11 @@ class ModelConfig:
     @staticmethod
     def _sliding_window(d: dict, model_type: str) -> int | None:
         """The window every layer uses, as transformers reads it: Mistral's on every layer (4096 when the key is
-        absent); Qwen2's only on the layers `layer_types` marks (from `max_window_layers`, default 28). Flock
-        has one window for all layers, so a mix is an error rather than a silently wrong model."""
+        absent); Qwen2's and Qwen3's only on the layers `layer_types` marks (from `max_window_layers`, default
+        28). Flock has one window for all layers, so a mix is an error rather than a silently wrong model."""
         if model_type == "mistral":
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
-        if model_type != "qwen2" or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
+        if model_type == "llama" or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
             return None
         layers = d["num_hidden_layers"]
         types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
@@ -87,7 +89,7 @@ class ModelConfig:
             return None
         if all(t == "sliding_attention" for t in types):
             return d["sliding_window"]
-        raise ValueError(f"layer_types {types} mixes full and sliding-window attention (Qwen2 max_window_layers="
+        raise ValueError(f"layer_types {types} mixes full and sliding-window attention (max_window_layers="
                          f"{d.get('max_window_layers', 28)}); Flock runs one attention kind for every layer")
 
     @classmethod

@@ -1,11 +1,11 @@
 """Fused elementwise ops of the decoder as small C kernels (`csrc/fused_ops.c`), for bf16 and fp32 on CPUs.
 
-RMSNorm (with the residual add folded in), rotary embedding applied in place to q and k of the fused qkv
-output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by one pass over the
-rows; argmax (greedy sampling) splits its rows over the threads. The source is built by flock.native on first
-use for the widest ISA path the CPU has (AVX-512 with DQ, AVX2 or the baseline). `unavailable(dtype, device)`
-says why the kernels cannot serve a model; the plain PyTorch ops remain the reference and serve float64 and
-every other case.
+RMSNorm (with the residual add folded in, or over each head of q and k), rotary embedding applied in place to q
+and k of the fused qkv output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by
+one pass over the rows; argmax (greedy sampling) splits its rows over the threads. The source is built by
+flock.native on first use for the widest ISA path the CPU has (AVX-512 with DQ, AVX2 or the baseline).
+`unavailable(dtype, device)` says why the kernels cannot serve a model; the plain PyTorch ops remain the reference
+and serve float64 and every other case.
 """
 
 import ctypes
@@ -21,13 +21,14 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
     "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
+    "head_rms_norm": [_ptr, _i64, _ptr, _i64, _i32, _i32, _f32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
-PROGRAM_OPS = ("rms_norm", "add_rms_norm", "rope", "add_bias")  # as step-program ops (flock.model.program)
+PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias")  # as step-program ops (flock.model.program)
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
     paths=("avx512dq", "avx2", "baseline"),
@@ -78,6 +79,16 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _check_rows(x, residual)
     _kernel("add_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
                                      weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, head_dim: int) -> None:
+    """RMSNorm in place of each of the `heads` head_dim-wide vectors that begin every row of x (one weight for
+    all heads)."""
+    _check_rows(x)
+    if x.shape[1] < heads * head_dim:
+        raise ValueError(f"head_rms_norm_: rows of {x.shape[1]} hold fewer than {heads} heads of {head_dim}")
+    _kernel("head_rms_norm", x.dtype)(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], heads, head_dim,
+                                      eps, torch.get_num_threads())
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,

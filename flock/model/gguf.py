@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from gguf import ReaderTensor
 
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_SCALING_TYPES = ("none", "linear")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
@@ -97,10 +97,11 @@ def hf_config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral and Qwen2 models)")
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2 and Qwen3 models)")
     tensors = {t.name for t in reader.tensors}
-    config = {"architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"], "model_type": arch}
+    config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
     mapping = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_MAPPING[arch].items() if name}
+    mapping["head_dim"] = f"{arch}.attention.key_length"  # when heads are not hidden_size / heads wide (Qwen3)
     for name, key in mapping.items():
         if key in reader.fields:
             config[name] = _field(reader, key)
@@ -309,8 +310,8 @@ def _dequantize(tensor) -> np.ndarray:
 def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
     """A tensor's rows (floats or quantized blocks) in Hugging Face's order. llama.cpp's converter reorders a
     Llama q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
-    Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 files keep
-    Hugging Face's order. Done here rather than by transformers' tensor processors, whose module is slow to
+    Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 and Qwen3 files
+    keep Hugging Face's order. Done here rather than by transformers' tensor processors, whose module is slow to
     import at every start."""
     if ckpt.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
         return rows

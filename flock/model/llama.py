@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
 
 from collections import Counter
 
@@ -54,6 +54,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -65,12 +69,18 @@ class Attention(nn.Module):
         return self.o_proj(out if rows is None else out[rows])
 
     def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
-        """q and k with the rotary embedding applied, and v: [T, heads, head_dim] each."""
+        """q and k normalized (Qwen3) and with the rotary embedding applied, and v: [T, heads, head_dim] each."""
         if self.fused:
+            if self.qk_norm:
+                fused_ops.head_rms_norm_(qkv, self.q_norm.weight, self.q_norm.eps, self.num_heads, self.head_dim)
+                fused_ops.head_rms_norm_(qkv[:, self.q_size :], self.k_norm.weight, self.k_norm.eps,
+                                         self.num_kv_heads, self.head_dim)
             fused_ops.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
         heads = self.num_heads + 2 * self.num_kv_heads
         q, k, v = qkv.view(-1, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         if not self.fused:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(positions, q, k)
         return q, k, v
 

@@ -2,10 +2,10 @@
 
 Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
-layer's forward once (the quantized or bf16 GEMMs, the fused norms and rope, the bias adds, the KV write and the CPU
-attention kernel), as records of int64 words over buffers that stay put, and a step runs them all in one
-call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their inputs are those of the
-modules' forward, so the results are the same bits.
+layer's forward once (the quantized or bf16 GEMMs, the fused norms (Qwen3's of q and k too) and rope, the bias
+adds, the KV write and the CPU attention kernel), as records of int64 words over buffers that stay put, and a
+step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their
+inputs are those of the modules' forward, so the results are the same bits.
 
 `unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
 kernel and every row of it goes on to the last layer (decode steps), up to MAX_ROWS rows.
@@ -148,6 +148,12 @@ class StepProgram:
             attn, mlp = layer.self_attn, layer.mlp
             norm(f"layer {i} input norm", layer.input_layernorm, first=i == 0)
             linear(f"layer {i} qkv", attn.qkv_proj, self.x, qkv)
+            if attn.qk_norm:
+                k_at = qkv.data_ptr() + attn.q_size * size
+                for name, at, module, heads in (("q", qkv, attn.q_norm, attn.num_heads),
+                                                ("k", k_at, attn.k_norm, attn.num_kv_heads)):
+                    op(f"layer {i} {name} norm", getattr(ops, f"flock_head_rms_norm_op_{suffix}"), at, qkv.stride(0),
+                       module.weight, ROWS, heads, attn.head_dim, _f32_word(module.eps), threads)
             op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions, rope.cos,
                rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim, threads)
             self._attention(i, attn, attention, op)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.parametrize("attention", ["torch", "torch-cascade"])
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_float64_greedy_on_cuda_matches_transformers(hf_folders, kind, attention):
     prompts = shared_prefix_prompts(seed=len(kind))
     expected = hf_greedy(hf_folders[kind], prompts)
@@ -24,7 +24,7 @@ def test_float64_greedy_on_cuda_matches_transformers(hf_folders, kind, attention
 
 
 @pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather"])
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3"])
 def test_float32_greedy_with_the_triton_kernel_matches_transformers(hf_folders, kind, scheduler):
     prompts = shared_prefix_prompts(seed=len(kind))
     expected = hf_greedy(hf_folders[kind], prompts, dtype=torch.float32)

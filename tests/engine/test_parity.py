@@ -66,7 +66,7 @@ BACKENDS = ["torch", "torch-cascade"]
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
@@ -154,7 +154,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ops", ["auto", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_float32_logits_match_transformers(hf_folders, kind, ops):
     from transformers import AutoModelForCausalLM
 
@@ -169,7 +169,7 @@ def test_float32_logits_match_transformers(hf_folders, kind, ops):
 
 
 @pytest.mark.parametrize("ops", ["auto", "fused", "packed"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_float32_greedy_matches_transformers_on_fast_paths(hf_folders, kind, ops):
     from flock.model import fused_ops, linear
 
@@ -186,7 +186,7 @@ def test_float32_greedy_matches_transformers_on_fast_paths(hf_folders, kind, ops
     assert paths["gemm"].startswith("oneDNN") == (ops in ("auto", "packed"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_bfloat16_fast_paths_stay_within_rounding_of_the_reference(hf_folders, kind):
     """The fused kernels and prepacked GEMMs against plain PyTorch, both bf16: equal here (the rare last-bit
     differences of RMSNorm and SiLU did not occur); elsewhere (another GEMM kernel) held to a few bf16 units."""

@@ -37,7 +37,11 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    if config.get("head_dim"):  # as convert_hf_to_gguf.py writes it
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     _add_tokenizer(writer, folder, pre)
     for key, value in (metadata or {}).items():
         add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else \

@@ -88,6 +88,21 @@ def test_add_rms_norm_in_place(dtype, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", ROWS)
+def test_head_rms_norm_in_place_leaves_the_other_heads(dtype, n):
+    """Qwen3's q norm over the first 16 heads of 128 of each qkv row, in place; the k and v heads stay."""
+    torch.manual_seed(n)
+    norm = RMSNorm(128, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(128) + 0.5).to(dtype)
+    qkv = rows(n, 24 * 128, dtype, scale=3.0, stride=24 * 128 + 64)
+    before = qkv.clone()
+    expected = norm(before[:, : 16 * 128].reshape(n, 16, 128)).reshape(n, -1)
+    fused_ops.head_rms_norm_(qkv, norm.weight, norm.eps, 16, 128)
+    assert_near(qkv[:, : 16 * 128], expected)
+    assert torch.equal(qkv[:, 16 * 128 :], before[:, 16 * 128 :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
 def test_rope_is_bit_exact_and_in_place(dtype, n, scaling):

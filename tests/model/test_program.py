@@ -17,6 +17,7 @@ from tests.model.test_quant_models import K_MIX
 pytestmark = pytest.mark.skipif(cpu.kernel_unavailable() is not None, reason="no CPU attention kernel here")
 
 CASES = {"K-quants": ("llama256", Q.Q4_K, K_MIX), "Q4_1 with qkv bias": ("qwen2", Q.Q4_1, None),
+         "Q8_0 with q/k norms": ("qwen3", Q.Q8_0, None),
          "Q8_0": ("llama", Q.Q8_0, None)}
 
 
@@ -84,7 +85,7 @@ BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
 
 @pytest.mark.skipif(not BF16_GEMMS, reason="no bf16 GEMM on this CPU")
 @pytest.mark.parametrize("path", BF16_GEMMS or [None])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
     monkeypatch.setattr(gemm, "isa", lambda: path)
     llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))

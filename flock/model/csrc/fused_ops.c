@@ -98,6 +98,26 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
+    /* x = weight * (x / rms(x)) in place for each of the `heads` head_dim-wide vectors that begin each row   \
+       (Qwen3's norms of q and k) */                                                                          \
+    void flock_head_rms_norm_##NAME(T *x, int64_t x_stride, const T *w, int64_t rows, int32_t heads,          \
+                                    int32_t head_dim, float eps, int32_t threads) {                           \
+        int64_t work = rows * heads * head_dim;                                                               \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            for (int32_t h = 0; h < heads; h++) {                                                             \
+                T *xh = x + i * x_stride + (int64_t)h * head_dim;                                             \
+                float sum = 0.0f;                                                                             \
+                _Pragma("omp simd reduction(+:sum)")                                                          \
+                for (int32_t j = 0; j < head_dim; j++) {                                                      \
+                    float v = LOAD(xh[j]);                                                                    \
+                    sum += v * v;                                                                             \
+                }                                                                                             \
+                NAME##_normalize(xh, w, xh, head_dim, sum, eps);                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
     /* residual = x + residual; x = weight * (residual / rms(residual)); both in place */                     \
     void flock_add_rms_norm_##NAME(T *x, int64_t x_stride, T *residual, int64_t res_stride, const T *w,       \
                                    int64_t rows, int64_t cols, float eps, int32_t threads) {                  \
@@ -292,6 +312,11 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
     int32_t flock_add_rms_norm_op_##NAME(const int64_t *a) {                                                  \
         flock_add_rms_norm_##NAME((T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3],                       \
                                   (const T *)(intptr_t)a[4], a[5], a[6], word_f32(a[7]), (int32_t)a[8]);       \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_head_rms_norm_op_##NAME(const int64_t *a) {                                                 \
+        flock_head_rms_norm_##NAME((T *)(intptr_t)a[0], a[1], (const T *)(intptr_t)a[2], a[3], (int32_t)a[4],  \
+                                   (int32_t)a[5], word_f32(a[6]), (int32_t)a[7]);                             \
         return 0;                                                                                             \
     }                                                                                                         \
     int32_t flock_rope_op_##NAME(const int64_t *a) {                                                          \
