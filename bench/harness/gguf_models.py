@@ -4,6 +4,8 @@
 - `llama-1b`: a ~1B Llama-shaped model with random weights N(0, 0.02) (hidden 2048, 16 layers, intermediate
   8192, 32 q / 8 kv heads, head_dim 64, tied embeddings) and SmolLM2's tokenizer and vocabulary, so the converter
   knows its pre-tokenizer; saved as a bf16 HF folder, converted to F16 GGUF, quantized to Q4_K_M and Q8_0;
+- `qwen3-0.6b`: Qwen3-0.6B's shape (hidden 1024, 28 layers, intermediate 3072, 16 q / 8 kv heads of 128, q/k
+  norms, tied embeddings) with random weights the same way and SmolLM2's tokenizer;
 - `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder, saved from flock/smollm2 where missing) as
   F16 GGUF, then Q8_0 and Q4_K_M.
 """
@@ -16,13 +18,17 @@ import torch
 
 from bench.harness.llama_cpp import LlamaCpp
 
-__all__ = ["WORK", "SMOLLM2_F32", "LLAMA_1B", "smollm2_folder", "random_llama_folder", "gguf_file", "ensure"]
+__all__ = ["WORK", "SMOLLM2_F32", "RANDOM_SHAPES", "smollm2_folder", "random_folder", "gguf_file", "ensure"]
 
 WORK = Path("/work/models/qbench")
 SMOLLM2_F32 = Path("/work/models/smollm2-f32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+             "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B}
 STD = 0.02
 ROWS = 1024  # rows drawn at a time (float32), so drawing never holds a whole tensor twice
 
@@ -43,6 +49,9 @@ def _layer(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     tensors = {f"{p}{name}.weight": _random(shape, g) for name, shape in shapes.items()}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    if c.get("model_type") == "qwen3":
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            tensors[f"{p}{norm}.weight"] = torch.ones(d, dtype=torch.bfloat16)
     return tensors
 
 
@@ -56,9 +65,8 @@ def smollm2_folder(log=print) -> Path:
     return SMOLLM2_F32
 
 
-def random_llama_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict = LLAMA_1B,
-                        seed: int = 0) -> Path:
-    """A bf16 HF folder of a Llama of `shape` with random weights and `tokenizer_folder`'s tokenizer (its
+def random_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict = LLAMA_1B, seed: int = 0) -> Path:
+    """A bf16 HF folder of a Llama (or Qwen3) of `shape` with random weights and `tokenizer_folder`'s tokenizer (its
     config gives the vocabulary, special tokens and rope), one safetensors shard per layer."""
     from safetensors.torch import save_file
 
@@ -103,18 +111,19 @@ def _atomic(dst: Path, make) -> Path:
 
 
 def ensure(model: str, kinds: list[str], llama: LlamaCpp, work: Path = WORK, log=print) -> dict[str, Path]:
-    """The GGUF files of `model` ("llama-1b" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M, ...), made
-    where missing: the HF folder (random for llama-1b), the F16 conversion, then llama-quantize from F16."""
+    """The GGUF files of `model` ("llama-1b", "qwen3-0.6b" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M,
+    ...), made where missing: the HF folder (random for the first two), the F16 conversion, then llama-quantize
+    from F16."""
     work.mkdir(parents=True, exist_ok=True)
-    if model == "llama-1b":
-        folder = work / "llama-1b-hf"
+    if model in RANDOM_SHAPES:
+        folder = work / f"{model}-hf"
         if not folder.is_dir():
             log(f"# making {folder} (random bf16 weights, a few minutes)")
-            random_llama_folder(folder, smollm2_folder(log))
+            random_folder(folder, smollm2_folder(log), RANDOM_SHAPES[model])
     elif model == "smollm2":
         folder = smollm2_folder(log)
     else:
-        raise ValueError(f"unknown model {model!r}: llama-1b or smollm2")
+        raise ValueError(f"unknown model {model!r}: {', '.join(RANDOM_SHAPES)} or smollm2")
     f16 = gguf_file(model, "F16", work)
     if not f16.is_file():
         log(f"# converting {folder} -> {f16}")
