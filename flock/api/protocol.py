@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
-from flock.api.reasoning import THINKING_END, reasoning_token_count, split_reasoning, thinking_open
+from flock.api.reasoning import REASONING_PARSERS, THINKING_END, ReasoningFormat, reasoning_token_count, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -69,7 +69,7 @@ class GenerationRequest:
     structured_param: str | None = None  # the field that asked for structured outputs
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids come back too
     tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
-    reasoning: bool = False  # a chat's thinking is split from its answer
+    reasoning: ReasoningFormat | None = None  # how a chat's thinking is split from its answer (None: it is not)
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     extra: dict = field(default_factory=dict)
 
@@ -147,7 +147,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     if tools is not None:
         structured_param = _tool_constraint(tools, params, structured_param, body) or structured_param
     include_reasoning = _typed(body, "include_reasoning", bool, True)
-    reasoning = reasoning_parser is not None and kind == "chat" and thinking_open(tokenizer, prompts[0])
+    reasoning = _reasoning(kind, body, tokenizer, prompts[0], reasoning_parser)
     if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
         params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
@@ -193,6 +193,16 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
         return APIError(message, param=gen.structured_param)
     param = first if first in _SAMPLING_FIELDS else "prompt" if gen.kind == "completion" else "messages"
     return APIError(message, param=param)
+
+
+def _reasoning(kind: str, body: dict, tokenizer, prompt_ids: list[int], parser: str | None) -> ReasoningFormat | None:
+    """The format a chat answer's thinking is split off in, unless it does not think: no parser, the prompt
+    closed the thinking, or the parser's chat_template_kwargs switch turned it off."""
+    fmt = REASONING_PARSERS[parser] if parser is not None and kind == "chat" else None
+    if fmt is None or not thinking_open(tokenizer, prompt_ids):
+        return None
+    switch = fmt.switch and (body.get("chat_template_kwargs") or {}).get(fmt.switch)
+    return None if switch is False else fmt
 
 
 def _check_unsupported(body: dict) -> None:
@@ -465,8 +475,8 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None
     tool_calls = reasoning = reasoning_tokens = None
     if gen.reasoning:
-        reasoning, text = split_reasoning(text)
-        reasoning_tokens = reasoning_token_count(token_text.tokenizer, output_ids)
+        reasoning, text = gen.reasoning.split(text)
+        reasoning_tokens = reasoning_token_count(token_text.tokenizer, output_ids, gen.reasoning)
         if not gen.include_reasoning:  # nor its tokens, in logprobs or ids (as vLLM)
             reasoning = logprobs = None
             gen = replace(gen, return_token_ids=False)

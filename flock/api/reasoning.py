@@ -3,11 +3,43 @@
 "deepseek_r1" (DeepSeek-R1 distills on Qwen2 and Llama, QwQ): the text up to the first `</think>` (after the
 `<think>` it starts with, when the model writes it rather than the chat template) is the message's `reasoning`,
 the rest its `content`. An answer that never closes its thinking is all reasoning.
+"qwen3" (Qwen3): the same, and a `<tool_call>` also ends the thinking (the call is content, for the tool parser);
+`chat_template_kwargs: {"enable_thinking": false}` makes the whole answer content.
 """
 
-REASONING_PARSERS = ("deepseek_r1",)
+from dataclasses import dataclass
+
 _START, _END = "<think>", "</think>"
 THINKING_END = _END
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a model family's answers end their thinking."""
+
+    kept_ends: tuple[str, ...] = ()  # text that also ends the thinking, and is the content's start
+    switch: str | None = None  # the chat_template_kwargs key that turns thinking off when false
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole answer; content None when nothing follows the thinking."""
+        if text.startswith(_START):
+            text = text[len(_START) :]
+        at, skip = self.end(text)
+        if at < 0:
+            return text, None
+        return text[:at], text[at + skip :] or None
+
+    def end(self, text: str) -> tuple[int, int]:
+        """Where the first end of the thinking is in `text` (-1: none) and how many characters of it to drop."""
+        found = [(at, len(_END)) for at in [text.find(_END)] if at >= 0]
+        found += [(at, 0) for at in (text.find(tag) for tag in self.kept_ends) if at >= 0]
+        return min(found, default=(-1, 0))
+
+    def tags(self) -> tuple[str, ...]:
+        return (_END, *self.kept_ends)
+
+
+REASONING_PARSERS = {"deepseek_r1": ReasoningFormat(), "qwen3": ReasoningFormat(("<tool_call>",), "enable_thinking")}
 
 
 def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
@@ -17,17 +49,9 @@ def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
     return tail.rfind(_END) <= tail.rfind(_START)
 
 
-def split_reasoning(text: str) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole answer; content None when nothing follows the thinking."""
-    if text.startswith(_START):
-        text = text[len(_START) :]
-    reasoning, end, content = text.partition(_END)
-    return reasoning, (content or None) if end else None
-
-
-def reasoning_token_count(tokenizer, output_ids: list[int]) -> int:
+def reasoning_token_count(tokenizer, output_ids: list[int], fmt: ReasoningFormat) -> int:
     """How many output tokens are thinking (vLLM's usage.completion_tokens_details.reasoning_tokens): those before
-    the first `</think>` (all, when it never comes), not a `<think>` the answer starts with."""
+    the thinking's end (all, when it never comes), not a `<think>` the answer starts with."""
     def tokens_within(chars: int) -> int:  # the most leading tokens whose text fits in `chars` characters
         low, high = 0, len(output_ids)
         while low < high:
@@ -36,41 +60,41 @@ def reasoning_token_count(tokenizer, output_ids: list[int]) -> int:
         return low
 
     text = tokenizer.decode(output_ids)
-    end = text.find(_END)
+    end = fmt.end(text)[0]
     start = len(_START) if text.startswith(_START) else 0
     return tokens_within(end if end >= 0 else len(text)) - (tokens_within(start) if start else 0)
 
 
 class ReasoningStream:
-    """A streamed answer split as it grows: thinking goes out as reasoning until `</think>`, then the rest as
-    content. A possible start of either tag is held back until the next delta tells."""
+    """A streamed answer split as it grows: thinking goes out as reasoning until its end, then the rest as
+    content. A possible start of a tag is held back until the next delta tells."""
 
-    def __init__(self):
-        self.text, self.sent = "", 0  # everything so far; how much of it went out (tags included)
+    def __init__(self, fmt: ReasoningFormat):
+        self.fmt = fmt
+        self.text, self.sent = "", 0  # everything so far; how much of it went out (a dropped tag included)
         self.thinking = True
 
     def delta(self, delta: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) to send after the answer grew by `delta`."""
         self.text += delta
-        reasoning = ""
-        if self.thinking:
-            reasoning = self._take(_END, finished)
-            if not self.thinking:
-                self.sent += len(_END)
-        return reasoning, self._take(None, finished) if not self.thinking else ""
+        reasoning = self._take_thinking(finished) if self.thinking else ""
+        content = self.text[self.sent :] if not self.thinking else ""
+        self.sent += len(content)
+        return reasoning, content
 
-    def _take(self, end: str | None, finished: bool) -> str:
-        """The unsent text up to `end` (which then stops the thinking) or up to what could begin a tag."""
+    def _take_thinking(self, finished: bool) -> str:
+        """The unsent thinking up to its end (which stops the thinking) or up to what could begin a tag."""
         rest = self.text[self.sent :]
         if self.sent == 0 and rest.startswith(_START):
             self.sent, rest = len(_START), rest[len(_START) :]
         elif self.sent == 0 and _START.startswith(rest) and not finished:
             return ""
-        if end is not None and end in rest:
-            out = rest[: rest.index(end)]
-            self.thinking = False
-        elif end is not None and not finished:
-            out = rest[: len(rest) - held_back(rest, end)]
+        at, skip = self.fmt.end(rest)
+        if at >= 0:
+            out, self.thinking = rest[:at], False
+            self.sent += skip
+        elif not finished:
+            out = rest[: len(rest) - max(held_back(rest, tag) for tag in self.fmt.tags())]
         else:
             out = rest
         self.sent += len(out)

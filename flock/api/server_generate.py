@@ -245,7 +245,7 @@ class _StreamedChoice:
         self.reply, self.gen, self.index, self.ctx = reply, gen, index, ctx
         self.first = True
         self.offset = 0  # a completion's text_offset of its next token
-        self.thinking = ReasoningStream() if gen.reasoning else None
+        self.thinking = ReasoningStream(gen.reasoning) if gen.reasoning else None
         self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
         self.hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs and ids too (as vLLM)
         self.output_ids: list[int] = []  # of a reasoning answer, to count its thinking
@@ -256,7 +256,7 @@ class _StreamedChoice:
         if self.thinking is not None:
             self.output_ids += out.token_ids
             if out.finished:
-                self.reasoning_tokens = reasoning_token_count(self.ctx.engine.tokenizer, self.output_ids)
+                self.reasoning_tokens = reasoning_token_count(self.ctx.engine.tokenizer, self.output_ids, gen.reasoning)
         reasoning, text, tool_calls, finish_reason = self._split(out)
         ids, entries = out.token_ids, None if self.hidden else out.logprobs
         fields = {"reasoning": reasoning} if reasoning and not self.hidden else {}

@@ -227,9 +227,10 @@ def add_parser_arguments(p) -> None:
                         "named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
                    help="split a reasoning model's thinking from its answer into message.reasoning "
-                        "(deepseek_r1: <think>...</think>, DeepSeek-R1 distills, QwQ)")
+                        "(deepseek_r1: <think>...</think>, DeepSeek-R1 distills, QwQ; qwen3: Qwen3, whose "
+                        "<tool_call> also ends the thinking and enable_thinking=false turns it off)")
 
 
 def tool_parser(args) -> str | None:

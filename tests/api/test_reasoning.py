@@ -1,6 +1,8 @@
 import pytest
 
-from flock.api.reasoning import ReasoningStream, split_reasoning
+from flock.api.reasoning import REASONING_PARSERS, ReasoningStream
+
+R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 
 
 @pytest.mark.parametrize("text, reasoning, content", [
@@ -11,20 +13,32 @@ from flock.api.reasoning import ReasoningStream, split_reasoning
     ("", "", None),
 ])
 def test_thinking_splits_as_vllms_deepseek_r1_parser(text, reasoning, content):
-    assert split_reasoning(text) == (reasoning, content)
+    assert R1.split(text) == (reasoning, content)
+    assert QWEN3.split(text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("Call it.<tool_call>{}</tool_call>", "Call it.", "<tool_call>{}</tool_call>"),  # the call ends the thinking
+    ("a</think>b<tool_call>{}</tool_call>", "a", "b<tool_call>{}</tool_call>"),
+    ("<think>a<tool_call>x</think>", "a", "<tool_call>x</think>"),
+])
+def test_qwen3_thinking_ends_at_a_tool_call_too(text, reasoning, content):
+    assert QWEN3.split(text) == (reasoning, content)
 
 
 @pytest.mark.parametrize("text", ["<think>Two and two.</think>Four.", "Two and two.</think>\n\nFour.",
-                                  "Still thinking <thi", "<thi", "a</thinkx</think>b<think>c", "</think>"])
+                                  "Still thinking <thi", "<thi", "a</thinkx</think>b<think>c", "</think>",
+                                  "a<tool_cal <tool_call>{}</tool_call>", "x<tool_call"])
+@pytest.mark.parametrize("fmt", [R1, QWEN3], ids=["deepseek_r1", "qwen3"])
 @pytest.mark.parametrize("step", [1, 2, 3, 7])
-def test_a_stream_splits_as_the_whole_answer(text, step):
+def test_a_stream_splits_as_the_whole_answer(text, step, fmt):
     """Deltas of any size add up to the whole answer's reasoning and content; nothing that could be a tag goes
     out before it is known."""
-    stream, reasoning, content = ReasoningStream(), "", ""
+    stream, reasoning, content = ReasoningStream(fmt), "", ""
     for at in range(0, len(text), step):
         r, c = stream.delta(text[at : at + step], finished=at + step >= len(text))
         reasoning, content = reasoning + r, content + c
-    assert (reasoning, content or None) == split_reasoning(text)
+    assert (reasoning, content or None) == fmt.split(text)
 
 
 def test_reasoning_tokens_are_those_of_the_thinking():
@@ -37,7 +51,9 @@ def test_reasoning_tokens_are_those_of_the_thinking():
                            ("</think>x", "")]:
         ids = tok.encode(text, add_special_tokens=False)
         expected = len(ids) if thinking is None else len(tok.encode(thinking, add_special_tokens=False))
-        assert reasoning_token_count(tok, ids) == expected
+        assert reasoning_token_count(tok, ids, R1) == expected
+    ids = tok.encode("ab cd<tool_call>x", add_special_tokens=False)
+    assert reasoning_token_count(tok, ids, QWEN3) == len(tok.encode("ab cd", add_special_tokens=False))
 
 
 def test_thinking_then_tool_calls_in_a_choice():
@@ -62,6 +78,11 @@ def test_thinking_then_tool_calls_in_a_choice():
                            "<think>ab</think>"}], "continue_final_message": True, "add_generation_prompt": False},
                            tok, None, None, "deepseek_r1")
     assert not closed.reasoning  # the prompt closed the thinking: the answer is content
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_request("chat", chat, tok, None, None, "qwen3").reasoning is QWEN3
+    off = chat | {"chat_template_kwargs": {"enable_thinking": False}}
+    assert parse_request("chat", off, tok, None, None, "qwen3").reasoning is None  # as vLLM's qwen3 parser
+    assert parse_request("chat", off, tok, None, None, "deepseek_r1").reasoning is R1
 
 
 def test_reasoning_over_the_api():
