@@ -5,7 +5,8 @@ from tqdm import tqdm
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
-from flock.outputs import CompletionOutput, RequestOutput
+from flock.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import encode_chat
@@ -45,6 +46,29 @@ class LLM:
         samples = [[self.engine.add_request(ids, s) for s in p.samples()] for ids, p in zip(token_ids, params)]
         self._run([req for reqs in samples for req in reqs], use_tqdm)
         return [self._output(reqs, text) for reqs, text in zip(samples, texts)]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (see PoolingParams), in input order, as vLLM's `LLM.embed`. A string is
+        tokenized with the tokenizer's special tokens (an embedding model's end-of-text token included)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
+        for i, ids in enumerate(token_ids):
+            try:
+                self.engine.check_request(ids, params)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        self.engine.reset_stats()
+        requests = [self.engine.add_request(ids, params) for ids in token_ids]
+        self._run(requests, use_tqdm)
+        return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
+                                       r.is_finished, r.num_cached_tokens) for r in requests]
 
     def chat(
         self,

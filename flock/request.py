@@ -38,6 +38,8 @@ class Request:
         # per prompt token (the first has none); filled as the prompt is computed
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.pooling = None  # PoolingParams of an embedding request: its last prompt row is pooled, not sampled
+        self.embedding: list[float] | None = None  # then set when its prompt is computed
         self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
         self.finish_time: float | None = None
 

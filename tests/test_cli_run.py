@@ -75,4 +75,4 @@ def test_example_batch_has_two_deliberately_bad_lines():
     example = Path(__file__).parents[1] / "examples" / "batch.jsonl"
     numbers, prompts, errors, lines = read_batch(str(example), "flock/tiny")
     assert lines == 27 and len(prompts) == 25
-    assert len(errors) == 2 and "temperature" in errors[0] and "/v1/embeddings" in errors[1]
+    assert len(errors) == 2 and "temperature" in errors[0] and "/v1/images/generations" in errors[1]

@@ -12,6 +12,7 @@ import json
 import sys
 
 from flock.api.batch_input import LineError, read_lines
+from flock.api.embeddings import parse_embeddings
 from flock.api.protocol import APIError, parse_request
 
 __all__ = ["read_batch", "analyze_file", "format_plan", "plot_plan"]
@@ -27,11 +28,21 @@ def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[li
             errors.append(f"{path}:{line.number}: {line.message}")
             continue
         try:
-            ids.append(parse_request(line.kind, line.body, tokenizer).prompt_token_ids)
+            ids.append(_prompt(line.kind, line.body, tokenizer))
             numbers.append(line.number)
         except APIError as e:
             errors.append(f"{path}:{line.number}: {e.message}")
     return numbers, ids, errors, len(numbers) + len(errors)
+
+
+def _prompt(kind: str, body: dict, tokenizer) -> list[int]:
+    """The token ids of a line's one prompt (or input, of an embedding line)."""
+    if kind != "embedding":
+        return parse_request(kind, body, tokenizer).prompt_token_ids
+    prompts = parse_embeddings(body, tokenizer).prompts
+    if len(prompts) != 1:
+        raise APIError("only one input is supported here", param="input")
+    return prompts[0]
 
 
 def _tokenizer(model: str):

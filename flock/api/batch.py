@@ -22,6 +22,7 @@ from tqdm import tqdm
 from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
+from flock.api.embeddings import EmbeddingRequest, parse_embeddings, rejected
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
@@ -140,7 +141,7 @@ class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    request: GenerationRequest
+    request: GenerationRequest | EmbeddingRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
 
@@ -178,6 +179,8 @@ class BatchJob:
         self.errors.sync()
 
     def _submit(self, line: BatchLine) -> None:
+        if line.kind == "embedding":
+            return self._submit_embeddings(line)
         default_max = self.cfg.max_tokens
         if default_max is None and line.kind == "completion":
             default_max = COMPLETION_MAX_TOKENS
@@ -194,7 +197,21 @@ class BatchJob:
         except ValueError as e:
             error = engine_error(e, parsed)
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
-        requests = parsed.engine_requests()
+        self._add(line, parsed, parsed.engine_requests())
+
+    def _submit_embeddings(self, line: BatchLine) -> None:
+        try:
+            parsed = parse_embeddings(line.body, self.engine.tokenizer)
+            for ids in parsed.prompts:
+                self.engine.check_request(ids, parsed.params)
+        except APIError as e:
+            raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
+        except ValueError as e:
+            error = rejected(e)
+            raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
+        self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
+
+    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest, requests: list) -> None:
         pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
         for i, (ids, params) in enumerate(requests):
@@ -242,18 +259,27 @@ class BatchJob:
         if None in line.finished:
             return False
         del self.pending[line.custom_id]
-        gen = line.request
+        request_id, body = self._response(line)
+        if line.custom_id in self.answers:
+            first = line.finished[0].embedding
+            self.answers[line.custom_id] = line.texts[0] if first is None else f"[an embedding of {len(first)} values]"
+        self.output.write(result_record(line.custom_id, request_id, body))
+        self.counts.succeeded += 1
+        return True
+
+    def _response(self, line: PendingLine) -> tuple[str, dict]:
+        """(request id, response body) of a line whose requests have all finished."""
+        gen, model = line.request, self.engine.config.model
+        if isinstance(gen, EmbeddingRequest):
+            tokens = sum(r.num_prompt_tokens for r in line.finished)
+            body = gen.body(model, [r.embedding for r in line.finished], tokens)
+            return body["id"], body
         request_id = new_id(gen.kind)
         choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,
                                self.token_text, r.stop_text)
                    for i, (text, r) in enumerate(zip(line.texts, line.finished))]
-        body = response_body(gen.kind, request_id, self.engine.config.model, choices,
-                             choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
-        if line.custom_id in self.answers:
-            self.answers[line.custom_id] = line.texts[0]
-        self.output.write(result_record(line.custom_id, request_id, body))
-        self.counts.succeeded += 1
-        return True
+        return request_id, response_body(gen.kind, request_id, model, choices,
+                                         choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
 
     def close(self) -> None:
         self.output.close()

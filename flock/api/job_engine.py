@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from flock.config import EngineConfig
 from flock.engine.stats import RunStats
+from flock.pooling_params import PoolingParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class FinishedRequest(Protocol):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    embedding: list[float] | None  # of an embedding request
 
 
 class JobEngine(Protocol):
@@ -40,9 +42,9 @@ class JobEngine(Protocol):
     max_model_len: int
     stats: RunStats  # of the job since `reset_stats`
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None: ...
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Submitted: ...
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> Submitted: ...
 
     def has_unfinished(self) -> bool: ...
 

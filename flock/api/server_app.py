@@ -14,12 +14,12 @@ from starlette.exceptions import HTTPException
 
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
-from flock.api.server_generate import ServerContext, check_model, generate, generate_native, json_body
+from flock.api.server_generate import ServerContext, check_model, embed, generate, generate_native, json_body
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine
 
-COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/generate"}  # requests by status
+COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate"}  # requests by status
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -85,6 +85,10 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     @router.post("/chat/completions")
     async def chat_completions(raw: Request):
         return await generate("chat", raw, ctx)
+
+    @router.post("/embeddings")
+    async def embeddings(raw: Request):
+        return await embed(raw, ctx)
 
     return router
 

@@ -1,4 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions: parse, submit to the engine, answer whole or as SSE.
+"""POST /v1/completions and /v1/chat/completions (and /v1/embeddings, SGLang's /generate): parse, submit to the
+engine, answer whole or as SSE.
 
 A body with several choices (n samples of each of its prompts) is one engine request per choice, their outputs
 merged as they come. A request ends with its client: a streaming response closes its generator when the client
@@ -17,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from flock.api import embeddings
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
@@ -41,6 +43,7 @@ from flock.engine.async_engine import (
     RequestStream,
     StreamOutput,
 )
+from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
@@ -102,6 +105,15 @@ async def generate_native(raw: Request, ctx: ServerContext):
     return JSONResponse(objects[0] if req.single else objects)
 
 
+async def embed(raw: Request, ctx: ServerContext):
+    """POST /v1/embeddings (flock/api/embeddings.py)."""
+    req = embeddings.parse_embeddings(check_model(await json_body(raw), ctx), ctx.engine.tokenizer)
+    streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, embeddings.rejected)
+    parts = await _collect(streams, raw, ctx)
+    prompt_tokens = sum(p.last.num_prompt_tokens for p in parts)
+    return JSONResponse(req.body(ctx.model_names[0], [p.last.embedding for p in parts], prompt_tokens))
+
+
 def check_model(body, ctx: ServerContext):
     """The body, if it names no model or one this server serves (else a 404)."""
     model = body.get("model") if isinstance(body, dict) else None
@@ -123,13 +135,12 @@ async def json_body(raw: Request):
         raise APIError("the request body is nested too deeply") from None
 
 
-async def _submit(requests: list[tuple[list[int], SamplingParams]], ctx: ServerContext,
+async def _submit(requests: list[tuple[list[int], SamplingParams | PoolingParams]], ctx: ServerContext,
                   rejected: Callable[[ValueError], APIError]) -> list[RequestStream]:
     """One engine request each, their grammars compiled first (on a worker thread, not the event loop); if one
     cannot be added, those already added are aborted. `rejected` words the engine's ValueError."""
-    for spec in {id(p.structured_outputs): p.structured_outputs for _, p in requests}.values():
-        if spec is None:
-            continue
+    specs = {id(s): s for _, p in requests if isinstance(p, SamplingParams) and (s := p.structured_outputs)}
+    for spec in specs.values():
         try:
             await ctx.engine.compile_grammar(spec)
         except EngineDead as e:

@@ -30,6 +30,7 @@ from flock.config import EngineConfig
 from flock.distributed.partition import Partition, partition
 from flock.distributed.worker import EngineInfo, EngineWorker, Finished, Progress, Work
 from flock.engine.stats import RunStats
+from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
 
 log = logging.getLogger("flock")
@@ -114,10 +115,10 @@ class ClusterEngine(JobEngine):
         self.reset_stats()
 
     # -- the engine interface of a batch job ----------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         self.info.check_request(prompt_token_ids, params)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Submitted:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> Submitted:
         self.check_request(prompt_token_ids, params)
         key = len(self.prompts)
         self.prompts.append(np.asarray(prompt_token_ids, dtype=np.int32))
@@ -149,7 +150,7 @@ class ClusterEngine(JobEngine):
     def reset_stats(self) -> None:
         """A new job (the engine must be idle): requests, partition and statistics start again."""
         self.prompts: list[np.ndarray] = []
-        self.params: list[SamplingParams] = []
+        self.params: list[SamplingParams | PoolingParams] = []
         self.undispatched: list[int] = []
         self.logical_tokens = 0
         self.partition: Partition | None = None  # the job's first, for the summary
@@ -207,7 +208,8 @@ class ClusterEngine(JobEngine):
 
     def _dispatch(self, keys: list[int], slots: list[_Slot]) -> None:
         """Partition `keys` by prefix group over `slots` and send each its share."""
-        part = partition([self.prompts[k] for k in keys], len(slots), [self.params[k].max_tokens or 0 for k in keys])
+        outputs = [(p.max_tokens or 0) if isinstance(p, SamplingParams) else 0 for p in (self.params[k] for k in keys)]
+        part = partition([self.prompts[k] for k in keys], len(slots), outputs)
         self.partition = self.partition or part
         for slot, shard in zip(slots, part.shards):
             self._send(slot, [keys[i] for i in shard])

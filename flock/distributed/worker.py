@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from flock.config import EngineConfig
-from flock.engine.engine import LLMEngine, check_prompt
+from flock.engine.engine import LLMEngine, check_prompt, engine_params
 from flock.engine.loop import run
 from flock.engine.stats import RunStats
 from flock.sample.grammar import GrammarCompiler
 from flock.sample.logprobs import TokenLogprobs
+from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
 
 
@@ -30,7 +31,7 @@ from flock.sampling_params import SamplingParams
 class Work:
     key: int  # the driver's id of the request
     prompt_token_ids: np.ndarray
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Finished:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_text: int | str | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -61,8 +63,11 @@ class EngineInfo:
     threads: int
     stop_token_ids: list[int] = field(default_factory=list)
     any_whitespace: bool = False  # JSON outputs' default
+    hidden_size: int = 0
+    base_model: str | None = None  # the model, when it cannot generate
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
+        params = engine_params(params, self.hidden_size, self.base_model)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
@@ -94,7 +99,8 @@ class EngineWorker:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
-                          torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace)
+                          torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace,
+                          e.model_config.hidden_size, e.base_model)
 
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""
@@ -108,5 +114,6 @@ class EngineWorker:
             for req in step.finished:
                 finished.append(Finished(self.keys.pop(req.request_id), engine.decode(req), req.output_token_ids,
                                          req.finish_reason, req.num_prompt_tokens, req.num_output_tokens,
-                                         req.num_cached_tokens, req.logprobs, req.prompt_logprobs, req.stop_text))
+                                         req.num_cached_tokens, req.logprobs, req.prompt_logprobs, req.stop_text,
+                                         req.embedding))
         return Progress(finished, engine.stats, len(self.keys))

@@ -20,6 +20,7 @@ from flock.engine.text_stream import TextStream
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.pooling_params import PoolingParams
 from flock.request import Request, RequestStatus
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class StreamOutput:
     logprobs: list[TokenLogprobs] | None = None  # theirs, when the params asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first event with tokens, when asked
     stop_reason: int | str | None = None  # the stop token or string that ended it, in the last event
+    embedding: list[float] | None = None  # of an embedding request, in its last event
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,7 @@ class _Tracked:
         r = self.req
         out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
         out.stop_reason = r.stop_text if finish_reason == "stop" else None
+        out.embedding = r.embedding
         if sent is not None:
             out.token_ids = r.output_token_ids[sent:]
             out.logprobs = None if r.logprobs is None else r.logprobs[sent:]
@@ -180,8 +183,8 @@ class AsyncEngine:
 
     # ---- asyncio side -----------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Submit a request. Raises ValueError for a bad one, QueueFull, or EngineDead; never blocks."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> RequestStream:
+        """Submit a generation or an embedding request. Raises ValueError for a bad one, QueueFull, or EngineDead; never blocks."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         self._engine.check_request(prompt_token_ids, params)  # reads only immutable limits: safe here
@@ -255,7 +258,7 @@ class AsyncEngine:
         except queue.Empty:
             return True
 
-    def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         self._num_added += 1
         try:
             req = self._engine.add_request(prompt_token_ids, params)
@@ -263,7 +266,7 @@ class AsyncEngine:
             log.exception("adding a request failed")
             self._send([(stream, StreamOutput("", len(prompt_token_ids), 0, finish_reason="error", error=str(e)))])
             return
-        self._tracked[stream.key] = _Tracked(req, stream, TextStream(params.stop))
+        self._tracked[stream.key] = _Tracked(req, stream, TextStream(req.params.stop))
 
     def _abort(self, key: int) -> None:
         self._fail(key, "abort")

@@ -11,6 +11,7 @@ from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
 from flock.model import resolve_model
+from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.grammar import GrammarCompiler
 from flock.sampling_params import SamplingParams
@@ -38,6 +39,19 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
+def engine_params(params: SamplingParams | PoolingParams, hidden_size: int, base_model: str | None
+                  ) -> SamplingParams:
+    """The sampling params a request runs with: an embedding's own (its pooling checked against the model's
+    hidden size), a generation's as given (ValueError if the model is a base model, named, that cannot generate)."""
+    if isinstance(params, PoolingParams):
+        params.validate(hidden_size)
+        return params.as_sampling()
+    if base_model is not None:
+        raise ValueError(f"{base_model} is a base model without an LM head: it embeds (LLM.embed, /v1/embeddings), "
+                         "it does not generate")
+    return params
+
+
 class LLMEngine:
     """The step loop: scheduler -> plan -> runner (model, sampler) -> postprocess -> scheduler."""
 
@@ -57,6 +71,7 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
+        self.base_model = config.model if resolved.config.base_model else None  # named when it is asked to generate
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self.grammars = GrammarCompiler(self.tokenizer, resolved.config.vocab_size, sorted(self.eos_token_ids),
@@ -67,21 +82,27 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
+        params = engine_params(params, self.model_config.hidden_size, self.base_model)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        if params.n != 1:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> Request:
+        """Queue a generation (SamplingParams) or an embedding (PoolingParams) of the prompt."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is None and params.n != 1:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
+        if pooling is not None:
+            params = pooling.as_sampling()
         prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
         if params.bad_words:
             params.tokenize_bad_words(self.tokenizer)
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
+        req.pooling = pooling
         self._next_id += 1
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
@@ -118,7 +139,7 @@ class LLMEngine:
         for req, first, entries in out.prompt_logprobs:
             req.prompt_logprobs[first : first + len(entries)] = entries
         finished = []
-        sampled = iter(zip(out.tokens, out.logprobs))
+        sampled, pooled = iter(zip(out.tokens, out.logprobs)), iter(out.embeddings)
         now = time.monotonic()
         for (req, n), samples in zip(plan.scheduled, plan.samples):
             req.num_computed_tokens += n
@@ -127,6 +148,11 @@ class LLMEngine:
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens
                 req.first_token_time = now
+            if req.pooling is not None:
+                req.embedding, req.finish_reason, req.finish_time = next(pooled), "stop", now
+                self.scheduler.finish(req)
+                finished.append(req)
+                continue
             token, logprobs = next(sampled)
             req.token_ids.append(token)
             if req.logprobs is not None:

@@ -29,6 +29,7 @@ class ModelConfig:
     attention_bias: bool = False
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before the rotary embedding
+    base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -51,6 +52,8 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (Flock's MLP projections have no bias)")
         window = cls._sliding_window(d, model_type)
+        architecture = (d.get("architectures") or ["ForCausalLM"])[0]
+        base_model = architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -64,10 +67,11 @@ class ModelConfig:
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=d.get("tie_word_embeddings", False) or base_model,  # a head-less model's unused head
             attention_bias=model_type == "qwen2" or d.get("attention_bias", False),  # Qwen2: qkv bias always
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
             qk_norm=model_type == "qwen3",
+            base_model=base_model,
             sliding_window=window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),

@@ -68,11 +68,12 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (model.config.tie_word_embeddings and name == "lm_head.weight"):
                     continue
-                slot = slots.get(name)
+                key = name if name in slots or not model.config.base_model else f"model.{name}"  # Qwen3Model's
+                slot = slots.get(key)
                 if slot is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
                 copy_into(slot, f.get_tensor(name), name, file.name)
-                loaded.add(name)
+                loaded.add(key)
     missing_tensors(slots, loaded, folder)
 
 

@@ -38,7 +38,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
         "{not json",  # 2
         "[1, 2]",  # 3
         batch("good-2", chat, "/v1/chat/completions"),  # 4
-        batch("bad-url", {"prompt": "x"}, "/v1/embeddings"),  # 5
+        batch("bad-url", {"prompt": "x"}, "/v1/images/generations"),  # 5
         batch("bad-method", {"prompt": "x"}, method="GET"),  # 6
         batch("bad-extra", {"prompt": "x"}, extra=1),  # 7
         batch("bad-field", {"prompt": "x", "foo": 1}),  # 8
@@ -252,3 +252,29 @@ def test_tool_call_lines(engine, tmp_path):
     assert run(engine, tmp_path, inp, overwrite=True) == 0
     (error,) = records(tmp_path / "out.errors.jsonl")
     assert (error["custom_id"], error["error"]["param"]) == ("named", "tool_choice")
+
+
+def test_embedding_lines_beside_completions(engine, tmp_path):
+    """/v1/embeddings lines (vLLM's run-batch takes them): one record each, as the server's response; a bad one
+    becomes an error record naming its field; the completions beside them are unchanged."""
+    from flock import PoolingParams
+
+    doc = "The pool hands out blocks"
+    lines = [batch("e", {"input": [doc, "A scheduler plans steps"]}, "/v1/embeddings"),
+             batch("short", {"input": doc, "dimensions": 4}, "/v1/embeddings"),
+             batch("bad", {"input": doc, "dimensions": 0}, "/v1/embeddings"),
+             batch("c", {"prompt": doc, "max_tokens": 3, "temperature": 0, "ignore_eos": True})]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    assert set(got) == {"e", "short", "c"} and len(got["c"]["choices"][0]["text"]) > 0
+    ids = engine.tokenizer.encode(doc)
+    request = engine.add_request(ids, PoolingParams(dimensions=4))
+    while not request.is_finished:
+        engine.step()
+    assert got["short"]["data"][0]["embedding"] == pytest.approx(request.embedding, abs=1e-6)
+    assert [d["index"] for d in got["e"]["data"]] == [0, 1] and len(got["e"]["data"][0]["embedding"]) == 256
+    assert got["e"]["usage"]["prompt_tokens"] == len(ids) + len(engine.tokenizer.encode("A scheduler plans steps"))
+    error = records(tmp_path / "out.errors.jsonl")[0]
+    assert error["custom_id"] == "bad" and error["error"]["param"] == "dimensions"

@@ -365,6 +365,33 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert post("/tokenize", {"prompt": "x", "return_token_strs": None}).json()["token_strs"] is None
 
 
+def test_embeddings_as_openai(client, offline, server):
+    """/v1/embeddings: strings (with the tokenizer's special tokens) and token ids, float and base64, dimensions,
+    equal to the offline LLM.embed; bad fields named."""
+    import base64
+
+    import numpy as np
+
+    from flock import PoolingParams
+
+    texts = [SYSTEM + "First document.", SYSTEM + "Second document, longer than the first one."]
+    r = client.embeddings.create(model=MODEL, input=texts)
+    expected = [o.outputs.embedding for o in offline.embed(texts, use_tqdm=False)]
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == r.usage.total_tokens > 0
+    np.testing.assert_allclose([d.embedding for d in r.data], expected, rtol=0, atol=1e-5)
+    post = lambda body: httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH, timeout=10)  # noqa: E731
+    ids = offline.get_tokenizer().encode("paged attention")
+    short = post({"model": MODEL, "input": [ids], "dimensions": 8, "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
+    want = offline.embed([ids], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    np.testing.assert_allclose(vector, want, rtol=0, atol=1e-5)
+    for body, param in [({"input": ""}, "input"), ({"input": "x", "dimensions": 100000}, "dimensions"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "n": 2}, "n"),
+                        ({"input": [[1, 2]] + [[100000]]}, "input")]:
+        bad = post(body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.json())
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_return_token_ids_and_truncation_as_vllm(client, chat):
     """return_token_ids: the prompt's ids (a chat's at the top level) and each choice's output ids, whole and

@@ -15,7 +15,8 @@ SYSTEM = "You answer questions about Flock, an engine that computes every shared
 
 
 def batch_lines() -> list[dict]:
-    """5 documents x 8 questions, 6 chats sharing a system prompt, 2 token-id prompts (greedy, 24-66 tokens)."""
+    """5 documents x 8 questions, 6 chats sharing a system prompt, 2 token-id prompts (greedy, 24-66 tokens), the
+    documents' embeddings."""
     lines = []
     for d in range(5):
         doc = f"Doc{d} " + " ".join(f"w{d}x{i}" for i in range(50))
@@ -28,16 +29,23 @@ def batch_lines() -> list[dict]:
         lines.append({"custom_id": f"chat-{q}", "method": "POST", "url": "/v1/chat/completions", "body": body})
     lines += [{"custom_id": f"ids-{k}", "prompt_token_ids": [300 + k] + list(range(500, 540)), "max_tokens": 40,
                "ignore_eos": True} for k in range(2)]
+    lines += [{"custom_id": f"embed-{d}", "method": "POST", "url": "/v1/embeddings",
+               "body": {"input": f"Doc{d} " + " ".join(f"w{d}x{i}" for i in range(50))}} for d in range(5)]
     return lines
 
 
 def results(path) -> dict[str, tuple]:
-    """custom_id -> (text, finish_reason, prompt tokens, completion tokens); each custom_id once."""
+    """custom_id -> (text, finish_reason, prompt tokens, completion tokens), or of an embedding (its length, its
+    norm, prompt tokens, 0); each custom_id once."""
     out = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
         assert r["custom_id"] not in out, f"two records for {r['custom_id']}"
         body = r["response"]["body"]
+        if "data" in body:
+            vector = body["data"][0]["embedding"]
+            out[r["custom_id"]] = (len(vector), round(sum(v * v for v in vector), 4), body["usage"]["prompt_tokens"], 0)
+            continue
         choice = body["choices"][0]
         text = choice["text"] if "text" in choice else choice["message"]["content"]
         out[r["custom_id"]] = (text, choice["finish_reason"], body["usage"]["prompt_tokens"],

@@ -32,7 +32,9 @@ def preprocess(row: dict) -> dict:
 def test_processor_rows_equal_flock_run(ray_address, batch):
     inp, reference, _ = batch
     ray.data.DataContext.get_current().enable_progress_bars = False
-    rows = [row_of(json.loads(line)) for line in inp.read_text().splitlines()]
+    lines = [json.loads(line) for line in inp.read_text().splitlines()]
+    rows = [row_of(line) for line in lines if line.get("url") != "/v1/embeddings"]  # the processor generates
+    reference = {cid: r for cid, r in reference.items() if not cid.startswith("embed-")}
     config = FlockEngineProcessorConfig(model_source=ENGINE["model"], concurrency=2, batch_size=12, num_cpus=0.5,
                                         engine_kwargs={k: v for k, v in ENGINE.items() if k != "model"})
     processor = build_processor(config, preprocess=preprocess, postprocess=lambda row: {

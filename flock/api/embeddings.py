@@ -1,0 +1,69 @@
+"""POST /v1/embeddings, as OpenAI and vLLM's server answer it for a decoder model (see PoolingParams)."""
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from flock.api.protocol import APIError, _is_token_ids, _typed
+from flock.pooling_params import PoolingParams
+
+FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
+          "normalize"}
+ENCODINGS = ("float", "base64")
+
+
+@dataclass
+class EmbeddingRequest:
+    prompts: list[list[int]]  # the token ids of each input
+    params: PoolingParams
+    encoding: str  # of the vectors in the response: float or base64
+
+    def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
+        data = [{"index": i, "object": "embedding", "embedding": _encoded(v, self.encoding)}
+                for i, v in enumerate(vectors)]
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
+    """A request body, checked (APIError names the bad field)."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    inputs = body.get("input")
+    if isinstance(inputs, str) or _is_token_ids(inputs):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not (all(isinstance(x, str) for x in inputs)
+                                                          or all(map(_is_token_ids, inputs))):
+        raise APIError("input must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
+                       "either (all strings or all token-id lists)", param="input")
+    if any(x == "" for x in inputs):
+        raise APIError("input is empty", param="input")
+    encoding = _typed(body, "encoding_format", str, "float")
+    if encoding not in ENCODINGS:
+        raise APIError(f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
+                       param="encoding_format")
+    special = _typed(body, "add_special_tokens", bool, True)  # an embedding model's end-of-text token
+    ids = [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in inputs]
+    params = PoolingParams(dimensions=_typed(body, "dimensions", int, None),
+                           normalize=_typed(body, "normalize", bool, True),
+                           truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None))
+    return EmbeddingRequest(ids, params, encoding)
+
+
+def rejected(e: ValueError) -> APIError:
+    """The engine's rejection of an input, naming the field its message starts with (else the input)."""
+    first = str(e).split(" ", 1)[0]
+    return APIError(str(e), param=first if first in FIELDS else "input")
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    """As OpenAI sends them: the numbers, or base64 of their little-endian float32 bytes."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
