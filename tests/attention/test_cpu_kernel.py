@@ -10,6 +10,7 @@ import torch
 
 from flock import native
 from flock.attention import cpu, make_backend
+from flock.attention.base import StepLayout
 from flock.attention.cascade import CascadeMetadata, TorchCascadeBackend
 from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, plan_segments
 from flock.attention.segments import DIRECT, PARTIAL, PREFIX, build_segments
@@ -76,6 +77,29 @@ def test_long_contexts_groups_and_fresh_prefills(monkeypatch, isa, dtype, heads,
     out, meta = run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs)
     assert len(meta.merge_tokens) > 0
     check(out, expected, dtype)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", ["bs16-d64"], indirect=True)
+def test_a_packed_once_segment_whose_last_unit_is_one_token(monkeypatch, isa, dtype, shape):
+    """A prefill segment of SHARED_BLOCKS row blocks or more has each chunk packed once for all its units; its
+    last unit, one token's rows (read in place, as a decode's), reads K and V by its own row offsets all the same
+    (it read stale ones: the last token of such a prefill came out wrong in bf16). A 205-token prefill, and a
+    request computing 3 units and one token more after 8 cached blocks of it, in one step."""
+    bs, heads, kv_heads = shape[0], 16, 8
+    unit_rows = cpu.kernel_library(isa).flock_cpu_unit_rows()
+    new = (3 * unit_rows + 2) // (heads // kv_heads)
+    table_a, table_b = np.arange(13), np.concatenate([np.arange(8), 100 + np.arange(-(-(128 + new) // bs) - 8)])
+    slots = [table_a[p // bs] * bs + p % bs for p in range(205)]
+    slots += [table_b[p // bs] * bs + p % bs for p in range(128, 128 + new)]
+    layout = StepLayout(query_start=np.array([0, 205, 205 + new]), seq_lens=np.array([205, 128 + new]),
+                        block_tables=[table_a, table_b], block_size=bs, slot_mapping=torch.tensor(slots))
+    inputs = tb.fused_inputs(layout, heads, kv_heads, dtype)
+    out, _ = run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs)
+    q, k, v, k_cache, v_cache = inputs
+    _, _, kc, vc = tb.run_backend("torch", tb.config(heads, kv_heads), layout, q, k, v, k_cache, v_cache)
+    check(out, tb.reference(q, kc, vc, layout, kv_heads), dtype)
 
 
 @pytest.mark.parametrize("isa", PATHS)

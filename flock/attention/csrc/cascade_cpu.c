@@ -766,7 +766,10 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     int64_t kv0, kv1;
     kv_range(a, u, &kv0, &kv1);
     int buf = 0;
-    if (kv0 < kv1 && u->shared == NULL) {
+    const int direct = pairs && nrows <= DIRECT_ROWS;
+    // a direct unit reads K and V rows in place through its own row offsets, also in a segment packed once
+    const int packed_once = u->shared != NULL && !direct;
+    if (kv0 < kv1 && !packed_once) {
         const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
         row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, n0, u->h0);
         if (!warm) {
@@ -781,14 +784,13 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
 #endif
     const int rb = tiles ? BLOCK_ROWS : MR;
     const int steps = 3 * u->hb * ((nrows + rb - 1) / rb) + 1;  // prefetch slices per chunk
-    const int direct = pairs && nrows <= DIRECT_ROWS;
     for (int64_t c0 = kv0; c0 < kv1; c0 += CHUNK, buf = !buf) {
         const int n = kv1 - c0 < CHUNK ? kv1 - c0 : CHUNK;
         const int64_t c1 = c0 + CHUNK;
         const int n1 = c1 >= kv1 ? 0 : kv1 - c1 < CHUNK ? kv1 - c1 : CHUNK;
         // what comes next streams in while this chunk is computed: this unit's next chunk or the next unit's first
         Prefetch ahead = {0};
-        if (n1 > 0 && u->shared != NULL) {
+        if (n1 > 0 && packed_once) {
             ahead = packed_plan(a, shared_chunk(a, u, c1), w->offset[!buf], u->hb, pairs);
         } else if (n1 > 0) {
             row_offsets(a, w->offset[!buf], seg[SEG_TABLE], c1, n1, u->h0);
@@ -803,7 +805,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
         }
         const int slice = (int)((ahead.n * ((ahead.bytes + 63) / 64) * 2 + steps - 1) / steps);
         Packed packed = {w->kt, w->v};
-        if (u->shared != NULL) {
+        if (packed_once) {
             packed = shared_chunk(a, u, c0);
         } else if (!pairs) {
             repack(a, packed, w->offset[buf], n, u->hb, in_bf16);
