@@ -89,21 +89,19 @@ class ModelRunner:
             layout.sampled = None  # the last layer finishes more rows than the sampled ones
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
-        sampling = plan.sampling()
-        pooled = [i for i, req in enumerate(sampling) if req.pooling is not None]
-        if pooled:  # embedding requests: their last rows are pooled, not sampled
-            pool_rows, sample_rows = [sample_rows[i] for i in pooled], [r for i, r in enumerate(sample_rows)
-                                                                        if sampling[i].pooling is None]
-            pooling, sampling = [sampling[i].pooling for i in pooled], [r for r in sampling if r.pooling is None]
+        # embedding requests' last rows are pooled, not sampled
+        finishing = list(zip(plan.sampling(), sample_rows))
+        pooled = [(req.pooling, row) for req, row in finishing if req.pooling is not None]
+        kept = [(req, row) for req, row in finishing if req.pooling is None]
+        sampling, sample_rows = [req for req, _ in kept], [row for _, row in kept]
         masks = self.sampler.start_masks(sampling)  # grammar bitmasks, filled while the model runs
         # the last layer finishes only the rows it must (all of a decode step: no gather then)
-        rows = sorted(set(sample_rows).union(pool_rows if pooled else (), *(r for *_, r in prompt_rows)))
+        rows = sorted(set(sample_rows).union((row for _, row in pooled), *(r for *_, r in prompt_rows)))
         out_rows = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, out_rows)
         at = {row: i for i, row in enumerate(rows)}
         out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))
-        if pooled:
-            out.embeddings = [p.pool(hidden[at[r]]) for p, r in zip(pooling, pool_rows)]
+        out.embeddings = [pooling.pool(hidden[at[row]]) for pooling, row in pooled]
         if sample_rows:
             gather = prompt_rows or pooled
             logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if gather else hidden)

@@ -81,21 +81,23 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
             out[j] = STORE(LOAD(w[j]) * NAME##_round(LOAD(x[j]) * inv));                                      \
     }                                                                                                         \
                                                                                                               \
-    /* out = weight * (x / rms(x)), statistics in fp32 */                                                     \
+    /* out = weight * (x / rms(x)) for one row of `cols`, statistics in fp32 (out may be x) */                \
+    static inline void NAME##_norm_row(const T *x, const T *w, T *out, int64_t cols, float eps) {             \
+        float sum = 0.0f;                                                                                     \
+        _Pragma("omp simd reduction(+:sum)")                                                                  \
+        for (int64_t j = 0; j < cols; j++) {                                                                  \
+            float v = LOAD(x[j]);                                                                             \
+            sum += v * v;                                                                                     \
+        }                                                                                                     \
+        NAME##_normalize(x, w, out, cols, sum, eps);                                                          \
+    }                                                                                                         \
+                                                                                                              \
     void flock_rms_norm_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const T *w,          \
                                int64_t rows, int64_t cols, float eps, int32_t threads) {                      \
         int64_t work = rows * cols;                                                                           \
         PARALLEL_FOR                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                                  \
-            const T *xr = x + i * x_stride;                                                                   \
-            float sum = 0.0f;                                                                                 \
-            _Pragma("omp simd reduction(+:sum)")                                                              \
-            for (int64_t j = 0; j < cols; j++) {                                                              \
-                float v = LOAD(xr[j]);                                                                        \
-                sum += v * v;                                                                                 \
-            }                                                                                                 \
-            NAME##_normalize(xr, w, out + i * out_stride, cols, sum, eps);                                   \
-        }                                                                                                     \
+        for (int64_t i = 0; i < rows; i++)                                                                    \
+            NAME##_norm_row(x + i * x_stride, w, out + i * out_stride, cols, eps);                            \
     }                                                                                                         \
                                                                                                               \
     /* x = weight * (x / rms(x)) in place for each of the `heads` head_dim-wide vectors that begin each row   \
@@ -104,18 +106,11 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
                                     int32_t head_dim, float eps, int32_t threads) {                           \
         int64_t work = rows * heads * head_dim;                                                               \
         PARALLEL_FOR                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                                  \
+        for (int64_t i = 0; i < rows; i++)                                                                    \
             for (int32_t h = 0; h < heads; h++) {                                                             \
                 T *xh = x + i * x_stride + (int64_t)h * head_dim;                                             \
-                float sum = 0.0f;                                                                             \
-                _Pragma("omp simd reduction(+:sum)")                                                          \
-                for (int32_t j = 0; j < head_dim; j++) {                                                      \
-                    float v = LOAD(xh[j]);                                                                    \
-                    sum += v * v;                                                                             \
-                }                                                                                             \
-                NAME##_normalize(xh, w, xh, head_dim, sum, eps);                                             \
+                NAME##_norm_row(xh, w, xh, head_dim, eps);                                                    \
             }                                                                                                 \
-        }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
     /* residual = x + residual; x = weight * (residual / rms(residual)); both in place */                     \
