@@ -63,12 +63,18 @@ def rows(n: int, cols: int, dtype: torch.dtype, scale: float = 1.0, stride: int 
     return x[:, :cols]
 
 
+def random_norm(size: int, eps: float, dtype: torch.dtype) -> RMSNorm:
+    """The reference RMSNorm with weights in [0.5, 1.5)."""
+    norm = RMSNorm(size, eps).to(dtype)
+    norm.weight.data = (torch.rand(size) + 0.5).to(dtype)
+    return norm
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", ROWS)
 def test_rms_norm(dtype, n):
     torch.manual_seed(n)
-    norm = RMSNorm(576, 1e-5).to(dtype)
-    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    norm = random_norm(576, 1e-5, dtype)
     x = rows(n, 576, dtype, scale=3.0, stride=600)
     assert_near(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
 
@@ -77,8 +83,7 @@ def test_rms_norm(dtype, n):
 @pytest.mark.parametrize("n", ROWS)
 def test_add_rms_norm_in_place(dtype, n):
     torch.manual_seed(n)
-    norm = RMSNorm(576, 1e-5).to(dtype)
-    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    norm = random_norm(576, 1e-5, dtype)
     x, residual = rows(n, 576, dtype, stride=640), rows(n, 576, dtype, scale=4.0)
     expected, expected_residual = norm(x, residual)
     fused_ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
@@ -91,8 +96,7 @@ def test_add_rms_norm_in_place(dtype, n):
 def test_head_rms_norm_in_place_leaves_the_other_heads(dtype, n):
     """Qwen3's q norm over the first 16 heads of 128 of each qkv row, in place; the k and v heads stay."""
     torch.manual_seed(n)
-    norm = RMSNorm(128, 1e-6).to(dtype)
-    norm.weight.data = (torch.rand(128) + 0.5).to(dtype)
+    norm = random_norm(128, 1e-6, dtype)
     qkv = rows(n, 24 * 128, dtype, scale=3.0, stride=24 * 128 + 64)
     before = qkv.clone()
     expected = norm(before[:, : 16 * 128].reshape(n, 16, 128)).reshape(n, -1)
