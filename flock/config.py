@@ -47,6 +47,10 @@ class EngineConfig:
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
     ops: str = option("auto", "fused C elementwise kernels and prepacked GEMM weights (auto: where the CPU and dtype "
                       "allow), torch: plain PyTorch (the reference), or only one of the two", choices=OPS)
+    generation_config: str = option(
+        "auto", "defaults for the sampling fields a request leaves unset: auto (the model folder's "
+        "generation_config.json, as vLLM applies it: temperature, top_p, top_k, min_p, the penalties, max_new_tokens "
+        "as max_tokens), vllm (none: the API's own defaults), or a folder holding a generation_config.json")
     structured_outputs_any_whitespace: bool = option(
         False, "let JSON outputs put any whitespace between tokens (a small model can loop on it), for requests "
         "whose structured_outputs.disable_any_whitespace is not set", flag="--structured-outputs-any-whitespace")

@@ -112,9 +112,14 @@ class LLM:
             for req in requests:
                 engine.abort(req)  # no-op for finished ones; leaves the engine clean after an exception
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no params: the model's generation_config.json fields
+        over SamplingParams' defaults, as vLLM's (see EngineConfig.generation_config)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

@@ -26,7 +26,7 @@ from flock.api.embeddings import EmbeddingRequest, parse_embeddings, rejected
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
-                                make_choice, new_id, parse_request, reasoning_usage, response_body)
+                                make_choice, new_id, parse_request, reasoning_usage, response_body, with_defaults)
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -158,6 +158,7 @@ class BatchJob:
         self.counts = JobCounts()
         self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
         self.token_text = TokenText(engine.tokenizer)
+        self.flags = cfg.sampling | ({"max_tokens": cfg.max_tokens} if cfg.max_tokens is not None else {})
         engine.reset_stats()
 
     def submit_all(self) -> None:
@@ -181,11 +182,10 @@ class BatchJob:
     def _submit(self, line: BatchLine) -> None:
         if line.kind == "embedding":
             return self._submit_embeddings(line)
-        default_max = self.cfg.max_tokens
-        if default_max is None and line.kind == "completion":
-            default_max = COMPLETION_MAX_TOKENS
-        try:
-            parsed = parse_request(line.kind, self.cfg.sampling | line.body, self.engine.tokenizer, default_max,
+        default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
+        try:  # a line's fields, else the CLI flags, else the model's generation config, else the API's defaults
+            body = with_defaults(self.flags | line.body, self.engine.sampling_defaults)
+            parsed = parse_request(line.kind, body, self.engine.tokenizer, default_max,
                                    self.cfg.tool_parser, self.cfg.reasoning_parser)
             if parsed.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")

@@ -40,6 +40,7 @@ class JobEngine(Protocol):
     config: EngineConfig
     tokenizer: Any
     max_model_len: int
+    sampling_defaults: dict  # the fields a line leaves unset take these (the model's generation config)
     stats: RunStats  # of the job since `reset_stats`
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None: ...

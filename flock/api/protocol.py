@@ -195,6 +195,13 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
     return APIError(message, param=param)
 
 
+def with_defaults(body, defaults: dict):
+    """The body with `defaults` (the model's generation config) in the fields it leaves unset (absent or null)."""
+    if not isinstance(body, dict) or not defaults:
+        return body
+    return body | {name: value for name, value in defaults.items() if body.get(name) is None}
+
+
 def _reasoning(kind: str, body: dict, tokenizer, prompt_ids: list[int], parser: str | None) -> ReasoningFormat | None:
     """The format a chat answer's thinking is split off in, unless it does not think: no parser, the prompt
     closed the thinking, or the parser's chat_template_kwargs switch turned it off."""

@@ -32,6 +32,7 @@ from flock.api.protocol import (
     parse_request,
     reasoning_usage,
     response_body,
+    with_defaults,
 )
 from flock.api.reasoning import ReasoningStream, reasoning_token_count
 from flock.api.sglang import NativeRequest, output_object, parse_generate
@@ -77,7 +78,7 @@ class Reply:
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
-    gen = parse_request(kind, await json_body(raw), ctx.engine.tokenizer,
+    gen = parse_request(kind, with_defaults(await json_body(raw), ctx.engine.sampling_defaults), ctx.engine.tokenizer,
                         default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser,
                         reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)

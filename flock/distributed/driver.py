@@ -112,6 +112,7 @@ class ClusterEngine(JobEngine):
         self.info: EngineInfo = self.slots[0].info
         self.tokenizer = self.info.tokenizer
         self.max_model_len = self.info.max_model_len
+        self.sampling_defaults = self.info.sampling_defaults
         self.reset_stats()
 
     # -- the engine interface of a batch job ----------------------------------------------------------------

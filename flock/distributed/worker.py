@@ -65,6 +65,7 @@ class EngineInfo:
     any_whitespace: bool = False  # JSON outputs' default
     hidden_size: int = 0
     base_model: str | None = None  # the model, when it cannot generate
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation config
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         params = engine_params(params, self.hidden_size, self.base_model)
@@ -100,7 +101,7 @@ class EngineWorker:
         e = self.engine
         return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
                           torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace,
-                          e.model_config.hidden_size, e.base_model)
+                          e.model_config.hidden_size, e.base_model, e.sampling_defaults)
 
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""

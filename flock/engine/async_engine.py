@@ -139,6 +139,7 @@ class AsyncEngine:
         self.state = EngineState()
         self.tokenizer = None  # the asyncio side's own copy: tokenizers are not shared across threads
         self.max_model_len = 0
+        self.sampling_defaults: dict = {}  # the model's generation config (LLMEngine.sampling_defaults)
         self._engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._keys = itertools.count()
@@ -214,6 +215,7 @@ class AsyncEngine:
             self._engine.stats.trace_steps = False  # a server runs for ever
             self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path)
             self.max_model_len = self._engine.max_model_len
+            self.sampling_defaults = self._engine.sampling_defaults
             backend = self._engine.runner.backend
             self._attention = backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")
             self._publish()

@@ -1,6 +1,7 @@
 import gc
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
 from flock.model import resolve_model
+from flock.model.config import sampling_defaults
 from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.grammar import GrammarCompiler
@@ -72,6 +74,7 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         self.base_model = config.model if resolved.config.base_model else None  # named when it is asked to generate
+        self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self.grammars = GrammarCompiler(self.tokenizer, resolved.config.vocab_size, sorted(self.eos_token_ids),
@@ -81,6 +84,20 @@ class LLMEngine:
         # full passes, which otherwise traverse it all, ~2% of a long run (as vLLM and SGLang do)
         gc.collect()
         gc.freeze()
+
+    @staticmethod
+    def _sampling_defaults(source: str, resolved) -> dict:
+        """Requests' default sampling fields from a generation_config.json (see EngineConfig.generation_config)."""
+        if source == "vllm" or (source == "auto" and resolved.gguf is not None):  # a GGUF file carries none
+            return {}
+        folder = resolved.folder if source == "auto" else Path(source)
+        if source != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={source!r}: no generation_config.json there")
+        defaults = sampling_defaults(folder)
+        if defaults:
+            log.warning("requests that leave them unset sample with %s, from %s/generation_config.json (as vLLM; "
+                        "--generation-config vllm turns this off)", defaults, folder)
+        return defaults
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);

@@ -7,6 +7,9 @@ SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activati
 # transformers' class defaults for keys a config.json may omit
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 MISTRAL_DEFAULT_WINDOW = 4096
+# the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
+SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                   "min_p", "max_new_tokens")
 
 
 @dataclass
@@ -108,3 +111,17 @@ class ModelConfig:
             extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             config.eos_token_id += [e for e in extra if e not in config.eos_token_id]
         return config
+
+
+def sampling_defaults(folder: str | Path | None) -> dict:
+    """The sampling fields a folder's generation_config.json sets, named as requests name them: the defaults vLLM's
+    `--generation-config auto` gives requests that leave them unset (transformers 5 has no defaults of its own for
+    them, so every field the file sets counts). Empty without a file."""
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    out = {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
