@@ -47,6 +47,8 @@ class EngineConfig:
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
     ops: str = option("auto", "fused C elementwise kernels and prepacked GEMM weights (auto: where the CPU and dtype "
                       "allow), torch: plain PyTorch (the reference), or only one of the two", choices=OPS)
+    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, for chats instead of "
+                                       "the tokenizer's own (vLLM's --chat-template)")
     generation_config: str = option(
         "auto", "defaults for the sampling fields a request leaves unset: auto (the model folder's "
         "generation_config.json, as vLLM applies it: temperature, top_p, top_k, min_p, the penalties, max_new_tokens "

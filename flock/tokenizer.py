@@ -9,20 +9,35 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, chat_template: str | None = None):
     """A Hugging Face tokenizer from a local folder, or from a GGUF file (or a folder holding one), see
-    `flock.model.load_gguf_tokenizer`. Never the network."""
+    `flock.model.load_gguf_tokenizer`. Never the network. `chat_template` (a Jinja template or a file holding one)
+    replaces the one it ships, as vLLM's --chat-template."""
     from flock.model import load_gguf_tokenizer
     from flock.model.gguf import find_gguf
 
     gguf_file = find_gguf(Path(path))
     if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
+        tokenizer = load_gguf_tokenizer(gguf_file)
+    else:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(template: str) -> str:
+    """The template itself, or the text of the file it names."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template)
+    if not path.is_file():
+        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+    return path.read_text()
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

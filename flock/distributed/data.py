@@ -104,7 +104,7 @@ class _Tokenize:
 
     def __init__(self, cfg: FlockEngineProcessorConfig):
         engine = cfg.engine_config()
-        self.tokenizer = load_tokenizer(engine.tokenizer or locate_model(engine.model))
+        self.tokenizer = load_tokenizer(engine.tokenizer or locate_model(engine.model), engine.chat_template)
 
     def __call__(self, row: dict) -> dict:
         sampling = {k: _plain(v) for k, v in (row.get("sampling_params") or {}).items() if v is not None}

@@ -213,7 +213,7 @@ class AsyncEngine:
         try:
             self._engine = LLMEngine(self.config)
             self._engine.stats.trace_steps = False  # a server runs for ever
-            self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path)
+            self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path, self.config.chat_template)
             self.max_model_len = self._engine.max_model_len
             self.sampling_defaults = self._engine.sampling_defaults
             backend = self._engine.runner.backend

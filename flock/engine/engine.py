@@ -62,7 +62,7 @@ class LLMEngine:
         resolved = resolve_model(config.model)
         self.model_config = resolved.config
         max_len = config.max_model_len or resolved.config.max_position_embeddings
-        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
         self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:

@@ -1,5 +1,6 @@
-"""A model folder's generation_config.json gives the sampling fields a request leaves unset, as vLLM's
---generation-config auto: in LLM.generate without params, in flock serve bodies and in flock run lines."""
+"""What a model folder gives requests by default, as vLLM: its generation_config.json the sampling fields a
+request leaves unset (--generation-config auto: in LLM.generate without params, in flock serve bodies and in
+flock run lines), and a chat template of one's own in place of the tokenizer's (--chat-template)."""
 
 import json
 import shutil
@@ -79,3 +80,26 @@ def test_server_and_batch_lines_take_the_defaults(folder, tmp_path):
         out = tmp_path / f"out{expected}.jsonl"
         assert run_job(JobConfig(str(inp), str(out), quiet=True, max_tokens=flag), LLMEngine(config)) == 0
         assert json.loads(out.read_text())["response"]["body"]["usage"]["completion_tokens"] == expected
+
+
+def test_a_chat_template_of_ones_own(folder, tmp_path):
+    """chat_template (vLLM's --chat-template): a Jinja template or a file holding one replaces the tokenizer's, in
+    LLM.chat and in the server's own tokenizer copy; anything else is refused by name."""
+    from flock.config import EngineConfig
+    from flock.engine.async_engine import AsyncEngine
+    from flock.tokenizer import encode_chat
+
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    (tmp_path / "t.jinja").write_text(template)
+    for given in (template, str(tmp_path / "t.jinja")):
+        llm = LLM(str(folder), dtype="float32", chat_template=given)
+        out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert out.prompt == "[user: hi]"
+    engine = AsyncEngine(EngineConfig.from_kwargs(str(folder), dtype="float32", chat_template=template)).start()
+    try:
+        assert engine.tokenizer.decode(encode_chat(engine.tokenizer, messages)) == "[user: hi]"
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        LLM(str(folder), dtype="float32", chat_template=str(tmp_path / "missing.jinja"))
