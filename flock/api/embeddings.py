@@ -1,4 +1,5 @@
-"""POST /v1/embeddings, as OpenAI and vLLM's server answer it for a decoder model (see PoolingParams)."""
+"""POST /v1/embeddings, as OpenAI and vLLM's server answer it for a decoder model (see PoolingParams): `input`
+texts or token ids, or, as vLLM takes them, a chat's `messages` through the chat template."""
 
 import base64
 import time
@@ -7,11 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flock.api.protocol import APIError, _is_token_ids, _typed
+from flock.api.protocol import APIError, _is_token_ids, _messages, _typed, encode_messages
 from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
           "normalize"}
+CHAT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 ENCODINGS = ("float", "base64")
 
 
@@ -32,9 +34,14 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
     """A request body, checked (APIError names the bad field)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - FIELDS)
+    chat = "messages" in body
+    if chat and "input" in body:
+        raise APIError("a body has a chat's messages or an input, not both", param="input")
+    unknown = sorted(set(body) - FIELDS - (CHAT_FIELDS if chat else set()))
     if unknown:
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    if chat:
+        return EmbeddingRequest([_chat_ids(body, tokenizer)], _params(body), _encoding(body))
     inputs = body.get("input")
     if isinstance(inputs, str) or _is_token_ids(inputs):
         inputs = [inputs]
@@ -44,16 +51,32 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
                        "either (all strings or all token-id lists)", param="input")
     if any(x == "" for x in inputs):
         raise APIError("input is empty", param="input")
+    special = _typed(body, "add_special_tokens", bool, True)  # an embedding model's end-of-text token
+    ids = [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in inputs]
+    return EmbeddingRequest(ids, _params(body), _encoding(body))
+
+
+def _chat_ids(body: dict, tokenizer) -> list[int]:
+    """A chat's token ids, templated as vLLM's embeddings template it (no generation prompt by default)."""
+    return encode_messages(tokenizer, _messages(body),
+                           add_generation_prompt=_typed(body, "add_generation_prompt", bool, False),
+                           continue_final_message=_typed(body, "continue_final_message", bool, False),
+                           chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None),
+                           add_special_tokens=_typed(body, "add_special_tokens", bool, False))
+
+
+def _params(body: dict) -> PoolingParams:
+    return PoolingParams(dimensions=_typed(body, "dimensions", int, None),
+                         normalize=_typed(body, "normalize", bool, True),
+                         truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None))
+
+
+def _encoding(body: dict) -> str:
     encoding = _typed(body, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise APIError(f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
                        param="encoding_format")
-    special = _typed(body, "add_special_tokens", bool, True)  # an embedding model's end-of-text token
-    ids = [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in inputs]
-    params = PoolingParams(dimensions=_typed(body, "dimensions", int, None),
-                           normalize=_typed(body, "normalize", bool, True),
-                           truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None))
-    return EmbeddingRequest(ids, params, encoding)
+    return encoding
 
 
 def rejected(e: ValueError) -> APIError:

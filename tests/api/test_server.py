@@ -385,7 +385,12 @@ def test_embeddings_as_openai(client, offline, server):
     vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
     want = offline.embed([ids], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
     np.testing.assert_allclose(vector, want, rtol=0, atol=1e-5)
-    for body, param in [({"input": ""}, "input"), ({"input": "x", "dimensions": 100000}, "dimensions"),
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is paged attention?"}]
+    got = post({"model": MODEL, "messages": chat}).json()["data"][0]["embedding"]
+    ids = encode_messages(offline.get_tokenizer(), chat, add_generation_prompt=False)
+    np.testing.assert_allclose(got, offline.embed([ids], use_tqdm=False)[0].outputs.embedding, rtol=0, atol=1e-5)
+    for body, param in [({"input": ""}, "input"), ({"messages": chat, "input": "x"}, "input"),
+                        ({"messages": chat, "tools": []}, "tools"), ({"input": "x", "dimensions": 100000}, "dimensions"),
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "n": 2}, "n"),
                         ({"input": [[1, 2]] + [[100000]]}, "input")]:
         bad = post(body)
