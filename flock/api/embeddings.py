@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flock.api.protocol import APIError, _is_token_ids, _messages, _typed, encode_messages
+from flock.api.protocol import APIError, _is_token_ids, _typed, chat_token_ids
 from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
@@ -41,7 +41,8 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
     if unknown:
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
     if chat:
-        return EmbeddingRequest([_chat_ids(body, tokenizer)], _params(body), _encoding(body))
+        ids = chat_token_ids({"add_generation_prompt": False} | body, tokenizer)  # vLLM's default for embeddings
+        return EmbeddingRequest([ids], _params(body), _encoding(body))
     inputs = body.get("input")
     if isinstance(inputs, str) or _is_token_ids(inputs):
         inputs = [inputs]
@@ -54,15 +55,6 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
     special = _typed(body, "add_special_tokens", bool, True)  # an embedding model's end-of-text token
     ids = [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in inputs]
     return EmbeddingRequest(ids, _params(body), _encoding(body))
-
-
-def _chat_ids(body: dict, tokenizer) -> list[int]:
-    """A chat's token ids, templated as vLLM's embeddings template it (no generation prompt by default)."""
-    return encode_messages(tokenizer, _messages(body),
-                           add_generation_prompt=_typed(body, "add_generation_prompt", bool, False),
-                           continue_final_message=_typed(body, "continue_final_message", bool, False),
-                           chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None),
-                           add_special_tokens=_typed(body, "add_special_tokens", bool, False))
 
 
 def _params(body: dict) -> PoolingParams:
