@@ -220,7 +220,7 @@ def section_split(models: dict[str, str], args, peak: float, report: dict) -> No
             pwall, parts, flops = profiled(llm, lambda: step_times(llm, args.decode_steps))
             print(split_row(f"{name} / decode x64 / {ops}", wall, pwall, parts, flops, peak), flush=True)
             report[name][f"decode/{ops}"] = dict(wall=wall, profiled=pwall, parts=parts, flops=flops, paths=paths)
-            del llm
+            llm = None  # its caches freed before the next engine loads (the lambdas above close over the name)
 
 
 def ratio(walls: dict[str, float], a: str, b: str) -> str:
@@ -247,7 +247,7 @@ def section_batch(models: dict[str, str], args, report: dict) -> None:
             for w in workloads:
                 if w.name == "shared" or ops in ("torch", "auto"):
                     walls[w.name][ops] = generate(llm, w.prompts, args.gen)  # prompts share no block across runs
-            del llm
+            llm = None  # its caches freed before the next engine loads (the lambdas above close over the name)
         if python:
             results = vllm.run_batch(folder, workloads, True, python, out=args.out, timeout=1800,
                                      warmup=warmup_prompts(args.seed, args.prefix + args.distinct))
@@ -321,7 +321,7 @@ def section_decode(model: str, args, peak: float, report: dict) -> None:
                   f"{weight_bytes / gemm_s / 1e9:.1f} | {gflops:,.0f} ({gflops / peak:.0%}) | {split} |", flush=True)
             report.setdefault("decode", {})[f"{n}/{ops}"] = dict(step_s=step, gemm_s=gemm_s, flops=flops,
                                                                  weight_bytes=weight_bytes, parts=parts, wall=wall)
-            del llm
+            llm = None  # its caches freed before the next engine loads (the lambdas above close over the name)
     for ops, path in projections.items():
         print(f"\nprojections ({ops}): {path}")
     report.setdefault("decode", {})["projections"] = projections
