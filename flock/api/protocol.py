@@ -62,6 +62,7 @@ class GenerationRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
     echo: bool = False  # the prompt (completions, with its logprobs if asked) or the last message (chat) comes
     # back before the output: texts[i] (None: the prompt's ids decoded)
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone (one token generated, unsent)
@@ -138,6 +139,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     options = _typed(body, "stream_options", dict, None) or {}
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    include_usage = bool(options.get("include_usage", False))
     params = _sampling_params(body, kind, default_max_tokens, n)
     params.logprobs = _logprobs(body, kind)
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
@@ -151,7 +153,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
         params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
-                             stream=stream, include_usage=bool(options.get("include_usage", False)), echo=echo,
+                             stream=stream, include_usage=include_usage, echo=echo,
+                             continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param, tools=tools,
@@ -539,10 +542,11 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
                first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
                stop_reason: int | str | None = None, tool_calls: list[dict] | None = None,
                token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
-               reasoning: str = "") -> dict:
+               reasoning: str = "", usage_so_far: dict | None = None) -> dict:
     """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked; a chat's with whole
-    tool calls; with return_token_ids its token ids, and the prompt's in the first). With `usage_` it is the
-    final usage-only chunk (empty choices), as OpenAI sends it."""
+    tool calls; with return_token_ids its token ids, and the prompt's in the first; with `usage_so_far` the
+    choice's usage until now, as vLLM's continuous_usage_stats). With `usage_` it is the final usage-only chunk
+    (empty choices), as OpenAI sends it."""
     if usage_ is not None:
         choices = []
     elif kind == "completion":
@@ -560,8 +564,8 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if kind == "chat":
         body |= _token_ids(prompt_token_ids=prompt_token_ids)
-    if usage_ is not None:
-        body["usage"] = usage_
+    if usage_ is not None or usage_so_far is not None:
+        body["usage"] = usage_ if usage_ is not None else usage_so_far
     return body
 
 

@@ -32,6 +32,7 @@ from flock.api.protocol import (
     parse_request,
     reasoning_usage,
     response_body,
+    usage,
     with_defaults,
 )
 from flock.api.reasoning import ReasoningStream, reasoning_token_count
@@ -256,6 +257,7 @@ class _StreamedChoice:
     def __init__(self, reply: Reply, gen: GenerationRequest, index: int, ctx: ServerContext):
         self.reply, self.gen, self.index, self.ctx = reply, gen, index, ctx
         self.first = True
+        self.usage_so_far: dict | None = None  # with continuous_usage_stats, set by each output
         self.offset = 0  # a completion's text_offset of its next token
         self.thinking = ReasoningStream(gen.reasoning) if gen.reasoning else None
         self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
@@ -265,6 +267,8 @@ class _StreamedChoice:
 
     def chunks(self, out: StreamOutput) -> list[str]:
         gen = self.gen
+        if gen.continuous_usage:
+            self.usage_so_far = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         if self.thinking is not None:
             self.output_ids += out.token_ids
             if out.finished:
@@ -314,7 +318,8 @@ class _StreamedChoice:
         return shaped
 
     def _chunk(self, text: str, finish_reason: str | None, logprobs: dict | None, **fields) -> str:
-        chunk = self.reply.chunk(self.index, text, finish_reason, first=self.first, logprobs=logprobs, **fields)
+        chunk = self.reply.chunk(self.index, text, finish_reason, first=self.first, logprobs=logprobs,
+                                 usage_so_far=self.usage_so_far, **fields)
         self.first = False
         return chunk
 

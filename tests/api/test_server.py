@@ -224,6 +224,14 @@ def test_stream_with_n_reassembles_to_whole(client, chat):
     usage, expected = chunks[-1].usage, whole.usage
     assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (
         expected.prompt_tokens, expected.completion_tokens)
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's: each chunk has its choice's usage
+    running = list(create(stream=True, stream_options=options, **kw))
+    last = {}
+    for c in running[:-1]:
+        k, u = c.choices[0].index, c.usage
+        assert u.completion_tokens >= last.get(k, 0) and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        last[k] = u.completion_tokens
+    assert list(last.values()) == [9] * len(whole.choices) and running[-1].usage.completion_tokens == 9 * len(last)
 
 
 def test_penalties_and_logit_bias_equal_offline_llm(client):
