@@ -95,6 +95,10 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": self.engine.tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         """Statistics of the last `generate` call."""
         return self.engine.stats.as_dict()

@@ -8,16 +8,17 @@ from dataclasses import asdict
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+import flock
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
 from flock.api.server_generate import ServerContext, check_model, embed, generate, generate_native, json_body
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
-from flock.engine.async_engine import AsyncEngine
+from flock.engine.async_engine import AsyncEngine, EngineDead
 
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate"}  # requests by status
 
@@ -51,6 +52,24 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate():
         return _health(ctx)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
+    async def ping():
+        return _health(ctx)
+
+    @app.get("/version")
+    async def version():
+        return {"version": flock.__version__}
+
+    @app.post("/reset_prefix_cache", dependencies=auth)  # vLLM's
+    async def reset_prefix_cache():
+        return {"success": await _reset_prefix_cache(ctx)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)  # SGLang's
+    async def flush_cache():
+        if await _reset_prefix_cache(ctx):
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
@@ -103,6 +122,13 @@ def _auth(api_key: str):
                            code="invalid_api_key")
 
     return check
+
+
+async def _reset_prefix_cache(ctx: ServerContext) -> bool:
+    try:
+        return await ctx.engine.reset_prefix_cache()
+    except EngineDead as e:
+        raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
 
 
 def _health(ctx: ServerContext) -> JSONResponse:

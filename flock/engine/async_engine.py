@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -206,6 +206,14 @@ class AsyncEngine:
 
     def abort(self, key: int) -> None:
         self._commands.put(partial(self._abort, key))
+
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run in the engine thread between steps."""
+        if not self.is_running:
+            raise EngineDead("the engine is not running")
+        done: Future = Future()
+        self._commands.put(lambda: done.set_result(self._engine.reset_prefix_cache()))
+        return await asyncio.wrap_future(done)
 
     # ---- engine thread ----------------------------------------------------------------------------------
 

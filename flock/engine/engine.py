@@ -132,6 +132,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (a benchmark's cold start), unless requests are running or waiting:
+        then nothing changes and it returns False, as vLLM's and SGLang's do."""
+        if self.has_unfinished():
+            return False
+        self.kv.pool.reset_cache()
+        return True
+
     def abort(self, req: Request) -> None:
         if not req.is_finished:
             self.scheduler.abort(req)

@@ -138,3 +138,35 @@ def test_failing_step_gives_500_whole_and_an_error_event_streamed(engine, failin
     assert json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     wait_idle(engine)
+
+
+def test_reset_prefix_cache_version_and_ping(engine):
+    """vLLM's /reset_prefix_cache and SGLang's /flush_cache forget the cached prefixes of an idle engine (a prompt
+    sent again computes everything, with the same tokens), and refuse while a request runs; /version, /ping."""
+    import flock
+    from flock.engine.engine import LLMEngine
+
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+    prompt = {"prompt": list(range(40, 90)), "max_tokens": 3, "temperature": 0}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            first = (await http.post("/v1/completions", json=prompt)).json()
+            cached = (await http.post("/v1/completions", json=prompt)).json()
+            reset = (await http.post("/reset_prefix_cache")).json()
+            cold = (await http.post("/v1/completions", json=prompt)).json()
+            flushed = await http.post("/flush_cache")
+            meta = (await http.get("/version")).json(), (await http.get("/ping")).status_code
+            return first, cached, reset, cold, flushed, meta
+
+    first, cached, reset, cold, flushed, meta = asyncio.run(go())
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 40 and reset == {"success": True}
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert flushed.status_code == 200 and meta == ({"version": flock.__version__}, 200)
+    busy = LLMEngine(EngineConfig.from_kwargs("flock/tiny", num_kv_blocks=64))
+    busy.add_request([1, 2, 3], GREEDY)
+    assert busy.reset_prefix_cache() is False  # a request waits: nothing changes
+    while busy.has_unfinished():
+        busy.step()
+    assert busy.reset_prefix_cache() is True
