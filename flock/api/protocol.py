@@ -23,15 +23,20 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
                     "bad_words", "truncate_prompt_tokens", "truncation_side"}
-# OpenAI fields that do not change what is generated: accepted and not used
-_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
-_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | {"model", "n", "stream", "stream_options", "logprobs",
-                                                       "prompt_logprobs", "response_format", "structured_outputs",
-                                                       "echo", "return_token_ids"}
+# OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
+# changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones)
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens"}
+# vLLM fields accepted at the one value Flock runs with (beam search, priority scheduling: off)
+_NEUTRAL_FIELDS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
+    "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
+    "echo", "return_token_ids", "request_id"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
-                                "parallel_tool_calls", "include_reasoning", "add_special_tokens"}
+                                "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
+                                "reasoning_effort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
@@ -71,6 +76,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids come back too
     tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
     reasoning: ReasoningFormat | None = None  # how a chat's thinking is split from its answer (None: it is not)
+    request_id: str | None = None  # vLLM's: the client's id for the response
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     extra: dict = field(default_factory=dict)
 
@@ -159,7 +165,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param, tools=tools,
                              return_token_ids=_typed(body, "return_token_ids", bool, False),
-                             reasoning=reasoning, include_reasoning=include_reasoning)
+                             reasoning=reasoning, include_reasoning=include_reasoning,
+                             request_id=_typed(body, "request_id", str, None))
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -211,11 +218,14 @@ def _reasoning(kind: str, body: dict, tokenizer, prompt_ids: list[int], parser: 
     fmt = REASONING_PARSERS[parser] if parser is not None and kind == "chat" else None
     if fmt is None or not thinking_open(tokenizer, prompt_ids):
         return None
-    switch = fmt.switch and (body.get("chat_template_kwargs") or {}).get(fmt.switch)
+    switch = fmt.switch and template_kwargs(body).get(fmt.switch)
     return None if switch is False else fmt
 
 
 def _check_unsupported(body: dict) -> None:
+    for name, value in _NEUTRAL_FIELDS.items():
+        if body.get(name) is not None and body[name] != value:
+            raise APIError(f"{name}={body[name]!r} is not supported (Flock runs {name}={value!r})", param=name)
     if _typed(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
     if body.get("suffix") not in (None, ""):
@@ -367,10 +377,29 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
     add = _typed(body, "add_generation_prompt", bool, True)
     ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
                           continue_final_message=_typed(body, "continue_final_message", bool, False),
-                          tools=tools, chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None),
+                          tools=tools, chat_template_kwargs=template_kwargs(body),
                           add_special_tokens=_typed(body, "add_special_tokens", bool, False))
     last = messages[-1]
     return [last["content"] if not add or last["role"] == "assistant" else ""], [ids], calling
+
+
+def template_kwargs(body: dict) -> dict:
+    """What a chat body hands its template, as vLLM: chat_template_kwargs, and `documents` (RAG templates) and
+    `reasoning_effort`, which also sets enable_thinking (false for "none") unless chat_template_kwargs does."""
+    kwargs = dict(_typed(body, "chat_template_kwargs", dict, None) or {})
+    documents = _typed(body, "documents", list, None)
+    if documents is not None:
+        if not all(isinstance(d, dict) for d in documents):
+            raise APIError("documents must be a list of objects", param="documents")
+        kwargs["documents"] = documents
+    effort = _typed(body, "reasoning_effort", str, None)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                           param="reasoning_effort")
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
 
 
 def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: int = 1) -> SamplingParams:
@@ -438,8 +467,9 @@ def _int_list(body: dict, name: str) -> list[int]:
 # ---- responses -------------------------------------------------------------------------------------------
 
 
-def new_id(kind: str) -> str:
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+def new_id(kind: str, given: str | None = None) -> str:
+    """A response id: the client's (vLLM's request_id field or X-Request-Id header), else a fresh one."""
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + (given or uuid.uuid4().hex)
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:

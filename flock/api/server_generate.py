@@ -85,7 +85,8 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     check_model({"model": gen.model}, ctx)
     gen.truncate(ctx.engine.max_model_len)
     streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
-    reply = Reply(kind, new_id(kind), ctx.model_names[0], int(time.time()))
+    given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
+    reply = Reply(kind, new_id(kind, given), ctx.model_names[0], int(time.time()))
     if gen.stream:
         return _SSEResponse(_stream(reply, gen, streams, ctx), media_type="text/event-stream")
     parts = await _collect(streams, raw, ctx)

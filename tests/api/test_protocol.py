@@ -192,3 +192,31 @@ def test_chat_add_special_tokens_adds_them_to_the_template(tmp_path):
     chat = {"messages": [{"role": "user", "content": "the cat"}]}
     plain = parse_request("chat", chat, spm).prompts[0]
     assert parse_request("chat", chat | {"add_special_tokens": True}, spm).prompts[0] == [spm.bos_token_id] + plain
+
+
+def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok):
+    """vLLM's request_id, use_beam_search / length_penalty / priority at the values Flock runs (others refused by
+    name), spaces_between_special_tokens (fast tokenizers ignore it); `documents` and `reasoning_effort` reach the
+    chat template as vLLM hands them (reasoning_effort "none" sets enable_thinking false unless it is given)."""
+    import copy
+
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "spaces_between_special_tokens": False,
+               "request_id": "abc"}
+    assert parse_request("completion", {"prompt": "a"} | neutral, tok).request_id == "abc"
+    for name, value in (("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1)):
+        with pytest.raises(APIError, match=f"{name}={value!r} is not supported") as e:
+            parse_request("completion", {"prompt": "a", name: value}, tok)
+        assert e.value.param == name
+    shown = copy.copy(tok)
+    shown.chat_template = ("{% for d in documents %}<{{ d['title'] }}>{% endfor %}{{ enable_thinking }} "
+                           "{{ reasoning_effort }}|{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = {"messages": [{"role": "user", "content": "q"}], "documents": [{"title": "A"}, {"title": "B"}],
+            "reasoning_effort": "none"}
+    assert tok.decode(parse_request("chat", chat, shown).prompts[0]) == "<A><B>False none|q"
+    kept = chat | {"chat_template_kwargs": {"enable_thinking": True}}
+    assert tok.decode(parse_request("chat", kept, shown).prompts[0]) == "<A><B>True none|q"
+    with pytest.raises(APIError) as e:
+        parse_request("chat", chat | {"reasoning_effort": "extreme"}, shown)
+    assert e.value.param == "reasoning_effort"
+    off = parse_request("chat", {"messages": chat["messages"], "reasoning_effort": "none"}, tok, None, None, "qwen3")
+    assert off.reasoning is None  # as chat_template_kwargs.enable_thinking false

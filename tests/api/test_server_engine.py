@@ -170,3 +170,18 @@ def test_reset_prefix_cache_version_and_ping(engine):
     while busy.has_unfinished():
         busy.step()
     assert busy.reset_prefix_cache() is True
+
+
+def test_response_ids_the_client_gives(engine):
+    """vLLM's request_id field names the response (chatcmpl- / cmpl- and it); an X-Request-Id header wins."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+    body = {"prompt": "x", "max_tokens": 1, "request_id": "from-body"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            plain = (await http.post("/v1/completions", json=body)).json()["id"]
+            header = (await http.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"})).json()["id"]
+            chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "request_id": "c1"}
+            return plain, header, (await http.post("/v1/chat/completions", json=chat)).json()["id"]
+
+    assert asyncio.run(go()) == ("cmpl-from-body", "cmpl-hdr", "chatcmpl-c1")
