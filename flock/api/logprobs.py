@@ -6,17 +6,23 @@ from flock.sample.logprobs import TokenLogprobs
 
 
 class TokenText:
-    """Each token id's own text (as vLLM's decoded_token), decoded once per id."""
+    """Each token id's own text (as vLLM's decoded_token), decoded once per id; with `as_ids`, "token_id:N"
+    instead (vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay unambiguous)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
         self.cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def for_request(self, as_ids: bool) -> "TokenText":
+        return TokenText(self.tokenizer, as_ids=True) if as_ids else self
 
 
 def completion_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None],

@@ -30,7 +30,7 @@ _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_
 _NEUTRAL_FIELDS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
     "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
-    "echo", "return_token_ids", "request_id"}
+    "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
@@ -77,6 +77,7 @@ class GenerationRequest:
     tools: ToolCalling | None = None  # how a chat's answer may call tools (None: it is text)
     reasoning: ReasoningFormat | None = None  # how a chat's thinking is split from its answer (None: it is not)
     request_id: str | None = None  # vLLM's: the client's id for the response
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     extra: dict = field(default_factory=dict)
 
@@ -166,7 +167,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              structured_param=structured_param, tools=tools,
                              return_token_ids=_typed(body, "return_token_ids", bool, False),
                              reasoning=reasoning, include_reasoning=include_reasoning,
-                             request_id=_typed(body, "request_id", str, None))
+                             request_id=_typed(body, "request_id", str, None),
+                             tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False))
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -510,6 +512,7 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
                 token_text: TokenText, stop_reason: int | str | None = None) -> Choice:
     """Choice `index` of a finished request (prompt index // n), echoed, with logprobs and its tool calls as the
     body asked."""
+    token_text = token_text.for_request(gen.tokens_as_ids)
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None

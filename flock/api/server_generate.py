@@ -259,6 +259,7 @@ class _StreamedChoice:
         self.reply, self.gen, self.index, self.ctx = reply, gen, index, ctx
         self.first = True
         self.usage_so_far: dict | None = None  # with continuous_usage_stats, set by each output
+        self.token_text = ctx.token_text.for_request(gen.tokens_as_ids)
         self.offset = 0  # a completion's text_offset of its next token
         self.thinking = ReasoningStream(gen.reasoning) if gen.reasoning else None
         self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
@@ -313,8 +314,8 @@ class _StreamedChoice:
         if entries is None:
             return None
         if self.gen.kind == "chat":
-            return chat_logprobs(self.ctx.token_text, entries)
-        shaped = completion_logprobs(self.ctx.token_text, ids, entries, self.offset)
+            return chat_logprobs(self.token_text, entries)
+        shaped = completion_logprobs(self.token_text, ids, entries, self.offset)
         self.offset += sum(len(t) for t in shaped["tokens"])
         return shaped
 

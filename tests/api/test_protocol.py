@@ -220,3 +220,19 @@ def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok)
     assert e.value.param == "reasoning_effort"
     off = parse_request("chat", {"messages": chat["messages"], "reasoning_effort": "none"}, tok, None, None, "qwen3")
     assert off.reasoning is None  # as chat_template_kwargs.enable_thinking false
+
+
+def test_return_tokens_as_token_ids(tok):
+    """vLLM's return_tokens_as_token_ids: every logprobs token (chosen, alternatives, prompt's) as "token_id:N"."""
+    from flock.api.logprobs import TokenText
+    from flock.sample.logprobs import TokenLogprobs
+
+    gen = parse_request("completion", {"prompt": [5, 6], "logprobs": 1, "return_tokens_as_token_ids": True}, tok)
+    entry = TokenLogprobs(token_id=9, logprob=-0.5, rank=1, top=[(9, -0.5), (4, -1.5)])
+    choice = make_choice(gen, 0, tok.decode([9]), "length", [9], [entry], None, TokenText(tok))
+    assert choice.logprobs["tokens"] == ["token_id:9"]
+    assert choice.logprobs["top_logprobs"] == [{"token_id:9": -0.5, "token_id:4": -1.5}]
+    chat = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1,
+                                  "return_tokens_as_token_ids": True}, tok)
+    shaped = make_choice(chat, 0, "y", "stop", [9], [entry], None, TokenText(tok)).logprobs["content"][0]
+    assert shaped["token"] == "token_id:9" and shaped["top_logprobs"][1]["token"] == "token_id:4"
