@@ -512,7 +512,8 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
                 token_text: TokenText, stop_reason: int | str | None = None) -> Choice:
     """Choice `index` of a finished request (prompt index // n), echoed, with logprobs and its tool calls as the
     body asked."""
-    token_text = token_text.for_request(gen.tokens_as_ids)
+    if gen.tokens_as_ids:
+        token_text = token_text.for_request(True)
     prompt_ids = gen.prompts[index // gen.n]
     if gen.echo_only:
         text, output_ids, logprobs = "", [], [] if logprobs is not None else None
