@@ -191,7 +191,8 @@ def update_sweep(data: dict, args: argparse.Namespace) -> list[dict]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mid", help="shape (tiny, mid, qwen3), built-in name or HF folder (shared, unshared)")
+    p.add_argument("--model", default="mid",
+                   help="shape (tiny, mid, qwen3), built-in name or HF folder (shared, unshared)")
     p.add_argument("--workload", default="shared,unshared",
                    help="comma-separated: shared, unshared, kv-pressure, kv-sweep")
     p.add_argument("--groups", type=int, default=4)

@@ -37,11 +37,7 @@ class LLM:
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         texts, token_ids = zip(*(self.encode_prompt(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
-        for i, (ids, p) in enumerate(zip(token_ids, params)):
-            try:
-                self.engine.check_request(ids, p)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
+        self._check_all(token_ids, params)
         self.engine.reset_stats()
         samples = [[self.engine.add_request(ids, s) for s in p.samples()] for ids, p in zip(token_ids, params)]
         self._run([req for reqs in samples for req in reqs], use_tqdm)
@@ -59,11 +55,7 @@ class LLM:
             prompts = [prompts]
         params = pooling_params or PoolingParams()
         token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
-        for i, ids in enumerate(token_ids):
-            try:
-                self.engine.check_request(ids, params)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
+        self._check_all(token_ids, [params] * len(token_ids))
         self.engine.reset_stats()
         requests = [self.engine.add_request(ids, params) for ids in token_ids]
         self._run(requests, use_tqdm)
@@ -102,6 +94,14 @@ class LLM:
     def stats(self) -> dict:
         """Statistics of the last `generate` call."""
         return self.engine.stats.as_dict()
+
+    def _check_all(self, token_ids: Sequence[list[int]], params: list[SamplingParams | PoolingParams]) -> None:
+        """Every request checked before any work starts: ValueError naming the first bad one's index and field."""
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         engine = self.engine

@@ -20,7 +20,8 @@ class PoolingParams:
     def validate(self, hidden_size: int) -> None:
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= hidden_size):
-            raise ValueError(f"dimensions must be an integer in [1, {hidden_size}] (the model's hidden size), got {d!r}")
+            raise ValueError(f"dimensions must be an integer in [1, {hidden_size}] (the model's hidden size), "
+                             f"got {d!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
 

@@ -20,7 +20,8 @@ from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine, EngineDead
 
-COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate"}  # requests by status
+# requests counted by status
+COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:

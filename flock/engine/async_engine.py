@@ -185,7 +185,8 @@ class AsyncEngine:
     # ---- asyncio side -----------------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> RequestStream:
-        """Submit a generation or an embedding request. Raises ValueError for a bad one, QueueFull, or EngineDead; never blocks."""
+        """Submit a generation or an embedding request. Raises ValueError for a bad one, QueueFull, or EngineDead;
+        never blocks."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         self._engine.check_request(prompt_token_ids, params)  # reads only immutable limits: safe here

@@ -398,7 +398,8 @@ def test_embeddings_as_openai(client, offline, server):
     ids = encode_messages(offline.get_tokenizer(), chat, add_generation_prompt=False)
     np.testing.assert_allclose(got, offline.embed([ids], use_tqdm=False)[0].outputs.embedding, rtol=0, atol=1e-5)
     for body, param in [({"input": ""}, "input"), ({"messages": chat, "input": "x"}, "input"),
-                        ({"messages": chat, "tools": []}, "tools"), ({"input": "x", "dimensions": 100000}, "dimensions"),
+                        ({"messages": chat, "tools": []}, "tools"),
+                        ({"input": "x", "dimensions": 100000}, "dimensions"),
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "n": 2}, "n"),
                         ({"input": [[1, 2]] + [[100000]]}, "input")]:
         bad = post(body)
