@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flock.api.protocol import APIError, _is_token_ids, _typed, chat_token_ids
+from flock.api.protocol import APIError, _typed, chat_token_ids, prompt_list
 from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
@@ -43,17 +43,7 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
     if chat:
         ids = chat_token_ids({"add_generation_prompt": False} | body, tokenizer)  # vLLM's default for embeddings
         return EmbeddingRequest([ids], _params(body), _encoding(body))
-    inputs = body.get("input")
-    if isinstance(inputs, str) or _is_token_ids(inputs):
-        inputs = [inputs]
-    if not isinstance(inputs, list) or not inputs or not (all(isinstance(x, str) for x in inputs)
-                                                          or all(map(_is_token_ids, inputs))):
-        raise APIError("input must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
-                       "either (all strings or all token-id lists)", param="input")
-    if any(x == "" for x in inputs):
-        raise APIError("input is empty", param="input")
-    special = _typed(body, "add_special_tokens", bool, True)  # an embedding model's end-of-text token
-    ids = [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in inputs]
+    _, ids = prompt_list(body, "input", tokenizer)  # with special tokens: an embedding model's end-of-text token
     return EmbeddingRequest(ids, _params(body), _encoding(body))
 
 

@@ -297,17 +297,22 @@ def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsPara
 
 
 def _completion_prompts(body: dict, tokenizer) -> tuple[list[str | None], list[list[int]]]:
-    """(texts, token ids) of the prompts: a string, a list of token ids, or a list of either (not mixed)."""
-    if "prompt" not in body:
-        raise APIError("'prompt' is required", param="prompt")
-    p = body["prompt"]
+    return prompt_list(body, "prompt", tokenizer)
+
+
+def prompt_list(body: dict, name: str, tokenizer) -> tuple[list[str | None], list[list[int]]]:
+    """(texts, token ids) of the field `name` (completions' prompt, embeddings' input): a string, a list of token
+    ids, or a list of either (not mixed); strings tokenized with add_special_tokens (default true)."""
+    if name not in body:
+        raise APIError(f"'{name}' is required", param=name)
+    p = body[name]
     if isinstance(p, str) or _is_token_ids(p):
         p = [p]
     if not isinstance(p, list) or not p or not (all(isinstance(x, str) for x in p) or all(map(_is_token_ids, p))):
-        raise APIError("prompt must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
-                       "either (all strings or all token-id lists)", param="prompt")
+        raise APIError(f"{name} must be a non-empty string, a non-empty list of token ids, or a non-empty list of "
+                       "either (all strings or all token-id lists)", param=name)
     if any(x == "" for x in p):
-        raise APIError("prompt is empty", param="prompt")
+        raise APIError(f"{name} is empty", param=name)
     texts = [x if isinstance(x, str) else None for x in p]
     special = _typed(body, "add_special_tokens", bool, True)
     return texts, [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in p]
