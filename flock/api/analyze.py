@@ -1,9 +1,10 @@
 """`flock analyze FILE`: read a batch, plan its prefix sharing (BatchLLM), report groups and saving rates.
 
 Accepted JSONL lines: OpenAI Batch requests (`body.prompt` for /v1/completions, `body.messages` for
-/v1/chat/completions, formatted with the tokenizer's chat template), `{"prompt": "..." | [ids]}`,
-`{"messages": [...]}` and `{"prompt_token_ids": [...]}`. Bad lines are reported (with their line number) on
-stderr and the rest is analysed; the exit status is then 1. An empty file is an error (status 2).
+/v1/chat/completions and `body.input` for /v1/responses, formatted with the tokenizer's chat template),
+`{"prompt": "..." | [ids]}`, `{"messages": [...]}` and `{"prompt_token_ids": [...]}`. Bad lines are reported
+(with their line number) on stderr and the rest is analysed; the exit status is then 1. An empty file is an
+error (status 2).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from flock.api.batch_input import LineError, read_lines
 from flock.api.embeddings import parse_embeddings
 from flock.api.protocol import APIError, parse_request
+from flock.api.responses import parse_responses
 
 __all__ = ["read_batch", "analyze_file", "format_plan", "plot_plan"]
 
@@ -37,6 +39,8 @@ def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[li
 
 def _prompt(kind: str, body: dict, tokenizer) -> list[int]:
     """The token ids of a line's one prompt (or input, of an embedding line)."""
+    if kind == "response":
+        return parse_responses(body, tokenizer).gen.prompt_token_ids
     if kind != "embedding":
         return parse_request(kind, body, tokenizer).prompt_token_ids
     prompts = parse_embeddings(body, tokenizer).prompts

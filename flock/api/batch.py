@@ -27,6 +27,7 @@ from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
                                 make_choice, new_id, parse_request, reasoning_usage, response_body, with_defaults)
+from flock.api.responses import ResponsesRequest, parse_responses, renamed
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -141,7 +142,7 @@ class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    request: GenerationRequest | EmbeddingRequest
+    request: GenerationRequest | EmbeddingRequest | ResponsesRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
 
@@ -182,22 +183,35 @@ class BatchJob:
     def _submit(self, line: BatchLine) -> None:
         if line.kind == "embedding":
             return self._submit_embeddings(line)
-        default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
+        rename = renamed if line.kind == "response" else lambda e: e
         try:  # a line's fields, else the CLI flags, else the model's generation config, else the API's defaults
-            body = with_defaults(self.flags | line.body, self.engine.sampling_defaults)
-            parsed = parse_request(line.kind, body, self.engine.tokenizer, default_max,
-                                   self.cfg.tool_parser, self.cfg.reasoning_parser)
-            if parsed.stream:
+            parsed = gen = self._parse(line)
+            if isinstance(parsed, ResponsesRequest):
+                gen = parsed.gen
+            if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
-            parsed.truncate(self.engine.max_model_len)
-            for ids in parsed.prompts:
-                self.engine.check_request(ids, parsed.params)
+            gen.truncate(self.engine.max_model_len)
+            for ids in gen.prompts:
+                self.engine.check_request(ids, gen.params)
         except APIError as e:
+            e = rename(e)
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
         except ValueError as e:
-            error = engine_error(e, parsed)
+            error = rename(engine_error(e, gen))
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
-        self._add(line, parsed, parsed.engine_requests())
+        self._add(line, parsed, gen.engine_requests())
+
+    def _parse(self, line: BatchLine) -> GenerationRequest | ResponsesRequest:
+        defaults, cfg = self.engine.sampling_defaults, self.cfg
+        if line.kind == "response":
+            if line.body.get("previous_response_id") is not None:
+                raise APIError("previous_response_id needs a stored response; a batch job stores none",
+                               param="previous_response_id")
+            return parse_responses(line.body, self.engine.tokenizer, cfg.tool_parser, cfg.reasoning_parser,
+                                   defaults=defaults | self.flags)
+        default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
+        return parse_request(line.kind, with_defaults(self.flags | line.body, defaults), self.engine.tokenizer,
+                             default_max, cfg.tool_parser, cfg.reasoning_parser)
 
     def _submit_embeddings(self, line: BatchLine) -> None:
         try:
@@ -211,7 +225,8 @@ class BatchJob:
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 
-    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest, requests: list) -> None:
+    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest | ResponsesRequest,
+             requests: list) -> None:
         pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
         for i, (ids, params) in enumerate(requests):
@@ -274,10 +289,16 @@ class BatchJob:
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
             return body["id"], body
-        request_id = new_id(gen.kind)
+        responses = gen if isinstance(gen, ResponsesRequest) else None
+        gen = responses.gen if responses else gen
         choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,
                                self.token_text, r.stop_text)
                    for i, (text, r) in enumerate(zip(line.texts, line.finished))]
+        if responses:
+            final = line.finished[0]
+            body = responses.whole(model, choices[0], final, final.output_token_ids, self.engine.tokenizer)
+            return responses.id, body
+        request_id = new_id(gen.kind)
         return request_id, response_body(gen.kind, request_id, model, choices,
                                          choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flock.api.protocol import APIError, _typed, chat_token_ids, prompt_list
+from flock.api.protocol import APIError, chat_token_ids, prompt_list, typed_field
 from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
@@ -48,13 +48,13 @@ def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
 
 
 def _params(body: dict) -> PoolingParams:
-    return PoolingParams(dimensions=_typed(body, "dimensions", int, None),
-                         normalize=_typed(body, "normalize", bool, True),
-                         truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None))
+    return PoolingParams(dimensions=typed_field(body, "dimensions", int, None),
+                         normalize=typed_field(body, "normalize", bool, True),
+                         truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
 
 
 def _encoding(body: dict) -> str:
-    encoding = _typed(body, "encoding_format", str, "float")
+    encoding = typed_field(body, "encoding_format", str, "float")
     if encoding not in ENCODINGS:
         raise APIError(f"encoding_format must be one of {', '.join(ENCODINGS)}, got {encoding!r}",
                        param="encoding_format")

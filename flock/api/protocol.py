@@ -127,7 +127,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     bad = lone_surrogate(body)
     if bad:
         raise APIError(f"the request body {bad}")
-    echo = _typed(body, "echo", bool, False)
+    echo = typed_field(body, "echo", bool, False)
     echo_only = echo and kind == "completion" and body.get("max_tokens") == 0
     if echo_only:  # as vLLM: one token is generated and not returned
         body = body | {"max_tokens": 1}
@@ -136,14 +136,14 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
         texts, prompts = _completion_prompts(body, tokenizer)
     else:
         texts, prompts, tools = _chat_prompt(body, tokenizer, tool_parser)
-    n = _typed(body, "n", int, 1)
+    n = typed_field(body, "n", int, 1)
     if n < 1:
         raise APIError(f"n must be at least 1, got {n}", param="n")
     if n * len(prompts) > MAX_CHOICES:
         raise APIError(f"n times the number of prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}",
                        param="n")
-    stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, None) or {}
+    stream = typed_field(body, "stream", bool, False)
+    options = typed_field(body, "stream_options", dict, None) or {}
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     include_usage = bool(options.get("include_usage", False))
@@ -155,20 +155,20 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     params.structured_outputs, structured_param = _structured_outputs(body)
     if tools is not None:
         structured_param = _tool_constraint(tools, params, structured_param, body) or structured_param
-    include_reasoning = _typed(body, "include_reasoning", bool, True)
+    include_reasoning = typed_field(body, "include_reasoning", bool, True)
     reasoning = _reasoning(kind, body, tokenizer, prompts[0], reasoning_parser)
     if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
         params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
-    return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=_typed(body, "model", str, None),
+    return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=typed_field(body, "model", str, None),
                              stream=stream, include_usage=include_usage, echo=echo,
                              continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
                              echo_only=echo_only,
                              prompt_logprobs=body.get("prompt_logprobs") is not None,
                              structured_param=structured_param, tools=tools,
-                             return_token_ids=_typed(body, "return_token_ids", bool, False),
+                             return_token_ids=typed_field(body, "return_token_ids", bool, False),
                              reasoning=reasoning, include_reasoning=include_reasoning,
-                             request_id=_typed(body, "request_id", str, None),
-                             tokens_as_ids=_typed(body, "return_tokens_as_token_ids", bool, False))
+                             request_id=typed_field(body, "request_id", str, None),
+                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False))
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -228,7 +228,7 @@ def _check_unsupported(body: dict) -> None:
     for name, value in _NEUTRAL_FIELDS.items():
         if body.get(name) is not None and body[name] != value:
             raise APIError(f"{name}={body[name]!r} is not supported (Flock runs {name}={value!r})", param=name)
-    if _typed(body, "best_of", int, 1) != 1:
+    if typed_field(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
     if body.get("suffix") not in (None, ""):
         raise APIError("suffix is not supported", param="suffix")
@@ -239,7 +239,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind == "completion":
         return _bounded(body, "logprobs")
     top = _bounded(body, "top_logprobs")
-    if not _typed(body, "logprobs", bool, False):
+    if not typed_field(body, "logprobs", bool, False):
         if top:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         return None
@@ -247,7 +247,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def _bounded(body: dict, name: str) -> int | None:
-    value = _typed(body, name, int, None)
+    value = typed_field(body, name, int, None)
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
     return value
@@ -314,7 +314,7 @@ def prompt_list(body: dict, name: str, tokenizer) -> tuple[list[str | None], lis
     if any(x == "" for x in p):
         raise APIError(f"{name} is empty", param=name)
     texts = [x if isinstance(x, str) else None for x in p]
-    special = _typed(body, "add_special_tokens", bool, True)
+    special = typed_field(body, "add_special_tokens", bool, True)
     return texts, [tokenizer.encode(x, add_special_tokens=special) if isinstance(x, str) else list(x) for x in p]
 
 
@@ -381,11 +381,11 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
         tools, calling = parse_tools(body, tool_parser)
     except ToolError as e:
         raise APIError(str(e), param=e.param) from None
-    add = _typed(body, "add_generation_prompt", bool, True)
+    add = typed_field(body, "add_generation_prompt", bool, True)
     ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
-                          continue_final_message=_typed(body, "continue_final_message", bool, False),
+                          continue_final_message=typed_field(body, "continue_final_message", bool, False),
                           tools=tools, chat_template_kwargs=template_kwargs(body),
-                          add_special_tokens=_typed(body, "add_special_tokens", bool, False))
+                          add_special_tokens=typed_field(body, "add_special_tokens", bool, False))
     last = messages[-1]
     return [last["content"] if not add or last["role"] == "assistant" else ""], [ids], calling
 
@@ -393,13 +393,13 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
 def template_kwargs(body: dict) -> dict:
     """What a chat body hands its template, as vLLM: chat_template_kwargs, and `documents` (RAG templates) and
     `reasoning_effort`, which also sets enable_thinking (false for "none") unless chat_template_kwargs does."""
-    kwargs = dict(_typed(body, "chat_template_kwargs", dict, None) or {})
-    documents = _typed(body, "documents", list, None)
+    kwargs = dict(typed_field(body, "chat_template_kwargs", dict, None) or {})
+    documents = typed_field(body, "documents", list, None)
     if documents is not None:
         if not all(isinstance(d, dict) for d in documents):
             raise APIError("documents must be a list of objects", param="documents")
         kwargs["documents"] = documents
-    effort = _typed(body, "reasoning_effort", str, None)
+    effort = typed_field(body, "reasoning_effort", str, None)
     if effort is not None:
         if effort not in REASONING_EFFORTS:
             raise APIError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
@@ -410,9 +410,9 @@ def template_kwargs(body: dict) -> dict:
 
 
 def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: int = 1) -> SamplingParams:
-    max_tokens = _typed(body, "max_tokens", int, None)
+    max_tokens = typed_field(body, "max_tokens", int, None)
     if kind == "chat":
-        max_tokens = _typed(body, "max_completion_tokens", int, max_tokens)
+        max_tokens = typed_field(body, "max_completion_tokens", int, max_tokens)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise APIError("stop must be a string or a list of strings", param="stop")
@@ -420,24 +420,24 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         n=n,
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
-        top_k=_typed(body, "top_k", int, -1),
+        top_k=typed_field(body, "top_k", int, -1),
         min_p=_number(body, "min_p", 0.0),
-        seed=_typed(body, "seed", int, None),
+        seed=typed_field(body, "seed", int, None),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         stop=stop,
         stop_token_ids=_int_list(body, "stop_token_ids"),
-        ignore_eos=_typed(body, "ignore_eos", bool, False),
-        skip_special_tokens=_typed(body, "skip_special_tokens", bool, True),
-        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", bool, False),
+        ignore_eos=typed_field(body, "ignore_eos", bool, False),
+        skip_special_tokens=typed_field(body, "skip_special_tokens", bool, True),
+        include_stop_str_in_output=typed_field(body, "include_stop_str_in_output", bool, False),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        logit_bias=_typed(body, "logit_bias", dict, None),
-        min_tokens=_typed(body, "min_tokens", int, 0),
-        allowed_token_ids=_typed(body, "allowed_token_ids", list, None),
-        bad_words=_typed(body, "bad_words", list, None),
-        truncate_prompt_tokens=_typed(body, "truncate_prompt_tokens", int, None),
-        truncation_side=_typed(body, "truncation_side", str, "left"),
+        logit_bias=typed_field(body, "logit_bias", dict, None),
+        min_tokens=typed_field(body, "min_tokens", int, 0),
+        allowed_token_ids=typed_field(body, "allowed_token_ids", list, None),
+        bad_words=typed_field(body, "bad_words", list, None),
+        truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None),
+        truncation_side=typed_field(body, "truncation_side", str, "left"),
     )
     try:
         params.validate()
@@ -446,7 +446,8 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
     return params
 
 
-def _typed(body: dict, name: str, kind: type, default):
+def typed_field(body: dict, name: str, kind: type, default):
+    """body[name] if it is a `kind`, `default` if it is absent or null; else an APIError naming it."""
     value = body.get(name)
     if value is None:
         return default

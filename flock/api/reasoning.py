@@ -52,17 +52,28 @@ def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
 def reasoning_token_count(tokenizer, output_ids: list[int], fmt: ReasoningFormat) -> int:
     """How many output tokens are thinking (vLLM's usage.completion_tokens_details.reasoning_tokens): those before
     the thinking's end (all, when it never comes), not a `<think>` the answer starts with."""
-    def tokens_within(chars: int) -> int:  # the most leading tokens whose text fits in `chars` characters
-        low, high = 0, len(output_ids)
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if len(tokenizer.decode(output_ids[:mid])) <= chars else (low, mid - 1)
-        return low
-
     text = tokenizer.decode(output_ids)
     end = fmt.end(text)[0]
     start = len(_START) if text.startswith(_START) else 0
-    return tokens_within(end if end >= 0 else len(text)) - (tokens_within(start) if start else 0)
+    return _tokens_within(tokenizer, output_ids, end if end >= 0 else len(text)) - \
+        (_tokens_within(tokenizer, output_ids, start) if start else 0)
+
+
+def answer_start(tokenizer, output_ids: list[int], fmt: ReasoningFormat) -> int:
+    """How many output tokens come before the answer: the thinking and the tag that ends it (all, when it never
+    ends)."""
+    text = tokenizer.decode(output_ids)
+    at, skip = fmt.end(text)
+    return _tokens_within(tokenizer, output_ids, at + skip) if at >= 0 else len(output_ids)
+
+
+def _tokens_within(tokenizer, ids: list[int], chars: int) -> int:
+    """The most leading tokens whose text fits in `chars` characters."""
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(tokenizer.decode(ids[:mid])) <= chars else (low, mid - 1)
+    return low
 
 
 class ReasoningStream:

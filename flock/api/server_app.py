@@ -15,13 +15,22 @@ from starlette.exceptions import HTTPException
 import flock
 from flock.api.metrics import StatusCounter
 from flock.api.protocol import APIError
-from flock.api.server_generate import ServerContext, check_model, embed, generate, generate_native, json_body
+from flock.api.server_generate import (
+    ServerContext,
+    check_model,
+    embed,
+    generate,
+    generate_native,
+    json_body,
+    respond,
+)
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine, EngineDead
 
 # requests counted by status
-COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/generate"}
+COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+                 "/generate"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -106,11 +115,32 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     async def chat_completions(raw: Request):
         return await generate("chat", raw, ctx)
 
+    @router.post("/responses")
+    async def responses(raw: Request):
+        return await respond(raw, ctx)
+
+    @router.get("/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return _stored(ctx, response_id)
+
+    @router.delete("/responses/{response_id}")
+    async def delete_response(response_id: str):
+        _stored(ctx, response_id)
+        ctx.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @router.post("/embeddings")
     async def embeddings(raw: Request):
         return await embed(raw, ctx)
 
     return router
+
+
+def _stored(ctx: ServerContext, response_id: str) -> dict:
+    response = ctx.responses.get(response_id)
+    if response is None:
+        raise APIError(f"no stored response {response_id!r}", param="response_id", status=404, code="not_found")
+    return response
 
 
 def _auth(api_key: str):

@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from flock.api import embeddings
+from flock.api.answer_stream import AnswerStream
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
     APIError,
+    Choice,
     GenerationRequest,
     choices_usage,
     chunk_body,
@@ -35,9 +37,8 @@ from flock.api.protocol import (
     usage,
     with_defaults,
 )
-from flock.api.reasoning import ReasoningStream, reasoning_token_count
+from flock.api.responses import ResponseEvents, ResponsesRequest, ResponseStore, parse_responses, renamed
 from flock.api.sglang import NativeRequest, output_object, parse_generate
-from flock.api.tools import ToolCallStream
 from flock.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -59,6 +60,7 @@ class ServerContext:
     api_key: str | None = None
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
     reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
+    responses: ResponseStore = field(default_factory=ResponseStore)
     token_text: TokenText = field(init=False)
 
     def __post_init__(self):
@@ -115,6 +117,62 @@ async def embed(raw: Request, ctx: ServerContext):
     parts = await _collect(streams, raw, ctx)
     prompt_tokens = sum(p.last.num_prompt_tokens for p in parts)
     return JSONResponse(req.body(ctx.model_names[0], [p.last.embedding for p in parts], prompt_tokens))
+
+
+async def respond(raw: Request, ctx: ServerContext):
+    """POST /v1/responses (flock/api/responses.py)."""
+    body = check_model(await json_body(raw), ctx)
+    history = ctx.responses.history(body.get("previous_response_id")) if isinstance(body, dict) else None
+    req = parse_responses(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser, history,
+                          ctx.engine.sampling_defaults)
+    gen, model = req.gen, ctx.model_names[0]
+    try:
+        gen.truncate(ctx.engine.max_model_len)
+    except APIError as e:
+        raise renamed(e) from None
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: renamed(engine_error(e, gen)))
+    given = raw.headers.get("x-request-id") or gen.request_id
+    if given:
+        req.id = given if given.startswith("resp_") else "resp_" + given
+    if gen.stream:
+        return _SSEResponse(_response_events(req, streams, ctx), media_type="text/event-stream")
+    p = (await _collect(streams, raw, ctx))[0]
+    choice = make_choice(gen, 0, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs, p.prompt_logprobs,
+                         ctx.token_text, p.last.stop_reason)
+    response = req.whole(model, choice, p.last, p.token_ids, ctx.engine.tokenizer)
+    ctx.responses.put(req, response)
+    return JSONResponse(response)
+
+
+async def _response_events(req: ResponsesRequest, streams: list[RequestStream], ctx: ServerContext
+                           ) -> AsyncIterator[str]:
+    gen = req.gen
+    events, answer = ResponseEvents(req, ctx.model_names[0]), AnswerStream(gen, ctx.engine.tokenizer)
+    hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs too (as vLLM)
+    logprobs = gen.params.logprobs is not None and not hidden
+    token_text = ctx.token_text.for_request(gen.tokens_as_ids)
+    try:
+        for event in events.start():
+            yield _named_sse(event)
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
+            async for _, out in outs:
+                if out.error:
+                    sent = events.failed(out.error)
+                else:
+                    reasoning, content, calls, finish_reason = answer.split(out)
+                    entries = chat_logprobs(token_text, out.logprobs)["content"] if logprobs and out.logprobs else None
+                    sent = events.add("" if hidden else reasoning, content, entries, answer.answer_start)
+                    if out.finished:
+                        choice = Choice(events.content, finish_reason, tool_calls=calls or None,
+                                        reasoning=events.reasoning, reasoning_tokens=answer.reasoning_tokens)
+                        sent += events.finish(choice, out, answer.answer_start, logprobs)
+                for event in sent:
+                    yield _named_sse(event)
+                if out.error or out.finished:
+                    ctx.responses.put(req, sent[-1]["response"])
+                    break
+    finally:
+        _close(streams, ctx.metrics)
 
 
 def check_model(body, ctx: ServerContext):
@@ -261,21 +319,18 @@ class _StreamedChoice:
         self.usage_so_far: dict | None = None  # with continuous_usage_stats, set by each output
         self.token_text = ctx.token_text.for_request(gen.tokens_as_ids)
         self.offset = 0  # a completion's text_offset of its next token
-        self.thinking = ReasoningStream(gen.reasoning) if gen.reasoning else None
-        self.calls = ToolCallStream(gen.tools) if gen.tools is not None else None
+        self.answer = AnswerStream(gen, ctx.engine.tokenizer)
         self.hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs and ids too (as vLLM)
-        self.output_ids: list[int] = []  # of a reasoning answer, to count its thinking
-        self.reasoning_tokens = 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.answer.reasoning_tokens
 
     def chunks(self, out: StreamOutput) -> list[str]:
         gen = self.gen
         if gen.continuous_usage:
             self.usage_so_far = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        if self.thinking is not None:
-            self.output_ids += out.token_ids
-            if out.finished:
-                self.reasoning_tokens = reasoning_token_count(self.ctx.engine.tokenizer, self.output_ids, gen.reasoning)
-        reasoning, text, tool_calls, finish_reason = self._split(out)
+        reasoning, text, tool_calls, finish_reason = self.answer.split(out)
         ids, entries = out.token_ids, None if self.hidden else out.logprobs
         fields = {"reasoning": reasoning} if reasoning and not self.hidden else {}
         if gen.echo_only:
@@ -297,18 +352,6 @@ class _StreamedChoice:
         if text or fields or logprobs is not None or out.finished or (self.first and gen.kind == "chat"):
             chunks.append(self._chunk(text, finish_reason, logprobs, stop_reason=out.stop_reason, **fields))
         return chunks
-
-    def _split(self, out: StreamOutput) -> tuple[str, str, list[dict] | None, str | None]:
-        """(reasoning, content, tool calls, finish reason) of this output."""
-        reasoning, text, tool_calls, finish_reason = "", out.text, None, out.finish_reason
-        if self.thinking is not None:
-            reasoning, text = self.thinking.delta(text, out.finished)
-        if self.calls is not None:
-            text = self.calls.content(text)
-            if out.finished:
-                rest, tool_calls = self.calls.finish()
-                text, finish_reason = text + rest, self.gen.tools.finish_reason(tool_calls, finish_reason)
-        return reasoning, text, tool_calls, finish_reason
 
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if entries is None:
@@ -391,3 +434,8 @@ class _SSEResponse(StreamingResponse):
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _named_sse(event: dict) -> str:
+    """A Responses stream event, named by its type as OpenAI sends them."""
+    return f"event: {event['type']}\n" + _sse(event)

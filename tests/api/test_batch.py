@@ -278,3 +278,35 @@ def test_embedding_lines_beside_completions(engine, tmp_path):
     assert got["e"]["usage"]["prompt_tokens"] == len(ids) + len(engine.tokenizer.encode("A scheduler plans steps"))
     error = records(tmp_path / "out.errors.jsonl")[0]
     assert error["custom_id"] == "bad" and error["error"]["param"] == "dimensions"
+
+
+def test_response_lines_answer_as_chat_lines(engine, tmp_path):
+    """/v1/responses lines (OpenAI's Batch API takes them): a Response object each, whose message is the chat
+    line's answer to the same conversation; CLI flags fill what a line leaves unset; a grammar the engine rejects
+    and a previous_response_id (a job stores no responses) are error records naming the Responses field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "name": "s", "schema": schema}
+    lines = [batch("r", {"input": "Why page the cache?", "instructions": "Be brief.", "max_output_tokens": 5},
+                   "/v1/responses"),
+             batch("c", {"messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Why page the cache?"}], "max_tokens": 5},
+                   "/v1/chat/completions"),
+             batch("json", {"input": "JSON please.", "text": {"format": fmt}, "max_output_tokens": 20},
+                   "/v1/responses"),
+             batch("flags", {"input": "Hello"}, "/v1/responses"),
+             batch("bad", {"input": "x", "text": {"format": fmt | {"schema": {"type": "object", "required": 5}}}},
+                   "/v1/responses"),
+             batch("next", {"input": "x", "previous_response_id": "resp_1"}, "/v1/responses")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp, sampling={"temperature": 0, "ignore_eos": True}, max_tokens=3) == 0
+    out = {r["custom_id"]: r for r in records(tmp_path / "out.jsonl")}
+    r = out["r"]["response"]["body"]
+    assert r["object"] == "response" and out["r"]["response"]["request_id"] == r["id"]
+    assert r["output"][0]["content"][0]["text"] == out["c"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert r["usage"]["output_tokens"] == 5 and r["status"] == "incomplete"
+    assert json.loads(out["json"]["response"]["body"]["output"][0]["content"][0]["text"]) in ({"ok": True},
+                                                                                            {"ok": False})
+    assert out["flags"]["response"]["body"]["usage"]["output_tokens"] == 3
+    errors = {e["custom_id"]: e["error"]["param"] for e in records(tmp_path / "out.errors.jsonl")}
+    assert errors == {"bad": "text.format", "next": "previous_response_id"}

@@ -355,6 +355,71 @@ def test_tool_calls_over_the_api(client):
     assert r.choices[0].text == "<answer>yes</answer>"
 
 
+def test_responses_equal_chat_completions(server, client):
+    """POST /v1/responses answers as /v1/chat/completions does for the same conversation, whole or streamed (the
+    openai client's stream helper), stored for GET and for a next turn's previous_response_id, deleted on DELETE."""
+    kw = dict(model=MODEL, max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    chat_kw = dict(model=MODEL, max_tokens=8, **GREEDY)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why page the cache?"}]
+    r = client.responses.create(input="Why page the cache?", instructions=SYSTEM, **kw)
+    chat = client.chat.completions.create(messages=first, **chat_kw)
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens" and r.output[0].type == "message"
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    with client.responses.stream(input="Why page the cache?", instructions=SYSTEM, **kw) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.completed"
+    assert streamed.output_text == r.output_text and streamed.usage.output_tokens == 8
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+
+    then = client.responses.create(input="And why blocks?", previous_response_id=r.id, instructions=SYSTEM, **kw)
+    history = first + [{"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And why blocks?"}]
+    assert then.output_text == client.chat.completions.create(messages=history, **chat_kw).choices[0].message.content
+    assert then.previous_response_id == r.id and then.usage.input_tokens_details.cached_tokens > 0
+
+    assert httpx.delete(f"{server.url}/v1/responses/{r.id}", headers=AUTH, timeout=10).json()["deleted"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    unstored = client.responses.create(input="x", store=False, **kw)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    for body, param in [({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+                         "input[0].content"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, **body)
+        assert e.value.param == param
+
+
+def test_responses_tool_calls_and_structured_text(client):
+    """A forced call comes back as a function_call item (whole and streamed alike); its output goes back in as a
+    function_call_output item; text.format constrains the message as response_format does."""
+    weather = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[weather], max_output_tokens=100, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    r = client.responses.create(**kw)
+    call = r.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    with client.responses.stream(**kw) as stream:
+        done = [e.arguments for e in stream if e.type == "response.function_call_arguments.done"]
+    assert done == [call.arguments]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    after = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Weather in Paris?"},
+                                                        call.model_dump(exclude_none=True), result],
+                                    tools=[weather], max_output_tokens=4, temperature=0)
+    assert after.status in ("completed", "incomplete") and after.usage.input_tokens > r.usage.input_tokens
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = client.responses.create(model=MODEL, input="A city?", max_output_tokens=60, temperature=0,
+                                  text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert json.loads(fmt.output_text)["city"] in ("Paris", "Rome")
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     """vLLM's /tokenize (a prompt, or a chat as /v1/chat/completions templates it) and /detokenize."""
     post = lambda path, body, headers=AUTH: httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=10)  # noqa: E731
