@@ -35,6 +35,16 @@ HF_CONFIGS = {
         model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
     ),
+    "phi3": dict(  # fused qkv and gate_up tensors, a sliding window
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=20,
+    ),
+    "phi3_longrope": dict(  # Phi-3-128k's LongRoPE: the long factors, as max_model_len passes the original 64
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                      "long_factor": [1.0 + i for i in range(8)]},
+    ),
     "mistral": dict(
         model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, sliding_window=12,

@@ -2,10 +2,10 @@ from dataclasses import dataclass, field
 import json
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activation Flock runs
 # transformers' class defaults for keys a config.json may omit
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 MISTRAL_DEFAULT_WINDOW = 4096
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
@@ -46,8 +46,9 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            scaling = cls._rope_scaling(dict(scaling), d, model_type)
+        if (d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor < 1 is not supported (Flock rotates whole heads)")
         eos = d.get("eos_token_id")
         act = d.get("hidden_act", "silu")
         if act not in SILU_NAMES:
@@ -81,12 +82,27 @@ class ModelConfig:
         )
 
     @staticmethod
+    def _rope_scaling(scaling: dict, d: dict, model_type: str) -> dict:
+        """rope_scaling with its rope_type named; LongRoPE's (Phi-3's "su" too) with the lengths it needs."""
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "su":
+            scaling["rope_type"] = "longrope"
+        if scaling["rope_type"] == "longrope":
+            original = scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"]
+            positions = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])
+            scaling |= {"original_max_position_embeddings": original,
+                        "factor": scaling.get("factor") or positions / original}
+        return scaling
+
+    @staticmethod
     def _sliding_window(d: dict, model_type: str) -> int | None:
         """The window every layer uses, as transformers reads it: Mistral's on every layer (4096 when the key is
-        absent); Qwen2's and Qwen3's only on the layers `layer_types` marks (from `max_window_layers`, default
+        absent), Phi-3's on every layer when set; Qwen2's and Qwen3's only on the layers `layer_types` marks (from `max_window_layers`, default
         28). Flock has one window for all layers, so a mix is an error rather than a silently wrong model."""
         if model_type == "mistral":
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+        if model_type == "phi3":  # on every layer when set, as Mistral's
+            return d.get("sliding_window")
         if model_type == "llama" or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
             return None
         layers = d["num_hidden_layers"]

@@ -25,10 +25,13 @@ if TYPE_CHECKING:
     from gguf import ReaderTensor
 
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 ROPE_SCALING_TYPES = ("none", "linear")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)  # read into the config's rope_scaling, not into weights
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
 CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens
 END_OF_TURN = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -97,7 +100,7 @@ def hf_config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2 and Qwen3 models)")
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3 and Phi-3 models)")
     tensors = {t.name for t in reader.tensors}
     config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
     mapping = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_MAPPING[arch].items() if name}
@@ -174,11 +177,31 @@ def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str)
                          "or llama3 as per-frequency factors)")
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if _field(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{path}: the rotary embedding turns part of each head (partial_rotary_factor < 1), "
+                         "which Flock does not run")
     if ROPE_FREQS in tensors:  # how convert_hf_to_gguf.py writes Llama 3.1+'s "llama3" rope scaling
-        factors = next(t for t in reader.tensors if t.name == ROPE_FREQS).data
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        config["rope_scaling"] = llama3_scaling(np.asarray(factors, dtype=np.float64),
+        config["rope_scaling"] = llama3_scaling(np.asarray(_tensor(reader, ROPE_FREQS), dtype=np.float64),
                                                 config.get("rope_theta", 10000.0), head_dim, path)
+    if arch == "phi3":
+        _phi3(reader, tensors, config)
+
+
+def _phi3(reader, tensors: set[str], config: dict) -> None:
+    """Phi-3's sliding window (0: none, as Phi-4 writes it) and LongRoPE, as convert_hf_to_gguf.py writes them."""
+    config["sliding_window"] = _field(reader, "phi3.attention.sliding_window", 0) or None
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = original
+    if set(LONGROPE_FACTORS) <= tensors:
+        long, short = (_tensor(reader, name).tolist() for name in LONGROPE_FACTORS)
+        config["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                                  "attention_factor": _field(reader, "phi3.rope.scaling.attn_factor")}
+
+
+def _tensor(reader, name: str) -> np.ndarray:
+    return np.asarray(next(t for t in reader.tensors if t.name == name).data)
 
 
 def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict | None:
@@ -269,7 +292,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     in_blocks = {name for parts in quantized.values() for name in parts}
     loaded, expanded = {names[name] for name in in_blocks}, set()
     for tensor in ckpt.tensors:
-        if tensor.name == ROPE_FREQS:  # read into the config's rope_scaling
+        if tensor.name in CONFIG_TENSORS:
             continue
         name = names.get(tensor.name)
         if name is None:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from flock.model.llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+FUSED_CHECKPOINTS = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj fused, as Flock does
 
 
 @dataclass
@@ -29,7 +30,7 @@ def hf_tensor_slots(model: LlamaForCausalLM) -> dict[str, TensorSlot]:
         hf_name = name if name.startswith("lm_head.") else f"model.{name}"
         module_name, _, kind = name.rpartition(".")
         fused = module_name.rsplit(".", 1)[-1]
-        if fused not in model.packed_modules:
+        if fused not in model.packed_modules or model.config.model_type in FUSED_CHECKPOINTS:
             slots[hf_name] = TensorSlot(param, 0, param.shape[0])
             continue
         offset = 0

@@ -5,9 +5,11 @@ import torch
 from flock.model.config import ModelConfig
 
 
-def inv_frequencies(config: ModelConfig) -> torch.Tensor:
+def inv_frequencies(config: ModelConfig, max_positions: int = 0) -> torch.Tensor:
+    """The rotary frequencies of a model that runs up to `max_positions` positions."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    powers = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / powers
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -16,7 +18,27 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "longrope":
+        return 1.0 / (torch.tensor(_longrope_factors(scaling, max_positions), dtype=torch.float32) * powers)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def _longrope_factors(s: dict, max_positions: int) -> list[float]:
+    """LongRoPE's (Phi-3's) per-frequency factors: the long ones for every position when the model may run past
+    its original length, else the short ones. transformers picks them per forward pass by its longest position,
+    which would give a cached prefix other keys than a fresh one; vLLM picks them by max_model_len, as here."""
+    return s["long_factor"] if max_positions > s["original_max_position_embeddings"] else s["short_factor"]
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """The scale of LongRoPE's cos and sin tables (1 for the other kinds), as transformers computes it."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    factor = s["factor"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -36,9 +58,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_frequencies(config))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_frequencies(config, max_positions))
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = on_one_thread(lambda: (emb.cos(), emb.sin()))
+        scale = attention_factor(config)
+        cos, sin = on_one_thread(lambda: (emb.cos() * scale, emb.sin() * scale))
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("sin", sin.to(dtype), persistent=False)
 

@@ -66,7 +66,7 @@ BACKENDS = ["torch", "torch-cascade"]
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
@@ -79,6 +79,19 @@ def test_greedy_matches_transformers(hf_folders, references, kind, prefix_cachin
         assert stats["saving_rate"] > 0.2
     else:
         assert stats["saving_rate"] == 0.0
+
+
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
+def test_longrope_factors_follow_max_model_len(hf_folders, references, attention):
+    """LongRoPE (Phi-3-128k): the short factors while max_model_len stays within the original length (transformers
+    uses them for such sequences), the long ones for every position past it (transformers' for a sequence that
+    passes it), each with its scaled cos and sin."""
+    prompts, expected = references("phi3_longrope")  # at most 58 tokens, within the original 64
+    got, _ = flock_greedy(hf_folders["phi3_longrope"], prompts, max_model_len=64, attention=attention)
+    assert got == expected
+    long = [[(7 * i + j) % 8192 for i in range(70 + j)] for j in range(3)]
+    got, _ = flock_greedy(hf_folders["phi3_longrope"], long, max_model_len=256, attention=attention)
+    assert got == hf_greedy(hf_folders["phi3_longrope"], long)
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
@@ -154,7 +167,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ops", ["auto", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_float32_logits_match_transformers(hf_folders, kind, ops):
     from transformers import AutoModelForCausalLM
 

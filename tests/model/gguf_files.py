@@ -62,11 +62,29 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     factors = llama3_rope_factors(config) if rope_freqs is None else rope_freqs
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
+    if arch == "phi3":
+        _add_phi3(writer, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_phi3(writer: gguf.GGUFWriter, config: dict) -> None:
+    """convert_hf_to_gguf.py's Phi-3 keys: the sliding window (0: none), LongRoPE's lengths, factors and scale;
+    a padding id (transformers' Phi-3 default, 32000, lies outside the tiny vocabulary)."""
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    writer.add_pad_token_id(0)
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    original = scaling.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
 
 
 def llama3_rope_factors(config: dict) -> np.ndarray | None:

@@ -54,6 +54,32 @@ def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, ki
     assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
 
 
+@pytest.mark.parametrize("kind", ["phi3", "phi3_longrope"])
+def test_phi3_gguf_fused_tensors_window_and_longrope(hf_folders, tmp_path, kind):
+    """llama.cpp's fused attn_qkv and ffn_up (gate, then up) tensors go into Flock's fused projections whole; the
+    sliding window (0: none) and LongRoPE's factors and scale come back from the metadata and tensors."""
+    gguf_file = write_gguf(hf_folders[kind], tmp_path / "phi3.gguf")
+    prompts = shared_prefix_prompts(seed=3)
+    got, llm = flock_greedy(gguf_file, prompts, max_model_len=64)
+    assert got == hf_greedy(hf_folders[kind], prompts)
+    c = llm.engine.model_config
+    assert c.sliding_window == (20 if kind == "phi3" else None)
+    assert (c.rope_scaling or {}).get("rope_type") == ("longrope" if kind == "phi3_longrope" else None)
+
+
+def test_phi3_q8_0_gguf(hf_folders, tmp_path):
+    """Fused Q8_0 projections: their dequantized weights give transformers' tokens on the same file, and they run
+    in their blocks."""
+    gguf_file = write_gguf(hf_folders["phi3"], tmp_path / "q8.gguf", Q.Q8_0)
+    reference = hf_from_gguf(gguf_file)
+    reference.config.sliding_window = 20  # transformers' GGUF loader drops phi3.attention.sliding_window
+    prompts = shared_prefix_prompts(seed=4)[:6]
+    got, _ = flock_greedy(gguf_file, prompts)
+    assert got == greedy_ids(reference, prompts)
+    _, llm = flock_greedy(gguf_file, prompts, dtype="float32")
+    assert llm.engine.runner.paths["quantized"].endswith("9 Q8_0")
+
+
 def test_generation_stops_where_llama_cpp_stops(hf_folders, tmp_path):
     """The EOS, the file's end-of-turn id, and control tokens named as chat formats end a turn (<|end|> here)."""
     gguf_file = write_gguf(hf_folders["llama"], tmp_path / "eot.gguf", metadata={"tokenizer.ggml.eot_token_id": 5})
