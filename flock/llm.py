@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -31,11 +32,13 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
-        outputs come back in input order. All prompts and parameters are checked before any work starts: a bad
-        one raises ValueError naming its index and field."""
+        outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams). All
+        prompts and parameters are checked before any work starts: a bad one raises ValueError naming its index
+        and field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = [replace(p, cache_salt=prompt["cache_salt"]) if isinstance(prompt, dict) and "cache_salt" in prompt
+                  else p for p, prompt in zip(self._params_per_prompt(sampling_params, len(prompts)), prompts)]
         texts, token_ids = zip(*(self.encode_prompt(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
         self._check_all(token_ids, params)
         self.engine.reset_stats()

@@ -1,6 +1,6 @@
 from enum import Enum, auto
 
-from flock.kv.hashing import ROOT_HASH, chained_hashes
+from flock.kv.hashing import chained_hashes, root_hash
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
@@ -27,6 +27,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self._block_hashes: list[int] = []
+        self.root_hash = root_hash(params.cache_salt)  # the parent of its first block's hash
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
         self.num_preemptions = 0
@@ -70,7 +71,7 @@ class Request:
         hashes, done = self._block_hashes, len(self._block_hashes)
         if done < num_blocks:
             hashes += chained_hashes(self.token_ids[done * block_size : num_blocks * block_size], block_size,
-                                     hashes[-1] if hashes else ROOT_HASH)
+                                     hashes[-1] if hashes else self.root_hash)
         return hashes
 
     @property

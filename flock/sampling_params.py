@@ -81,6 +81,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # a prompt with these is computed whole: it never reads the prefix cache
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: the request's prefix-cache blocks are found only by requests with the same salt (tenants that must
+    # not learn each other's prompts from cache hits); it changes no output
+    cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
 
     def __post_init__(self):
@@ -173,6 +176,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1 or k == 0):
             raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.truncation_side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -22,7 +22,7 @@ from flock.tokenizer import encode_chat
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-                    "bad_words", "truncate_prompt_tokens", "truncation_side"}
+                    "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt"}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones)
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens"}
@@ -438,6 +438,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         bad_words=typed_field(body, "bad_words", list, None),
         truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None),
         truncation_side=typed_field(body, "truncation_side", str, "left"),
+        cache_salt=typed_field(body, "cache_salt", str, None),
     )
     try:
         params.validate()

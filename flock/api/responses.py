@@ -23,7 +23,7 @@ _CHAT_FIELDS = {"model", "temperature", "top_p", "top_k", "min_p", "presence_pen
                 "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
                 "structured_outputs", "chat_template_kwargs", "request_id", "include_reasoning", "priority",
-                "stream", "parallel_tool_calls"}
+                "stream", "parallel_tool_calls", "cache_salt"}
 # fields that do not change what is generated: accepted, and those of the Response object repeated in it
 _IGNORED_FIELDS = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier",
                    "stream_options"}

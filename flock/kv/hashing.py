@@ -4,6 +4,12 @@ import xxhash
 ROOT_HASH = 0
 
 
+def root_hash(salt: str | None) -> int:
+    """The parent of a request's first block: the salt's hash for a salted request (vLLM's cache_salt), so that
+    none of its blocks' hashes equals an unsalted or otherwise salted one's."""
+    return ROOT_HASH if salt is None else xxhash.xxh3_64_intdigest(b"cache_salt\0" + salt.encode())
+
+
 def hash_block(parent: int, tokens) -> int:
     """Chained block hash: h_i = H(h_{i-1}, tokens_i), so equal hashes mean equal whole prefixes."""
     h = xxhash.xxh3_64(parent.to_bytes(8, "little"))

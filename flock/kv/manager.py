@@ -4,7 +4,6 @@ import itertools
 from typing import TYPE_CHECKING
 
 from flock.kv.block_pool import BlockPool
-from flock.kv.hashing import ROOT_HASH
 
 if TYPE_CHECKING:  # requests are only read here
     from flock.request import Request
@@ -63,7 +62,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         i = len(hits)
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else req.root_hash
         want = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, req.num_tokens - 1)])
         hits.tail_block, hits.tail_tokens = self.pool.best_tail(parent, want)
         return hits
@@ -137,7 +136,7 @@ class KVCacheManager:
         self.num_registered[req] = max(registered, full)
         for i in range(computed // self.block_size, self.blocks_needed(num_tokens)):
             tokens = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
-            self.pending_tails[table[i]] = (hashes[i - 1] if i else ROOT_HASH, tokens)
+            self.pending_tails[table[i]] = (hashes[i - 1] if i else req.root_hash, tokens)
 
     def _lookup_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks a prefix lookup may hit: at least one token is always left to compute."""

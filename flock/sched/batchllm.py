@@ -57,11 +57,22 @@ class BatchLLMScheduler(Scheduler):
 
     # -- planning ----------------------------------------------------------------------------------------------
     def _plan(self) -> None:
-        plan = plan_prefixes([r.prompt_token_ids for r in self.unplanned])
+        """Groups of the unplanned requests, planned apart for each cache salt: requests of different salts never
+        share blocks."""
+        by_salt: dict[str | None, list[Request]] = {}
+        for r in self.unplanned:
+            by_salt.setdefault(r.params.cache_salt, []).append(r)
+        groups = [group for requests in by_salt.values() for group in self._groups(requests)]
+        groups.sort(key=lambda x: x[0])  # R_group = 1 / (L_prefix + sum L_distinct), largest first
+        self.pending.extend(g for _, g in groups)
+        self.unplanned = []
+
+    def _groups(self, requests: list[Request]) -> list[tuple[int, GroupState]]:
+        plan = plan_prefixes([r.prompt_token_ids for r in requests])
         bs = self.kv.block_size
         groups = []
         for g in plan.groups:
-            members = [self.unplanned[i] for i in g.indices]
+            members = [requests[i] for i in g.indices]
             # every member keeps at least one token of its own to compute; members take a prefix that ends
             # inside a block from the prefix cache, which copies that block's start (without it: whole blocks)
             shortest = min(m.num_prompt_tokens for m in members)
@@ -72,9 +83,7 @@ class BatchLLMScheduler(Scheduler):
             groups.append((g.computed_tokens, group))
             for m in members:
                 self.group_of[m.request_id] = group
-        groups.sort(key=lambda x: x[0])  # R_group = 1 / (L_prefix + sum L_distinct), largest first
-        self.pending.extend(g for _, g in groups)
-        self.unplanned = []
+        return groups
 
     # -- the step ----------------------------------------------------------------------------------------------
     def _schedule(self) -> StepPlan:
@@ -179,8 +188,9 @@ class BatchLLMScheduler(Scheduler):
 
     def _pseudo_request(self, g: GroupState) -> Request:
         self._pseudo_ids -= 1
-        ids = g.waiting[0].prompt_token_ids[: g.prefix_len]
-        p = Request(self._pseudo_ids, ids, SamplingParams(max_tokens=1), prefix_only=True)
+        first = g.waiting[0]
+        p = Request(self._pseudo_ids, first.prompt_token_ids[: g.prefix_len],
+                    SamplingParams(max_tokens=1, cache_salt=first.params.cache_salt), prefix_only=True)
         p.status = RequestStatus.RUNNING
         return p
 

@@ -420,6 +420,24 @@ def test_responses_tool_calls_and_structured_text(client):
     assert json.loads(fmt.output_text)["city"] in ("Paris", "Rome")
 
 
+def test_cache_salt_as_vllm(client):
+    """A salted request reads only its own salt's cached prefix (usage's cached_tokens) and answers the same."""
+    doc = "Salted blocks are found by their own tenant only, whatever the prompt shares. " * 6
+
+    def chat(salt=None):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": doc}], max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True} | ({"cache_salt": salt} if salt is not None else {}))
+
+    runs = [chat("s1"), chat("s1"), chat("s2"), chat(), chat()]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
+    assert cached[0] == cached[2] == cached[3] == 0 and cached[1] > 0 and cached[4] > 0
+    assert len({r.choices[0].message.content for r in runs}) == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        chat("")
+    assert e.value.param == "cache_salt"
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     """vLLM's /tokenize (a prompt, or a chat as /v1/chat/completions templates it) and /detokenize."""
     post = lambda path, body, headers=AUTH: httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=10)  # noqa: E731
