@@ -10,9 +10,10 @@ log-sum-exp in the same call; a segment that would keep one thread busy alone (o
 is split by KV range into pieces merged the same way. It runs on PyTorch's OpenMP threads and is built and
 loaded by flock.native on first use.
 
-Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a
-sliding window, a head_dim that is not a multiple of 16 (or above 256), or no usable ISA path or gcc
-(`kernel_unavailable()` says why).
+Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a head_dim
+that is not a multiple of 16 (or above 256), no usable ISA path or gcc (`kernel_unavailable()` says why), or a
+step with a prefill chunk whose context passes a sliding window (the kernel has no window mask; a decode past
+the window attends its last `window` positions as its KV range).
 """
 
 import ctypes
@@ -194,12 +195,21 @@ class CpuCascadeBackend(TorchCascadeBackend):
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
-        return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.sliding_window is None
-                and self.head_dim % 16 == 0 and self.head_dim <= 256 and self.isa is not None
-                and kernel_unavailable(self.isa) is None)
+        return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 16 == 0
+                and self.head_dim <= 256 and self.isa is not None and kernel_unavailable(self.isa) is None)
+
+    def window_binds(self, layout: StepLayout) -> bool:
+        """Whether a sliding window hides keys from queries of the step's prefill chunks: a context longer than
+        the window with more than one new token (a query sees the keys less than `window` positions back). The
+        kernel has no window mask: a decode past the window attends its last `window` positions as its range
+        (build_segments), and a step with such a prefill chunk goes to torch-cascade."""
+        if self.sliding_window is None:
+            return False
+        seq = np.asarray(layout.seq_lens)
+        return bool(np.any((seq > self.sliding_window) & (np.asarray(layout.query_lens) > 1)))
 
     def build_metadata(self, layout: StepLayout):
-        if not self.uses_kernel(layout.slot_mapping.device):
+        if not self.uses_kernel(layout.slot_mapping.device) or self.window_binds(layout):
             return super().build_metadata(layout)
         meta = self._plan(layout, layout.slot_mapping)
         if layout.sampled is not None and len(layout.sampled) < len(layout.slot_mapping):
@@ -211,7 +221,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
         """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
         lib = kernel_library(self.isa)
         g = self.num_heads // self.num_kv_heads
-        s = build_segments(layout, g, self.min_prefix_blocks, MAX_GROUP_QUERY)
+        s = build_segments(layout, g, self.min_prefix_blocks, MAX_GROUP_QUERY, self.sliding_window)
         if tokens is not None:
             s.tokens = tokens[s.tokens]
         segs, slots, offsets, merged, num_slots = plan_segments(

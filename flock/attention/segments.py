@@ -49,8 +49,10 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int,
-                   max_group_query: int | None = None) -> Segments:
-    """The step's segments; requests of more than `max_group_query` new tokens (None: no limit) join no group."""
+                   max_group_query: int | None = None, window: int | None = None) -> Segments:
+    """The step's segments; requests of more than `max_group_query` new tokens (None: no limit) join no group.
+    With a sliding `window`, a request whose context is longer must have one new token (a decode): its query
+    then attends the last `window` positions alone, and it joins no group."""
     bs = layout.block_size
     qs = np.asarray(layout.query_start, dtype=np.int64)
     seq = np.asarray(layout.seq_lens, dtype=np.int64)
@@ -58,6 +60,8 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
     computed = seq - qlens
     num_req = len(seq)
     shareable = computed // bs if max_group_query is None else np.where(qlens <= max_group_query, computed // bs, 0)
+    windowed = seq > window if window is not None else np.zeros(num_req, dtype=bool)
+    shareable = np.where(windowed, 0, shareable)
     groups = find_prefix_groups(layout.block_tables, shareable, min_prefix_blocks)
 
     table_lens = np.array([len(t) for t in layout.block_tables], dtype=np.int64)
@@ -68,7 +72,7 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
     in_group = np.zeros(num_req, dtype=bool)
     in_group[grouped] = True
     ungrouped = np.flatnonzero(~in_group)
-    context_start = np.zeros(num_req, dtype=np.int64)
+    context_start = np.where(windowed, seq - (window or 0), 0)
     for grp in groups:
         context_start[grp.members] = grp.num_blocks * bs
 

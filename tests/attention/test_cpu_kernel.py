@@ -207,6 +207,52 @@ def test_kv_write_equals_index_copy(monkeypatch, isa, dtype):
     assert torch.equal(strided[0], caches[2]) and torch.equal(strided[1], caches[3])
 
 
+def windowed_layout(rng: np.random.Generator, window: int, bs: int) -> StepLayout:
+    """Decodes of a 3-member group on a 6-block prefix, a lone decode 3 windows deep, one just within the window,
+    and a fresh prefill within it."""
+    free = list(rng.permutation(400))
+    prefix = [free.pop() for _ in range(6)]
+    specs = [(prefix, 6 * bs + int(rng.integers(0, 9)), 1) for _ in range(3)]
+    specs += [([], 3 * window + 5, 1), ([], window - 3, 1), ([], 0, min(window, 7))]
+    tables, starts, qlens = [], [], []
+    for shared, start, qlen in specs:
+        own = -(-(start + qlen) // bs) - len(shared)
+        tables.append(np.array(shared + [free.pop() for _ in range(own)], dtype=np.int64))
+        starts.append(start)
+        qlens.append(qlen)
+    starts, qlens = np.array(starts), np.array(qlens)
+    slots = np.concatenate([t[np.arange(s, s + q) // bs] * bs + np.arange(s, s + q) % bs
+                            for t, s, q in zip(tables, starts, qlens)])
+    return StepLayout(np.concatenate([[0], np.cumsum(qlens)]), starts + qlens, tables, bs, torch.from_numpy(slots))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [5, 20, 60])
+@pytest.mark.parametrize("shape", ["bs4-d32", "bs16-d64"], indirect=True)
+def test_decodes_past_a_sliding_window_run_on_the_kernel(monkeypatch, isa, dtype, window, shape):
+    """A decode whose context passes the window attends its last `window` positions as its KV range (a grouped
+    one leaves its group); prefills within the window as usual; a prefill chunk past it sends the step to
+    torch-cascade. Against the float64 reference with the window's mask."""
+    bs, _ = shape
+    layout = windowed_layout(np.random.default_rng(window), window, bs)
+    inputs = tb.fused_inputs(layout, 4, 2, dtype, 4, 400)
+    q, k, v, k_cache, v_cache = inputs
+    _, _, kc, vc = tb.run_backend("torch", tb.config(4, 2), layout, q, k, v, k_cache, v_cache)
+    expected = tb.reference(q, kc, vc, layout, 2, window)
+    if isa == cpu.EMULATED_AMX:
+        backend = CpuCascadeBackend(4, 2, q.shape[-1], window, dtype, isa=isa)
+    else:
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        backend = make_backend("cpu", tb.config(4, 2, window), torch.device("cpu"), dtype)
+    meta = backend.build_metadata(layout)
+    assert isinstance(meta, CpuMetadata)
+    check(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta), expected, dtype)
+    long_chunk = StepLayout(np.array([0, 2]), np.array([window + 2]), [np.arange(-(-(window + 2) // bs))], bs,
+                            torch.arange(window, window + 2))
+    assert not isinstance(backend.build_metadata(long_chunk), CpuMetadata)
+
+
 @pytest.mark.parametrize("dtype, window, head_dim", [(torch.float64, None, 64), (torch.bfloat16, 7, 64),
                                                      (torch.float32, None, 8), (torch.bfloat16, None, 40)])
 def test_falls_back_to_torch_cascade(monkeypatch, dtype, window, head_dim):
