@@ -6,8 +6,15 @@ from tqdm import tqdm
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
-from flock.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from flock.pooling_params import PoolingParams
+from flock.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from flock.pooling_params import PoolingParams, pair_scores
 from flock.request import Request
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import encode_chat
@@ -64,6 +71,26 @@ class LLM:
         self._run(requests, use_tqdm)
         return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
                                        r.is_finished, r.num_cached_tokens) for r in requests]
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: each pair's cosine similarity of embeddings (`pair_scores`);
+        one prompt in `data_1` is scored against every one in `data_2`, else they pair up in order."""
+        left, right = ([d] if isinstance(d, (str, dict)) or (d and isinstance(d[0], int)) else list(d)
+                       for d in (data_1, data_2))
+        if not right or len(left) not in (1, len(right)):
+            raise ValueError(f"data_1 must hold one prompt or as many as data_2 ({len(left)} vs {len(right)})")
+        embedded = self.embed(left + right, pooling_params, use_tqdm)
+        vectors = [e.outputs.embedding for e in embedded]
+        scores = pair_scores(vectors[: len(left)], vectors[len(left):])
+        firsts = embedded[: len(left)] * (len(right) if len(left) == 1 else 1)
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(s)) for a, b, s in zip(firsts, embedded[len(left):], scores)]
 
     def chat(
         self,

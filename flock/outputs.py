@@ -31,6 +31,21 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The score of one pair, as vLLM's `LLM.score` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's: the first text's, then the second's
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """An embedding of one prompt, as vLLM's `LLM.embed` returns it."""
 

@@ -33,3 +33,10 @@ class PoolingParams:
         """The embedding of a last token's final hidden state, in float32 (float64 models: float64)."""
         x = hidden[: self.dimensions].to(torch.promote_types(hidden.dtype, torch.float32))
         return (F.normalize(x, dim=0) if self.normalize else x).tolist()
+
+
+def pair_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:
+    """vLLM's score of an embedding model (a bi-encoder): each pair's cosine similarity, in float64; one vector on
+    the left is scored against every one on the right, else they pair up in order."""
+    a, b = (F.normalize(torch.tensor(v, dtype=torch.float64), dim=1) for v in (left, right))
+    return (b @ a[0] if len(a) == 1 else (a * b).sum(1)).tolist()

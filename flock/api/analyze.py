@@ -41,6 +41,8 @@ def _prompt(kind: str, body: dict, tokenizer) -> list[int]:
     """The token ids of a line's one prompt (or input, of an embedding line)."""
     if kind == "response":
         return parse_responses(body, tokenizer).gen.prompt_token_ids
+    if kind in ("score", "rerank"):
+        raise APIError("flock analyze plans one prompt per line; a score or rerank line has several")
     if kind != "embedding":
         return parse_request(kind, body, tokenizer).prompt_token_ids
     prompts = parse_embeddings(body, tokenizer).prompts

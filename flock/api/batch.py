@@ -28,6 +28,7 @@ from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
                                 make_choice, new_id, parse_request, reasoning_usage, response_body, with_defaults)
 from flock.api.responses import ResponsesRequest, parse_responses, renamed
+from flock.api.scores import ScoreRequest, parse_scores
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -36,6 +37,7 @@ SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
 SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
 ANSWER_WIDTH = 100
+POOLING_KINDS = ("embedding", "score", "rerank")  # lines whose inputs are embedded, not generated from
 
 
 @dataclass
@@ -142,7 +144,7 @@ class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    request: GenerationRequest | EmbeddingRequest | ResponsesRequest
+    request: GenerationRequest | EmbeddingRequest | ScoreRequest | ResponsesRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
 
@@ -181,7 +183,7 @@ class BatchJob:
         self.errors.sync()
 
     def _submit(self, line: BatchLine) -> None:
-        if line.kind == "embedding":
+        if line.kind in POOLING_KINDS:
             return self._submit_embeddings(line)
         rename = renamed if line.kind == "response" else lambda e: e
         try:  # a line's fields, else the CLI flags, else the model's generation config, else the API's defaults
@@ -215,7 +217,8 @@ class BatchJob:
 
     def _submit_embeddings(self, line: BatchLine) -> None:
         try:
-            parsed = parse_embeddings(line.body, self.engine.tokenizer)
+            parsed = parse_embeddings(line.body, self.engine.tokenizer) if line.kind == "embedding" else \
+                parse_scores(line.kind, line.body, self.engine.tokenizer)
             for ids in parsed.prompts:
                 self.engine.check_request(ids, parsed.params)
         except APIError as e:
@@ -225,7 +228,7 @@ class BatchJob:
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 
-    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest | ResponsesRequest,
+    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest | ScoreRequest | ResponsesRequest,
              requests: list) -> None:
         pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
@@ -276,16 +279,24 @@ class BatchJob:
         del self.pending[line.custom_id]
         request_id, body = self._response(line)
         if line.custom_id in self.answers:
-            first = line.finished[0].embedding
-            self.answers[line.custom_id] = line.texts[0] if first is None else f"[an embedding of {len(first)} values]"
+            self.answers[line.custom_id] = self._answer(line, body)
         self.output.write(result_record(line.custom_id, request_id, body))
         self.counts.succeeded += 1
         return True
 
+    @staticmethod
+    def _answer(line: PendingLine, body: dict) -> str:
+        """What the summary shows of a line's answer."""
+        if isinstance(line.request, ScoreRequest):
+            return "scores " + ", ".join(f"{x.get('score', x.get('relevance_score')):.3f}"
+                                         for x in body.get("data", body.get("results")))
+        first = line.finished[0].embedding
+        return line.texts[0] if first is None else f"[an embedding of {len(first)} values]"
+
     def _response(self, line: PendingLine) -> tuple[str, dict]:
         """(request id, response body) of a line whose requests have all finished."""
         gen, model = line.request, self.engine.config.model
-        if isinstance(gen, EmbeddingRequest):
+        if isinstance(gen, (EmbeddingRequest, ScoreRequest)):
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
             return body["id"], body

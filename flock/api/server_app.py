@@ -30,7 +30,7 @@ from flock.engine.async_engine import AsyncEngine, EngineDead
 
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                 "/generate"}
+                 "/v1/score", "/v1/rerank", "/generate"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -80,6 +80,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if await _reset_prefix_cache(ctx):
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
+
+    @app.post("/score", dependencies=auth)  # vLLM's unversioned paths, and /v2/rerank (Cohere's)
+    async def score_(raw: Request):
+        return await embed(raw, ctx, "score")
+
+    @app.post("/rerank", dependencies=auth)
+    @app.post("/v2/rerank", dependencies=auth)
+    async def rerank_(raw: Request):
+        return await embed(raw, ctx, "rerank")
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
@@ -132,6 +141,14 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     @router.post("/embeddings")
     async def embeddings(raw: Request):
         return await embed(raw, ctx)
+
+    @router.post("/score")
+    async def score(raw: Request):
+        return await embed(raw, ctx, "score")
+
+    @router.post("/rerank")
+    async def rerank(raw: Request):
+        return await embed(raw, ctx, "rerank")
 
     return router
 

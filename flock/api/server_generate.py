@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from flock.api import embeddings
+from flock.api import embeddings, scores
 from flock.api.answer_stream import AnswerStream
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
@@ -110,9 +110,12 @@ async def generate_native(raw: Request, ctx: ServerContext):
     return JSONResponse(objects[0] if req.single else objects)
 
 
-async def embed(raw: Request, ctx: ServerContext):
-    """POST /v1/embeddings (flock/api/embeddings.py)."""
-    req = embeddings.parse_embeddings(check_model(await json_body(raw), ctx), ctx.engine.tokenizer)
+async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
+    """POST /v1/embeddings (flock/api/embeddings.py), or the score / rerank APIs (kind "score" / "rerank",
+    flock/api/scores.py): the texts embedded, the response made of their embeddings."""
+    body = check_model(await json_body(raw), ctx)
+    req = embeddings.parse_embeddings(body, ctx.engine.tokenizer) if kind == "embedding" else \
+        scores.parse_scores(kind, body, ctx.engine.tokenizer)
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, embeddings.rejected)
     parts = await _collect(streams, raw, ctx)
     prompt_tokens = sum(p.last.num_prompt_tokens for p in parts)

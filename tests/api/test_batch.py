@@ -310,3 +310,25 @@ def test_response_lines_answer_as_chat_lines(engine, tmp_path):
     assert out["flags"]["response"]["body"]["usage"]["output_tokens"] == 3
     errors = {e["custom_id"]: e["error"]["param"] for e in records(tmp_path / "out.errors.jsonl")}
     assert errors == {"bad": "text.format", "next": "previous_response_id"}
+
+
+def test_score_and_rerank_lines(engine, tmp_path):
+    """/v1/score and /v1/rerank lines (vLLM's run-batch takes them): the offline LLM.score's cosines; a bad one is
+    an error record naming its field."""
+    from flock import LLM
+
+    docs = ["The pool hands out blocks", "A scheduler plans steps", "Rain in Paris"]
+    lines = [batch("s", {"text_1": "Where do blocks come from?", "text_2": docs}, "/v1/score"),
+             batch("r", {"query": "Where do blocks come from?", "documents": docs, "top_n": 1}, "/v1/rerank"),
+             batch("bad", {"query": "q", "documents": []}, "/v1/rerank")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    offline = LLM(engine.config.model, max_model_len=MAX_LEN, attention="torch", block_size=8, num_kv_blocks=64)
+    expected = [o.outputs.score for o in offline.score("Where do blocks come from?", docs, use_tqdm=False)]
+    assert [d["score"] for d in got["s"]["data"]] == pytest.approx(expected, abs=1e-5)
+    best = max(range(3), key=lambda i: expected[i])
+    assert [x["index"] for x in got["r"]["results"]] == [best]
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert (error["custom_id"], error["error"]["param"]) == ("bad", "documents")

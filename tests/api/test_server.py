@@ -489,6 +489,25 @@ def test_embeddings_as_openai(client, offline, server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (body, bad.json())
 
 
+def test_score_and_rerank_as_vllm(server, offline):
+    """vLLM's /v1/score and /rerank (and /score, /v1/rerank, /v2/rerank): the offline LLM.score's cosines, a rerank
+    sorted by them and cut at top_n."""
+    query, docs = SYSTEM + "Where is the cache?", [SYSTEM + "In blocks.", SYSTEM + "Paged.", SYSTEM + "Nowhere."]
+    expected = [o.outputs.score for o in offline.score(query, docs, use_tqdm=False)]
+    post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=10)  # noqa: E731
+    for path in ("/v1/score", "/score"):
+        body = post(path, {"model": MODEL, "text_1": query, "text_2": docs}).json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["usage"]["prompt_tokens"] > 0
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-5)
+    order = sorted(range(3), key=lambda i: -expected[i])[:2]
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        body = post(path, {"model": MODEL, "query": query, "documents": docs, "top_n": 2}).json()
+        assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(i, docs[i]) for i in order]
+    bad = post("/v1/rerank", {"query": query, "documents": docs, "top_n": "2"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_n"
+    assert httpx.post(f"{server.url}/v1/score", json={"text_1": "a", "text_2": "b"}, timeout=10).status_code == 401
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_return_token_ids_and_truncation_as_vllm(client, chat):
     """return_token_ids: the prompt's ids (a chat's at the top level) and each choice's output ids, whole and

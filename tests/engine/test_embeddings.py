@@ -99,3 +99,20 @@ def test_a_causal_lm_embeds_beside_its_generations(hf_folders, ops):
     torch.testing.assert_close(torch.tensor([e.embedding for _, e in mixed], dtype=torch.float64), alone,
                                rtol=0, atol=1e-6)
     assert_no_leak(llm)
+
+
+def test_score_is_the_cosine_of_transformers_embeddings(base_qwen3):
+    """LLM.score (vLLM's, for an embedding model): one prompt against many, and pairs in order."""
+    prompts = shared_prefix_prompts(seed=4)[:4]
+    ref = reference(base_qwen3, prompts)
+    llm = LLM(str(base_qwen3), dtype="float64")
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    one = llm.score(ids[0], ids[1:], use_tqdm=False)
+    assert [o.prompt_token_ids for o in one] == [prompts[0] + p for p in prompts[1:]]
+    torch.testing.assert_close(torch.tensor([o.outputs.score for o in one], dtype=torch.float64),
+                               ref[1:] @ ref[0], rtol=0, atol=1e-10)
+    pairs = llm.score(ids[:2], ids[2:], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.outputs.score for o in pairs], dtype=torch.float64),
+                               (ref[:2] * ref[2:]).sum(1), rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="data_1 must hold one prompt or as many as data_2"):
+        llm.score(ids[:2], ids[:3])

@@ -1,0 +1,95 @@
+"""vLLM's score and rerank APIs (`/score`, `/v1/score`; `/rerank`, `/v1/rerank`, `/v2/rerank`, Jina's and
+Cohere's shape) for an embedding model, as vLLM serves them for one (a bi-encoder): each text is embedded
+alone and a pair's score is the cosine similarity of its two embeddings.
+
+Score: `text_1` and `text_2` (or `queries` and `documents`/`items`, or `data_1` and `data_2`), each a string or a
+list; one text on the left is scored against every text on the right, else they pair up in order. Rerank: a
+`query` against `documents` (strings or `{"text": ...}`), the results sorted by relevance, the best `top_n`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from flock.api.protocol import APIError, typed_field
+from flock.pooling_params import PoolingParams, pair_scores
+
+_PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+_COMMON = {"model", "truncate_prompt_tokens", "user"}
+SCORE_FIELDS = _COMMON | {name for pair in _PAIRS for name in pair}
+RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
+
+
+@dataclass
+class ScoreRequest:
+    kind: str  # "score" | "rerank"
+    left: list[str]  # the queries (one for rerank)
+    right: list[str]  # the documents
+    prompts: list[list[int]]  # token ids: left's, then right's
+    params: PoolingParams
+    top_n: int = 0  # rerank: how many results (0: all)
+    return_documents: bool = True
+
+    def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
+        """The response, from the embeddings of `prompts` in order."""
+        scores = self.scores(vectors)
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+        if self.kind == "score":
+            return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                    "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                    "usage": usage}
+        results = sorted(({"index": i, "relevance_score": s}
+                          | ({"document": {"text": self.right[i]}} if self.return_documents else {})
+                          for i, s in enumerate(scores)), key=lambda r: -r["relevance_score"])
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": usage,
+                "results": results[: self.top_n or None]}
+
+    def scores(self, vectors: list[list[float]]) -> list[float]:
+        return pair_scores(vectors[: len(self.left)], vectors[len(self.left):])
+
+
+def parse_scores(kind: str, body, tokenizer) -> ScoreRequest:
+    """A /score (kind "score") or /rerank (kind "rerank") body, checked (APIError names the bad field)."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
+    unknown = sorted(set(body) - (SCORE_FIELDS if kind == "score" else RERANK_FIELDS))
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    if kind == "score":
+        names = next((pair for pair in _PAIRS if pair[0] in body and pair[1] in body), None)
+        if names is None:
+            raise APIError("a score body needs text_1 and text_2 (or queries and documents)", param="text_1")
+        left, right = (_texts(body, name) for name in names)
+        if len(left) != 1 and len(left) != len(right):
+            raise APIError(f"{names[0]} must hold one text or as many as {names[1]} ({len(left)} vs {len(right)})",
+                           param=names[0])
+        top_n, documents = 0, True
+    else:
+        left, right = [_text(body.get("query"), "query")], _texts(body, "documents")
+        top_n = typed_field(body, "top_n", int, 0)
+        if top_n < 0:
+            raise APIError(f"top_n must be at least 0, got {top_n}", param="top_n")
+        documents = typed_field(body, "return_documents", bool, True)
+    params = PoolingParams(truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
+    prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
+    return ScoreRequest(kind, left, right, prompts, params, top_n, documents)
+
+
+def _texts(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    texts = [_text(v, f"{name}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else \
+        [_text(value, name)]
+    if not texts:
+        raise APIError(f"{name} is empty", param=name)
+    return texts
+
+
+def _text(value, name: str) -> str:
+    """A text: a non-empty string, or a document's {"text": ...}."""
+    if isinstance(value, dict) and set(value) == {"text"}:
+        value = value["text"]
+    if not isinstance(value, str) or not value:
+        raise APIError(f"{name} must be a non-empty string (or {{'text': string}})", param=name.split("[")[0])
+    return value

@@ -1,0 +1,45 @@
+"""vLLM's score and rerank bodies for an embedding model: checked, and answered from the texts' embeddings."""
+
+import pytest
+
+from flock.api.protocol import APIError
+from flock.api.scores import parse_scores
+from flock.model import resolve_model
+from flock.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("flock/tiny").folder)
+
+
+def test_score_pairs_and_rerank_order(tok):
+    s = parse_scores("score", {"text_1": "a query", "text_2": ["doc one", "doc two"]}, tok)
+    assert s.prompts == [tok.encode(t, add_special_tokens=True) for t in ("a query", "doc one", "doc two")]
+    body = s.body("m", [[1.0, 0.0], [0.6, 0.8], [0.0, 2.0]], 9)
+    assert [d["score"] for d in body["data"]] == pytest.approx([0.6, 0.0])
+    assert body["object"] == "list" and body["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+    pairs = parse_scores("score", {"queries": ["q1", "q2"], "documents": ["d1", "d2"]}, tok)
+    assert [d["score"] for d in pairs.body("m", [[1, 0], [0, 1], [1, 0], [1, 1]], 4)["data"]] == \
+        pytest.approx([1.0, 2**-0.5])
+    r = parse_scores("rerank", {"query": "q", "documents": ["far", {"text": "near"}, "mid"], "top_n": 2}, tok)
+    out = r.body("m", [[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [1.0, 1.0]], 8)
+    assert [(x["index"], x["document"]["text"]) for x in out["results"]] == [(1, "near"), (2, "mid")]
+    assert out["results"][0]["relevance_score"] == pytest.approx(0.995037, abs=1e-6)
+    bare = parse_scores("rerank", {"query": "q", "documents": ["a", "b"], "return_documents": False}, tok)
+    assert all("document" not in x for x in bare.body("m", [[1, 0], [1, 0], [0, 1]], 3)["results"])
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("score", {"text_1": "a"}, "text_1"),
+    ("score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+    ("score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("score", {"text_1": "a", "text_2": ["ok", 5]}, "text_2"),
+    ("rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("rerank", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields"),
+])
+def test_bad_bodies_name_the_field(tok, kind, body, param):
+    with pytest.raises(APIError) as e:
+        parse_scores(kind, body, tok)
+    assert e.value.param == param
