@@ -431,7 +431,8 @@ def test_cache_salt_as_vllm(client):
 
     runs = [chat("s1"), chat("s1"), chat("s2"), chat(), chat()]
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
-    assert cached[0] == cached[2] == cached[3] == 0 and cached[1] > 0 and cached[4] > 0
+    # (the first unsalted run may copy the chat template's first tokens from earlier tests' prompts)
+    assert cached[0] == cached[2] == 0 and cached[1] > 0 and cached[4] > cached[3]
     assert len({r.choices[0].message.content for r in runs}) == 1
     with pytest.raises(openai.BadRequestError) as e:
         chat("")
