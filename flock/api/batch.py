@@ -22,7 +22,7 @@ from tqdm import tqdm
 from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
-from flock.api.embeddings import EmbeddingRequest, parse_embeddings, rejected
+from flock.api.embeddings import EmbeddingRequest, parse_embeddings
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
@@ -224,7 +224,7 @@ class BatchJob:
         except APIError as e:
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
         except ValueError as e:
-            error = rejected(e)
+            error = parsed.rejected(e)
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 

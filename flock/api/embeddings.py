@@ -23,6 +23,10 @@ class EmbeddingRequest:
     params: PoolingParams
     encoding: str  # of the vectors in the response: float or base64
 
+    @staticmethod
+    def rejected(e: ValueError) -> APIError:
+        return rejected(e)
+
     def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
         data = [{"index": i, "object": "embedding", "embedding": _encoded(v, self.encoding)}
                 for i, v in enumerate(vectors)]

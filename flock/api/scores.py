@@ -32,6 +32,11 @@ class ScoreRequest:
     top_n: int = 0  # rerank: how many results (0: all)
     return_documents: bool = True
 
+    @staticmethod
+    def rejected(e: ValueError) -> APIError:
+        """The engine's rejection of a text (which one, the message says)."""
+        return APIError(str(e))
+
     def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
         """The response, from the embeddings of `prompts` in order."""
         scores = self.scores(vectors)

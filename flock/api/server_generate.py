@@ -114,11 +114,9 @@ async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
     """POST /v1/embeddings (flock/api/embeddings.py), or the score / rerank APIs (kind "score" / "rerank",
     flock/api/scores.py): the texts embedded, the response made of their embeddings."""
     body = check_model(await json_body(raw), ctx)
-    if kind == "embedding":
-        req, rejected = embeddings.parse_embeddings(body, ctx.engine.tokenizer), embeddings.rejected
-    else:
-        req, rejected = scores.parse_scores(kind, body, ctx.engine.tokenizer), lambda e: APIError(str(e))
-    streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, rejected)
+    req = embeddings.parse_embeddings(body, ctx.engine.tokenizer) if kind == "embedding" else \
+        scores.parse_scores(kind, body, ctx.engine.tokenizer)
+    streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)
     parts = await _collect(streams, raw, ctx)
     prompt_tokens = sum(p.last.num_prompt_tokens for p in parts)
     return JSONResponse(req.body(ctx.model_names[0], [p.last.embedding for p in parts], prompt_tokens))
