@@ -61,9 +61,7 @@ def attention_path(attention: str, model: str | Path, dtype: torch.dtype = torch
     if not isinstance(backend, cpu.CpuCascadeBackend):
         return backend.name
     if backend.uses_kernel(torch.device("cpu")):
-        window = backend.sliding_window
-        return f"cpu kernel, {backend.isa} path" + (f" (torch-cascade for prefill chunks past the {window}-token window)"
-                                                      if window is not None else "")
+        return f"cpu kernel, {backend.isa} path"
     return f"torch-cascade (cpu kernel unavailable: {cpu.kernel_unavailable() or 'not for this model shape'})"
 
 

@@ -10,10 +10,11 @@ log-sum-exp in the same call; a segment that would keep one thread busy alone (o
 is split by KV range into pieces merged the same way. It runs on PyTorch's OpenMP threads and is built and
 loaded by flock.native on first use.
 
+A sliding window (Mistral's, Phi-3's) masks each causal row's positions before its window in the kernel; requests
+whose context passes the window join no prefix group (a group's prefix part has no mask).
+
 Where the kernel is not used, the backend is TorchCascadeBackend, exactly: float64 or another device, a head_dim
-that is not a multiple of 16 (or above 256), no usable ISA path or gcc (`kernel_unavailable()` says why), or a
-step with a prefill chunk whose context passes a sliding window (the kernel has no window mask; a decode past
-the window attends its last `window` positions as its KV range).
+that is not a multiple of 16 (or above 256), or no usable ISA path or gcc (`kernel_unavailable()` says why).
 """
 
 import ctypes
@@ -47,6 +48,7 @@ class _Args(ctypes.Structure):
         ("num_merges", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -198,18 +200,8 @@ class CpuCascadeBackend(TorchCascadeBackend):
         return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 16 == 0
                 and self.head_dim <= 256 and self.isa is not None and kernel_unavailable(self.isa) is None)
 
-    def window_binds(self, layout: StepLayout) -> bool:
-        """Whether a sliding window hides keys from queries of the step's prefill chunks: a context longer than
-        the window with more than one new token (a query sees the keys less than `window` positions back). The
-        kernel has no window mask: a decode past the window attends its last `window` positions as its range
-        (build_segments), and a step with such a prefill chunk goes to torch-cascade."""
-        if self.sliding_window is None:
-            return False
-        seq = np.asarray(layout.seq_lens)
-        return bool(np.any((seq > self.sliding_window) & (np.asarray(layout.query_lens) > 1)))
-
     def build_metadata(self, layout: StepLayout):
-        if not self.uses_kernel(layout.slot_mapping.device) or self.window_binds(layout):
+        if not self.uses_kernel(layout.slot_mapping.device):
             return super().build_metadata(layout)
         meta = self._plan(layout, layout.slot_mapping)
         if layout.sampled is not None and len(layout.sampled) < len(layout.slot_mapping):
@@ -254,7 +246,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
             len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
             meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
-            int(q.dtype == torch.bfloat16),
+            int(q.dtype == torch.bfloat16), self.sliding_window or 0,
         )
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:

@@ -51,8 +51,8 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int,
                    max_group_query: int | None = None, window: int | None = None) -> Segments:
     """The step's segments; requests of more than `max_group_query` new tokens (None: no limit) join no group.
-    With a sliding `window`, a request whose context is longer must have one new token (a decode): its query
-    then attends the last `window` positions alone, and it joins no group."""
+    With a sliding `window` (which the kernel applies to causal rows), a request whose context is longer joins no
+    group, and its segment starts at its first query's window."""
     bs = layout.block_size
     qs = np.asarray(layout.query_start, dtype=np.int64)
     seq = np.asarray(layout.seq_lens, dtype=np.int64)
@@ -72,7 +72,7 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
     in_group = np.zeros(num_req, dtype=bool)
     in_group[grouped] = True
     ungrouped = np.flatnonzero(~in_group)
-    context_start = np.where(windowed, seq - (window or 0), 0)
+    context_start = np.where(windowed, np.maximum(computed - (window or 0) + 1, 0), 0)
     for grp in groups:
         context_start[grp.members] = grp.num_blocks * bs
 

@@ -77,6 +77,7 @@ typedef struct {
     int32_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int32_t bf16;                                   // inputs and output: 1 bf16, 0 fp32
+    int32_t window;                                 // a causal row at position p sees (p - window, p] (0: all)
 } Args;
 
 // ------------------------------------------------------------------------------------------------ vectors
@@ -342,6 +343,7 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     float m[MAX_HEADS * UNIT_ROWS];      // running max of each row (score units)
     float l[MAX_HEADS * UNIT_ROWS * W];  // and its sum of weights, by lanes
     int32_t limit[UNIT_ROWS];   // last position each row sees
+    int32_t first[UNIT_ROWS];   // and its first (a sliding window's; else 0)
     int64_t offset[2][CHUNK];   // cache offsets of a chunk's positions (first head of the unit); [2]: and the next
 } Scratch;
 
@@ -505,17 +507,25 @@ static void zero_v_tail(const Args *a, Packed p, int n, int hb) {
 }
 #endif
 
+// Lanes of vector j (positions j W ...) before position `front` replaced by fill.
+static inline vf drop_before(vf x, int j, int front, vf fill) {
+    const int k = front - j * W;
+    return k <= 0 ? x : k >= W ? fill : keep_first(fill, k, x);
+}
+
 // One row's weights 2^((s - m) c) (mc = m c) from its scores s: nvis visible vectors (the last with `last`
-// lanes), zeros after them up to pvec vectors, stored at p as P V reads them, their sum added to its lanes l
-// (with pairs: of the bf16-rounded weights, the ones P V uses). `full`: every vector visible, no masks.
-INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis, int last, int pvec,
+// lanes; positions before `front` hidden too, a sliding window's), zeros elsewhere up to pvec vectors, stored at
+// p as P V reads them, their sum added to its lanes l (with pairs: of the bf16-rounded weights, the ones P V
+// uses). `full`: every vector visible, no masks.
+INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis, int last, int front, int pvec,
                         const int pairs, const int precise, const int full) {
     (void)pairs;  // the pairs layouts need vdpbf16ps or AMX
     const vf zero = vzero();
     vf sum = vload(l);
 #define EXP(j) vexp2(vfms(vload(s + (j) * W), c, mc), precise)
-#define WEIGHTS(j) (full || (j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
-                    : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
+#define SUFFIX(j) ((j) + 1 < nvis || ((j) + 1 == nvis && last == W) ? EXP(j) \
+                   : (j) < nvis ? keep_first(EXP(j), last, zero) : zero)
+#define WEIGHTS(j) (full ? EXP(j) : drop_before(SUFFIX(j), j, front, zero))
 #if defined(__AVX512BF16__)
     if (pairs) {
         const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
@@ -543,6 +553,7 @@ INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis
         sum = vadd(sum, pj);
     }
 #undef WEIGHTS
+#undef SUFFIX
 #undef EXP
     vstore(l, sum);
 }
@@ -559,14 +570,18 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
     const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
-        const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1;
-        const int vis = seen < nb ? (int)seen : nb, nvis = vis > 0 ? (vis + W - 1) / W : 0;
+        const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1, hidden = (int64_t)w->first[row + r] - c0;
+        const int front = hidden <= 0 ? 0 : hidden < nb ? (int)hidden : nb;  // positions before the window
+        int vis = seen < nb ? (int)seen : nb;
+        vis = vis > front ? vis : 0;
+        const int nvis = vis > 0 ? (vis + W - 1) / W : 0;
         const int last = vis - (nvis - 1) * W;  // lanes the last visible vector has
         float *m = w->m + hrow + r, *l = w->l + (int64_t)(hrow + r) * W;
-#define SCORE(j) ((j) + 1 < nvis || last == W ? vload(s + (j) * W) : keep_first(vload(s + (j) * W), last, ninf))
+#define SCORE(j) drop_before((j) + 1 < nvis || last == W ? vload(s + (j) * W) \
+                             : keep_first(vload(s + (j) * W), last, ninf), j, front, ninf)
         if (nvis > 0) {
-            vf mx = SCORE(0);
-            for (int j = 1; j < nvis; j++) mx = vmax(mx, SCORE(j));
+            vf mx = SCORE(front / W);
+            for (int j = front / W + 1; j < nvis; j++) mx = vmax(mx, SCORE(j));
             if (*m == -INFINITY) {  // the row's first visible scores: O and l are zeros
                 *m = hmax(mx);
             } else if (any_gt(mx, vset1(*m + rise))) {
@@ -581,8 +596,8 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
 #undef SCORE
         const vf mc = vset1(*m * cc);
         void *p = pairs ? (void *)((bf16 *)w->p + r * CHUNK) : (void *)(w->p + r * CHUNK);
-        if (nvis == pvec && last == W) row_weights(s, p, l, c, mc, nvis, last, pvec, pairs, precise, 1);
-        else row_weights(s, p, l, c, mc, nvis, last, pvec, pairs, precise, 0);
+        if (nvis == pvec && last == W && front == 0) row_weights(s, p, l, c, mc, nvis, last, 0, pvec, pairs, precise, 1);
+        else row_weights(s, p, l, c, mc, nvis, last, front, pvec, pairs, precise, 0);
     }
 }
 
@@ -612,7 +627,9 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
         }
 }
 
-// The KV positions unit u attends: its segment's range, causally cut after its last row's position.
+// The KV positions unit u attends: its segment's range, causally cut after its last row's position (and, with a
+// sliding window, before the chunk where its first row's window starts: chunks stay on the segment's grid, which
+// a segment's chunks packed once for all its units are laid out on).
 static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     const int G = a->num_heads / a->num_kv_heads;
     const int32_t *seg = u->seg;
@@ -621,6 +638,8 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     if (seg[SEG_CAUSAL]) {
         const int64_t last = (int64_t)a->positions[seg[SEG_BEGIN] + (u->row0 + u->nrows - 1) / G] + 1;
         *kv1 = last < *kv1 ? last : *kv1;
+        const int64_t first = (int64_t)a->positions[seg[SEG_BEGIN] + u->row0 / G] - a->window + 1;
+        if (a->window > 0 && first > *kv0) *kv0 += (first - *kv0) / CHUNK * CHUNK;
     }
 }
 
@@ -750,6 +769,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
         const int row = u->row0 + r;
         const int32_t e = seg[SEG_BEGIN] + row / G;
         w->limit[r] = seg[SEG_CAUSAL] ? a->positions[e] : INT32_MAX;
+        w->first[r] = seg[SEG_CAUSAL] && a->window > 0 ? a->positions[e] - a->window + 1 : 0;
         for (int h = 0; h < u->hb; h++) {
             const int64_t src = (int64_t)a->tokens[e] * a->q_stride_t + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h;
             float *dst = w->q + (int64_t)(h * UNIT_ROWS + r) * qd;
