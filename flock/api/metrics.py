@@ -1,4 +1,6 @@
-"""Prometheus metrics of `flock serve`, in a registry of their own."""
+"""Prometheus metrics of `flock serve`, in a registry of their own: Flock's (`flock_*`), and vLLM's names for the
+same quantities (`vllm:*`, labelled with the served model name and engine "0"), so that dashboards and
+autoscalers built on a vLLM server read a Flock server unchanged."""
 
 from prometheus_client import (
     CollectorRegistry,
@@ -8,13 +10,16 @@ from prometheus_client import (
     generate_latest,
 )
 
-from flock.engine.async_engine import AsyncEngine
+from flock.engine.async_engine import AsyncEngine, StreamOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, model_name: str = "flock"):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("flock_http_requests", "Requests to the /v1 endpoints by HTTP status",
                                 ["endpoint", "status"], registry=r)
@@ -36,9 +41,80 @@ class Metrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
+        self.vllm = VllmMetrics(r, engine, model_name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def output(self, out: StreamOutput, new_tokens: int, since_submit: float, since_last: float | None) -> None:
+        """One output of a request: `new_tokens` generated since its previous one (`since_last` seconds ago; None:
+        this is its first), `since_submit` seconds after it was submitted."""
+        v = self.vllm
+        self.generation_tokens.inc(new_tokens)
+        v.generation_tokens.inc(new_tokens)
+        if new_tokens and out.num_output_tokens == new_tokens:
+            self.ttft.observe(since_submit)
+            v.ttft.observe(since_submit)
+        elif new_tokens and since_last is not None:
+            v.itl.observe(since_last / new_tokens)
+        if out.finished:
+            self.finished.labels(out.finish_reason).inc()
+            if out.finish_reason in v.success:
+                v.success[out.finish_reason].inc()
+            v.e2e.observe(since_submit)
+            v.prompt_tokens.inc(out.num_prompt_tokens)
+            v.cache_queries.inc(out.num_prompt_tokens)
+            v.cache_hits.inc(out.num_cached_tokens)
+            v.request_prompt.observe(out.num_prompt_tokens)
+            v.request_generation.observe(out.num_output_tokens)
+
+    def aborted(self) -> None:
+        self.finished.labels("abort").inc()
+        self.vllm.success["abort"].inc()
+
+
+class VllmMetrics:
+    """vLLM v1's metric names, for what Flock measures the same way."""
+
+    def __init__(self, r: CollectorRegistry, engine: AsyncEngine, model_name: str):
+        labels, values = ["model_name", "engine"], (model_name, "0")
+        gauges = {
+            "vllm:num_requests_running": ("Number of requests in model execution batches.",
+                                          lambda: engine.state.num_running),
+            "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", lambda: engine.num_waiting),
+            "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
+                                         lambda: engine.state.kv_blocks_used / max(engine.state.kv_blocks_total, 1)),
+            # a counter in vLLM; here read from the engine's own count
+            "vllm:num_preemptions": ("Cumulative number of preemption from the engine.",
+                                     lambda: engine.state.preemptions),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, labels, registry=r).labels(*values).set_function(fn)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.cache_queries = counter("vllm:prefix_cache_queries",
+                                     "Prefix cache queries, in terms of number of queried tokens.")
+        self.cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LATENCY_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                        TOKEN_BUCKETS)
+        self.request_generation = histogram("vllm:request_generation_tokens",
+                                            "Number of generation tokens processed.", TOKEN_BUCKETS)
 
 
 class StatusCounter:

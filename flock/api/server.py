@@ -66,8 +66,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        ctx = ServerContext(engine, Metrics(engine), args.served_model_name or [args.model], args.api_key, parser,
-                            args.reasoning_parser)
+        names = args.served_model_name or [args.model]
+        ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser)
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

@@ -398,15 +398,12 @@ async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterat
 
 
 async def _observed(stream: RequestStream, metrics: Metrics) -> AsyncIterator[StreamOutput]:
-    """The request's outputs, recording token counts, time to first token and the finish reason."""
-    seen = 0
+    """The request's outputs, recorded in the metrics (token counts, latencies, the finish reason)."""
+    seen, last = 0, None
     async for out in stream:
-        if seen == 0 and out.num_output_tokens:
-            metrics.ttft.observe(time.monotonic() - stream.created)
-        metrics.generation_tokens.inc(out.num_output_tokens - seen)
-        seen = out.num_output_tokens
-        if out.finished:
-            metrics.finished.labels(out.finish_reason).inc()
+        now = time.monotonic()
+        metrics.output(out, out.num_output_tokens - seen, now - stream.created, None if last is None else now - last)
+        seen, last = out.num_output_tokens, now
         yield out
 
 
@@ -414,7 +411,7 @@ def _close(streams: list[RequestStream], metrics: Metrics) -> None:
     for stream in streams:
         if not stream.finished:
             stream.abort()
-            metrics.finished.labels("abort").inc()
+            metrics.aborted()
 
 
 async def _abort_on_disconnect(raw: Request, streams: list[RequestStream]) -> None:

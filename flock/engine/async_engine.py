@@ -74,6 +74,7 @@ class EngineState:
     saving_rate: float = 0.0
     steps: int = 0
     step_tokens: int = 0  # tokens computed by all steps
+    preemptions: int = 0
     model_seconds: float = 0.0  # forward passes and sampling
     busy_seconds: float = 0.0  # the engine thread's time in steps: scheduling, model, outputs
 
@@ -334,6 +335,7 @@ class AsyncEngine:
             saving_rate=s.saving_rate,
             steps=s.steps,
             step_tokens=s.step_tokens,
+            preemptions=s.preemptions,
             model_seconds=s.model_seconds,
             busy_seconds=self._busy_seconds,
         )

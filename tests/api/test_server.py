@@ -630,7 +630,8 @@ def test_request_is_aborted_when_its_client_leaves(server, n, stream):
 
 
 def test_metrics(server, client):
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=2, **GREEDY)
+    for _ in range(2):  # the second reads the first's prefix from the cache
+        client.completions.create(model=MODEL, prompt=SYSTEM + "count me", max_tokens=2, **GREEDY)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", n=0)
     m = metrics(server)
@@ -641,3 +642,19 @@ def test_metrics(server, client):
     assert m["flock_kv_blocks_total"] == 1024 and m["flock_kv_blocks_used"] == 0
     assert m["flock_num_requests_waiting"] == m["flock_num_requests_running"] == 0
     assert 0 <= m["flock_prefix_saving_rate"] < 1
+    # vLLM's names for the same, as its dashboards and autoscalers read them
+    v = {}
+    for name, value in m.items():
+        if name.startswith("vllm:"):
+            base, _, labels = name.rstrip("}").partition("{")
+            kept = [x for x in labels.split(",") if x not in ("engine=0", f"model_name={MODEL}")]
+            assert len(kept) + 2 == len(labels.split(","))  # every vLLM series names the model and engine 0
+            v[base + (f"{{{','.join(kept)}}}" if kept else "")] = value
+    assert v["vllm:num_requests_running"] == v["vllm:num_requests_waiting"] == v["vllm:kv_cache_usage_perc"] == 0
+    assert v["vllm:generation_tokens_total"] == m["flock_generation_tokens_total"]
+    assert v["vllm:request_success_total{finished_reason=length}"] >= 1
+    assert v["vllm:prefix_cache_queries_total"] >= v["vllm:prefix_cache_hits_total"] > 0
+    assert v["vllm:prompt_tokens_total"] == v["vllm:prefix_cache_queries_total"]
+    assert v["vllm:time_to_first_token_seconds_count"] == m["flock_time_to_first_token_seconds_count"]
+    assert v["vllm:inter_token_latency_seconds_count"] > 0 and v["vllm:e2e_request_latency_seconds_count"] > 0
+    assert v["vllm:request_generation_tokens_sum"] > 0 and "vllm:num_preemptions" in v
