@@ -8,13 +8,16 @@ answer into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM
 
 Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
 optional text), "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
-`<|python_tag|>`) and "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
-...]`, ids of 9 letters and digits as Mistral's template wants them). The content is the text before the first
-call, without the whitespace that ends it.
+`<|python_tag|>`), "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
+...]`, ids of 9 letters and digits as Mistral's template wants them) and "pythonic" (Llama 3.2 with its pythonic
+template, Llama 4, ToolACE: the whole answer a Python list of calls with literal keyword arguments,
+`[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not). The content is the
+text before the first call, without the whitespace that ends it (a pythonic answer is calls or content, whole).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
 _MISTRAL_START = "[TOOL_CALLS]"
-_STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START]}
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
+_STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START],
+           "pythonic": ["[", _PYTHON_START]}
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # a format's call as (begin, end) around the arguments, in the forms a model writes it; the separator of calls
 _CALL_FORMS = {"hermes": ([('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"),
@@ -63,6 +68,8 @@ class ToolCalling:
             return None
         if self.parser == "mistral":
             return self._mistral_constraint()
+        if self.parser == "pythonic":
+            return self._pythonic_constraint()
         forms, separator = _CALL_FORMS[self.parser]
         tags = [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
                  "content": {"type": "json_schema", "json_schema": f.get("parameters") or _EMPTY_PARAMETERS,
@@ -86,11 +93,24 @@ class ToolCalling:
                                                     "max_whitespace_cnt": 1}]}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": answer}))
 
+    def _pythonic_constraint(self) -> StructuredOutputsParams:
+        """A list of calls, one when not parallel or named: each a tool's name, its required parameters in the
+        schema's order, then any of its others, as keyword arguments whose values are Python literals of the
+        parameter's type (an enum of strings: one of them; other schemas: any literal)."""
+        functions = [f for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
+        calls = " | ".join(f"call{i}" for i in range(len(functions)))
+        rules = [f"root ::= \"[\" ({calls})" + ("" if self.named or not self.parallel else
+                                                f" (\", \" ({calls}))*") + " \"]\""]
+        for i, f in enumerate(functions):
+            rules += _pythonic_call(f"call{i}", f["name"], f.get("parameters") or {})
+        return StructuredOutputsParams(grammar="\n".join(rules + _PYTHON_LITERALS))
+
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
         not parse, there are none and the whole text is the content. Without parallel calls only the first
         counts."""
-        content, calls = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}[self.parser](text)
+        parse = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}
+        content, calls = parse[self.parser](text)
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
@@ -107,6 +127,10 @@ class ToolCalling:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
         if self.choice != "auto":
             return 0
+        if self.parser == "pythonic":  # calls are the whole answer: it streams unless it starts as a list
+            head = text.lstrip()
+            return 0 if not head or head[0] == "[" or _PYTHON_START.startswith(head[:len(_PYTHON_START)]) \
+                else len(text)
         starts = _STARTS[self.parser]
         found = [at for at in (text.find(s) for s in starts) if at >= 0]
         end = min(found) if found else len(text) - max(held_back(text, s) for s in starts)
@@ -154,6 +178,62 @@ def _mistral(text: str) -> tuple[str, list[tuple[str, object]]]:
     except (ValueError, KeyError, TypeError):
         return text, []
     return content, calls
+
+
+def _pythonic(text: str) -> tuple[str, list[tuple[str, object]]]:
+    """The whole answer as a Python list of calls with literal keyword arguments (vLLM's pythonic parser)."""
+    code = text.strip()
+    if code.startswith(_PYTHON_START):
+        code = code[len(_PYTHON_START):].replace(_PYTHON_END, "").strip()
+    if not code.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(code, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                return text, []
+            calls.append((call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+    except (SyntaxError, ValueError, TypeError):
+        return text, []
+    return "", calls
+
+
+def _pythonic_call(rule: str, name: str, schema: dict) -> list[str]:
+    """The EBNF rules of one call `name(...)` whose keyword arguments follow `schema` (see _pythonic_constraint)."""
+    properties = schema.get("properties") or {}
+    required = [p for p in schema.get("required") or [] if p in properties]
+    optional = [p for p in properties if p not in required]
+
+    def arg(p: str) -> str:
+        return f"{json.dumps(p + '=')} {_literal(properties[p])}"
+
+    head = ' ", " '.join(arg(p) for p in required)
+    more = " | ".join(arg(p) for p in optional)
+    if not properties:  # no schema of its arguments: any keyword arguments
+        more = '[a-zA-Z_] [a-zA-Z0-9_]* "=" value'
+    body = head + (f' (", " ({more}))*' if head and more else f' (({more}) (", " ({more}))*)?' if more else "")
+    return [f"{rule} ::= {json.dumps(name + '(')} {body} \")\""]
+
+
+def _literal(schema: dict) -> str:
+    """The EBNF of a Python literal of a JSON schema's type."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(json.dumps(json.dumps(v)) for v in schema["enum"]) + ")"
+    return {"boolean": '("True" | "False")', "integer": '"-"? [0-9]+', "number": "number", "string": "string",
+            "array": "list", "object": "dict", "null": '"None"'}.get(schema.get("type"), "value")
+
+
+# Python literals, in xgrammar's EBNF: strings (either quote), numbers, True / False / None, lists, dicts
+_PYTHON_LITERALS = [
+    'value ::= string | number | "True" | "False" | "None" | list | dict',
+    'string ::= "\\"" ([^"\\\\\\n] | "\\\\" [^\\n])* "\\"" | "\'" ([^\'\\\\\\n] | "\\\\" [^\\n])* "\'"',
+    'number ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
+    'list ::= "[" (value (", " value)*)? "]"',
+    'dict ::= "{" (string ": " value (", " string ": " value)*)? "}"',
+]
 
 
 def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
@@ -223,8 +303,8 @@ def add_parser_arguments(p) -> None:
     """`flock serve` / `flock run` flags of the chat answers' parsers, vLLM's names."""
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
-                        "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3): tool_choice auto, required and "
-                        "named functions work")
+                        "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3; pythonic: Llama 3.2's pythonic "
+                        "template, Llama 4): tool_choice auto, required and named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),

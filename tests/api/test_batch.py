@@ -233,7 +233,8 @@ def test_structured_and_logprob_lines(engine, tmp_path):
     assert "rejected by the grammar engine" in error["error"]["message"]
 
 
-def test_tool_call_lines(engine, tmp_path):
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_tool_call_lines(engine, tmp_path, parser):
     """With a tool-call parser a named function's call comes back in tool_calls, following its schema; without
     one the line is an error record naming tool_choice (tool_choice 'none' still works)."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {
@@ -243,7 +244,7 @@ def test_tool_call_lines(engine, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text(batch("named", chat({"type": "function", "function": {"name": "f"}}), "/v1/chat/completions")
                    + "\n" + batch("none", chat("none"), "/v1/chat/completions") + "\n")
-    assert run(engine, tmp_path, inp, tool_parser="llama3_json") == 0
+    assert run(engine, tmp_path, inp, tool_parser=parser) == 0
     out = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records(tmp_path / "out.jsonl")}
     (call,) = out["named"]["message"]["tool_calls"]
     assert call["function"]["name"] == "f" and isinstance(json.loads(call["function"]["arguments"])["ok"], bool)

@@ -182,3 +182,44 @@ def test_forced_mistral_calls_follow_the_format(tok):
         assert not gen.params.skip_special_tokens  # [TOOL_CALLS] is a control token of Mistral's vocabulary
         assert grammars.matcher(gen.params.structured_outputs).accept_string(answer)
         assert not grammars.matcher(gen.params.structured_outputs).accept_string("Sure.")
+
+
+def pythonic(choice="auto") -> ToolCalling:
+    return ToolCalling("pythonic", [WEATHER, NOW], choice)
+
+
+def test_pythonic_calls_as_vllm_parses_them():
+    """The whole answer a list of calls with literal keyword arguments (Llama 3.2's pythonic template, Llama 4's
+    within <|python_start|>); anything else is content, whole."""
+    text = '[get_weather(city="Rome", celsius=True), now()]'
+    assert calls(pythonic().extract(text)) == (None, [("get_weather", {"city": "Rome", "celsius": True}), ("now", {})])
+    assert calls(pythonic().extract("<|python_start|>[now()]<|python_end|>")) == (None, [("now", {})])
+    for text in ("It is [sunny] today.", "[]", "[now(1)]", "[get_weather(city=place)]", "[now()", "Say [now()]"):
+        assert pythonic().extract(text) == (text, [])
+    stream = ToolCallStream(pythonic())
+    assert stream.content("The weather [is") == "The weather [is" and stream.content(" fine].") == " fine]."
+    assert stream.finish() == ("", [])
+    held = ToolCallStream(pythonic())
+    assert held.content(" [get_weather(") == "" and held.content('city="Paris")]') == ""
+    rest, found = held.finish()
+    assert rest == "" and found[0]["function"]["name"] == "get_weather"
+
+
+def test_forced_pythonic_calls_follow_the_format(tok):
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel, answer in [
+            ("required", True, '[now(), get_weather(city="Paris", celsius=False)]'),
+            (named, True, '[get_weather(city="Rome", celsius=True)]')]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice,
+                                     "parallel_tool_calls": parallel}, tok, None, "pythonic")
+        spec = gen.params.structured_outputs
+        assert grammars.matcher(spec).accept_string(answer) and calls(gen.tools.extract(answer))
+        for wrong in ("Sure.", "[other()]", '[get_weather(town="Paris")]', '[get_weather(city="Oslo", celsius=True)]',
+                      '[get_weather(celsius=True, city="Rome")]', '[get_weather(city="Rome", celsius=1)]'):
+            assert not grammars.matcher(spec).accept_string(wrong)
+    single = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": "required",
+                                    "parallel_tool_calls": False}, tok, None, "pythonic")
+    assert not grammars.matcher(single.params.structured_outputs).accept_string("[now(), now()]")
