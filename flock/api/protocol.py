@@ -24,10 +24,12 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
                     "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt"}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
-# changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones)
-_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens"}
-# vLLM fields accepted at the one value Flock runs with (beam search, priority scheduling: off)
-_NEUTRAL_FIELDS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+# changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
+# prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
+_IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "prompt_cache_key",
+                   "prompt_cache_retention", "safety_identifier", "prediction", "verbosity"}
+# fields accepted at the one value Flock runs with (vLLM's beam search and priority scheduling: off; text only)
+_NEUTRAL_FIELDS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "modalities": ["text"]}
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
     "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
     "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}

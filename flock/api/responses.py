@@ -25,8 +25,8 @@ _CHAT_FIELDS = {"model", "temperature", "top_p", "top_k", "min_p", "presence_pen
                 "structured_outputs", "chat_template_kwargs", "request_id", "include_reasoning", "priority",
                 "stream", "parallel_tool_calls", "cache_salt"}
 # fields that do not change what is generated: accepted, and those of the Response object repeated in it
-_IGNORED_FIELDS = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier",
-                   "stream_options"}
+_IGNORED_FIELDS = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                   "safety_identifier", "stream_options"}
 RESPONSES_FIELDS = _CHAT_FIELDS | _IGNORED_FIELDS | {
     "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "truncation",
     "top_logprobs", "include", "previous_response_id", "background", "max_tool_calls", "conversation", "prompt"}

@@ -201,9 +201,11 @@ def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok)
     import copy
 
     neutral = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "spaces_between_special_tokens": False,
-               "request_id": "abc"}
+               "request_id": "abc", "modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "u",
+               "prediction": {"type": "content", "content": "b"}, "verbosity": "low"}
     assert parse_request("completion", {"prompt": "a"} | neutral, tok).request_id == "abc"
-    for name, value in (("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1)):
+    for name, value in (("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
+                        ("modalities", ["text", "audio"])):
         with pytest.raises(APIError, match=f"{name}={value!r} is not supported") as e:
             parse_request("completion", {"prompt": "a", name: value}, tok)
         assert e.value.param == name
