@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from flock.api.protocol import APIError, chunk_body, encode_messages, make_choice, parse_request, response_body
@@ -206,7 +208,7 @@ def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok)
     assert parse_request("completion", {"prompt": "a"} | neutral, tok).request_id == "abc"
     for name, value in (("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
                         ("modalities", ["text", "audio"])):
-        with pytest.raises(APIError, match=f"{name}={value!r} is not supported") as e:
+        with pytest.raises(APIError, match=re.escape(f"{name}={value!r} is not supported")) as e:
             parse_request("completion", {"prompt": "a", name: value}, tok)
         assert e.value.param == name
     shown = copy.copy(tok)
