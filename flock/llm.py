@@ -3,6 +3,7 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
+from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
@@ -71,6 +72,30 @@ class LLM:
         self._run(requests, use_tqdm)
         return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
                                        r.is_finished, r.num_cached_tokens) for r in requests]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (flock/beam_search.py): each prompt's best `params.beam_width` sequences, best
+        first, in input order. All prompts' beams go through the engine together, a token a step."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params.validate()
+        token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
+        self._check_all(token_ids, [replace(params.step_params(), max_tokens=params.max_tokens)] * len(token_ids))
+        self.engine.reset_stats()
+        searches = [BeamSearch(ids, params, sorted(self.engine.eos_token_ids)) for ids in token_ids]
+        while live := [s for s in searches if not s.done]:
+            requests = [[self.engine.add_request(ids, p) for ids, p in s.requests()] for s in live]
+            self._run([r for rs in requests for r in rs], use_tqdm=False)
+            for search, rs in zip(live, requests):
+                search.advance([r.logprobs[0] for r in rs])
+        outputs = []
+        for search in searches:
+            best = search.result()
+            for beam in best:
+                beam.text = self.engine.tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
 
     def score(
         self,

@@ -192,6 +192,8 @@ class BatchJob:
                 gen = parsed.gen
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
+            if gen.beam is not None:
+                raise APIError("use_beam_search is not supported in a batch job", param="use_beam_search")
             gen.truncate(self.engine.max_model_len)
             for ids in gen.prompts:
                 self.engine.check_request(ids, gen.params)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from flock.api.reasoning import REASONING_PARSERS, THINKING_END, ReasoningFormat, reasoning_token_count, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
+from flock.beam_search import BeamSearchParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
@@ -28,9 +29,12 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "prompt_cache_key",
                    "prompt_cache_retention", "safety_identifier", "prediction", "verbosity"}
-# fields accepted at the one value Flock runs with (vLLM's beam search and priority scheduling: off; text only)
-_NEUTRAL_FIELDS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "modalities": ["text"]}
-_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
+# fields accepted at the one value Flock runs with (vLLM's priority scheduling: off; text only)
+_NEUTRAL_FIELDS = {"priority": 0, "modalities": ["text"]}
+# what beam search does not combine with (vLLM's: it returns texts and scores)
+_NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "response_format",
+                   "structured_outputs")
+_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {"use_beam_search", "length_penalty"} | {
     "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
     "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
@@ -81,6 +85,7 @@ class GenerationRequest:
     request_id: str | None = None  # vLLM's: the client's id for the response
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: n beams (max_tokens 0: up to max_model_len)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -161,6 +166,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     reasoning = _reasoning(kind, body, tokenizer, prompts[0], reasoning_parser)
     if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
         params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
+    beam = _beam_search(body, params, n, tools)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=typed_field(body, "model", str, None),
                              stream=stream, include_usage=include_usage, echo=echo,
                              continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
@@ -170,7 +176,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              return_token_ids=typed_field(body, "return_token_ids", bool, False),
                              reasoning=reasoning, include_reasoning=include_reasoning,
                              request_id=typed_field(body, "request_id", str, None),
-                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False))
+                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False), beam=beam)
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -224,6 +230,23 @@ def _reasoning(kind: str, body: dict, tokenizer, prompt_ids: list[int], parser: 
         return None
     switch = fmt.switch and template_kwargs(body).get(fmt.switch)
     return None if switch is False else fmt
+
+
+def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling | None) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: n beams of each prompt, ranked with length_penalty (flock/beam_search.py)."""
+    length_penalty = _number(body, "length_penalty", 1.0)
+    if not typed_field(body, "use_beam_search", bool, False):
+        return None
+    clash = next((name for name in _NOT_WITH_BEAMS if body.get(name) not in (None, False, {"type": "text"})), None)
+    if clash or tools is not None:
+        name = clash or "tool_choice"
+        raise APIError(f"{name} is not supported with use_beam_search", param=name)
+    beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty)
+    try:
+        beam.validate(max_tokens_set=params.max_tokens is not None)
+    except ValueError as e:
+        raise APIError(str(e), param="n" if str(e).startswith("beam_width") else "max_tokens") from None
+    return beam
 
 
 def _check_unsupported(body: dict) -> None:

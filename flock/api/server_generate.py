@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,6 +39,7 @@ from flock.api.protocol import (
 )
 from flock.api.responses import ResponseEvents, ResponsesRequest, ResponseStore, parse_responses, renamed
 from flock.api.sglang import NativeRequest, output_object, parse_generate
+from flock.beam_search import BeamSearch
 from flock.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -86,9 +87,11 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
     gen.truncate(ctx.engine.max_model_len)
-    streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
     reply = Reply(kind, new_id(kind, given), ctx.model_names[0], int(time.time()))
+    if gen.beam is not None:
+        return JSONResponse(await _beam_search(reply, gen, raw, ctx))
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
     if gen.stream:
         return _SSEResponse(_stream(reply, gen, streams, ctx), media_type="text/event-stream")
     parts = await _collect(streams, raw, ctx)
@@ -96,6 +99,25 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                            p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
     usage_ = choices_usage([p.last for p in parts], gen.n, reasoning_usage(gen, choices))
     return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
+
+
+async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: ServerContext) -> dict:
+    """vLLM's use_beam_search (flock/beam_search.py): each step's requests through the engine; each prompt's n
+    best beams are its choices."""
+    limit = ctx.engine.max_model_len
+    searches = [BeamSearch(ids, replace(gen.beam, max_tokens=gen.beam.max_tokens or limit - len(ids)),
+                           ctx.engine.eos_token_ids) for ids in gen.prompts]
+    while live := [s for s in searches if not s.done]:
+        streams = await _submit([r for s in live for r in s.requests()], ctx, lambda e: engine_error(e, gen))
+        parts = iter(await _collect(streams, raw, ctx))
+        for search in live:
+            search.advance([next(parts).logprobs[0] for _ in search.beams])
+    beams = [b for s in searches for b in s.result()]
+    decode = ctx.engine.tokenizer.decode
+    choices = [Choice(decode(b.output_token_ids, skip_special_tokens=gen.params.skip_special_tokens), b.finish_reason)
+               for b in beams]
+    usage_ = usage(sum(len(ids) for ids in gen.prompts), sum(len(b.output_token_ids) for b in beams))
+    return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created)
 
 
 async def generate_native(raw: Request, ctx: ServerContext):

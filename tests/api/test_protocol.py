@@ -197,17 +197,21 @@ def test_chat_add_special_tokens_adds_them_to_the_template(tmp_path):
 
 
 def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok):
-    """vLLM's request_id, use_beam_search / length_penalty / priority at the values Flock runs (others refused by
-    name), spaces_between_special_tokens (fast tokenizers ignore it); `documents` and `reasoning_effort` reach the
-    chat template as vLLM hands them (reasoning_effort "none" sets enable_thinking false unless it is given)."""
+    """vLLM's request_id, use_beam_search (n beams, length_penalty), priority at the value Flock runs (others
+    refused by name), spaces_between_special_tokens (fast tokenizers ignore it); `documents` and
+    `reasoning_effort` reach the chat template as vLLM hands them (reasoning_effort "none" sets enable_thinking
+    false unless it is given)."""
     import copy
 
     neutral = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "spaces_between_special_tokens": False,
                "request_id": "abc", "modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "u",
                "prediction": {"type": "content", "content": "b"}, "verbosity": "low"}
     assert parse_request("completion", {"prompt": "a"} | neutral, tok).request_id == "abc"
-    for name, value in (("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
-                        ("modalities", ["text", "audio"])):
+    beams = parse_request("completion", {"prompt": "a", "use_beam_search": True, "n": 3, "length_penalty": 0.5}, tok)
+    assert (beams.beam.beam_width, beams.beam.length_penalty, beams.beam.max_tokens) == (3, 0.5, 16)
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "q"}], "use_beam_search": True},
+                         tok, None).beam.max_tokens == 0  # up to the context, as a chat without max_tokens
+    for name, value in (("priority", 1), ("modalities", ["text", "audio"])):
         with pytest.raises(APIError, match=re.escape(f"{name}={value!r} is not supported")) as e:
             parse_request("completion", {"prompt": "a", name: value}, tok)
         assert e.value.param == name

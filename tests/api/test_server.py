@@ -439,6 +439,27 @@ def test_cache_salt_as_vllm(client):
     assert e.value.param == "cache_salt"
 
 
+def test_beam_search_as_vllm(client, offline):
+    """use_beam_search: n beams of the prompt as the choices, best first, the offline LLM.beam_search's; what beam
+    search does not combine with is a 400 naming it."""
+    from flock.beam_search import BeamSearchParams
+
+    prompt = SYSTEM + "Beams"
+    expected = offline.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.8))
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=5,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.8})
+    assert [c.text for c in r.choices] == [b.text for b in expected[0].sequences]
+    assert r.usage.completion_tokens == sum(len(b.output_token_ids) for b in expected[0].sequences)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Beams"}], n=2,
+                                          max_tokens=4, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
+    for extra, param in [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                      extra_body={"use_beam_search": True} | extra)
+        assert e.value.param == param
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     """vLLM's /tokenize (a prompt, or a chat as /v1/chat/completions templates it) and /detokenize."""
     post = lambda path, body, headers=AUTH: httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=10)  # noqa: E731

@@ -1,0 +1,105 @@
+"""Beam search as vLLM runs it (`LLM.beam_search`, and `use_beam_search` requests): outside the engine, one token
+at a time. Each step every live beam is an engine request for one token with its 2 x beam_width most likely next
+tokens (the prefix cache holds the beam's KV, so a step computes about one token a beam); the candidates are
+ranked by vLLM's score, cumulative logprob / length ** length_penalty (the length counts the prompt, not a final
+EOS); a candidate ending in EOS is complete; the best beam_width of the rest go on, for max_tokens steps at most.
+The result is the best beam_width of the complete and the live beams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flock.sample.logprobs import TokenLogprobs
+from flock.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # of the step requests; their logprobs are the raw logits' (vLLM's default)
+    length_penalty: float = 1.0
+
+    def validate(self, max_tokens_set: bool = True) -> None:
+        """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later)."""
+        width, most = self.beam_width, MAX_LOGPROBS // 2
+        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= most:
+            raise ValueError(f"beam_width (n) must be an integer in [1, {most}] (2 x beam_width alternatives a "
+                             f"step, at most {MAX_LOGPROBS}), got {width!r}")
+        if max_tokens_set and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                               or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+    def step_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True)
+
+
+@dataclass
+class BeamSearchSequence:
+    """A beam: the prompt's and its tokens, their cumulative logprob, and (in results) its text."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (EOS) or "length", in results
+    text: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class BeamSearch:
+    """One prompt's search, stepped by its caller: `requests()` for the engine, then `advance()` with what each
+    request's one token's logprobs were."""
+
+    prompt: list[int]
+    params: BeamSearchParams
+    eos_token_ids: list[int]
+    beams: list[BeamSearchSequence] = field(init=False)
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+    steps: int = 0
+
+    def __post_init__(self):
+        self.beams = [BeamSearchSequence(list(self.prompt), 0.0, len(self.prompt))]
+
+    @property
+    def done(self) -> bool:
+        return not self.beams or self.steps >= self.params.max_tokens
+
+    def requests(self) -> list[tuple[list[int], SamplingParams]]:
+        step = self.params.step_params()
+        return [(b.tokens, step) for b in self.beams]
+
+    def advance(self, results: list[TokenLogprobs]) -> None:
+        """The next beams from the live ones' next-token alternatives (`results[i]`: beam i's)."""
+        candidates = []
+        for beam, entry in zip(self.beams, results):
+            for token, logprob in entry.top:
+                new = BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob, beam.num_prompt_tokens)
+                if token in self.eos_token_ids and not self.params.ignore_eos:
+                    new.finish_reason = "stop"
+                    self.completed.append(new)
+                else:
+                    candidates.append(new)
+        candidates.sort(key=self.score, reverse=True)
+        self.beams = candidates[: self.params.beam_width]
+        self.steps += 1
+
+    def result(self) -> list[BeamSearchSequence]:
+        """The best beam_width of the complete and the live beams, best first."""
+        for beam in self.beams:
+            beam.finish_reason = "length"
+        return sorted(self.completed + self.beams, key=self.score, reverse=True)[: self.params.beam_width]
+
+    def score(self, beam: BeamSearchSequence) -> float:
+        length = len(beam.tokens) - (beam.tokens[-1] in self.eos_token_ids)
+        return beam.cum_logprob / length ** self.params.length_penalty
