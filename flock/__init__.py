@@ -1,11 +1,12 @@
 """Flock: a prefix-aware LLM inference engine."""
 
+from flock.beam_search import BeamSearchParams
 from flock.llm import LLM
 from flock.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from flock.pooling_params import PoolingParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "ScoringRequestOutput", "TokenLogprobs"]
 __version__ = "0.1.0"
