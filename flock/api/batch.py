@@ -29,9 +29,11 @@ from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationReque
                                 make_choice, new_id, parse_request, reasoning_usage, response_body, with_defaults)
 from flock.api.responses import ResponsesRequest, parse_responses, renamed
 from flock.api.scores import ScoreRequest, parse_scores
+from flock.beam_search import BeamSearch
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.sample.logprobs import TokenLogprobs
 
 SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
@@ -147,6 +149,8 @@ class PendingLine:
     request: GenerationRequest | EmbeddingRequest | ScoreRequest | ResponsesRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
+    searches: list[BeamSearch] | None = None  # a use_beam_search line's, one per prompt
+    rounds: list[list[TokenLogprobs | None]] = field(default_factory=list)  # their steps' results so far
 
 
 class BatchJob:
@@ -192,11 +196,11 @@ class BatchJob:
                 gen = parsed.gen
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
-            if gen.beam is not None:
-                raise APIError("use_beam_search is not supported in a batch job", param="use_beam_search")
             gen.truncate(self.engine.max_model_len)
             for ids in gen.prompts:
                 self.engine.check_request(ids, gen.params)
+            if gen.beam is not None:
+                return self._add_beams(line, gen)
         except APIError as e:
             e = rename(e)
             raise LineError(line.number, e.message, line.custom_id, param=e.param) from None
@@ -237,6 +241,33 @@ class BatchJob:
         for i, (ids, params) in enumerate(requests):
             self.running[self.engine.add_request(ids, params).request_id] = (pending, i)
 
+    def _add_beams(self, line: BatchLine, gen: GenerationRequest) -> None:
+        """A use_beam_search line: its searches' first steps (the later ones follow as each step finishes)."""
+        searches = gen.beam_searches(self.engine.max_model_len, sorted(self.engine.eos_token_ids))
+        pending = PendingLine(line.custom_id, gen, [], [], searches, [[] for _ in searches])
+        self.pending[line.custom_id] = pending
+        for s in range(len(searches)):
+            self._beam_step(pending, s)
+
+    def _beam_step(self, line: PendingLine, s: int) -> None:
+        requests = line.searches[s].requests()
+        line.rounds[s] = [None] * len(requests)
+        for b, (ids, params) in enumerate(requests):
+            self.running[self.engine.add_request(ids, params).request_id] = (line, (s, b))
+
+    def _beams_done(self, line: PendingLine, s: int, b: int, req: FinishedRequest) -> bool:
+        """Note beam b of search s's step; True when every search of the line is done."""
+        step = line.rounds[s]
+        step[b] = req.logprobs[0]
+        if None in step:
+            return False
+        search = line.searches[s]
+        search.advance(step)
+        if not search.done:
+            self._beam_step(line, s)
+            return False
+        return all(x.done for x in line.searches)
+
     def _fail(self, e: LineError) -> None:
         self.counts.failed += 1
         if e.number in self.reported:
@@ -275,9 +306,13 @@ class BatchJob:
     def _finish(self, req: FinishedRequest) -> bool:
         """Note a finished engine request; True when it was its line's last, whose record is then written."""
         line, i = self.running.pop(req.request_id)
-        line.finished[i], line.texts[i] = req, self.engine.decode(req)
-        if None in line.finished:
-            return False
+        if line.searches is not None:
+            if not self._beams_done(line, *i, req):
+                return False
+        else:
+            line.finished[i], line.texts[i] = req, self.engine.decode(req)
+            if None in line.finished:
+                return False
         del self.pending[line.custom_id]
         request_id, body = self._response(line)
         if line.custom_id in self.answers:
@@ -292,6 +327,9 @@ class BatchJob:
         if isinstance(line.request, ScoreRequest):
             return "scores " + ", ".join(f"{x.get('score', x.get('relevance_score')):.3f}"
                                          for x in body.get("data", body.get("results")))
+        if line.searches is not None:
+            first = body["choices"][0]
+            return first["text"] if "text" in first else first["message"]["content"]
         first = line.finished[0].embedding
         return line.texts[0] if first is None else f"[an embedding of {len(first)} values]"
 
@@ -302,6 +340,10 @@ class BatchJob:
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
             return body["id"], body
+        if line.searches is not None:
+            request_id = new_id(gen.kind)
+            choices, usage_ = gen.beam_choices(line.searches, self.engine.tokenizer)
+            return request_id, response_body(gen.kind, request_id, model, choices, usage_)
         responses = gen if isinstance(gen, ResponsesRequest) else None
         gen = responses.gen if responses else gen
         choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,

@@ -41,6 +41,7 @@ class JobEngine(Protocol):
     tokenizer: Any
     max_model_len: int
     sampling_defaults: dict  # the fields a line leaves unset take these (the model's generation config)
+    eos_token_ids: set[int]  # what ends a generation (a beam search's beams)
     stats: RunStats  # of the job since `reset_stats`
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None: ...

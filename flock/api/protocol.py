@@ -15,7 +15,7 @@ from typing import NamedTuple
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from flock.api.reasoning import REASONING_PARSERS, THINKING_END, ReasoningFormat, reasoning_token_count, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
-from flock.beam_search import BeamSearchParams
+from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
@@ -111,6 +111,19 @@ class GenerationRequest:
                 self.prompts[i] = kept
                 if self.kind == "completion":
                     self.texts[i] = None
+
+    def beam_searches(self, max_model_len: int, eos_token_ids: list[int]) -> list[BeamSearch]:
+        """A beam search of each prompt (use_beam_search), to step through an engine."""
+        return [BeamSearch(ids, replace(self.beam, max_tokens=self.beam.max_tokens or max_model_len - len(ids)),
+                           eos_token_ids) for ids in self.prompts]
+
+    def beam_choices(self, searches: list[BeamSearch], tokenizer) -> tuple[list[Choice], dict]:
+        """The choices (each prompt's n best beams, best first) and the usage of finished searches."""
+        beams = [b for s in searches for b in s.result()]
+        skip = self.params.skip_special_tokens
+        choices = [Choice(tokenizer.decode(b.output_token_ids, skip_special_tokens=skip), b.finish_reason)
+                   for b in beams]
+        return choices, usage(sum(map(len, self.prompts)), sum(len(b.output_token_ids) for b in beams))
 
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a

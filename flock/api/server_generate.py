@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,7 +39,6 @@ from flock.api.protocol import (
 )
 from flock.api.responses import ResponseEvents, ResponsesRequest, ResponseStore, parse_responses, renamed
 from flock.api.sglang import NativeRequest, output_object, parse_generate
-from flock.beam_search import BeamSearch
 from flock.engine.async_engine import (
     AsyncEngine,
     EngineDead,
@@ -102,21 +101,14 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
 
 
 async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: ServerContext) -> dict:
-    """vLLM's use_beam_search (flock/beam_search.py): each step's requests through the engine; each prompt's n
-    best beams are its choices."""
-    limit = ctx.engine.max_model_len
-    searches = [BeamSearch(ids, replace(gen.beam, max_tokens=gen.beam.max_tokens or limit - len(ids)),
-                           ctx.engine.eos_token_ids) for ids in gen.prompts]
+    """vLLM's use_beam_search (flock/beam_search.py): each step's requests through the engine."""
+    searches = gen.beam_searches(ctx.engine.max_model_len, ctx.engine.eos_token_ids)
     while live := [s for s in searches if not s.done]:
         streams = await _submit([r for s in live for r in s.requests()], ctx, lambda e: engine_error(e, gen))
         parts = iter(await _collect(streams, raw, ctx))
         for search in live:
             search.advance([next(parts).logprobs[0] for _ in search.beams])
-    beams = [b for s in searches for b in s.result()]
-    decode = ctx.engine.tokenizer.decode
-    choices = [Choice(decode(b.output_token_ids, skip_special_tokens=gen.params.skip_special_tokens), b.finish_reason)
-               for b in beams]
-    usage_ = usage(sum(len(ids) for ids in gen.prompts), sum(len(b.output_token_ids) for b in beams))
+    choices, usage_ = gen.beam_choices(searches, ctx.engine.tokenizer)
     return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created)
 
 

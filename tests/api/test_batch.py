@@ -333,3 +333,27 @@ def test_score_and_rerank_lines(engine, tmp_path):
     assert [x["index"] for x in got["r"]["results"]] == [best]
     (error,) = records(tmp_path / "out.errors.jsonl")
     assert (error["custom_id"], error["error"]["param"]) == ("bad", "documents")
+
+
+def test_beam_search_lines(engine, tmp_path):
+    """use_beam_search lines (vLLM's run-batch takes them): each step's requests go through the job's engine beside
+    the other lines'; the record's choices are the offline LLM.beam_search's beams, best first."""
+    from flock import LLM, BeamSearchParams
+
+    lines = [batch("beams", {"prompt": ["The cache is paged", "Blocks"], "n": 2, "max_tokens": 4,
+                             "use_beam_search": True, "length_penalty": 0.7}),
+             batch("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 3,
+                            "use_beam_search": True}, "/v1/chat/completions"),
+             batch("plain", {"prompt": "The cache is paged", "max_tokens": 3, "temperature": 0}),
+             batch("bad", {"prompt": "x", "use_beam_search": True, "logprobs": 1})]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    offline = LLM(engine.config.model, max_model_len=MAX_LEN, attention="torch", block_size=8, num_kv_blocks=64)
+    expected = offline.beam_search(["The cache is paged", "Blocks"],
+                                   BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.7))
+    assert [c["text"] for c in got["beams"]["choices"]] == [b.text for o in expected for b in o.sequences]
+    assert len(got["chat"]["choices"]) == 3 and "plain" in got
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert (error["custom_id"], error["error"]["param"]) == ("bad", "logprobs")
