@@ -84,6 +84,7 @@ class SamplingParams:
     # vLLM's: the request's prefix-cache blocks are found only by requests with the same salt (tenants that must
     # not learn each other's prompts from cache hits); it changes no output
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: with the priority scheduler, lower values go first (others need 0)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
 
     def __post_init__(self):
@@ -176,6 +177,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1 or k == 0):
             raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.truncation_side not in ("left", "right"):

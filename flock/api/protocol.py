@@ -23,14 +23,14 @@ from flock.tokenizer import encode_chat
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-                    "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt"}
+                    "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt", "priority"}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "prompt_cache_key",
                    "prompt_cache_retention", "safety_identifier", "prediction", "verbosity"}
-# fields accepted at the one value Flock runs with (vLLM's priority scheduling: off; text only)
-_NEUTRAL_FIELDS = {"priority": 0, "modalities": ["text"]}
+# fields accepted at the one value Flock runs with (text only)
+_NEUTRAL_FIELDS = {"modalities": ["text"]}
 # what beam search does not combine with (vLLM's: it returns texts and scores)
 _NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "response_format",
                    "structured_outputs")
@@ -477,6 +477,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None),
         truncation_side=typed_field(body, "truncation_side", str, "left"),
         cache_salt=typed_field(body, "cache_salt", str, None),
+        priority=typed_field(body, "priority", int, 0),
     )
     try:
         params.validate()

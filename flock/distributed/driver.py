@@ -29,6 +29,7 @@ from flock.api.job_engine import EngineError, JobEngine
 from flock.config import EngineConfig
 from flock.distributed.partition import Partition, partition
 from flock.distributed.worker import EngineInfo, EngineWorker, Finished, Progress, Work
+from flock.engine.engine import check_priority
 from flock.engine.stats import RunStats
 from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
@@ -119,6 +120,8 @@ class ClusterEngine(JobEngine):
     # -- the engine interface of a batch job ----------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         self.info.check_request(prompt_token_ids, params)
+        if isinstance(params, SamplingParams):
+            check_priority(params, self.config.scheduler)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> Submitted:
         self.check_request(prompt_token_ids, params)

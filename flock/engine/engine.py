@@ -23,6 +23,13 @@ from flock.tokenizer import load_tokenizer
 log = logging.getLogger("flock")
 
 
+def check_priority(params: SamplingParams, scheduler: str) -> None:
+    """A request's priority is the priority scheduler's to use; with the others it must be 0 (as vLLM's)."""
+    if params.priority != 0 and scheduler != "priority":
+        raise ValueError(f"priority must be 0 unless the scheduler is 'priority' (vLLM's --scheduling-policy "
+                         f"priority), got {params.priority}")
+
+
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
     """Raise ValueError naming the bad field of a request for an engine with these limits (its prompt as
     truncate_prompt_tokens keeps it)."""
@@ -104,6 +111,7 @@ class LLMEngine:
         changes nothing but the grammar cache."""
         params = engine_params(params, self.model_config.hidden_size, self.base_model)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
+        check_priority(params, self.config.scheduler)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 

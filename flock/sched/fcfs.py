@@ -22,7 +22,8 @@ class FCFSScheduler(Scheduler):
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.allocate(req, n):
-                victim = self.running.pop()
+                victim = self.victim(self.running[i:])  # not one already planned in this step
+                self.running.remove(victim)
                 self.preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
@@ -46,6 +47,11 @@ class FCFSScheduler(Scheduler):
                 break
             plan.scheduled.append((req, n))
             budget -= n
+
+    def victim(self, candidates: list[Request]) -> Request:
+        """Which of the running `candidates` (in admission order) gives way when the KV pool runs out: the most
+        recently admitted."""
+        return candidates[-1]
 
     def admission_order(self) -> Iterable[Request]:
         """Waiting requests in the order they should be admitted; consumed lazily, stops at the first misfit."""

@@ -197,8 +197,8 @@ def test_chat_add_special_tokens_adds_them_to_the_template(tmp_path):
 
 
 def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok):
-    """vLLM's request_id, use_beam_search (n beams, length_penalty), priority at the value Flock runs (others
-    refused by name), spaces_between_special_tokens (fast tokenizers ignore it); `documents` and
+    """vLLM's request_id, use_beam_search (n beams, length_penalty), priority, modalities at the value Flock runs
+    (others refused by name), spaces_between_special_tokens (fast tokenizers ignore it); `documents` and
     `reasoning_effort` reach the chat template as vLLM hands them (reasoning_effort "none" sets enable_thinking
     false unless it is given)."""
     import copy
@@ -211,7 +211,8 @@ def test_vllm_fields_at_their_neutral_values_documents_and_reasoning_effort(tok)
     assert (beams.beam.beam_width, beams.beam.length_penalty, beams.beam.max_tokens) == (3, 0.5, 16)
     assert parse_request("chat", {"messages": [{"role": "user", "content": "q"}], "use_beam_search": True},
                          tok, None).beam.max_tokens == 0  # up to the context, as a chat without max_tokens
-    for name, value in (("priority", 1), ("modalities", ["text", "audio"])):
+    assert parse_request("completion", {"prompt": "a", "priority": -3}, tok).params.priority == -3
+    for name, value in (("modalities", ["text", "audio"]),):
         with pytest.raises(APIError, match=re.escape(f"{name}={value!r} is not supported")) as e:
             parse_request("completion", {"prompt": "a", name: value}, tok)
         assert e.value.param == name

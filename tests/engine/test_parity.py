@@ -245,7 +245,7 @@ def test_batchllm_scheduler_matches_transformers(hf_folders, references, attenti
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("scheduler", ["lpm", "dfs-weight", "feather", "feather:ucb", "feather:qlearning"])
+@pytest.mark.parametrize("scheduler", ["lpm", "dfs-weight", "feather", "feather:ucb", "feather:qlearning", "priority"])
 @pytest.mark.parametrize("num_kv_blocks", [None, 24])
 def test_online_schedulers_match_transformers(hf_folders, references, scheduler, num_kv_blocks):
     name, _, policy = scheduler.partition(":")
