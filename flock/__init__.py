@@ -7,6 +7,6 @@ from flock.pooling_params import PoolingParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "ScoringRequestOutput", "TokenLogprobs"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
+           "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "TokenLogprobs"]
 __version__ = "0.1.0"

@@ -97,8 +97,9 @@ class ModelConfig:
     @staticmethod
     def _sliding_window(d: dict, model_type: str) -> int | None:
         """The window every layer uses, as transformers reads it: Mistral's on every layer (4096 when the key is
-        absent), Phi-3's on every layer when set; Qwen2's and Qwen3's only on the layers `layer_types` marks (from `max_window_layers`, default
-        28). Flock has one window for all layers, so a mix is an error rather than a silently wrong model."""
+        absent), Phi-3's on every layer when set; Qwen2's and Qwen3's only on the layers `layer_types` marks (from
+        `max_window_layers`, default 28). Flock has one window for all layers, so a mix is an error rather than a
+        silently wrong model."""
         if model_type == "mistral":
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
         if model_type == "phi3":  # on every layer when set, as Mistral's
