@@ -45,6 +45,11 @@ HF_CONFIGS = {
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                       "long_factor": [1.0 + i for i in range(8)]},
     ),
+    "granite": dict(  # Granite's multipliers of the embeddings, residual adds, attention scores and logits
+        model_type="granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, embedding_multiplier=3.0,
+        residual_multiplier=0.5, logits_scaling=2.5, attention_multiplier=0.09,
+    ),
     "mistral": dict(
         model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, sliding_window=12,

@@ -33,4 +33,5 @@ def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
     c = config
-    return BACKENDS[name](c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, dtype)
+    return BACKENDS[name](c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, dtype,
+                          scale=c.attention_scale)

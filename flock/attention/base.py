@@ -54,12 +54,13 @@ class AttentionBackend:
 
     name = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype,
+                 scale: float | None = None):
         self.dtype = dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # of q k^T
         self.sliding_window = sliding_window
 
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:

@@ -2,10 +2,11 @@ from dataclasses import dataclass, field
 import json
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activation Flock runs
 # transformers' class defaults for keys a config.json may omit
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
+                         "granite": 2048}
 MISTRAL_DEFAULT_WINDOW = 4096
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
@@ -33,6 +34,12 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before the rotary embedding
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
+    # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
+    # logits' divisor, and q k^T's (None: head_dim ** -0.5)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_scale: float | None = None
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -76,10 +83,21 @@ class ModelConfig:
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
             qk_norm=model_type == "qwen3",
             base_model=base_model,
+            **cls._granite_scales(d, model_type),
             sliding_window=window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+    @staticmethod
+    def _granite_scales(d: dict, model_type: str) -> dict:
+        """Granite's multipliers, with transformers' GraniteConfig defaults (1.0 each, q k^T's too)."""
+        if model_type != "granite":
+            return {}
+        return {"embedding_multiplier": d.get("embedding_multiplier", 1.0),
+                "residual_multiplier": d.get("residual_multiplier", 1.0),
+                "logits_scaling": d.get("logits_scaling", 1.0),
+                "attention_scale": d.get("attention_multiplier", 1.0)}
 
     @staticmethod
     def _rope_scaling(scaling: dict, d: dict, model_type: str) -> dict:
@@ -104,7 +122,7 @@ class ModelConfig:
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
         if model_type == "phi3":  # on every layer when set, as Mistral's
             return d.get("sliding_window")
-        if model_type == "llama" or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
+        if model_type in ("llama", "granite") or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
             return None
         layers = d["num_hidden_layers"]
         types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else

@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+PERMUTED_QK = ("llama", "granite")  # architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's)
+# Granite's multipliers: config name -> GGUF key (after the architecture's name)
+GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                  "logits_scaling": "logit_scale", "attention_multiplier": "attention.scale"}
 ROPE_SCALING_TYPES = ("none", "linear")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
@@ -100,10 +104,12 @@ def hf_config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3 and Phi-3 models)")
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Granite models)")
     tensors = {t.name for t in reader.tensors}
     config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
-    mapping = {name: f"{arch}.{key}" for key, name in GGUF_CONFIG_MAPPING[arch].items() if name}
+    keys = GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"])  # Granite's are Llama's and its scales
+    mapping = {name: f"{arch}.{key}" for key, name in keys.items() if name}
+    mapping |= {name: f"{arch}.{key}" for name, key in GRANITE_SCALES.items()} if arch == "granite" else {}
     mapping["head_dim"] = f"{arch}.attention.key_length"  # when heads are not hidden_size / heads wide (Qwen3)
     for name, key in mapping.items():
         if key in reader.fields:
@@ -332,11 +338,11 @@ def _dequantize(tensor) -> np.ndarray:
 
 def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
     """A tensor's rows (floats or quantized blocks) in Hugging Face's order. llama.cpp's converter reorders a
-    Llama q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
+    Llama (or Granite) q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
     Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 and Qwen3 files
     keep Hugging Face's order. Done here rather than by transformers' tensor processors, whose module is slow to
     import at every start."""
-    if ckpt.architecture != "llama" or not (".attn_q." in name or ".attn_k." in name):
+    if ckpt.architecture not in PERMUTED_QK or not (".attn_q." in name or ".attn_k." in name):
         return rows
     heads = ckpt.config["num_attention_heads"]
     if ".attn_k." in name:

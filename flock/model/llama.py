@@ -111,6 +111,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x, residual, rope, positions, meta, rows=None):
         """(this layer's MLP output, the residual stream before it); the next norm adds the two. With `rows`:
@@ -122,8 +123,12 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, rope, positions, meta, rows)
         if rows is not None:
             residual = residual[rows]
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(self.scaled(x), residual)
+        return self.scaled(self.mlp(x)), residual
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A block's output as the residual stream adds it (Granite's residual_multiplier)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
         the rest only leave K and V in the cache), as llama.cpp does."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.config.embedding_multiplier
         if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
@@ -173,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits; float32 from Flock's bf16 GEMM: rounded to bf16, logits of ~25 are multiples of 1/8, and a
         near tie of a greedy pick becomes a tie."""
-        return self.lm_head(hidden, float32=True)
+        logits = self.lm_head(hidden, float32=True)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def use_step_program(self) -> str | None:
         """Run the decoder layers of the steps a StepProgram takes as one C call; returns why they cannot

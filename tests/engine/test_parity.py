@@ -66,7 +66,7 @@ BACKENDS = ["torch", "torch-cascade"]
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "granite"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
@@ -167,7 +167,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ops", ["auto", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "granite"])
 def test_float32_logits_match_transformers(hf_folders, kind, ops):
     from transformers import AutoModelForCausalLM
 

@@ -9,6 +9,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from flock.model.builtin import CHAT_TEMPLATE
+from flock.model.gguf import GRANITE_SCALES
 
 Q = gguf.GGMLQuantizationType
 
@@ -51,7 +52,7 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     for hf_name, w in load_file(str(folder / "model.safetensors")).items():
         module, _, kind = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(module)}.{kind}"
-        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+        if arch in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
             w = llama_cpp_permute(w, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         kind_type = (tensor_types or {}).get(gguf_name, qtype if w.ndim == 2 else Q.F32)
         w = w.astype(np.float32)
@@ -64,6 +65,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
         writer.add_tensor("rope_freqs.weight", factors)
     if arch == "phi3":
         _add_phi3(writer, config)
+    for name, key in GRANITE_SCALES.items() if arch == "granite" else ():  # convert_hf_to_gguf.py's
+        writer.add_float32(f"granite.{key}", config[name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -54,6 +54,18 @@ def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, ki
     assert llm.config.dtype == "float64" and llm.engine.runner.dtype == torch.float64
 
 
+def test_granite_gguf_scales_and_permuted_rows(hf_folders, tmp_path):
+    """Granite's multipliers from its metadata (embedding_scale, residual_scale, logit_scale, attention.scale) and
+    its q/k rows un-permuted as Llama's: the tokens of the model it was written from."""
+    gguf_file = write_gguf(hf_folders["granite"], tmp_path / "granite.gguf")
+    prompts = shared_prefix_prompts(seed=3)
+    got, llm = flock_greedy(gguf_file, prompts)
+    assert got == hf_greedy(hf_folders["granite"], prompts)
+    c = llm.engine.model_config
+    assert (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) == (3.0, 0.5, 2.5)
+    assert c.attention_scale == pytest.approx(0.09)
+
+
 @pytest.mark.parametrize("kind", ["phi3", "phi3_longrope"])
 def test_phi3_gguf_fused_tensors_window_and_longrope(hf_folders, tmp_path, kind):
     """llama.cpp's fused attn_qkv and ffn_up (gate, then up) tensors go into Flock's fused projections whole; the
