@@ -110,11 +110,18 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(prefix="/v1")
     created = int(time.time())
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "flock",
+                "max_model_len": ctx.engine.max_model_len}
+
     @router.get("/models")
     async def models():
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "flock",
-                 "max_model_len": ctx.engine.max_model_len} for name in ctx.model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+
+    @router.get("/models/{name:path}")  # OpenAI's retrieve (names may hold slashes: "org/model")
+    async def model(name: str):
+        check_model({"model": name}, ctx)
+        return model_card(name)
 
     @router.post("/completions")
     async def completions(raw: Request):

@@ -63,7 +63,9 @@ def wait_idle(server, timeout: float = 30.0) -> dict:
 
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
     h = health(server)
     assert h["status"] == "ok" and h["kv_blocks_total"] == 1024
     assert h["attention"].split()[0] in BACKENDS
