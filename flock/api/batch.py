@@ -215,8 +215,10 @@ class BatchJob:
             if line.body.get("previous_response_id") is not None:
                 raise APIError("previous_response_id needs a stored response; a batch job stores none",
                                param="previous_response_id")
-            return parse_responses(line.body, self.engine.tokenizer, cfg.tool_parser, cfg.reasoning_parser,
-                                   defaults=defaults | self.flags)
+            parsed = parse_responses(line.body, self.engine.tokenizer, cfg.tool_parser, cfg.reasoning_parser,
+                                     defaults=defaults | self.flags)
+            parsed.storable = False  # a job keeps no responses
+            return parsed
         default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
         return parse_request(line.kind, with_defaults(self.flags | line.body, defaults), self.engine.tokenizer,
                              default_max, cfg.tool_parser, cfg.reasoning_parser)

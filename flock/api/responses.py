@@ -46,10 +46,11 @@ class ResponsesRequest:
     messages: list[dict]  # the conversation it answers, the previous response's included, but not instructions
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    storable: bool = True  # whether its server keeps responses at all
 
     @property
     def store(self) -> bool:
-        return self.body.get("store") is not False
+        return self.storable and self.body.get("store") is not False
 
     def response(self, model: str, choice: Choice | None = None, final=None, logprobs: list[dict] | None = None,
                  error: str | None = None) -> dict:

@@ -38,6 +38,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept in memory for GET and previous_response_id, the latest first (0: none)")
     add_parser_arguments(p)
     add_engine_args(p, scheduler="feather")
     p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
@@ -53,6 +55,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from flock.api.metrics import Metrics
     from flock.api.server_app import DrainingServer, build_app
+    from flock.api.responses import ResponseStore
     from flock.api.server_generate import ServerContext
     from flock.config import EngineConfig
     from flock.engine.async_engine import AsyncEngine
@@ -67,7 +70,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     try:
         names = args.served_model_name or [args.model]
-        ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser)
+        ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser,
+                            ResponseStore(max(args.max_stored_responses, 0)))
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

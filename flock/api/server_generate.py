@@ -143,6 +143,7 @@ async def respond(raw: Request, ctx: ServerContext):
     req = parse_responses(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser, history,
                           ctx.engine.sampling_defaults)
     gen, model = req.gen, ctx.model_names[0]
+    req.storable = ctx.responses.capacity > 0
     try:
         gen.truncate(ctx.engine.max_model_len)
     except APIError as e:

@@ -305,7 +305,7 @@ def test_response_lines_answer_as_chat_lines(engine, tmp_path):
     r = out["r"]["response"]["body"]
     assert r["object"] == "response" and out["r"]["response"]["request_id"] == r["id"]
     assert r["output"][0]["content"][0]["text"] == out["c"]["response"]["body"]["choices"][0]["message"]["content"]
-    assert r["usage"]["output_tokens"] == 5 and r["status"] == "incomplete"
+    assert r["usage"]["output_tokens"] == 5 and r["status"] == "incomplete" and r["store"] is False
     assert json.loads(out["json"]["response"]["body"]["output"][0]["content"][0]["text"]) in ({"ok": True},
                                                                                             {"ok": False})
     assert out["flags"]["response"]["body"]["usage"]["output_tokens"] == 3
