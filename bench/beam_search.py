@@ -12,15 +12,13 @@ weights: near ties can part them). Results: bench/out/beam_search.json.
 """
 
 import argparse
-import json
 import random
-import subprocess
 import time
 from pathlib import Path
 
 from bench.harness import machine, vllm
 from bench.harness.offline import hf_folder, random_tokens
-from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.report import args_dict, markdown_table, write_json
 
 MODELS = {"tiny": "flock/bench-tiny", "mid": "flock/bench-mid"}
 CHILD = Path(__file__).resolve().parent / "harness" / "vllm_beam_child.py"
@@ -46,19 +44,12 @@ def run_flock(folder: Path, prompts: list[list[int]], args) -> dict:
 
 
 def run_vllm(folder: Path, prompts: list[list[int]], args) -> dict:
-    python = vllm.existing_python(args.vllm_venv)
-    job, result, log = (args.out / f"beam-search-vllm.{ext}" for ext in ("job.json", "result.json", "log"))
-    result.unlink(missing_ok=True)
-    job.write_text(json.dumps({"model": str(folder), "max_model_len": args.max_model_len,
-                               "beam_width": args.beam_width, "max_tokens": args.max_tokens,
-                               "length_penalty": args.length_penalty, "warmup": workload(args, args.seed + 1)[:2],
-                               "prompts": prompts}))
-    with log.open("w") as f:
-        proc = subprocess.run([python, CHILD, job, result], env=vllm.vllm_env(), cwd=args.out, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=args.vllm_timeout)
-    if not result.exists():
-        return {"engine": vllm.VLLM_ENGINE, "error": f"child exited with {proc.returncode}, see {log}"}
-    data = json.loads(result.read_text())
+    job = {"model": str(folder), "max_model_len": args.max_model_len, "beam_width": args.beam_width,
+           "max_tokens": args.max_tokens, "length_penalty": args.length_penalty,
+           "warmup": workload(args, args.seed + 1)[:2], "prompts": prompts}
+    data = vllm.run_child(CHILD, job, "beam-search-vllm", args)
+    if isinstance(data, str):
+        return {"engine": vllm.VLLM_ENGINE, "error": data}
     return {"engine": vllm.VLLM_ENGINE, "wall_s": data["wall_s"], "startup_s": data["startup_s"],
             "beams": data["beams"]}
 
@@ -90,10 +81,7 @@ def main() -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing vLLM venv")
-    p.add_argument("--vllm-timeout", type=float, default=1800)
-    p.add_argument("--out", type=Path, default=OUT)
+    vllm.add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine.header("beam_search"), flush=True)

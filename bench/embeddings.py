@@ -13,9 +13,7 @@ bench/out/embeddings.json.
 """
 
 import argparse
-import json
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch
 
 from bench.harness import machine, vllm
 from bench.harness.offline import hf_folder, random_tokens
-from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.report import args_dict, markdown_table, write_json
 
 MODELS = {"tiny": "flock/bench-tiny", "mid": "flock/bench-mid", "qwen3": "flock/bench-qwen3"}
 CHILD = Path(__file__).resolve().parent / "harness" / "vllm_embed_child.py"
@@ -55,17 +53,11 @@ def run_flock(folder: Path, prompts: list[list[int]], args) -> dict:
 
 
 def run_vllm(folder: Path, prompts: list[list[int]], args) -> dict:
-    python = vllm.existing_python(args.vllm_venv)
-    job, result, log = (args.out / f"embeddings-vllm.{ext}" for ext in ("job.json", "result.json", "log"))
-    result.unlink(missing_ok=True)
-    job.write_text(json.dumps({"model": str(folder), "prefix_caching": True, "max_model_len": args.max_model_len,
-                               "warmup": warmup(args), "prompts": prompts}))
-    with log.open("w") as f:
-        proc = subprocess.run([python, CHILD, job, result], env=vllm.vllm_env(), cwd=args.out, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=args.vllm_timeout)
-    if not result.exists():  # (vLLM 0.32's pooling engine may abort at exit, after the result is written)
-        return {"engine": vllm.VLLM_ENGINE, "error": f"child exited with {proc.returncode}, see {log}"}
-    data = json.loads(result.read_text())
+    job = {"model": str(folder), "prefix_caching": True, "max_model_len": args.max_model_len, "warmup": warmup(args),
+           "prompts": prompts}
+    data = vllm.run_child(CHILD, job, "embeddings-vllm", args)
+    if isinstance(data, str):
+        return {"engine": vllm.VLLM_ENGINE, "error": data}
     return {"engine": vllm.VLLM_ENGINE, "wall_s": data["wall_s"], "startup_s": data["startup_s"],
             "computed": sum(map(len, prompts)) - data["cached_tokens"], "embeddings": data["embeddings"]}
 
@@ -101,10 +93,7 @@ def main() -> None:
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="Flock's max_num_batched_tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing vLLM venv")
-    p.add_argument("--vllm-timeout", type=float, default=1800)
-    p.add_argument("--out", type=Path, default=OUT)
+    vllm.add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine.header("embeddings"), flush=True)

@@ -15,6 +15,7 @@ import httpx
 
 from bench.harness.machine import OthersCPU
 from bench.harness.offline import Result, Workload
+from bench.harness.report import OUT
 from bench.harness.server_process import free_port
 
 __all__ = ["VLLM_PIN", "VLLM_ENV", "TCMALLOC", "DEFAULT_VENV", "vllm_env", "vllm_python", "existing_python",
@@ -69,6 +70,29 @@ def existing_python(venv: Path) -> Path:
 
 
 # -- offline batch ---------------------------------------------------------------------------------------------
+def add_arguments(p, timeout: float = 1800) -> None:
+    """The flags of a benchmark that runs vLLM beside Flock, and its output folder (the child's files too)."""
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="an existing vLLM venv")
+    p.add_argument("--vllm-timeout", type=float, default=timeout, help="seconds of the vLLM child process")
+    p.add_argument("--out", type=Path, default=OUT)
+
+
+def run_child(child: Path, job: dict, name: str, args) -> dict | str:
+    """Run a vLLM child script (`child JOB.json RESULT.json`) on `job` in the venv of `args.vllm_venv`: its result,
+    or why there is none. Its output goes to args.out / f"{name}.log"."""
+    python = existing_python(args.vllm_venv)
+    job_file, result, log = (args.out / f"{name}.{ext}" for ext in ("job.json", "result.json", "log"))
+    result.unlink(missing_ok=True)
+    job_file.write_text(json.dumps(job))
+    with log.open("w") as f:
+        proc = subprocess.run([python, child, job_file, result], env=vllm_env(), cwd=args.out, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=args.vllm_timeout)
+    if not result.exists():  # (vLLM 0.32's pooling engine may abort at exit, after the result is written)
+        return f"child exited with {proc.returncode}, see {log}"
+    return json.loads(result.read_text())
+
+
 def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Path | str, *, warmup: list[list[int]],
               out: Path, timeout: float, kv_bytes: int | None = None, max_model_len: int = 2048) -> list[Result]:
     """The workloads through vLLM in one child process (vLLM fixes prefix caching and its KV budget at
