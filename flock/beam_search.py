@@ -21,6 +21,8 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0  # of the step requests; their logprobs are the raw logits' (vLLM's default)
     length_penalty: float = 1.0
+    cache_salt: str | None = None  # the step requests' (SamplingParams')
+    priority: int = 0
 
     def validate(self, max_tokens_set: bool = True) -> None:
         """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later)."""
@@ -33,7 +35,8 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
 
     def step_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True)
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True,
+                              cache_salt=self.cache_salt, priority=self.priority)
 
 
 @dataclass

@@ -254,7 +254,8 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
     if clash or tools is not None:
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
-    beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty)
+    beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty,
+                            params.cache_salt, params.priority)
     try:
         beam.validate(max_tokens_set=params.max_tokens is not None)
     except ValueError as e:

@@ -59,3 +59,5 @@ def test_eos_completes_a_beam_and_length_penalty_ranks():
     assert search.score(best[0]) == pytest.approx(-0.1 / 2) and search.score(best[1]) == pytest.approx(-0.7 / 4)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=3).validate()
+    salted = BeamSearchParams(beam_width=2, max_tokens=3, cache_salt="tenant", priority=2).step_params()
+    assert (salted.cache_salt, salted.priority, salted.logprobs, salted.max_tokens) == ("tenant", 2, 4, 1)
