@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run an OpenAI Batch (or plain prompt) JSONL job; resumable after a crash")
-    run.add_argument("input", help="JSONL (or gzipped): OpenAI Batch lines, or plain lines with 'prompt', "
-                                   "'prompt_token_ids' or 'messages' and any sampling fields")
+    run.add_argument("input", nargs="?", help="JSONL (or gzipped): OpenAI Batch lines, or plain lines with "
+                                              "'prompt', 'prompt_token_ids' or 'messages' and any sampling fields")
+    run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it")
     run.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL, appended as requests finish")
     run.add_argument("--errors", metavar="PATH", help="error records (default: <output stem>.errors.jsonl)")
     mode = run.add_mutually_exclusive_group()
@@ -89,6 +90,9 @@ def run_batch(args) -> int:
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     try:
         parser = tool_parser(args)
+        if (args.input is None) == (args.input_file is None):
+            raise ValueError("give the input file once: flock run INPUT, or -i INPUT as vllm run-batch takes it")
+        args.input = args.input or args.input_file
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,7 +45,35 @@ def test_bad_invocations(tmp_path, batch, capsys):
     assert code == 2 and "--max-tokens" in err
     code, err = run(capsys, batch, "-o", out, "--top-p", "2")
     assert code == 2 and "--top-p" in err
+    code, err = run(capsys, batch, "-i", batch, "-o", out)
+    assert code == 2 and "give the input file once" in err
     assert not out.exists()
+
+
+def test_vllm_command_lines(tmp_path, batch, capsys):
+    """`vllm run-batch -i IN -o OUT --model M` runs as it is; so does a `vllm serve MODEL ...` line's parsing."""
+    import argparse
+
+    from flock.api.server import add_serve_parser, apply_vllm_arguments
+    from flock.engine.args import engine_kwargs
+
+    out = tmp_path / "o.jsonl"
+    assert run(capsys, "-i", batch, "-o", out, "--model", "flock/tiny", "-q")[0] == 0 and out.exists()
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "org/model", "--scheduling-policy", "priority", "--no-enable-prefix-caching",
+                              "--trust-remote-code", "--disable-log-requests", "-tp", "1", "--uvicorn-log-level",
+                              "warning", "--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser",
+                              "hermes"])
+    apply_vllm_arguments(args)
+    kw = engine_kwargs(args)
+    assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \
+        ("org/model", "priority", False, 4096, "warning")
+    default = parser.parse_args(["serve", "--scheduling-policy", "fcfs"])
+    apply_vllm_arguments(default)
+    assert engine_kwargs(default)["scheduler"] == "feather" and default.model == "flock/smollm2"
+    with pytest.raises(ValueError, match="tensor-parallel-size 2"):
+        apply_vllm_arguments(parser.parse_args(["serve", "-tp", "2"]))
 
 
 def test_failed_lines_fail_the_exit_status_only_with_strict(tmp_path, capsys):

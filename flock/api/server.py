@@ -1,9 +1,11 @@
 """`flock serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
     flock serve --model flock/tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N] ...
+    flock serve MODEL --max-model-len 4096 --enable-prefix-caching ...   # a `vllm serve` command line
 
-Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /tokenize, /detokenize,
-/health, /metrics, and SGLang's /generate, /get_model_info, /health_generate.
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /v1/responses,
+/v1/embeddings, vLLM's /v1/score and /v1/rerank, /tokenize, /detokenize, /health, /metrics, and SGLang's
+/generate, /get_model_info, /health_generate.
 """
 
 import argparse
@@ -15,6 +17,7 @@ from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("flock")
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 # At most this many requests decode at once (`flock run` and LLM keep 256, for throughput). A burst of
 # requests then waits in the queue instead of each sitting through every other's prefill chunks: on SmolLM2
@@ -47,7 +50,37 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then they end with "
                         "finish_reason abort and what they generated")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_vllm_arguments(p)
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that `vllm serve` command lines carry and Flock has under other names or needs not."""
+    v = p.add_argument_group("vLLM's flags (a `vllm serve` command line runs as it is)")
+    v.add_argument("model_tag", nargs="?", help="the model, as `vllm serve MODEL` names it (else --model)")
+    v.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   help="priority: --scheduler priority; fcfs: --scheduler stands (feather unless given)")
+    v.add_argument("--enable-prefix-caching", action="store_true", help="on by default")
+    v.add_argument("--no-enable-prefix-caching", action="store_true", help="as --no-prefix-caching")
+    v.add_argument("--trust-remote-code", action="store_true", help="accepted: Flock runs its own model code only")
+    v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+                   help="accepted: Flock logs requests only with --access-log")
+    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
+    v.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, help="as --log-level")
+
+
+def apply_vllm_arguments(args: argparse.Namespace) -> None:
+    """vLLM's flags as Flock's; ValueError for what Flock cannot run."""
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: Flock runs one engine per process "
+                         "(scale out with flock run --workers)")
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.scheduling_policy == "priority":
+        args.scheduler = "priority"
+    if args.no_enable_prefix_caching:
+        args.enable_prefix_caching = False
+    args.log_level = args.uvicorn_log_level or args.log_level
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -60,6 +93,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from flock.config import EngineConfig
     from flock.engine.async_engine import AsyncEngine
 
+    try:
+        apply_vllm_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         parser = tool_parser(args)
