@@ -418,23 +418,47 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
 
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """A request's input as OpenAI lists it: items with ids (a string input: one user message of input_text)."""
+    given = req.body["input"]
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    key = req.id.removeprefix("resp_")
+    return [{"id": f"{prefixes.get(item.get('type', 'message'), 'item')}_{key}_in{i}"}
+            | ({"type": "message", "status": "completed"} if "type" not in item else {}) | item
+            for i, item in enumerate(given)]
+
+
 class ResponseStore:
     """The last `capacity` responses whose body did not say store: false, for GET /v1/responses/{id} and a later
     request's previous_response_id (in memory: a restart forgets them)."""
 
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
-        self.responses: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.responses: OrderedDict[str, tuple[dict, list[dict], list[dict]]] = OrderedDict()
 
     def put(self, req: ResponsesRequest, response: dict) -> None:
         if req.store and self.capacity:
-            self.responses[req.id] = (response, req.messages)
+            self.responses[req.id] = (response, req.messages, input_items(req))
             while len(self.responses) > self.capacity:
                 self.responses.popitem(last=False)
 
     def get(self, response_id: str) -> dict | None:
         entry = self.responses.get(response_id)
         return entry and entry[0]
+
+    def input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+                    ) -> dict | None:
+        """OpenAI's list of a stored response's input items (GET /v1/responses/{id}/input_items), or None."""
+        entry = self.responses.get(response_id)
+        if entry is None:
+            return None
+        items = entry[2] if order == "asc" else entry[2][::-1]
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
+        page = items[start : start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
     def delete(self, response_id: str) -> bool:
         return self.responses.pop(response_id, None) is not None
@@ -445,7 +469,7 @@ class ResponseStore:
         entry = self.responses.get(response_id) if isinstance(response_id, str) else None
         if entry is None:
             return None
-        response, messages = entry
+        response, messages, _ = entry
         messages = copy.deepcopy(messages)
         for item in response["output"]:
             _add_item(messages, item, "previous output")

@@ -139,6 +139,14 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     async def stored_response(response_id: str):
         return _stored(ctx, response_id)
 
+    @router.get("/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise APIError("order must be asc or desc, limit in [1, 100]", param="order" if order not in
+                           ("asc", "desc") else "limit")
+        _stored(ctx, response_id)
+        return ctx.responses.input_items(response_id, order, limit, after)
+
     @router.delete("/responses/{response_id}")
     async def delete_response(response_id: str):
         _stored(ctx, response_id)

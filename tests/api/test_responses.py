@@ -134,6 +134,13 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(tok):
         store.put(r, r.response("m", answer, _Final(1, 1)))
     assert store.get(first.id) is None and store.history(first.id) is None and store.get(second.id)
     assert store.delete(second.id) and not store.delete(second.id)
+    many = parse_responses({"input": [{"role": "user", "content": f"q{i}"} for i in range(5)]}, tok)
+    store.put(many, many.response("m", answer, _Final(1, 1)))
+    page = store.input_items(many.id, "asc", limit=2)
+    assert [i["content"] for i in page["data"]] == ["q0", "q1"] and page["has_more"]
+    rest = store.input_items(many.id, "asc", limit=10, after=page["last_id"])
+    assert [i["content"] for i in rest["data"]] == ["q2", "q3", "q4"] and not rest["has_more"]
+    assert [i["content"] for i in store.input_items(many.id)["data"]][0] == "q4"  # newest first by default
 
 
 class _Final:

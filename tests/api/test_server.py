@@ -377,6 +377,8 @@ def test_responses_equal_chat_completions(server, client):
                          "response.content_part.added"] and kinds[-1] == "response.completed"
     assert streamed.output_text == r.output_text and streamed.usage.output_tokens == 8
     assert client.responses.retrieve(r.id).output_text == r.output_text
+    listed = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [("message", "user", "Why page the cache?")]
 
     then = client.responses.create(input="And why blocks?", previous_response_id=r.id, instructions=SYSTEM, **kw)
     history = first + [{"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And why blocks?"}]
