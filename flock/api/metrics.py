@@ -44,6 +44,7 @@ class Metrics:
         self.vllm = VllmMetrics(r, engine, model_name)
 
     def render(self) -> bytes:
+        self.vllm.sync()
         return generate_latest(self.registry)
 
     def output(self, out: StreamOutput, new_tokens: int, since_submit: float, since_last: float | None) -> None:
@@ -84,9 +85,6 @@ class VllmMetrics:
             "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", lambda: engine.num_waiting),
             "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
                                          lambda: engine.state.kv_blocks_used / max(engine.state.kv_blocks_total, 1)),
-            # a counter in vLLM; here read from the engine's own count
-            "vllm:num_preemptions": ("Cumulative number of preemption from the engine.",
-                                     lambda: engine.state.preemptions),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, labels, registry=r).labels(*values).set_function(fn)
@@ -97,6 +95,8 @@ class VllmMetrics:
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
+        self.engine, self.counted_preemptions = engine, 0
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.cache_queries = counter("vllm:prefix_cache_queries",
@@ -115,6 +115,12 @@ class VllmMetrics:
                                         TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", TOKEN_BUCKETS)
+
+    def sync(self) -> None:
+        """The counters read from the engine's own counts, brought up to date (at each scrape)."""
+        preemptions = self.engine.state.preemptions
+        self.preemptions.inc(max(preemptions - self.counted_preemptions, 0))
+        self.counted_preemptions = max(preemptions, self.counted_preemptions)
 
 
 class StatusCounter:
