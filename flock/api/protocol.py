@@ -34,8 +34,8 @@ _NEUTRAL_FIELDS = {"modalities": ["text"]}
 # what beam search does not combine with (vLLM's: it returns texts and scores)
 _NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "response_format",
                    "structured_outputs")
-_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {"use_beam_search", "length_penalty"} | {
-    "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
+_COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
+    "use_beam_search", "length_penalty", "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
     "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -250,7 +250,8 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
     length_penalty = _number(body, "length_penalty", 1.0)
     if not typed_field(body, "use_beam_search", bool, False):
         return None
-    clash = next((name for name in _NOT_WITH_BEAMS if body.get(name) not in (None, False, {"type": "text"})), None)
+    clash = next((name for name in _NOT_WITH_BEAMS
+                  if not (body.get(name) is None or body[name] is False or body[name] == {"type": "text"})), None)
     if clash or tools is not None:
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
