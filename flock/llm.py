@@ -84,11 +84,14 @@ class LLM:
         self._check_all(token_ids, [replace(params.step_params(), max_tokens=params.max_tokens)] * len(token_ids))
         self.engine.reset_stats()
         searches = [BeamSearch(ids, params, sorted(self.engine.eos_token_ids)) for ids in token_ids]
+        bar = tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=None if use_tqdm else True)
         while live := [s for s in searches if not s.done]:
             requests = [[self.engine.add_request(ids, p) for ids, p in s.requests()] for s in live]
             self._run([r for rs in requests for r in rs], use_tqdm=False)
             for search, rs in zip(live, requests):
                 search.advance([r.logprobs[0] for r in rs])
+            bar.update()
+        bar.close()
         outputs = []
         for search in searches:
             best = search.result()
