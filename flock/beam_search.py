@@ -70,6 +70,7 @@ class BeamSearch:
     beams: list[BeamSearchSequence] = field(init=False)
     completed: list[BeamSearchSequence] = field(default_factory=list)
     steps: int = 0
+    arrived: list[TokenLogprobs | None] = field(default_factory=list)  # this step's results so far (`record`)
 
     def __post_init__(self):
         self.beams = [BeamSearchSequence(list(self.prompt), 0.0, len(self.prompt))]
@@ -80,7 +81,17 @@ class BeamSearch:
 
     def requests(self) -> list[tuple[list[int], SamplingParams]]:
         step = self.params.step_params()
+        self.arrived = [None] * len(self.beams)
         return [(b.tokens, step) for b in self.beams]
+
+    def record(self, beam: int, result: TokenLogprobs) -> bool:
+        """One request's result, for callers that get them one at a time; True when the step is complete (then
+        advanced)."""
+        self.arrived[beam] = result
+        if None in self.arrived:
+            return False
+        self.advance(self.arrived)
+        return True
 
     def advance(self, results: list[TokenLogprobs]) -> None:
         """The next beams from the live ones' next-token alternatives (`results[i]`: beam i's)."""

@@ -33,7 +33,6 @@ from flock.beam_search import BeamSearch
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
-from flock.sample.logprobs import TokenLogprobs
 
 SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
@@ -150,7 +149,6 @@ class PendingLine:
     finished: list[FinishedRequest | None]
     texts: list[str]
     searches: list[BeamSearch] | None = None  # a use_beam_search line's, one per prompt
-    rounds: list[list[TokenLogprobs | None]] = field(default_factory=list)  # their steps' results so far
 
 
 class BatchJob:
@@ -246,25 +244,20 @@ class BatchJob:
     def _add_beams(self, line: BatchLine, gen: GenerationRequest) -> None:
         """A use_beam_search line: its searches' first steps (the later ones follow as each step finishes)."""
         searches = gen.beam_searches(self.engine.max_model_len, sorted(self.engine.eos_token_ids))
-        pending = PendingLine(line.custom_id, gen, [], [], searches, [[] for _ in searches])
+        pending = PendingLine(line.custom_id, gen, [], [], searches)
         self.pending[line.custom_id] = pending
         for s in range(len(searches)):
             self._beam_step(pending, s)
 
     def _beam_step(self, line: PendingLine, s: int) -> None:
-        requests = line.searches[s].requests()
-        line.rounds[s] = [None] * len(requests)
-        for b, (ids, params) in enumerate(requests):
+        for b, (ids, params) in enumerate(line.searches[s].requests()):
             self.running[self.engine.add_request(ids, params).request_id] = (line, (s, b))
 
     def _beams_done(self, line: PendingLine, s: int, b: int, req: FinishedRequest) -> bool:
         """Note beam b of search s's step; True when every search of the line is done."""
-        step = line.rounds[s]
-        step[b] = req.logprobs[0]
-        if None in step:
-            return False
         search = line.searches[s]
-        search.advance(step)
+        if not search.record(b, req.logprobs[0]):
+            return False
         if not search.done:
             self._beam_step(line, s)
             return False
