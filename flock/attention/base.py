@@ -48,6 +48,10 @@ class AttentionMetadata:
     # still written (the last layer's, which only the sampled rows leave)
     rows_only = None
 
+    def for_window(self, window: int | None) -> "AttentionMetadata":
+        """The plan of the layers with this sliding window (see LayeredBackend); one plan serves all here."""
+        return self
+
 
 class AttentionBackend:
     """Attention over the paged KV cache. The model calls `forward` once per layer per step."""
@@ -55,13 +59,18 @@ class AttentionBackend:
     name = "base"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype,
-                 scale: float | None = None):
+                 scale: float | None = None, softcap: float | None = None):
         self.dtype = dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale  # of q k^T
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores become softcap * tanh(scores / softcap) (Gemma 2's), after the scale
+
+    def for_window(self, window: int | None) -> "AttentionBackend":
+        """The backend of the layers with this sliding window (see LayeredBackend); this one serves all."""
+        return self
 
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
         raise NotImplementedError

@@ -48,7 +48,7 @@ class _Args(ctypes.Structure):
         ("num_merges", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
-        ("window", ctypes.c_int32),
+        ("window", ctypes.c_int32), ("softcap", ctypes.c_float),
     ]
 
 
@@ -246,7 +246,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
             len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
             meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
-            int(q.dtype == torch.bfloat16), self.sliding_window or 0,
+            int(q.dtype == torch.bfloat16), self.sliding_window or 0, self.softcap or 0.0,
         )
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:

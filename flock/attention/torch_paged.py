@@ -79,7 +79,7 @@ class TorchPagedBackend(AttentionBackend):
     def _prefill_chunk(self, layout: StepLayout, i: int, offset: int) -> PrefillChunk:
         start, end = int(layout.query_start[i]), int(layout.query_start[i + 1])
         n, ctx = end - start, int(layout.seq_lens[i])
-        if ctx == n and self.sliding_window is None:
+        if ctx == n and self.sliding_window is None and self.softcap is None:
             return PrefillChunk(start, end, None, ctx, None)
         q_pos = np.arange(ctx - n, ctx)[:, None]
         k_pos = np.arange(offset, ctx)[None, :]
@@ -124,7 +124,7 @@ class TorchPagedBackend(AttentionBackend):
             qd = q[meta.decode_tokens].view(b, self.num_kv_heads, -1, self.head_dim)
             kd = self._gather(k_cache, meta.decode_blocks, 0).view(b, -1, *k.shape[1:]).transpose(1, 2)
             vd = self._gather(v_cache, meta.decode_blocks, 1).view(b, -1, *v.shape[1:]).transpose(1, 2)
-            o, d_lse = sdpa(qd, kd, vd, meta.decode_mask, self.scale, want_lse=lse is not None)
+            o, d_lse = sdpa(qd, kd, vd, meta.decode_mask, self.scale, lse is not None, self.softcap)
             out[meta.decode_tokens] = o.reshape(b, self.num_heads, self.head_dim)
             if lse is not None:
                 lse[meta.decode_tokens] = d_lse.reshape(b, self.num_heads)
@@ -136,7 +136,7 @@ class TorchPagedBackend(AttentionBackend):
         [n, H]."""
         n, g = q.shape[0], self.num_heads // self.num_kv_heads
         qg = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3).reshape(1, self.num_kv_heads, g * n, -1)
-        o, lse = sdpa(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, self.scale, want_lse)
+        o, lse = sdpa(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, self.scale, want_lse, self.softcap)
         o = o.view(self.num_kv_heads, g, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, self.num_heads, -1)
         if lse is not None:
             lse = lse.view(self.num_kv_heads, g, n).permute(2, 0, 1).reshape(n, self.num_heads)
@@ -156,17 +156,19 @@ class TorchPagedBackend(AttentionBackend):
         return out.flatten(0, 1)
 
 
-def sdpa(q, k, v, mask, scale: float, want_lse: bool):
+def sdpa(q, k, v, mask, scale: float, want_lse: bool, softcap: float | None = None):
     """Scaled dot-product attention of [B, Hk, L, D] queries; with `want_lse` also the float32 LSE
-    [B, Hk, L] of the scores (float64 for float64 inputs). PyTorch's fused CPU kernel returns it; elsewhere
-    it is computed here."""
-    if not want_lse:
+    [B, Hk, L] of the scores (float64 for float64 inputs). PyTorch's fused CPU kernel returns it; elsewhere,
+    and with a `softcap` of the scores, which PyTorch's kernels lack, it is computed here."""
+    if not want_lse and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and softcap is None:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
         return o, lse if q.dtype == torch.float64 else lse.float()
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask.to(acc)
     lse = torch.logsumexp(scores, dim=-1)

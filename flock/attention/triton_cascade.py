@@ -58,7 +58,7 @@ class TritonCascadeBackend(TorchCascadeBackend):
 
     # -- which path ------------------------------------------------------------------------------------------
     def uses_kernel(self, device: torch.device) -> bool:
-        if self.sliding_window is not None or importlib.util.find_spec("triton") is None:
+        if self.sliding_window is not None or self.softcap is not None or importlib.util.find_spec("triton") is None:
             return False
         if device.type == "cuda":
             return self.dtype != torch.float64

@@ -13,8 +13,9 @@ BS = 4
 HEAD_DIM = 8
 
 
-def config(heads: int, kv_heads: int, window=None) -> ModelConfig:
-    return ModelConfig("llama", 100, heads * HEAD_DIM, 16, 1, heads, kv_heads, HEAD_DIM, sliding_window=window)
+def config(heads: int, kv_heads: int, window=None, softcap=None) -> ModelConfig:
+    return ModelConfig("llama", 100, heads * HEAD_DIM, 16, 1, heads, kv_heads, HEAD_DIM, sliding_window=window,
+                       attn_logit_softcapping=softcap)
 
 
 def random_layout(rng: np.random.Generator, groups: list[tuple[int, int]], singles: int, num_blocks: int = 400):
@@ -40,8 +41,8 @@ def random_layout(rng: np.random.Generator, groups: list[tuple[int, int]], singl
     return StepLayout(query_start, starts + qlens, tables, BS, torch.from_numpy(slots))
 
 
-def reference(q, k_cache, v_cache, layout: StepLayout, kv_heads: int, window=None):
-    """Per-request attention, one token at a time, in float64."""
+def reference(q, k_cache, v_cache, layout: StepLayout, kv_heads: int, window=None, softcap=None):
+    """Per-request attention, one token at a time, in float64 (scores capped as Gemma 2's with `softcap`)."""
     out = torch.empty_like(q, dtype=torch.float64)
     g = q.shape[1] // kv_heads
     for i in range(len(layout.seq_lens)):
@@ -53,6 +54,8 @@ def reference(q, k_cache, v_cache, layout: StepLayout, kv_heads: int, window=Non
             pos = first + j
             lo = 0 if window is None else max(0, pos - window + 1)
             scores = torch.einsum("hd,khd->hk", q[t].double(), keys[lo : pos + 1]) * HEAD_DIM**-0.5
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[lo : pos + 1])
     return out
 
@@ -144,6 +147,22 @@ def test_sliding_window_disables_sharing_but_stays_exact():
     for name in ("torch", "torch-cascade"):
         out, meta, kc, vc = run_backend(name, config(4, 2, window=7), layout, q, k, v, *caches)
         assert (out.double() - reference(q, kc, vc, layout, 2, window=7)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_capped_scores_stay_exact(window):
+    """Gemma 2's softcap on every score (prefix groups' and per-request parts' alike, then merged), with and
+    without a window, on both PyTorch backends (the fresh causal chunk no longer on PyTorch's fused kernel)."""
+    rng = np.random.default_rng(4)
+    layout = random_layout(rng, [(3, 4), (2, 2)], 2)
+    n = int(layout.query_start[-1])
+    q, k, v = 2 * torch.randn(n, 4, HEAD_DIM), 2 * torch.randn(n, 2, HEAD_DIM), torch.randn(n, 2, HEAD_DIM)
+    caches = 2 * torch.randn(400, BS, 2, HEAD_DIM), torch.randn(400, BS, 2, HEAD_DIM)
+    for name in ("torch", "torch-cascade"):
+        out, meta, kc, vc = run_backend(name, config(4, 2, window, softcap=1.5), layout, q, k, v, *caches)
+        expected = reference(q, kc, vc, layout, 2, window, softcap=1.5)
+        assert (out.double() - expected).abs().max() <= 1e-5
+        assert (out.double() - reference(q, kc, vc, layout, 2, window)).abs().max() > 0.05  # the cap matters
 
 
 def test_groups_maximise_saved_prefix_reads():

@@ -251,6 +251,31 @@ def test_a_sliding_window_on_the_kernel(monkeypatch, isa, dtype, window, shape):
     check(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta), expected, dtype)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("shape", ["bs4-d32", "bs8-d128"], indirect=True)
+def test_capped_scores_on_the_kernel(monkeypatch, isa, dtype, window, shape):
+    """Gemma 2's softcap (scaled scores x as cap tanh(x / cap)) on every path: grouped prefixes and own parts
+    merged, windows, decodes and prefills; against the float64 reference with the cap (scores large enough that
+    the cap changes the result)."""
+    bs, _ = shape
+    layout = windowed_layout(np.random.default_rng(11), 20, bs)
+    q, k, v, k_cache, v_cache = tb.fused_inputs(layout, 4, 2, dtype, 5, 2000)
+    q = (3 * q.double()).to(dtype)
+    _, _, kc, vc = tb.run_backend("torch", tb.config(4, 2), layout, q, k, v, k_cache, v_cache)
+    expected = tb.reference(q, kc, vc, layout, 2, window, softcap=2.0)
+    if isa == cpu.EMULATED_AMX:
+        backend = CpuCascadeBackend(4, 2, q.shape[-1], window, dtype, isa=isa, softcap=2.0)
+    else:
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        backend = make_backend("cpu", tb.config(4, 2, window, softcap=2.0), torch.device("cpu"), dtype)
+    meta = backend.build_metadata(layout)
+    assert isinstance(meta, CpuMetadata) and (window is not None or len(meta.merge_tokens) > 0)
+    check(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta), expected, dtype)
+    assert (expected - tb.reference(q, kc, vc, layout, 2, window)).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("dtype, window, head_dim", [(torch.float64, None, 64), (torch.float64, 7, 64),
                                                      (torch.float32, None, 8), (torch.bfloat16, None, 40)])
 def test_falls_back_to_torch_cascade(monkeypatch, dtype, window, head_dim):

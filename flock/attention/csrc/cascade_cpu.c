@@ -78,6 +78,7 @@ typedef struct {
     float scale;
     int32_t bf16;                                   // inputs and output: 1 bf16, 0 fp32
     int32_t window;                                 // a causal row at position p sees (p - window, p] (0: all)
+    float softcap;                                  // scaled scores x become softcap tanh(x / softcap) (0: none)
 } Args;
 
 // ------------------------------------------------------------------------------------------------ vectors
@@ -95,6 +96,7 @@ static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vfms(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
@@ -133,6 +135,7 @@ static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vfms(vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline float hmax(vf x) {
@@ -558,6 +561,19 @@ INLINE void row_weights(const float *s, void *p, float *l, vf c, vf mc, int nvis
     vstore(l, sum);
 }
 
+// A row's first n scores s (unscaled) capped as Gemma 2 caps its scaled ones: s = (cap / scale) tanh(s scale /
+// cap), by tanh|y| = (1 - e) / (1 + e), e = 2^(-2 |y| log2 e), its sign y's (y / max(|y|, tiny): 0 at 0).
+static void cap_scores(float *s, int n, float scale, float cap) {
+    const vf in = vset1(scale / cap), out = vset1(cap / scale), one = vset1(1.0f), tiny = vset1(1e-30f);
+    const vf m2l = vset1(-2.0f * LOG2E), zero = vzero();
+    for (int j = 0; j < n; j += W) {
+        const vf y = vmul(vload(s + j), in), a = vmax(y, vsub(zero, y));
+        const vf e = vexp2(vmul(a, m2l), 1);
+        const vf t = vdiv(vsub(one, e), vadd(one, e));
+        vstore(s + j, vmul(vmul(t, vdiv(y, vmax(a, tiny))), out));
+    }
+}
+
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
 // sees, its running max (moved only when a score exceeds it by 2^RESCALE_LOG2 in weight, O and l rescaled
 // then: most chunks keep it), and its weights (row_weights), hidden positions exactly 0.
@@ -570,6 +586,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
     const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
+        if (a->softcap > 0.0f) cap_scores(w->s + r * CHUNK, nb, a->scale, a->softcap);
         const int64_t seen = (int64_t)w->limit[row + r] - c0 + 1, hidden = (int64_t)w->first[row + r] - c0;
         const int front = hidden <= 0 ? 0 : hidden < nb ? (int)hidden : nb;  // positions before the window
         int vis = seen < nb ? (int)seen : nb;
