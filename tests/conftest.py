@@ -50,6 +50,23 @@ HF_CONFIGS = {
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, embedding_multiplier=3.0,
         residual_multiplier=0.5, logits_scaling=2.5, attention_multiplier=0.09,
     ),
+    "gemma": dict(  # GeGLU, norms offset from 1, embeddings scaled by sqrt(hidden_size)
+        model_type="gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+    ),
+    "gemma2": dict(  # four norms a layer, windows on every other layer, capped scores and logits
+        model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, query_pre_attn_scalar=24,
+        sliding_window=12, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    ),
+    "gemma3": dict(  # q/k norms; windowed layers on their own unscaled rope base, the global ones scaled
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, query_pre_attn_scalar=32,
+        sliding_window=10, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    ),
     "mistral": dict(
         model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, sliding_window=12,

@@ -6,6 +6,7 @@ from flock.attention import cpu
 from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.cpu import CpuCascadeBackend
+from flock.attention.layered import LayeredBackend
 from flock.attention.torch_paged import TorchPagedBackend
 from flock.attention.triton_cascade import TritonCascadeBackend  # imports triton only when used
 
@@ -21,7 +22,8 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     """`config` is a ModelConfig. "auto" picks the best backend available for the device; "cpu" is the fused
-    CPU kernel, whose ISA path is chosen at run time (FLOCK_CPU_ISA forces one)."""
+    CPU kernel, whose ISA path is chosen at run time (FLOCK_CPU_ISA forces one). Layers of different windows
+    get a backend each (LayeredBackend)."""
     if name == "auto":
         # torch-cascade equals torch when no two requests share prefix blocks
         if device.type == "cuda" and importlib.util.find_spec("triton"):
@@ -33,5 +35,7 @@ def make_backend(name: str, config, device, dtype) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(BACKENDS))}")
     c = config
-    return BACKENDS[name](c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window, dtype,
-                          scale=c.attention_scale)
+    backends = {window: BACKENDS[name](c.num_attention_heads, c.num_key_value_heads, c.head_dim, window, dtype,
+                                       scale=c.attention_scale, softcap=c.attn_logit_softcapping)
+                for window in dict.fromkeys(c.layer_windows)}
+    return next(iter(backends.values())) if len(backends) == 1 else LayeredBackend(backends)

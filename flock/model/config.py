@@ -2,12 +2,18 @@ from dataclasses import dataclass, field
 import json
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
-SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names of the one activation Flock runs
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA_TYPES)
+# transformers' ACT2FN names of the two activations Flock runs in its gated MLPs
+SILU_NAMES = ("silu", "swish")
+GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_new")
 # transformers' class defaults for keys a config.json may omit
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
-                         "granite": 2048}
+                         "granite": 2048, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
 MISTRAL_DEFAULT_WINDOW = 4096
+GEMMA_DEFAULT_WINDOW = 4096
+GEMMA3_WINDOW_PATTERN = 6  # every 6th layer global, the others sliding (Gemma 3's default)
+GEMMA3_THETAS = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                    "min_p", "max_new_tokens")
@@ -32,7 +38,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before the rotary embedding
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k before the rotary embedding
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
@@ -40,29 +46,51 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_scale: float | None = None
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    # Gemma's: RMSNorm weights as offsets from 1 and its product in float32; with sandwich_norms (Gemma 2, 3) a
+    # norm after attention and after the MLP too; the scores and logits capped by tanh (Gemma 2)
+    gemma_norms: bool = False
+    sandwich_norms: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     sliding_window: int | None = None
+    # the layers the window applies to (None: all); Gemma 3's rotate by their own base, unscaled
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None
     torch_dtype: str | None = None
     eos_token_id: list[int] = field(default_factory=list)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None: it attends to the whole context)."""
+        return self.sliding_window if self.sliding_layers is None or self.sliding_layers[layer] else None
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if d.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=true (EmbeddingGemma's) is not supported: Flock's "
+                             "attention is causal")
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or {})
+        local_theta = None
+        if model_type == "gemma3_text":  # rope per layer kind: the global layers' (maybe scaled), the local ones'
+            rope, local_theta = cls._gemma3_ropes(rope, d)
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             scaling = cls._rope_scaling(dict(scaling), d, model_type)
         if (d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
             raise ValueError("partial_rotary_factor < 1 is not supported (Flock rotates whole heads)")
         eos = d.get("eos_token_id")
-        act = d.get("hidden_act", "silu")
-        if act not in SILU_NAMES:
-            raise ValueError(f"hidden_act {act!r} is not supported (Flock runs SiLU: {', '.join(SILU_NAMES)})")
+        act = cls._activation(d, model_type)
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (Flock's MLP projections have no bias)")
-        window = cls._sliding_window(d, model_type)
+        window, sliding_layers = cls._sliding_window(d, model_type)
         architecture = (d.get("architectures") or ["ForCausalLM"])[0]
         base_model = architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
         return cls(
@@ -78,13 +106,18 @@ class ModelConfig:
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
-            tie_word_embeddings=d.get("tie_word_embeddings", False) or base_model,  # a head-less model's unused head
+            # a head-less model's unused head; Gemma ties unless told not to
+            tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model,
             attention_bias=model_type == "qwen2" or d.get("attention_bias", False),  # Qwen2: qkv bias always
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             base_model=base_model,
             **cls._granite_scales(d, model_type),
+            **cls._gemma_fields(d, model_type),
+            hidden_act=act,
             sliding_window=window,
+            sliding_layers=sliding_layers,
+            local_rope_theta=local_theta,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
@@ -100,6 +133,49 @@ class ModelConfig:
                 "attention_scale": d.get("attention_multiplier", 1.0)}
 
     @staticmethod
+    def _activation(d: dict, model_type: str) -> str:
+        """"silu" or "gelu_pytorch_tanh"; Gemma's `hidden_activation` first, its legacy "gelu" the tanh one, as
+        transformers and vLLM read it."""
+        act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if model_type in GEMMA_TYPES
+                                                                     else "silu")
+        if model_type in GEMMA_TYPES and act == "gelu":
+            act = "gelu_pytorch_tanh"
+        if act in SILU_NAMES:
+            return "silu"
+        if act in GELU_TANH_NAMES:
+            return "gelu_pytorch_tanh"
+        raise ValueError(f"hidden_act {act!r} is not supported (Flock runs {', '.join(SILU_NAMES + GELU_TANH_NAMES)})")
+
+    @staticmethod
+    def _gemma_fields(d: dict, model_type: str) -> dict:
+        """Gemma's norms and scales, with transformers' class defaults: embeddings times sqrt(hidden_size); Gemma
+        2's caps at 50 (scores) and 30 (logits); Gemma 2's and 3's q k^T scaled by query_pre_attn_scalar ** -0.5
+        (256)."""
+        if model_type not in GEMMA_TYPES:
+            return {}
+        common = {"gemma_norms": True, "embedding_multiplier": d["hidden_size"] ** 0.5}
+        if model_type == "gemma":
+            return common
+        caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+        return {**common, "sandwich_norms": True,
+                "attention_scale": d.get("query_pre_attn_scalar", 256) ** -0.5,
+                "attn_logit_softcapping": d.get("attn_logit_softcapping", caps[0]),
+                "final_logit_softcapping": d.get("final_logit_softcapping", caps[1])}
+
+    @staticmethod
+    def _gemma3_ropes(rope: dict, d: dict) -> tuple[dict, float]:
+        """Gemma 3's global rope (rope_theta, rope_scaling) and its local layers' base, from either form of
+        config: rope_parameters per layer kind (transformers 5) or rope_theta, rope_local_base_freq and
+        rope_scaling (older files)."""
+        if "full_attention" in rope or "sliding_attention" in rope:
+            full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+            return ({**full, "rope_theta": full.get("rope_theta", GEMMA3_THETAS["full_attention"])},
+                    local.get("rope_theta", GEMMA3_THETAS["sliding_attention"]))
+        if "rope_theta" not in d and "rope_theta" not in rope:
+            rope["rope_theta"] = GEMMA3_THETAS["full_attention"]
+        return rope, d.get("rope_local_base_freq", GEMMA3_THETAS["sliding_attention"])
+
+    @staticmethod
     def _rope_scaling(scaling: dict, d: dict, model_type: str) -> dict:
         """rope_scaling with its rope_type named; LongRoPE's (Phi-3's "su" too) with the lengths it needs."""
         scaling.setdefault("rope_type", scaling.get("type", "default"))
@@ -113,26 +189,31 @@ class ModelConfig:
         return scaling
 
     @staticmethod
-    def _sliding_window(d: dict, model_type: str) -> int | None:
-        """The window every layer uses, as transformers reads it: Mistral's on every layer (4096 when the key is
-        absent), Phi-3's on every layer when set; Qwen2's and Qwen3's only on the layers `layer_types` marks (from
-        `max_window_layers`, default 28). Flock has one window for all layers, so a mix is an error rather than a
-        silently wrong model."""
+    def _sliding_window(d: dict, model_type: str) -> tuple[int | None, tuple[bool, ...] | None]:
+        """The window and the layers it applies to (None: all), as transformers reads them: Mistral's on every
+        layer (4096 when the key is absent), Phi-3's on every layer when set; Gemma 2's on every other layer from
+        the first, Gemma 3's on five layers of six, unless `layer_types` says otherwise; Qwen2's and Qwen3's only
+        on the layers `layer_types` marks (from `max_window_layers`, default 28)."""
         if model_type == "mistral":
-            return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+            return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW), None
         if model_type == "phi3":  # on every layer when set, as Mistral's
-            return d.get("sliding_window")
-        if model_type in ("llama", "granite") or not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
-            return None
+            return d.get("sliding_window"), None
         layers = d["num_hidden_layers"]
-        types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
-                                         "full_attention" for i in range(layers)]
-        if all(t == "full_attention" for t in types):
-            return None
-        if all(t == "sliding_attention" for t in types):
-            return d["sliding_window"]
-        raise ValueError(f"layer_types {types} mixes full and sliding-window attention (max_window_layers="
-                         f"{d.get('max_window_layers', 28)}); Flock runs one attention kind for every layer")
+        if model_type in ("gemma2", "gemma3_text"):
+            every = 2 if model_type == "gemma2" else d.get("sliding_window_pattern", GEMMA3_WINDOW_PATTERN)
+            types = d.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                             for i in range(layers)]
+            window = d.get("sliding_window", GEMMA_DEFAULT_WINDOW)
+        elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window", False):
+            types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
+                                             "full_attention" for i in range(layers)]
+            window = d.get("sliding_window")
+        else:
+            return None, None
+        sliding = tuple(t == "sliding_attention" for t in types)
+        if window is None or not any(sliding):
+            return None, None
+        return window, None if all(sliding) else sliding
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":

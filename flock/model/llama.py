@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 1/2/3) over a paged KV cache."""
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -26,8 +27,8 @@ class RMSNorm(nn.Module):
         """norm(x); with a residual: (norm(x + residual), x + residual), in place of x and residual if fused."""
         if self.fused:
             if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
+                return fused_ops.rms_norm(x, self.kernel_weight(), self.eps)
+            fused_ops.add_rms_norm_(x, residual, self.kernel_weight(), self.eps)
             return x, residual
         if residual is None:
             return self._norm(x)
@@ -39,6 +40,31 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the fused kernels multiply by."""
+        return self.weight
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: the weight an offset from 1, the normalized x times (1 + weight) in float32, then cast."""
+
+    _kernel_weight: torch.Tensor | None = None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """1 + weight in the model's dtype (made once: the weights are loaded before the kernels run)."""
+        if self._kernel_weight is None:
+            self._kernel_weight = (1.0 + self.weight.float()).to(self.weight.dtype)
+        return self._kernel_weight
+
+
+def rms_norm(config: ModelConfig, size: int) -> RMSNorm:
+    return (GemmaRMSNorm if config.gemma_norms else RMSNorm)(size, config.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -56,24 +82,27 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.backend = backend
+            self.q_norm = rms_norm(config, self.head_dim)
+            self.k_norm = rms_norm(config, self.head_dim)
+        self.window = config.layer_window(layer_id)
+        self.backend = backend.for_window(self.window)
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata,
                 rows: torch.Tensor | None = None):
         """The output of every token, or of `rows` only (every token's K and V are cached either way)."""
         q, k, v = self.rotated_qkv(self.qkv_proj(x), rope, positions)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta).reshape(-1, self.q_size)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta.for_window(self.window))
+        out = out.reshape(-1, self.q_size)
         return self.o_proj(out if rows is None else out[rows])
 
     def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
         """q and k normalized (Qwen3) and with the rotary embedding applied, and v: [T, heads, head_dim] each."""
         if self.fused:
             if self.qk_norm:
-                fused_ops.head_rms_norm_(qkv, self.q_norm.weight, self.q_norm.eps, self.num_heads, self.head_dim)
-                fused_ops.head_rms_norm_(qkv[:, self.q_size :], self.k_norm.weight, self.k_norm.eps,
+                fused_ops.head_rms_norm_(qkv, self.q_norm.kernel_weight(), self.q_norm.eps, self.num_heads,
+                                         self.head_dim)
+                fused_ops.head_rms_norm_(qkv[:, self.q_size :], self.k_norm.kernel_weight(), self.k_norm.eps,
                                          self.num_kv_heads, self.head_dim)
             fused_ops.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
         heads = self.num_heads + 2 * self.num_kv_heads
@@ -90,6 +119,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.silu = config.hidden_act == "silu"  # else GELU (tanh approximation), Gemma's
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
@@ -98,10 +128,10 @@ class MLP(nn.Module):
         return self.down_proj(h if self.gate_up_proj.silu_and_mul else self.act_and_mul(h))
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused and self.silu:
             return fused_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")) * up
 
 
 class DecoderLayer(nn.Module):
@@ -109,8 +139,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id, backend)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = rms_norm(config, config.hidden_size)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:  # Gemma 2's and 3's: the attention and MLP outputs normalized before their residual add
+            self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x, residual, rope, positions, meta, rows=None):
@@ -123,6 +157,9 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, rope, positions, meta, rows)
         if rows is not None:
             residual = residual[rows]
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(self.scaled(x), residual)
         return self.scaled(self.mlp(x)), residual
 
@@ -146,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -157,7 +194,15 @@ class LlamaForCausalLM(nn.Module):
     def finish_init(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         """Once the weights are on their device: tie them again and build the rope tables there."""
         self.tie_weights()
-        self.rope = RotaryEmbedding(self.config, max_positions, dtype).to(device)
+        c = self.config
+        self.rope = RotaryEmbedding(c, max_positions, dtype).to(device)
+        self.local_rope = self.rope  # of the sliding-window layers
+        if c.local_rope_theta is not None:
+            local = replace(c, rope_theta=c.local_rope_theta, rope_scaling=None)
+            self.local_rope = RotaryEmbedding(local, max_positions, dtype).to(device)
+        # Gemma's embedding scale is rounded to the model's dtype first, as transformers' buffer is
+        scale = c.embedding_multiplier
+        self.embedding_scale = float(torch.tensor(scale, dtype=dtype)) if c.gemma_norms else scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,23 +210,30 @@ class LlamaForCausalLM(nn.Module):
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
         the rest only leave K and V in the cache), as llama.cpp does."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.config.embedding_multiplier != 1.0:  # Granite's
-            x = x * self.config.embedding_multiplier
+        if self.embedding_scale != 1.0:  # Granite's, Gemma's
+            x = x * self.embedding_scale
         if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
         for layer in self.layers[:-1]:
-            x, residual = layer(x, residual, self.rope, positions, meta)
+            x, residual = layer(x, residual, self.rope_of(layer), positions, meta)
         if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
             meta = meta.rows_only
-        x, residual = self.layers[-1](x, residual, self.rope, positions, meta, out_rows)
+        x, residual = self.layers[-1](x, residual, self.rope_of(self.layers[-1]), positions, meta, out_rows)
         return self.norm(x, residual)[0]
+
+    def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+        return self.rope if layer.self_attn.window is None else self.local_rope
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits; float32 from Flock's bf16 GEMM: rounded to bf16, logits of ~25 are multiples of 1/8, and a
         near tie of a greedy pick becomes a tie."""
         logits = self.lm_head(hidden, float32=True)
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.config.logits_scaling
+        if cap := self.config.final_logit_softcapping:  # Gemma 2's
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def use_step_program(self) -> str | None:
         """Run the decoder layers of the steps a StepProgram takes as one C call; returns why they cannot
@@ -204,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every projection's weight for oneDNN (see linear.unavailable), or with `pairs` for Flock's
         bf16 GEMM (see gemm.unavailable), which also fuses the MLPs' SiLU-and-mul into their gate_up GEMM; the
         lm_head of tied embeddings keeps its weight, which the embedding reads."""
-        gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
+        gate_ups = self._silu_gate_ups()
         for module in self.modules():
             if isinstance(module, Linear) and module.qweight is None:
                 module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs,
@@ -215,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         SiLU-and-mul fused into their gate_up GEMM; a tied lm_head takes the embedding's."""
         if self.config.tie_word_embeddings and "embed_tokens" in weights:
             weights = {**weights, "lm_head": weights["embed_tokens"]}
-        gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
+        gate_ups = self._silu_gate_ups()
         modules = dict(self.named_modules())
         for name, weight in weights.items():
             module = modules[name]
@@ -223,6 +275,10 @@ class LlamaForCausalLM(nn.Module):
                 module.use_quantized(weight, silu_and_mul=id(module) in gate_ups)
             else:
                 module.use_quantized(weight)
+
+    def _silu_gate_ups(self) -> set[int]:
+        """The gate_up projections whose GEMM may apply the MLP's SiLU-and-mul (not GeGLU's)."""
+        return {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP) and m.silu}
 
     def quantized_types(self) -> dict[str, int]:
         """How many layers run on each quant type ("Q4_K+Q6_K": a fused weight of two)."""

@@ -38,8 +38,13 @@ def unavailable(model) -> str | None:
     backend = model.layers[0].self_attn.backend
     if not isinstance(backend, CpuCascadeBackend) or not backend.uses_kernel(torch.device("cpu")):
         return "attention is not on the CPU kernel"
-    if model.config.residual_multiplier != 1.0:
+    c = model.config
+    if c.residual_multiplier != 1.0:
         return "the layers scale their outputs (Granite's residual_multiplier)"
+    if c.gemma_norms:
+        return "Gemma's norms (weights offset from 1, four a layer) are not among its ops"
+    if len(set(c.layer_windows)) > 1:
+        return "its layers attend over different windows"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,

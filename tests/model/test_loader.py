@@ -97,6 +97,30 @@ def test_config_variants():
         ModelConfig.from_dict(base | {"model_type": "gpt2"})
 
 
+def test_gemma_configs_read_as_transformers_reads_them():
+    base = dict(vocab_size=10, hidden_size=16, intermediate_size=16, num_hidden_layers=8, num_attention_heads=2,
+                head_dim=8)
+    gemma = ModelConfig.from_dict(base | {"model_type": "gemma", "hidden_act": "gelu"})  # the legacy name: tanh
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.tie_word_embeddings and gemma.gemma_norms
+    assert gemma.embedding_multiplier == 4.0 and not gemma.sandwich_norms and gemma.layer_windows == [None] * 8
+    gemma2 = ModelConfig.from_dict(base | {"model_type": "gemma2"})  # Gemma2Config's defaults
+    assert gemma2.layer_windows == [4096, None] * 4 and gemma2.attention_scale == 256**-0.5
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    gemma3 = ModelConfig.from_dict(base | {"model_type": "gemma3_text", "sliding_window": 512,
+                                           "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma3.layer_windows == [512] * 5 + [None] + [512] * 2 and gemma3.qk_norm
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert gemma3.attn_logit_softcapping is None and gemma3.final_logit_softcapping is None
+    nested = ModelConfig.from_dict(base | {"model_type": "gemma3_text", "sliding_window_pattern": 2,
+                                           "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 5e5},
+                                                               "sliding_attention": {"rope_theta": 2e4}}})
+    assert nested.layer_windows == [4096, None] * 4 and (nested.rope_theta, nested.local_rope_theta) == (5e5, 2e4)
+    assert nested.rope_scaling is None
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):  # EmbeddingGemma's
+        ModelConfig.from_dict(base | {"model_type": "gemma3_text", "use_bidirectional_attention": True})
+
+
 def test_config_keys_read_as_transformers_reads_them(tmp_path):
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
     assert ModelConfig.from_dict(base | {"model_type": "mistral"}).sliding_window == 4096  # MistralConfig's default
@@ -104,8 +128,7 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     qwen = base | {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}
     assert ModelConfig.from_dict(qwen).sliding_window is None  # max_window_layers 28: no layer slides
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 0}).sliding_window == 8
-    with pytest.raises(ValueError, match="mixes full and sliding-window"):
-        ModelConfig.from_dict(qwen | {"max_window_layers": 1})
+    assert ModelConfig.from_dict(qwen | {"max_window_layers": 1}).layer_windows == [None, 8]  # a backend each
     assert ModelConfig.from_dict(base | {"model_type": "qwen2", "attention_bias": False}).attention_bias
     for unsupported, match in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")]:
         with pytest.raises(ValueError, match=match):
