@@ -26,7 +26,14 @@ if TYPE_CHECKING:
 
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "gemma": "GemmaForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model_type where it is not llama.cpp's name
+GEMMA = ("gemma", "gemma2", "gemma3")  # their norms stored as 1 + weight (convert_hf_to_gguf.py adds the 1)
+# Gemma 2's and 3's sliding-window layers by default: all but every 2nd / 6th (llama.cpp's swa pattern), and
+# their layer counts at 27B, where q k^T is scaled by hidden / heads rather than head_dim (llama.cpp's rule)
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 PERMUTED_QK = ("llama", "granite")  # architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's)
 # Granite's multipliers: config name -> GGUF key (after the architecture's name)
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
@@ -52,7 +59,9 @@ class GGUFCheckpoint:
 
     @property
     def architecture(self) -> str:
-        return self.config["model_type"]
+        """llama.cpp's name of the architecture."""
+        model_type = self.config["model_type"]
+        return next((arch for arch, t in MODEL_TYPES.items() if t == model_type), model_type)
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -104,9 +113,10 @@ def hf_config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Granite models)")
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite and Gemma "
+                         "models)")
     tensors = {t.name for t in reader.tensors}
-    config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+    config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch)}
     keys = GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"])  # Granite's are Llama's and its scales
     mapping = {name: f"{arch}.{key}" for key, name in keys.items() if name}
     mapping |= {name: f"{arch}.{key}" for name, key in GRANITE_SCALES.items()} if arch == "granite" else {}
@@ -192,6 +202,8 @@ def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str)
                                                 config.get("rope_theta", 10000.0), head_dim, path)
     if arch == "phi3":
         _phi3(reader, tensors, config)
+    if arch in GEMMA_WINDOW_PATTERN:
+        _gemma(reader, arch, config, head_dim)
 
 
 def _phi3(reader, tensors: set[str], config: dict) -> None:
@@ -204,6 +216,26 @@ def _phi3(reader, tensors: set[str], config: dict) -> None:
         long, short = (_tensor(reader, name).tolist() for name in LONGROPE_FACTORS)
         config["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
                                   "attention_factor": _field(reader, "phi3.rope.scaling.attn_factor")}
+
+
+def _gemma(reader, arch: str, config: dict, head_dim: int) -> None:
+    """Gemma 2's and 3's keys as llama.cpp reads them: the caps, the window (none for a Gemma 3 file without
+    one) and the layers it applies to (a pattern, or a flag per layer), Gemma 3's local rope base (10,000 unless
+    set), q k^T's scale (llama.cpp's rule: at 27B by hidden / heads, else by head_dim)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{arch}.{key}" in reader.fields:
+            config[key] = _field(reader, f"{arch}.{key}")
+    window = _field(reader, f"{arch}.attention.sliding_window", 0)
+    config["sliding_window"] = window or (4096 if arch == "gemma2" else None)  # llama.cpp's defaults
+    layers = config["num_hidden_layers"]
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA_WINDOW_PATTERN[arch])
+    sliding = ([bool(s) for s in pattern] if isinstance(pattern, list) else
+               [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)])
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    big = layers == GEMMA_27B_LAYERS[arch]
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+    if arch == "gemma3":
+        config["rope_local_base_freq"] = _field(reader, "gemma3.rope.freq_base_swa", 10000.0)
 
 
 def _tensor(reader, name: str) -> np.ndarray:
@@ -313,6 +345,8 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
             raise ValueError(f"{ckpt.path.name}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a "
                              "quant type the gguf package cannot dequantize") from None
         values = _hf_rows(values, tensor.name, ckpt)
+        if ckpt.architecture in GEMMA and tensor.name.endswith("norm.weight"):
+            values = values - 1  # back to Hugging Face's offsets from 1
         copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)

@@ -26,7 +26,7 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
     llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
     config = json.loads((folder / "config.json").read_text())
-    arch = config["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
@@ -36,7 +36,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_rope_dimension_count(head_dim)
@@ -54,6 +55,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
         gguf_name = f"{names.get_name(module)}.{kind}"
         if arch in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
             w = llama_cpp_permute(w, heads if module.endswith("q_proj") else config["num_key_value_heads"])
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            w = w + 1  # convert_hf_to_gguf.py's: Gemma's norms as 1 + weight
         kind_type = (tensor_types or {}).get(gguf_name, qtype if w.ndim == 2 else Q.F32)
         w = w.astype(np.float32)
         if kind_type in (Q.F32, Q.F16):
@@ -65,6 +68,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
         writer.add_tensor("rope_freqs.weight", factors)
     if arch == "phi3":
         _add_phi3(writer, config)
+    if arch in ("gemma2", "gemma3"):
+        _add_gemma(writer, arch, config)
     for name, key in GRANITE_SCALES.items() if arch == "granite" else ():  # convert_hf_to_gguf.py's
         writer.add_float32(f"granite.{key}", config[name])
     writer.write_header_to_file()
@@ -88,6 +93,23 @@ def _add_phi3(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1 else 1.0)
     writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+
+def _add_gemma(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """convert_hf_to_gguf.py's Gemma 2 and 3 keys: the caps, the window; Gemma 3's global rope scaling; and (as
+    newer llama.cpp files may) the layers' pattern as a flag per layer and the local layers' rope base."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key):
+            writer.add_float32(f"{arch}.{key}", config[key])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_array(f"{arch}.attention.sliding_window_pattern",
+                     [t == "sliding_attention" for t in config["layer_types"]])
+    full = (config.get("rope_parameters") or {}).get("full_attention", {})
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if arch == "gemma3":
+        writer.add_float32("gemma3.rope.freq_base_swa", config["rope_parameters"]["sliding_attention"]["rope_theta"])
 
 
 def llama3_rope_factors(config: dict) -> np.ndarray | None:

