@@ -14,6 +14,9 @@ MISTRAL_DEFAULT_WINDOW = 4096
 GEMMA_DEFAULT_WINDOW = 4096
 GEMMA3_WINDOW_PATTERN = 6  # every 6th layer global, the others sliding (Gemma 3's default)
 GEMMA3_THETAS = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+# Gemma3TextConfig's defaults, which the sparse text_config of Gemma 3's multimodal checkpoints leans on
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                    "min_p", "max_new_tokens")
@@ -40,6 +43,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k before the rotary embedding
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
+    multimodal: bool = False  # a multimodal checkpoint (Gemma 3's) whose text decoder runs (no vision tower)
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
     embedding_multiplier: float = 1.0
@@ -70,7 +74,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        multimodal = d.get("model_type") == "gemma3" and "text_config" in d
+        if multimodal:
+            d = cls._text_config(d)
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3_text":
+            d = GEMMA3_TEXT_DEFAULTS | d
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
         if d.get("use_bidirectional_attention"):
@@ -112,6 +121,7 @@ class ModelConfig:
             o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             base_model=base_model,
+            multimodal=multimodal,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             hidden_act=act,
@@ -131,6 +141,16 @@ class ModelConfig:
                 "residual_multiplier": d.get("residual_multiplier", 1.0),
                 "logits_scaling": d.get("logits_scaling", 1.0),
                 "attention_scale": d.get("attention_multiplier", 1.0)}
+
+    @staticmethod
+    def _text_config(d: dict) -> dict:
+        """Gemma3ForConditionalGeneration's text decoder as a Gemma3ForCausalLM config; the stop ids and dtype are
+        the outer config's where the text one lacks them."""
+        text = {"model_type": "gemma3_text", **d["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+        for key in ("eos_token_id", "torch_dtype", "dtype"):
+            if text.get(key) is None and d.get(key) is not None:
+                text[key] = d[key]
+        return text
 
     @staticmethod
     def _activation(d: dict, model_type: str) -> str:

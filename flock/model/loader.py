@@ -11,6 +11,11 @@ from safetensors.torch import save_file
 from flock.model.llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# a multimodal checkpoint's text decoder, as its two layouts name it (older files, transformers 5's), and the
+# parts of it Flock does not run
+TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.":
+                 "lm_head."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 FUSED_CHECKPOINTS = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj fused, as Flock does
 
 
@@ -67,15 +72,25 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
             raise FileNotFoundError(f"{folder}: shard {file.name} named in the index is missing")
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (model.config.tie_word_embeddings and name == "lm_head.weight"):
+                key = text_decoder_name(name) if model.config.multimodal else name
+                if key is None or key.endswith(IGNORED_SUFFIXES) or (model.config.tie_word_embeddings
+                                                                     and key == "lm_head.weight"):
                     continue
-                key = name if name in slots or not model.config.base_model else f"model.{name}"  # Qwen3Model's
+                if key not in slots and model.config.base_model:  # Qwen3Model's
+                    key = f"model.{key}"
                 slot = slots.get(key)
                 if slot is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
                 copy_into(slot, f.get_tensor(name), name, file.name)
                 loaded.add(key)
     missing_tensors(slots, loaded, folder)
+
+
+def text_decoder_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the name a text-only model gives it (None: not the decoder's)."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    return next((short + name[len(long):] for long, short in TEXT_PREFIXES.items() if name.startswith(long)), name)
 
 
 def missing_tensors(slots: dict[str, TensorSlot], loaded: set[str], where) -> None:

@@ -1,5 +1,6 @@
 """The central invariant: scheduling never changes results. Greedy tokens equal transformers `generate`."""
 
+import json
 import random
 
 import pytest
@@ -93,6 +94,46 @@ def test_longrope_factors_follow_max_model_len(hf_folders, references, attention
     long = [[(7 * i + j) % 8192 for i in range(70 + j)] for j in range(3)]
     got, _ = flock_greedy(hf_folders["phi3_longrope"], long, max_model_len=256, attention=attention)
     assert got == hf_greedy(hf_folders["phi3_longrope"], long)
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers modules"])
+def test_gemma3_multimodal_checkpoint_runs_its_text_decoder(hf_folders, tmp_path, layout):
+    """A Gemma3ForConditionalGeneration folder (a nested text_config, the decoder's tensors under its language
+    model, a vision tower and projector beside them; named as the Hub's files or as transformers' modules):
+    Flock runs the text decoder, and its greedy tokens are the multimodal model's on text prompts."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = json.loads((hf_folders["gemma3"] / "config.json").read_text())
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16)
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                  image_token_index=8191, boi_token_index=8189, eoi_token_index=8190)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path)
+    if layout != "hub":
+        renames = {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
+                   "multi_modal_projector.": "model.multi_modal_projector."}
+        tensors = load_file(tmp_path / "model.safetensors")
+        save_file({next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): t
+                   for k, t in tensors.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "tokenizer.json").write_bytes((hf_folders["gemma3"] / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_bytes((hf_folders["gemma3"] / "tokenizer_config.json").read_bytes())
+    prompts = [[t % 8189 for t in p] for p in shared_prefix_prompts(seed=5)[:6]]  # no image tokens
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    got, llm = flock_greedy(tmp_path, prompts, dtype="float32")
+    assert got == expected
+    assert llm.engine.model_config.multimodal and llm.engine.model_config.model_type == "gemma3_text"
 
 
 @pytest.mark.parametrize("attention", BACKENDS)

@@ -117,6 +117,16 @@ def test_gemma_configs_read_as_transformers_reads_them():
                                                                "sliding_attention": {"rope_theta": 2e4}}})
     assert nested.layer_windows == [4096, None] * 4 and (nested.rope_theta, nested.local_rope_theta) == (5e5, 2e4)
     assert nested.rope_scaling is None
+    # gemma-3-4b-it's config: a sparse text_config that leans on Gemma3TextConfig's defaults
+    outer = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+             "torch_dtype": "bfloat16", "vision_config": {"model_type": "siglip_vision_model"},
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                             "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024}}
+    four = ModelConfig.from_dict(outer)
+    assert four.multimodal and four.model_type == "gemma3_text" and four.eos_token_id == [1, 106]
+    assert (four.num_attention_heads, four.num_key_value_heads, four.head_dim, four.vocab_size) == (8, 4, 256, 262_208)
+    assert four.layer_windows[:6] == [1024] * 5 + [None] and four.torch_dtype == "bfloat16"
     with pytest.raises(ValueError, match="use_bidirectional_attention"):  # EmbeddingGemma's
         ModelConfig.from_dict(base | {"model_type": "gemma3_text", "use_bidirectional_attention": True})
 
