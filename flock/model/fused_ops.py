@@ -24,6 +24,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "head_rms_norm": [_ptr, _i64, _ptr, _i64, _i32, _i32, _f32, _i32],
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
+    "gelu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
@@ -105,11 +106,20 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of rows [gate | up]."""
+    return _act_and_mul("silu_and_mul", x)
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up of rows [gate | up], GELU's tanh approximation (F.gelu(approximate="tanh"))."""
+    return _act_and_mul("gelu_and_mul", x)
+
+
+def _act_and_mul(op: str, x: torch.Tensor) -> torch.Tensor:
     _check_rows(x)
     cols = x.shape[1] // 2
     out = torch.empty((x.shape[0], cols), dtype=x.dtype)
-    _kernel("silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], cols,
-                                     torch.get_num_threads())
+    _kernel(op, x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], cols,
+                         torch.get_num_threads())
     return out
 
 

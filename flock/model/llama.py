@@ -115,7 +115,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fused = False  # SiLU-and-mul by fused_ops
+    fused = False  # SiLU-and-mul (GELU-and-mul) by fused_ops
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -128,8 +128,8 @@ class MLP(nn.Module):
         return self.down_proj(h if self.gate_up_proj.silu_and_mul else self.act_and_mul(h))
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.silu:
-            return fused_ops.silu_and_mul(gate_up)
+        if self.fused:
+            return fused_ops.silu_and_mul(gate_up) if self.silu else fused_ops.gelu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")) * up
 
