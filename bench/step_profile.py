@@ -42,7 +42,8 @@ from bench.harness.offline import hf_folder, shared_workload, unshared_workload,
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.timing import best_time
 
-MODELS = {"smollm2": "flock/smollm2", "bench-mid": "flock/bench-mid", "bench-tiny": "flock/bench-tiny"}
+MODELS = {"smollm2": "flock/smollm2", "bench-mid": "flock/bench-mid", "bench-tiny": "flock/bench-tiny",
+          "bench-gemma3": "flock/bench-gemma3"}
 OPS = ("torch", "packed", "fused", "auto")
 PARTS = ("gemm", "attention", "elementwise", "step inputs", "scheduler", "sampling", "embedding")
 
@@ -77,9 +78,11 @@ class Labels:
 
         runner = llm.engine.runner
         self.profiling, self.flops, self.seconds = profiling, 0, dict.fromkeys(PARTS, 0.0)
+        backends = getattr(runner.backend, "backends", {None: runner.backend}).values()  # one per window (Gemma)
         self.patches = [(Linear, "forward", "gemm"), (RMSNorm, "forward", "elementwise"),
                         (Attention, "rotated_qkv", "elementwise"), (MLP, "act_and_mul", "elementwise"),
-                        (runner.backend, "forward", "attention"), (runner.backend, "build_metadata", "step inputs"),
+                        *[(b, "forward", "attention") for b in backends],
+                        (runner.backend, "build_metadata", "step inputs"),
                         (runner, "_prepare", "step inputs"), (runner.sampler, "sample", "sampling"),
                         (llm.engine.scheduler, "schedule", "scheduler"), (runner.model.embed_tokens, "forward",
                                                                          "embedding")]
@@ -368,7 +371,7 @@ def available(model: str) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    p.add_argument("--models", default="smollm2,bench-mid,bench-tiny", help=f"comma-separated: {', '.join(MODELS)}")
     p.add_argument("--smollm2", default=MODELS["smollm2"], help="SmolLM2: the built-in or a Hugging Face folder")
     p.add_argument("--sections", default="peak,split,batch,decode,startup")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated paths to compare: {', '.join(OPS)}")
