@@ -3,13 +3,15 @@ import json
 from pathlib import Path
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA_TYPES)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA_TYPES, *MOE_TYPES)
 # transformers' ACT2FN names of the two activations Flock runs in its gated MLPs
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_new")
 # transformers' class defaults for keys a config.json may omit
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
-                         "granite": 2048, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
+                         "granite": 2048, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072, "mixtral": 131072,
+                         "qwen2_moe": 32768, "qwen3_moe": 32768}
 MISTRAL_DEFAULT_WINDOW = 4096
 GEMMA_DEFAULT_WINDOW = 4096
 GEMMA3_WINDOW_PATTERN = 6  # every 6th layer global, the others sliding (Gemma 3's default)
@@ -57,6 +59,15 @@ class ModelConfig:
     sandwich_norms: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the top num_experts_per_tok of
+    # num_experts by the router's softmax (renormalized with norm_topk_prob), each an MLP moe_intermediate_size
+    # wide; Qwen2-MoE's shared expert beside them, gated by a sigmoid; moe_layers: the layers that have one
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
     sliding_window: int | None = None
     # the layers the window applies to (None: all); Gemma 3's rotate by their own base, unscaled
     sliding_layers: tuple[bool, ...] | None = None
@@ -117,13 +128,15 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
             # a head-less model's unused head; Gemma ties unless told not to
             tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model,
-            attention_bias=model_type == "qwen2" or d.get("attention_bias", False),  # Qwen2: qkv bias always
-            o_proj_bias=model_type != "qwen2" and d.get("attention_bias", False),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            # Qwen2 (and its MoE): qkv bias always
+            attention_bias=model_type in ("qwen2", "qwen2_moe") or d.get("attention_bias", False),
+            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and d.get("attention_bias", False),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             base_model=base_model,
             multimodal=multimodal,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
+            **cls._moe_fields(d, model_type),
             hidden_act=act,
             sliding_window=window,
             sliding_layers=sliding_layers,
@@ -165,6 +178,27 @@ class ModelConfig:
         if act in GELU_TANH_NAMES:
             return "gelu_pytorch_tanh"
         raise ValueError(f"hidden_act {act!r} is not supported (Flock runs {', '.join(SILU_NAMES + GELU_TANH_NAMES)})")
+
+    @staticmethod
+    def _moe_fields(d: dict, model_type: str) -> dict:
+        """The experts, as transformers reads them: Mixtral's num_local_experts on every layer, renormalized, each
+        intermediate_size wide; Qwen's num_experts on the layers decoder_sparse_step and mlp_only_layers leave."""
+        if model_type not in MOE_TYPES:
+            return {}
+        layers = d["num_hidden_layers"]
+        if model_type == "mixtral":
+            return {"num_experts": d.get("num_local_experts", 8),
+                    "num_experts_per_tok": d.get("num_experts_per_tok", 2),
+                    "moe_intermediate_size": d["intermediate_size"], "norm_topk_prob": True,
+                    "moe_layers": (True,) * layers}
+        qwen2 = model_type == "qwen2_moe"  # Qwen2MoeConfig's defaults, else Qwen3MoeConfig's
+        experts = d.get("num_experts", d.get("num_local_experts", 60 if qwen2 else 128))  # transformers 5's name
+        step, dense = d.get("decoder_sparse_step", 1), d.get("mlp_only_layers") or []
+        return {"num_experts": experts, "num_experts_per_tok": d.get("num_experts_per_tok", 4 if qwen2 else 8),
+                "moe_intermediate_size": d.get("moe_intermediate_size", 1408 if qwen2 else 768),
+                "norm_topk_prob": d.get("norm_topk_prob", False),
+                "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
+                "moe_layers": tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))}
 
     @staticmethod
     def _gemma_fields(d: dict, model_type: str) -> dict:
@@ -216,7 +250,7 @@ class ModelConfig:
         on the layers `layer_types` marks (from `max_window_layers`, default 28)."""
         if model_type == "mistral":
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW), None
-        if model_type == "phi3":  # on every layer when set, as Mistral's
+        if model_type in ("phi3", "mixtral"):  # on every layer when set, as Mistral's
             return d.get("sliding_window"), None
         layers = d["num_hidden_layers"]
         if model_type in ("gemma2", "gemma3_text"):
@@ -224,7 +258,7 @@ class ModelConfig:
             types = d.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
                                              for i in range(layers)]
             window = d.get("sliding_window", GEMMA_DEFAULT_WINDOW)
-        elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window", False):
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window", False):
             types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
                                              "full_attention" for i in range(layers)]
             window = d.get("sliding_window")

@@ -115,6 +115,9 @@ def hf_config(reader, path: str) -> dict:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
                          f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite and Gemma "
                          "models)")
+    if _field(reader, f"{arch}.expert_count", 0):
+        raise ValueError(f"{path}: a mixture-of-experts GGUF file ({arch}.expert_count is set); Flock runs "
+                         "mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) from Hugging Face folders only")
     tensors = {t.name for t in reader.tensors}
     config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch)}
     keys = GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"])  # Granite's are Llama's and its scales

@@ -117,11 +117,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     fused = False  # SiLU-and-mul (GELU-and-mul) by fused_ops
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         self.silu = config.hidden_act == "silu"  # else GELU (tanh approximation), Gemma's
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
@@ -134,11 +135,43 @@ class MLP(nn.Module):
         return (F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")) * up
 
 
+class SparseMoE(nn.Module):
+    """A mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's): each token's top k experts by the router's
+    float32 softmax, their outputs weighted and summed in expert order, as transformers sums them; Qwen2-MoE's
+    shared expert added, gated by a sigmoid."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.float32_weights = config.model_type == "mixtral"  # Qwen's are cast to the model's dtype first
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float32_weights:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():  # ascending
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            out.index_add_(0, rows, (self.experts[expert](x[rows]) * weights[rows, slot, None]).to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
         super().__init__()
         self.self_attn = Attention(config, layer_id, backend)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.moe_layers and config.moe_layers[layer_id] else MLP(config)
         self.input_layernorm = rms_norm(config, config.hidden_size)
         self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         self.sandwich = config.sandwich_norms

@@ -17,6 +17,9 @@ TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "mo
                  "lm_head."}
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 FUSED_CHECKPOINTS = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj fused, as Flock does
+# checkpoint names of a model type that are not Flock's (Mixtral's experts): Flock's -> the checkpoint's
+HF_RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                          (".down_proj.", ".w2."))}
 
 
 @dataclass
@@ -31,26 +34,33 @@ class TensorSlot:
 def hf_tensor_slots(model: LlamaForCausalLM) -> dict[str, TensorSlot]:
     """Map every Hugging Face tensor name of the architecture to its place in `model`."""
     slots = {}
+    renames = HF_RENAMES.get(model.config.model_type, ())
     for name, param in model.named_parameters(remove_duplicate=True):
         hf_name = name if name.startswith("lm_head.") else f"model.{name}"
         module_name, _, kind = name.rpartition(".")
         fused = module_name.rsplit(".", 1)[-1]
         if fused not in model.packed_modules or model.config.model_type in FUSED_CHECKPOINTS:
-            slots[hf_name] = TensorSlot(param, 0, param.shape[0])
+            slots[_renamed(hf_name, renames)] = TensorSlot(param, 0, param.shape[0])
             continue
         offset = 0
-        for part, rows in zip(model.packed_modules[fused], _fused_rows(model, fused)):
-            slots[hf_name.replace(f".{fused}.", f".{part}.")] = TensorSlot(param, offset, rows)
+        for part, rows in zip(model.packed_modules[fused], _fused_rows(model, param, fused)):
+            slots[_renamed(hf_name.replace(f".{fused}.", f".{part}."), renames)] = TensorSlot(param, offset, rows)
             offset += rows
     return slots
 
 
-def _fused_rows(model: LlamaForCausalLM, fused: str) -> list[int]:
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for ours, theirs in renames:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def _fused_rows(model: LlamaForCausalLM, param: torch.nn.Parameter, fused: str) -> list[int]:
     c = model.config
     if fused == "qkv_proj":
         kv = c.num_key_value_heads * c.head_dim
         return [c.num_attention_heads * c.head_dim, kv, kv]
-    return [c.intermediate_size, c.intermediate_size]
+    return [param.shape[0] // 2] * 2  # gate and up (an expert's, a shared expert's, or the MLP's)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -45,6 +45,8 @@ def unavailable(model) -> str | None:
         return "Gemma's norms (weights offset from 1, four a layer) are not among its ops"
     if len(set(c.layer_windows)) > 1:
         return "its layers attend over different windows"
+    if any(c.moe_layers):
+        return "its MLPs are mixtures of experts"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,

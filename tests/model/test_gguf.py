@@ -301,6 +301,9 @@ def test_bad_files_give_clear_errors(hf_folders, tmp_path):
         LLM(str(write_metadata_only(tmp_path / "gpt2.gguf", "gpt2")))
     with pytest.raises(ValueError, match="bare.gguf: the metadata has no llama.embedding_length"):
         LLM(str(write_metadata_only(tmp_path / "bare.gguf", "llama")))
+    moe = write_gguf(hf_folders["llama"], tmp_path / "moe.gguf", metadata={"llama.expert_count": 8})  # Mixtral's
+    with pytest.raises(ValueError, match="moe.gguf: a mixture-of-experts GGUF file"):
+        LLM(str(moe))
     odd = write_gguf(hf_folders["llama"], tmp_path / "odd.gguf", tensor_types={"blk.1.ffn_up.weight": Q.Q8_1})
     with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' is stored as Q8_1, a quant type the gguf package cannot"):
         LLM(str(odd))

@@ -131,6 +131,20 @@ def test_gemma_configs_read_as_transformers_reads_them():
         ModelConfig.from_dict(base | {"model_type": "gemma3_text", "use_bidirectional_attention": True})
 
 
+def test_moe_configs_read_as_transformers_reads_them():
+    base = dict(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2)
+    mixtral = ModelConfig.from_dict(base | {"model_type": "mixtral"})  # MixtralConfig's defaults
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 32)
+    assert mixtral.norm_topk_prob and mixtral.moe_layers == (True,) * 4 and mixtral.sliding_window is None
+    qwen3 = ModelConfig.from_dict(base | {"model_type": "qwen3_moe", "num_experts": 16, "decoder_sparse_step": 2,
+                                          "mlp_only_layers": [3], "moe_intermediate_size": 8})
+    assert qwen3.moe_layers == (False, True, False, False) and qwen3.qk_norm and not qwen3.norm_topk_prob
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.shared_expert_intermediate_size) == (16, 8, 0)
+    qwen2 = ModelConfig.from_dict(base | {"model_type": "qwen2_moe", "num_local_experts": 6})  # transformers 5's key
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.shared_expert_intermediate_size) == (6, 4, 5632)
+    assert qwen2.attention_bias and not qwen2.o_proj_bias
+
+
 def test_config_keys_read_as_transformers_reads_them(tmp_path):
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2)
     assert ModelConfig.from_dict(base | {"model_type": "mistral"}).sliding_window == 4096  # MistralConfig's default
