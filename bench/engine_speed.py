@@ -17,7 +17,8 @@ Workloads (greedy, ignore_eos, --gen new tokens, prompts shuffled):
               blocks, full prompt blocks shared by several stored once): fcfs vs batchllm vs vLLM, a plot of wall
               time and computed prompt tokens vs budget (bench/out/engine_speed_kv_sweep.png). Points accumulate
               in bench/out/engine_speed_kv_sweep.json, so the sweep can be run a few budgets at a time.
---model: a shape (tiny, mid, qwen3, phi3, gemma2, gemma3: the built-in flock/bench-* models), a built-in name or a Hugging Face folder;
+--model: a shape (tiny, mid, qwen3, phi3, gemma2, gemma3, qwen3moe: the built-in flock/bench-* models), a built-in
+name or a Hugging Face folder;
 random-weight shapes are saved as bf16 folders first (vLLM loads the same folder).
 
 Flock runs fcfs (prefix caching on, vLLM's policy) and batchllm, with attention "auto" (the fused CPU kernel on
@@ -44,7 +45,8 @@ from bench.harness.report import OUT, args_dict, fmt, markdown_table, pyplot, sa
 from flock.engine.runner import resolve_device
 
 MODELS = {"tiny": "flock/bench-tiny", "mid": "flock/bench-mid", "kv": "flock/bench-kv", "qwen3": "flock/bench-qwen3",
-          "phi3": "flock/bench-phi3", "gemma2": "flock/bench-gemma2", "gemma3": "flock/bench-gemma3"}
+          "phi3": "flock/bench-phi3", "gemma2": "flock/bench-gemma2", "gemma3": "flock/bench-gemma3",
+          "qwen3moe": "flock/bench-qwen3moe"}
 KV_PRESSURE = dict(groups=16, per_group=8, prefix=1500, distinct=100)
 SCHEDULERS = ("fcfs", "batchllm")
 
@@ -193,7 +195,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mid",
-                   help="shape (tiny, mid, qwen3, phi3, gemma2, gemma3), built-in name or HF folder (shared, unshared)")
+                   help="shape (tiny, mid, qwen3, phi3, gemma2, gemma3, qwen3moe), built-in name or HF folder")
     p.add_argument("--workload", default="shared,unshared",
                    help="comma-separated: shared, unshared, kv-pressure, kv-sweep")
     p.add_argument("--groups", type=int, default=4)

@@ -70,6 +70,11 @@ BUILTIN_MODELS: dict[str, dict] = {
     # vocabulary size) at bench-mid's size
     "flock/bench-phi3": _llama(1024, 8, 16, 16, 2816, 32064) | {
         "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 2047, "torch_dtype": "bfloat16"},
+    # Qwen3-30B-A3B's layout (128 experts, the top 8 renormalized, each 768 wide at 2,048 hidden; q/k norms) at
+    # bench-mid's size: 1,024 hidden, experts 384 wide, 8 layers (1.2B parameters, 0.12B active)
+    "flock/bench-qwen3moe": _qwen3(1024, 8, 8, 4, 128, 2816, 32000, tied=False) | {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 384, "norm_topk_prob": True, "torch_dtype": "bfloat16"},
     # Gemma 2 2B's layout (its window and caps; every other layer windowed) and Gemma 3 1B's (q/k norms, a
     # 512-token window on five layers of six, those on their own rope base) at bench-mid's size and vocabulary
     "flock/bench-gemma2": _gemma("gemma2", 1024, 8, 4, 2, 2816, 32000, 4096, attn_logit_softcapping=50.0,
