@@ -43,7 +43,7 @@ from bench.harness.report import OUT, args_dict, markdown_table, write_json
 from bench.harness.timing import best_time
 
 MODELS = {"smollm2": "flock/smollm2", "bench-mid": "flock/bench-mid", "bench-tiny": "flock/bench-tiny",
-          "bench-gemma3": "flock/bench-gemma3"}
+          "bench-gemma3": "flock/bench-gemma3", "bench-qwen3moe": "flock/bench-qwen3moe"}
 OPS = ("torch", "packed", "fused", "auto")
 PARTS = ("gemm", "attention", "elementwise", "step inputs", "scheduler", "sampling", "embedding")
 

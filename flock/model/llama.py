@@ -158,10 +158,18 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.float32_weights:
             weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert in chosen.unique().tolist():  # ascending
-            rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            out.index_add_(0, rows, (self.experts[expert](x[rows]) * weights[rows, slot, None]).to(x.dtype))
+        # the (token, expert) pairs sorted by expert: each expert's tokens one contiguous run of rows
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        rows = x[tokens]
+        ys, start = torch.empty_like(rows), 0
+        for expert, n in enumerate(counts):
+            if n:
+                ys[start : start + n] = self.experts[expert](rows[start : start + n])
+                start += n
+        # added to each token in expert order (index_add_ runs through its rows in order)
+        out = torch.zeros_like(x).index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(x.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
