@@ -36,10 +36,12 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self._normalized(x).to(x.dtype)
+
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, as transformers computes them (also for float64 models)
         x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def kernel_weight(self) -> torch.Tensor:
         """The weight the fused kernels multiply by."""
@@ -52,9 +54,7 @@ class GemmaRMSNorm(RMSNorm):
     _kernel_weight: torch.Tensor | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (self._normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
     def kernel_weight(self) -> torch.Tensor:
         """1 + weight in the model's dtype (made once: the weights are loaded before the kernels run)."""
