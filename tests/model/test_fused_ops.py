@@ -129,11 +129,15 @@ def test_rope_is_bit_exact_and_in_place(dtype, n, scaling):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", ROWS)
-def test_silu_and_mul(dtype, n):
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_act_and_mul(dtype, n, act):
     torch.manual_seed(n)
     gate_up = rows(n, 2 * 1536, dtype, scale=4.0, stride=3100)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert_near(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    if act == "silu":
+        assert_near(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    else:
+        assert_gelu_near(fused_ops.gelu_and_mul(gate_up), gelu_exact(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,13 +153,6 @@ def test_silu_and_mul_special_values(dtype):
     assert_gelu_near(got[finite], expected[finite])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", ROWS)
-def test_gelu_and_mul(dtype, n):
-    torch.manual_seed(n)
-    gate_up = rows(n, 2 * 1536, dtype, scale=4.0, stride=3100)
-    gate, up = gate_up.chunk(2, dim=-1)
-    assert_gelu_near(fused_ops.gelu_and_mul(gate_up), gelu_exact(gate) * up)
 
 
 def assert_gelu_near(got: torch.Tensor, ref: torch.Tensor) -> None:

@@ -71,6 +71,31 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
     return x < -87.33654f ? 0.0f : y;
 }
 
+static inline float silu(float g) { return g / (1.0f + exp_approx(-g)); }
+
+// GELU's tanh approximation (Gemma's GeGLU): g (1 + tanh(z)) / 2 = g e / (1 + e), e = e^2z, z = sqrt(2 / pi) (g +
+// 0.044715 g^3): no cancellation in 1 + tanh(z) far below 0, where PyTorch's loses its digits; -inf gives NaN, as
+// PyTorch's. e / (1 + e) is 1 from 80 on (never inf / inf), 0 below the float range (not exp_approx's clamp).
+static inline float gelu_tanh(float g) {
+    float a = 1.5957691216f * (g + 0.044715f * g * g * g);
+    float e = a < -87.0f ? 0.0f : exp_approx(a < 80.0f ? a : 80.0f);
+    return g == -INFINITY ? NAN : g * (e / (1.0f + e));
+}
+
+// out = act(gate) * up of rows [gate | up], each `cols` wide, act's result rounded as PyTorch's tensor of it
+#define ACT_AND_MUL(OP, NAME, T, LOAD, STORE, ACT)                                                            \
+    void flock_##OP##_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,          \
+                             int64_t cols, int32_t threads) {                                                 \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const T *gate = x + i * x_stride, *up = gate + cols;                                              \
+            T *o = out + i * out_stride;                                                                      \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < cols; j++) o[j] = STORE(NAME##_round(ACT(LOAD(gate[j]))) * LOAD(up[j]));   \
+        }                                                                                                     \
+    }
+
 #define DEFINE_OPS(NAME, T, LOAD, STORE)                                                                      \
     static inline float NAME##_round(float v) { return LOAD(STORE(v)); }                                      \
                                                                                                               \
@@ -154,43 +179,8 @@ static inline float exp_approx(float x) {  // e^x within ~1 ulp (Cephes expf); i
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
-    /* out = silu(gate) * up of rows [gate | up], each `cols` wide; silu(g) = g / (1 + e^-g) */               \
-    void flock_silu_and_mul_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,   \
-                                   int64_t cols, int32_t threads) {                                           \
-        int64_t work = rows * cols;                                                                           \
-        PARALLEL_FOR                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                                  \
-            const T *gate = x + i * x_stride, *up = gate + cols;                                              \
-            T *o = out + i * out_stride;                                                                      \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < cols; j++) {                                                              \
-                float g = LOAD(gate[j]);                                                                      \
-                o[j] = STORE(NAME##_round(g / (1.0f + exp_approx(-g))) * LOAD(up[j]));                        \
-            }                                                                                                 \
-        }                                                                                                     \
-    }                                                                                                         \
-                                                                                                              \
-    /* out = gelu(gate) * up of rows [gate | up] (GELU's tanh approximation, Gemma's GeGLU): gelu(g) =          \
-       g (1 + tanh(z)) / 2 = g e / (1 + e), e = e^2z, z = sqrt(2 / pi) (g + 0.044715 g^3): no cancellation in    \
-       1 + tanh(z) far below 0, where PyTorch's loses its digits; -inf gives NaN, as PyTorch's */                  \
-    void flock_gelu_and_mul_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,   \
-                                   int64_t cols, int32_t threads) {                                           \
-        int64_t work = rows * cols;                                                                           \
-        PARALLEL_FOR                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                                  \
-            const T *gate = x + i * x_stride, *up = gate + cols;                                              \
-            T *o = out + i * out_stride;                                                                      \
-            _Pragma("omp simd")                                                                               \
-            for (int64_t j = 0; j < cols; j++) {                                                              \
-                float g = LOAD(gate[j]);                                                                      \
-                float a = 1.5957691216f * (g + 0.044715f * g * g * g);                                        \
-                /* e / (1 + e) is 1 from 80 on (never inf / inf), 0 below the float range (not its clamp) */    \
-                float e = a < -87.0f ? 0.0f : exp_approx(a < 80.0f ? a : 80.0f);                              \
-                float gelu = g == -INFINITY ? NAN : g * (e / (1.0f + e));                                     \
-                o[j] = STORE(NAME##_round(gelu) * LOAD(up[j]));                                               \
-            }                                                                                                 \
-        }                                                                                                     \
-    }                                                                                                         \
+    ACT_AND_MUL(silu_and_mul, NAME, T, LOAD, STORE, silu)                                                     \
+    ACT_AND_MUL(gelu_and_mul, NAME, T, LOAD, STORE, gelu_tanh)                                                \
                                                                                                               \
     /* row rows[i] of x keeps the columns whose bit is set in row i of mask (xgrammar's token bitmask: 32     \
        columns a word, the lowest bit first); the others become -inf */                                       \
