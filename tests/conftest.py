@@ -67,10 +67,15 @@ HF_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
     ),
-    "qwen3_moe": dict(  # 8 experts, the top 2 renormalized; layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe": dict(  # 8 experts, the top 2 renormalized
         model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+        moe_intermediate_size=64, norm_topk_prob=True,
+    ),
+    "qwen3_moe_dense": dict(  # layers 1 and 2 dense MLPs (mlp_only_layers, decoder_sparse_step), which GGUF lacks
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3],
     ),
     "qwen2_moe": dict(  # 4 experts, the top 2 as the softmax gives them, a gated shared expert; qkv bias
         model_type="qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,8 +28,15 @@ if TYPE_CHECKING:
 # llama.cpp's names for the architectures Flock runs (it writes Mistral as "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "gemma": "GemmaForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model_type where it is not llama.cpp's name
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+# transformers' model_type where it is not llama.cpp's name (a `llama` file with experts is Mixtral)
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# the experts' keys (after the architecture's name) -> config names; llama.cpp renormalizes Qwen3-MoE's and
+# Mixtral's top k weights, not Qwen2-MoE's
+MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 GEMMA = ("gemma", "gemma2", "gemma3")  # their norms stored as 1 + weight (convert_hf_to_gguf.py adds the 1)
 # Gemma 2's and 3's sliding-window layers by default: all but every 2nd / 6th (llama.cpp's swa pattern), and
 # their layer counts at 27B, where q k^T is scaled by hidden / heads rather than head_dim (llama.cpp's rule)
@@ -39,6 +47,7 @@ PERMUTED_QK = ("llama", "granite")  # architectures whose q/k rows convert_hf_to
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "logits_scaling": "logit_scale", "attention_multiplier": "attention.scale"}
 ROPE_SCALING_TYPES = ("none", "linear")
+EXPERT = re.compile(r"\.experts\.(\d+)(?=\.)")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
@@ -61,6 +70,8 @@ class GGUFCheckpoint:
     def architecture(self) -> str:
         """llama.cpp's name of the architecture."""
         model_type = self.config["model_type"]
+        if model_type == "mixtral":
+            return "llama"
         return next((arch for arch, t in MODEL_TYPES.items() if t == model_type), model_type)
 
 
@@ -96,9 +107,25 @@ def _read(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ValueError(f"{path} is truncated or corrupt, the gguf reader failed: {e}") from None
-    ckpt = GGUFCheckpoint(Path(path), reader.tensors, hf_config(reader, path))
+    ckpt = GGUFCheckpoint(Path(path), split_experts(reader.tensors), hf_config(reader, path))
     gguf_table.save(path, mtime_ns, size, ckpt.tensors, ckpt.config)
     return ckpt
+
+
+def split_experts(tensors: list) -> list:
+    """Each 3D tensor of experts (llama.cpp's `ffn_*_exps`, [experts, rows, row bytes]) as one 2D tensor an expert,
+    named `{name}#{expert}`: an expert then loads, or stays in its blocks, as any projection does."""
+    from flock.model.gguf_table import Tensor
+
+    out = []
+    for t in tensors:
+        if t.data.ndim != 3:
+            out.append(t)
+            continue
+        size = int(t.n_bytes) // t.data.shape[0]
+        out += [Tensor(f"{t.name}#{e}", t.tensor_type, int(t.data_offset) + e * size, size, t.data[e])
+                for e in range(t.data.shape[0])]
+    return out
 
 
 def _field(reader, key: str, default=None):
@@ -113,15 +140,16 @@ def hf_config(reader, path: str) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
-                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite and Gemma "
-                         "models)")
-    if _field(reader, f"{arch}.expert_count", 0):
-        raise ValueError(f"{path}: a mixture-of-experts GGUF file ({arch}.expert_count is set); Flock runs "
-                         "mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) from Hugging Face folders only")
+                         f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Mixtral, Qwen2, Qwen3, their MoEs, Phi-3, "
+                         "Granite and Gemma models)")
     tensors = {t.name for t in reader.tensors}
-    config = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": MODEL_TYPES.get(arch, arch)}
+    mixtral = arch == "llama" and _field(reader, "llama.expert_count", 0)
+    model_type = "mixtral" if mixtral else MODEL_TYPES.get(arch, arch)
+    architecture = "MixtralForCausalLM" if model_type == "mixtral" else GGUF_ARCHITECTURES[arch]
+    config = {"architectures": [architecture], "model_type": model_type}
     keys = GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"])  # Granite's are Llama's and its scales
     mapping = {name: f"{arch}.{key}" for key, name in keys.items() if name}
+    mapping |= {name: f"{arch}.{key}" for key, name in MOE_KEYS.items()}
     mapping |= {name: f"{arch}.{key}" for name, key in GRANITE_SCALES.items()} if arch == "granite" else {}
     mapping["head_dim"] = f"{arch}.attention.key_length"  # when heads are not hidden_size / heads wide (Qwen3)
     for name, key in mapping.items():
@@ -137,6 +165,10 @@ def hf_config(reader, path: str) -> dict:
         if f"tokenizer.ggml.{key}" in reader.fields:
             config[name] = _field(reader, f"tokenizer.ggml.{key}")
     config["eos_token_id"] = end_of_generation_ids(reader)
+    if "num_experts" in config:
+        config["norm_topk_prob"] = model_type != "qwen2_moe"
+        if model_type == "mixtral":
+            config["num_local_experts"] = config.pop("num_experts")
     config["torch_dtype"] = _file_dtype(reader)
     _rope_scaling(reader, arch, tensors, config, path)
     return config
@@ -350,6 +382,8 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         values = _hf_rows(values, tensor.name, ckpt)
         if ckpt.architecture in GEMMA and tensor.name.endswith("norm.weight"):
             values = values - 1  # back to Hugging Face's offsets from 1
+        if values.ndim == 1 and slots[name].param.ndim == 2:  # Qwen2-MoE's shared expert gate, [1, hidden]
+            values = values[None]
         copy_into(slots[name], torch.from_numpy(np.require(values, requirements="W")), tensor.name, ckpt.path.name)
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)
@@ -431,6 +465,9 @@ def _gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:
     names = {}
     for hf_name in hf_names:
         module, _, kind = hf_name.rpartition(".")
-        names[f"{table.get_name(module)}.{kind}"] = hf_name
+        expert = EXPERT.search(module)  # an expert's slice of the layer's 3D tensor (split_experts)
+        if expert:
+            module = module[: expert.start()] + ".experts" + module[expert.end() :]
+        names[f"{table.get_name(module)}.{kind}" + (f"#{expert[1]}" if expert else "")] = hf_name
     return names
 

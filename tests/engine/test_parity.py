@@ -69,7 +69,7 @@ BACKENDS = ["torch", "torch-cascade"]
 
 @pytest.mark.parametrize("attention", BACKENDS)
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "granite", "gemma", "gemma2",
-                                  "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+                                  "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)

@@ -2,6 +2,7 @@
 tests/conftest.py, so GGUF loading is tested without a downloaded model."""
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -26,7 +27,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
     llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
     config = json.loads((folder / "config.json").read_text())
-    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+            "mixtral": "llama"}.get(config["model_type"], config["model_type"])
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny")
@@ -50,14 +52,16 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
             writer.add_float32
         add(key, value)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
-    for hf_name, w in load_file(str(folder / "model.safetensors")).items():
+    _add_experts(writer, arch, config)
+    for hf_name, w in _merged_experts(load_file(str(folder / "model.safetensors"))).items():
         module, _, kind = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(module)}.{kind}"
         if arch in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
             w = llama_cpp_permute(w, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             w = w + 1  # convert_hf_to_gguf.py's: Gemma's norms as 1 + weight
-        kind_type = (tensor_types or {}).get(gguf_name, qtype if w.ndim == 2 else Q.F32)
+        quantized = w.ndim >= 2 and "ffn_gate_inp" not in gguf_name  # llama-quantize keeps routers in floats
+        kind_type = (tensor_types or {}).get(gguf_name, qtype if quantized else Q.F32)
         w = w.astype(np.float32)
         if kind_type in (Q.F32, Q.F16):
             writer.add_tensor(gguf_name, w.astype(np.float16 if kind_type == Q.F16 else np.float32))
@@ -93,6 +97,32 @@ def _add_phi3(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_rope_scaling_attn_factors(np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1 else 1.0)
     writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+
+def _add_experts(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:
+    """convert_hf_to_gguf.py's expert keys (Mixtral, a `llama` file, and Qwen's mixtures)."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _merged_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's experts' tensors stacked into one [experts, rows, cols] tensor, as convert_hf_to_gguf.py
+    merges them (`...experts.gate_proj.weight`)."""
+    out, groups = {}, {}
+    for name, w in tensors.items():
+        found = re.search(r"\.experts\.(\d+)\.", name)
+        if found is None:
+            out[name] = w
+        else:
+            groups.setdefault(name[: found.start()] + ".experts." + name[found.end() :], {})[int(found[1])] = w
+    return out | {name: np.stack([parts[e] for e in sorted(parts)]) for name, parts in groups.items()}
 
 
 def _add_gemma(writer: gguf.GGUFWriter, arch: str, config: dict) -> None:

@@ -92,6 +92,19 @@ def test_gemma_gguf_norms_windows_caps_and_ropes(hf_folders, tmp_path, kind):
     assert (ours.rope_scaling or {}).get("factor") == (theirs.rope_scaling or {}).get("factor")
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_gguf_experts_split_from_their_3d_tensors(hf_folders, tmp_path, kind):
+    """llama.cpp's mixtures: each layer's experts one [experts, rows, cols] tensor (ffn_*_exps), Mixtral a `llama`
+    file with expert keys and permuted q/k rows, Qwen2-MoE's shared expert and its gate: the tokens of the model
+    they were written from, the top k renormalized as llama.cpp does (Qwen3-MoE, Mixtral) or not (Qwen2-MoE)."""
+    gguf_file = write_gguf(hf_folders[kind], tmp_path / f"{kind}.gguf")
+    prompts = shared_prefix_prompts(seed=3)
+    got, llm = flock_greedy(gguf_file, prompts)
+    assert got == hf_greedy(hf_folders[kind], prompts)
+    c = llm.engine.model_config
+    assert c.model_type == kind and c.num_experts == ModelConfig.from_folder(hf_folders[kind]).num_experts
+
+
 @pytest.mark.parametrize("kind", ["phi3", "phi3_longrope"])
 def test_phi3_gguf_fused_tensors_window_and_longrope(hf_folders, tmp_path, kind):
     """llama.cpp's fused attn_qkv and ffn_up (gate, then up) tensors go into Flock's fused projections whole; the
@@ -301,9 +314,6 @@ def test_bad_files_give_clear_errors(hf_folders, tmp_path):
         LLM(str(write_metadata_only(tmp_path / "gpt2.gguf", "gpt2")))
     with pytest.raises(ValueError, match="bare.gguf: the metadata has no llama.embedding_length"):
         LLM(str(write_metadata_only(tmp_path / "bare.gguf", "llama")))
-    moe = write_gguf(hf_folders["llama"], tmp_path / "moe.gguf", metadata={"llama.expert_count": 8})  # Mixtral's
-    with pytest.raises(ValueError, match="moe.gguf: a mixture-of-experts GGUF file"):
-        LLM(str(moe))
     odd = write_gguf(hf_folders["llama"], tmp_path / "odd.gguf", tensor_types={"blk.1.ffn_up.weight": Q.Q8_1})
     with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' is stored as Q8_1, a quant type the gguf package cannot"):
         LLM(str(odd))
