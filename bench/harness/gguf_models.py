@@ -6,6 +6,8 @@
   knows its pre-tokenizer; saved as a bf16 HF folder, converted to F16 GGUF, quantized to Q4_K_M and Q8_0;
 - `qwen3-0.6b`: Qwen3-0.6B's shape (hidden 1024, 28 layers, intermediate 3072, 16 q / 8 kv heads of 128, q/k
   norms, tied embeddings) with random weights the same way and SmolLM2's tokenizer;
+- `qwen3moe`: Qwen3-30B-A3B's layout at 1,024 hidden (`flock/bench-qwen3moe`'s: 8 layers, 128 experts 384 wide, the
+  top 8, 8 q / 4 kv heads of 128, q/k norms; 1.2B parameters, 0.12B active) with random weights the same way;
 - `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder, saved from flock/smollm2 where missing) as
   F16 GGUF, then Q8_0 and Q4_K_M.
 """
@@ -28,7 +30,11 @@ LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8
 QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
              "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
              "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True}
-RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 1024,
+             "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 384, "norm_topk_prob": True}
+RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B, "qwen3moe": QWEN3_MOE}
 STD = 0.02
 ROWS = 1024  # rows drawn at a time (float32), so drawing never holds a whole tensor twice
 
@@ -45,11 +51,19 @@ def _layer(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     p = f"model.layers.{i}."
     shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
+              "self_attn.o_proj": (h, q)}
+    if experts := c.get("num_experts"):
+        e = c["moe_intermediate_size"]
+        shapes["mlp.gate"] = (experts, h)
+        for x in range(experts):
+            shapes |= {f"mlp.experts.{x}.gate_proj": (e, h), f"mlp.experts.{x}.up_proj": (e, h),
+                       f"mlp.experts.{x}.down_proj": (h, e)}
+    else:
+        shapes |= {"mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
     tensors = {f"{p}{name}.weight": _random(shape, g) for name, shape in shapes.items()}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    if c.get("model_type") == "qwen3":
+    if c.get("model_type") in ("qwen3", "qwen3_moe"):
         for norm in ("self_attn.q_norm", "self_attn.k_norm"):
             tensors[f"{p}{norm}.weight"] = torch.ones(d, dtype=torch.bfloat16)
     return tensors
@@ -84,6 +98,8 @@ def random_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict =
         else:
             tensors = {"model.embed_tokens.weight": _random((config["vocab_size"], config["hidden_size"]), g),
                        "model.norm.weight": torch.ones(config["hidden_size"], dtype=torch.bfloat16)}
+            if not config["tie_word_embeddings"]:
+                tensors["lm_head.weight"] = _random((config["vocab_size"], config["hidden_size"]), g)
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
@@ -111,7 +127,7 @@ def _atomic(dst: Path, make) -> Path:
 
 
 def ensure(model: str, kinds: list[str], llama: LlamaCpp, work: Path = WORK, log=print) -> dict[str, Path]:
-    """The GGUF files of `model` ("llama-1b", "qwen3-0.6b" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M,
+    """The GGUF files of `model` ("llama-1b", "qwen3-0.6b", "qwen3moe" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M,
     ...), made where missing: the HF folder (random for the first two), the F16 conversion, then llama-quantize
     from F16."""
     work.mkdir(parents=True, exist_ok=True)
