@@ -152,6 +152,8 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not len(x):  # a step may finish no row of a layer
+            return torch.zeros_like(x)
         logits = self.gate(x)
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -159,15 +161,11 @@ class SparseMoE(nn.Module):
         if not self.float32_weights:
             weights = weights.to(logits.dtype)
         # the (token, expert) pairs sorted by expert: each expert's tokens one contiguous run of rows
-        order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        by_expert, order = chosen.flatten().sort(stable=True)
+        experts, counts = torch.unique_consecutive(by_expert, return_counts=True)
         tokens = order // self.top_k
-        rows = x[tokens]
-        ys, start = torch.empty_like(rows), 0
-        for expert, n in enumerate(counts):
-            if n:
-                ys[start : start + n] = self.experts[expert](rows[start : start + n])
-                start += n
+        runs = x[tokens].split(counts.tolist())
+        ys = torch.cat([self.experts[expert](run) for expert, run in zip(experts.tolist(), runs)])
         # added to each token in expert order (index_add_ runs through its rows in order)
         out = torch.zeros_like(x).index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(x.dtype))
         if self.shared_expert is not None:
