@@ -45,6 +45,10 @@ HF_CONFIGS = {
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                       "long_factor": [1.0 + i for i in range(8)]},
     ),
+    "phi3_partial": dict(  # Phi-4-mini's partial rotary factor: the rope turns the first 12 of 16 dims a head
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, partial_rotary_factor=0.75,
+    ),
     "granite": dict(  # Granite's multipliers of the embeddings, residual adds, attention scores and logits
         model_type="granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, embedding_multiplier=3.0,

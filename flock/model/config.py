@@ -39,6 +39,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head the rotary embedding turns (Phi-4-mini's 0.75)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -80,6 +81,11 @@ class ModelConfig:
         return self.sliding_window if self.sliding_layers is None or self.sliding_layers[layer] else None
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head the rotary embedding turns, as transformers rounds them."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def layer_windows(self) -> list[int | None]:
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
@@ -104,8 +110,7 @@ class ModelConfig:
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             scaling = cls._rope_scaling(dict(scaling), d, model_type)
-        if (d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor < 1 is not supported (Flock rotates whole heads)")
+        partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
         eos = d.get("eos_token_id")
         act = cls._activation(d, model_type)
         if d.get("mlp_bias"):
@@ -125,6 +130,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
+            partial_rotary_factor=partial,
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
             # a head-less model's unused head; Gemma ties unless told not to
             tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model,

@@ -229,9 +229,9 @@ def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str)
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if _field(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: the rotary embedding turns part of each head (partial_rotary_factor < 1), "
-                         "which Flock does not run")
+    rotary = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:  # Phi-4-mini's: the rotary embedding turns part of each head
+        config["partial_rotary_factor"] = rotary / head_dim
     if ROPE_FREQS in tensors:  # how convert_hf_to_gguf.py writes Llama 3.1+'s "llama3" rope scaling
         config["rope_scaling"] = llama3_scaling(np.asarray(_tensor(reader, ROPE_FREQS), dtype=np.float64),
                                                 config.get("rope_theta", 10000.0), head_dim, path)

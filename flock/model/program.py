@@ -47,6 +47,8 @@ def unavailable(model) -> str | None:
         return "its layers attend over different windows"
     if any(c.moe_layers):
         return "its MLPs are mixtures of experts"
+    if c.rotary_dim != c.head_dim:
+        return "its rotary embedding turns part of each head"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,

@@ -7,7 +7,7 @@ from flock.model.config import ModelConfig
 
 def inv_frequencies(config: ModelConfig, max_positions: int = 0) -> torch.Tensor:
     """The rotary frequencies of a model that runs up to `max_positions` positions."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     powers = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / powers
     scaling = config.rope_scaling
@@ -84,6 +84,9 @@ def on_one_thread(fn):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.shape[-1] < x.shape[-1]:  # a partial rotary factor: the rest of each head passes as it is
+        d = cos.shape[-1]
+        return torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -389,7 +389,8 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
     assert seen["error"] <= (4e-3 if dtype == torch.bfloat16 else FP32_TOL)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "gemma", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "gemma", "qwen3_moe", "mixtral",
+                                  "phi3_partial"])
 def test_float32_greedy_matches_transformers(hf_folders, references, kind):
     """Float32 with the kernel gives transformers' greedy tokens (its float64 run), also under a KV budget a
     fraction of the need (preemption and recomputation)."""

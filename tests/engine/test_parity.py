@@ -68,8 +68,8 @@ BACKENDS = ["torch", "torch-cascade"]
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "granite", "gemma", "gemma2",
-                                  "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi3_partial", "granite",
+                                  "gemma", "gemma2", "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
@@ -210,8 +210,8 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ops", ["auto", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3",
-                                  "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "phi3_partial", "granite", "gemma", "gemma2",
+                                  "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_float32_logits_match_transformers(hf_folders, kind, ops):
     from transformers import AutoModelForCausalLM
 

@@ -42,7 +42,8 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     writer.add_rope_freq_base(config.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer.add_rope_dimension_count(head_dim)
+    rope_share = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * rope_share))  # convert_hf_to_gguf.py's rotary dims
     if config.get("head_dim"):  # as convert_hf_to_gguf.py writes it
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -105,10 +105,11 @@ def test_moe_gguf_experts_split_from_their_3d_tensors(hf_folders, tmp_path, kind
     assert c.model_type == kind and c.num_experts == ModelConfig.from_folder(hf_folders[kind]).num_experts
 
 
-@pytest.mark.parametrize("kind", ["phi3", "phi3_longrope"])
+@pytest.mark.parametrize("kind", ["phi3", "phi3_longrope", "phi3_partial"])
 def test_phi3_gguf_fused_tensors_window_and_longrope(hf_folders, tmp_path, kind):
     """llama.cpp's fused attn_qkv and ffn_up (gate, then up) tensors go into Flock's fused projections whole; the
-    sliding window (0: none) and LongRoPE's factors and scale come back from the metadata and tensors."""
+    sliding window (0: none), LongRoPE's factors and scale, and a partial rotary factor (Phi-4-mini's, from
+    rope.dimension_count) come back from the metadata and tensors."""
     gguf_file = write_gguf(hf_folders[kind], tmp_path / "phi3.gguf")
     prompts = shared_prefix_prompts(seed=3)
     got, llm = flock_greedy(gguf_file, prompts, max_model_len=64)
@@ -116,6 +117,7 @@ def test_phi3_gguf_fused_tensors_window_and_longrope(hf_folders, tmp_path, kind)
     c = llm.engine.model_config
     assert c.sliding_window == (20 if kind == "phi3" else None)
     assert (c.rope_scaling or {}).get("rope_type") == ("longrope" if kind == "phi3_longrope" else None)
+    assert c.rotary_dim == (12 if kind == "phi3_partial" else 16)
 
 
 def test_phi3_q8_0_gguf(hf_folders, tmp_path):
