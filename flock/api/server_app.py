@@ -1,5 +1,6 @@
 """The FastAPI app of `flock serve`: routes, API-key check, OpenAI-style errors, metrics."""
 
+import asyncio
 import hmac
 import threading
 import time
@@ -26,8 +27,10 @@ from flock.api.server_generate import (
 )
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
-from flock.engine.async_engine import AsyncEngine, EngineDead
+from flock.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from flock.sampling_params import SamplingParams
 
+HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
                  "/v1/score", "/v1/rerank", "/generate"}
@@ -61,7 +64,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        return _health(ctx)
+        return await _health_generate(ctx)
 
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
     async def ping():
@@ -199,6 +202,30 @@ def _health(ctx: ServerContext) -> JSONResponse:
     body = {"status": "ok" if engine.is_running else "error"} | asdict(engine.state)
     body["num_waiting"] = engine.num_waiting
     return JSONResponse(body, status_code=200 if engine.is_running else 503)
+
+
+async def _health_generate(ctx: ServerContext) -> JSONResponse:
+    """SGLang's: one token generated through the engine (its steps run, not only its thread), else a 503 saying
+    why: a dead engine, a full queue, an error, or no token within HEALTH_GENERATE_SECONDS."""
+    try:
+        stream = ctx.engine.add_request([0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    except (EngineDead, QueueFull) as e:
+        return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
+
+    async def one_token() -> str | None:
+        why = None
+        async for out in stream:
+            why = out.error or (None if out.num_output_tokens else out.finish_reason)
+        return why
+
+    try:
+        why = await asyncio.wait_for(one_token(), HEALTH_GENERATE_SECONDS)
+    except asyncio.TimeoutError:
+        stream.abort()
+        why = f"no token within {HEALTH_GENERATE_SECONDS:g} s"
+    if why is not None:
+        return JSONResponse({"status": "error", "error": why}, status_code=503)
+    return _health(ctx)
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:

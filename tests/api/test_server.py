@@ -71,6 +71,13 @@ def test_models_and_health(server, client):
     assert h["attention"].split()[0] in BACKENDS
 
 
+def test_health_generate_runs_one_token(server):
+    """SGLang's /health_generate: a token generated through the engine, then /health's body."""
+    added = health(server)["num_added"]
+    r = httpx.get(f"{server.url}/health_generate", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["num_added"] == added + 1
+
+
 def test_completion(client):
     r = client.completions.create(model=MODEL, prompt="The cache is paged.", max_tokens=8, **GREEDY)
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
