@@ -8,6 +8,9 @@
   norms, tied embeddings) with random weights the same way and SmolLM2's tokenizer;
 - `qwen3moe`: Qwen3-30B-A3B's layout at 1,024 hidden (`flock/bench-qwen3moe`'s: 8 layers, 128 experts 384 wide, the
   top 8, 8 q / 4 kv heads of 128, q/k norms; 1.2B parameters, 0.12B active) with random weights the same way;
+- `gemma3-1b`: Gemma 3 1B's shape (hidden 1152, 26 layers, intermediate 6912, 4 q / 1 kv heads of 256, q/k norms,
+  a 512-token window on five layers of six, GeGLU, four norms a layer, tied embeddings; the norms' offsets 0) with
+  random weights the same way;
 - `smollm2`: the real SmolLM2-135M-Instruct (a float32 HF folder, saved from flock/smollm2 where missing) as
   F16 GGUF, then Q8_0 and Q4_K_M.
 """
@@ -34,7 +37,13 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
              "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 384, "norm_topk_prob": True}
-RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B, "qwen3moe": QWEN3_MOE}
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+             "num_hidden_layers": 26, "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+             "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+             "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]}
+RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B, "qwen3moe": QWEN3_MOE, "gemma3-1b": GEMMA3_1B}
 STD = 0.02
 ROWS = 1024  # rows drawn at a time (float32), so drawing never holds a whole tensor twice
 
@@ -61,12 +70,19 @@ def _layer(i: int, c: dict, g: torch.Generator) -> dict[str, torch.Tensor]:
     else:
         shapes |= {"mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
     tensors = {f"{p}{name}.weight": _random(shape, g) for name, shape in shapes.items()}
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    if c.get("model_type") in ("qwen3", "qwen3_moe"):
+    gemma = c.get("model_type") == "gemma3_text"  # its norms' weights are offsets from 1
+    norms = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
+    for norm in norms:
+        tensors[f"{p}{norm}.weight"] = _norm_weight(h, gemma)
+    if c.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"):
         for norm in ("self_attn.q_norm", "self_attn.k_norm"):
-            tensors[f"{p}{norm}.weight"] = torch.ones(d, dtype=torch.bfloat16)
+            tensors[f"{p}{norm}.weight"] = _norm_weight(d, gemma)
     return tensors
+
+
+def _norm_weight(size: int, offset_from_one: bool) -> torch.Tensor:
+    return (torch.zeros if offset_from_one else torch.ones)(size, dtype=torch.bfloat16)
 
 
 def smollm2_folder(log=print) -> Path:
@@ -96,8 +112,9 @@ def random_folder(out: Path, tokenizer_folder: Path = SMOLLM2_F32, shape: dict =
         if i < n:
             tensors = _layer(i, config, g)
         else:
-            tensors = {"model.embed_tokens.weight": _random((config["vocab_size"], config["hidden_size"]), g),
-                       "model.norm.weight": torch.ones(config["hidden_size"], dtype=torch.bfloat16)}
+            h, gemma = config["hidden_size"], config["model_type"] == "gemma3_text"
+            tensors = {"model.embed_tokens.weight": _random((config["vocab_size"], h), g),
+                       "model.norm.weight": _norm_weight(h, gemma)}
             if not config["tie_word_embeddings"]:
                 tensors["lm_head.weight"] = _random((config["vocab_size"], config["hidden_size"]), g)
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
@@ -127,9 +144,8 @@ def _atomic(dst: Path, make) -> Path:
 
 
 def ensure(model: str, kinds: list[str], llama: LlamaCpp, work: Path = WORK, log=print) -> dict[str, Path]:
-    """The GGUF files of `model` ("llama-1b", "qwen3-0.6b", "qwen3moe" or "smollm2") for each of `kinds` (F16, Q8_0, Q4_K_M,
-    ...), made where missing: the HF folder (random for the first two), the F16 conversion, then llama-quantize
-    from F16."""
+    """The GGUF files of `model` (a random shape of RANDOM_SHAPES, or "smollm2") for each of `kinds` (F16, Q8_0,
+    Q4_K_M, ...), made where missing: the HF folder, the F16 conversion, then llama-quantize from F16."""
     work.mkdir(parents=True, exist_ok=True)
     if model in RANDOM_SHAPES:
         folder = work / f"{model}-hf"

@@ -56,6 +56,7 @@ def attention_path(attention: str, model: str | Path, dtype: torch.dtype = torch
 
     device = resolve_device("auto")
     backend = make_backend(attention, resolve_model(str(model)).config, device, dtype)
+    backend = next(iter(getattr(backend, "backends", {None: backend}).values()))  # one per window (Gemma): the first
     if device.type == "cuda":
         return f"{backend.name} on {torch.cuda.get_device_name(device)}"
     if not isinstance(backend, cpu.CpuCascadeBackend):
