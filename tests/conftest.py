@@ -90,6 +90,10 @@ HF_CONFIGS = {
         model_type="mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
     ),
+    "smollm3": dict(  # no rotary embedding on every 4th layer (NoPE)
+        model_type="smollm3", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    ),
     "mistral": dict(
         model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, sliding_window=12,

@@ -4,14 +4,15 @@ from pathlib import Path
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA_TYPES, *MOE_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA_TYPES,
+                         *MOE_TYPES)
 # transformers' ACT2FN names of the two activations Flock runs in its gated MLPs
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_new")
 # transformers' class defaults for keys a config.json may omit
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096,
                          "granite": 2048, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072, "mixtral": 131072,
-                         "qwen2_moe": 32768, "qwen3_moe": 32768}
+                         "qwen2_moe": 32768, "qwen3_moe": 32768, "smollm3": 32768}
 MISTRAL_DEFAULT_WINDOW = 4096
 GEMMA_DEFAULT_WINDOW = 4096
 GEMMA3_WINDOW_PATTERN = 6  # every 6th layer global, the others sliding (Gemma 3's default)
@@ -40,6 +41,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     partial_rotary_factor: float = 1.0  # the share of each head the rotary embedding turns (Phi-4-mini's 0.75)
+    rope_layers: tuple[bool, ...] | None = None  # the layers that rotate q and k (None: all); SmolLM3's NoPE layers
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -131,6 +133,7 @@ class ModelConfig:
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling["rope_type"] != "default" else None,
             partial_rotary_factor=partial,
+            rope_layers=cls._rope_layers(d, model_type),
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
             # a head-less model's unused head; Gemma ties unless told not to
             tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model,
@@ -160,6 +163,16 @@ class ModelConfig:
                 "residual_multiplier": d.get("residual_multiplier", 1.0),
                 "logits_scaling": d.get("logits_scaling", 1.0),
                 "attention_scale": d.get("attention_multiplier", 1.0)}
+
+    @staticmethod
+    def _rope_layers(d: dict, model_type: str) -> tuple[bool, ...] | None:
+        """SmolLM3's: `no_rope_layers` (1: the layer rotates), else every `no_rope_layer_interval`-th layer (4th)
+        without a rotary embedding, as transformers reads it."""
+        if model_type != "smollm3":
+            return None
+        every = d.get("no_rope_layer_interval", 4)
+        flags = d.get("no_rope_layers") or [(i + 1) % every != 0 for i in range(d["num_hidden_layers"])]
+        return tuple(bool(f) for f in flags)
 
     @staticmethod
     def _text_config(d: dict) -> dict:
@@ -264,6 +277,10 @@ class ModelConfig:
             types = d.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
                                              for i in range(layers)]
             window = d.get("sliding_window", GEMMA_DEFAULT_WINDOW)
+        elif model_type == "smollm3" and d.get("use_sliding_window", False):  # on the NoPE layers
+            rotates = ModelConfig._rope_layers(d, model_type)
+            types = d.get("layer_types") or ["full_attention" if r else "sliding_attention" for r in rotates]
+            window = d.get("sliding_window")
         elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window", False):
             types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
                                              "full_attention" for i in range(layers)]

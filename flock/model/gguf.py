@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "gemma": "GemmaForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM"}
+                      "qwen3moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 # transformers' model_type where it is not llama.cpp's name (a `llama` file with experts is Mixtral)
 MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # the experts' keys (after the architecture's name) -> config names; llama.cpp renormalizes Qwen3-MoE's and
@@ -42,7 +42,8 @@ GEMMA = ("gemma", "gemma2", "gemma3")  # their norms stored as 1 + weight (conve
 # their layer counts at 27B, where q k^T is scaled by hidden / heads rather than head_dim (llama.cpp's rule)
 GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-PERMUTED_QK = ("llama", "granite")  # architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's)
+# architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's)
+PERMUTED_QK = ("llama", "granite", "smollm3")
 # Granite's multipliers: config name -> GGUF key (after the architecture's name)
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "logits_scaling": "logit_scale", "attention_multiplier": "attention.scale"}
@@ -141,7 +142,7 @@ def hf_config(reader, path: str) -> dict:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (Flock runs "
                          f"{', '.join(GGUF_ARCHITECTURES)}: Llama, Mistral, Mixtral, Qwen2, Qwen3, their MoEs, Phi-3, "
-                         "Granite and Gemma models)")
+                         "Granite, Gemma and SmolLM3 models)")
     tensors = {t.name for t in reader.tensors}
     mixtral = arch == "llama" and _field(reader, "llama.expert_count", 0)
     model_type = "mixtral" if mixtral else MODEL_TYPES.get(arch, arch)

@@ -85,6 +85,7 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(config, self.head_dim)
             self.k_norm = rms_norm(config, self.head_dim)
         self.window = config.layer_window(layer_id)
+        self.rotates = config.rope_layers is None or config.rope_layers[layer_id]  # SmolLM3's NoPE layers do not
         self.backend = backend.for_window(self.window)
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -98,7 +99,7 @@ class Attention(nn.Module):
 
     def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
         """q and k normalized (Qwen3) and with the rotary embedding applied, and v: [T, heads, head_dim] each."""
-        fused_rope = self.fused and rope.cos.shape[-1] == self.head_dim  # the kernel turns whole heads
+        fused_rope = self.fused and self.rotates and rope.cos.shape[-1] == self.head_dim  # it turns whole heads
         if self.fused:
             if self.qk_norm:
                 fused_ops.head_rms_norm_(qkv, self.q_norm.kernel_weight(), self.q_norm.eps, self.num_heads,
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         q, k, v = qkv.view(-1, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         if not self.fused and self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not fused_rope:
+        if self.rotates and not fused_rope:
             q, k = rope(positions, q, k)
         return q, k, v
 

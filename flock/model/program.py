@@ -165,8 +165,10 @@ class StepProgram:
                                                 ("k", k_at, attn.k_norm, attn.num_kv_heads)):
                     op(f"layer {i} {name} norm", getattr(ops, f"flock_head_rms_norm_op_{suffix}"), at, qkv.stride(0),
                        module.weight, ROWS, heads, attn.head_dim, _f32_word(module.eps), threads)
-            op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions, rope.cos,
-               rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim, threads)
+            if attn.rotates:  # SmolLM3's NoPE layers do not
+                op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions,
+                   rope.cos, rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim,
+                   threads)
             self._attention(i, attn, attention, op)
             linear(f"layer {i} o", attn.o_proj, out, self.x)
             norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)

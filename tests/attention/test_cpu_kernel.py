@@ -390,7 +390,7 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "gemma", "qwen3_moe", "mixtral",
-                                  "phi3_partial"])
+                                  "phi3_partial", "smollm3"])
 def test_float32_greedy_matches_transformers(hf_folders, references, kind):
     """Float32 with the kernel gives transformers' greedy tokens (its float64 run), also under a KV budget a
     fraction of the need (preemption and recomputation)."""

@@ -69,7 +69,8 @@ BACKENDS = ["torch", "torch-cascade"]
 
 @pytest.mark.parametrize("attention", BACKENDS)
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi3_partial", "granite",
-                                  "gemma", "gemma2", "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral"])
+                                  "gemma", "gemma2", "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral",
+                                  "smollm3"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)
@@ -211,7 +212,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("ops", ["auto", "torch"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "phi3_partial", "granite", "gemma", "gemma2",
-                                  "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+                                  "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "smollm3"])
 def test_float32_logits_match_transformers(hf_folders, kind, ops):
     from transformers import AutoModelForCausalLM
 

@@ -57,7 +57,7 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     for hf_name, w in _merged_experts(load_file(str(folder / "model.safetensors"))).items():
         module, _, kind = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(module)}.{kind}"
-        if arch in ("llama", "granite") and module.endswith(("q_proj", "k_proj")):
+        if arch in ("llama", "granite", "smollm3") and module.endswith(("q_proj", "k_proj")):
             w = llama_cpp_permute(w, heads if module.endswith("q_proj") else config["num_key_value_heads"])
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             w = w + 1  # convert_hf_to_gguf.py's: Gemma's norms as 1 + weight

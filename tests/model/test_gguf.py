@@ -41,16 +41,18 @@ def greedy_ids(model, prompts, max_new=MAX_NEW, eos=None) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "smollm3"])
 def test_tiny_gguf_equals_the_model_it_was_written_from(hf_folders, tmp_path, kind):
-    """Float weights: the q/k un-permutation (llama), llama3 rope scaling from its per-frequency factors
-    (rope_freqs.weight), biases and tied embeddings (qwen2), q/k norms and wide heads (qwen3) undone exactly."""
+    """Float weights: the q/k un-permutation (llama, smollm3), llama3 rope scaling from its per-frequency factors
+    (rope_freqs.weight), biases and tied embeddings (qwen2), q/k norms and wide heads (qwen3), every 4th layer
+    without a rotary embedding (smollm3, as llama.cpp fixes it) undone exactly."""
     gguf_file = write_gguf(hf_folders[kind], tmp_path / f"{kind}.gguf")
     prompts = shared_prefix_prompts(seed=3)
     got, llm = flock_greedy(gguf_file, prompts)
     assert got == hf_greedy(hf_folders[kind], prompts)
     c = llm.engine.model_config
-    assert (c.model_type, c.tie_word_embeddings, c.attention_bias) == (kind[:5], kind[:4] == "qwen", kind == "qwen2")
+    model_type, tied = "llama" if kind == "llama3" else kind, kind[:4] == "qwen" or kind == "smollm3"
+    assert (c.model_type, c.tie_word_embeddings, c.attention_bias) == (model_type, tied, kind == "qwen2")
     assert (c.head_dim, c.qk_norm) == ((32, True) if kind == "qwen3" else (16, False))
     if kind == "llama3":
         assert c.rope_scaling["rope_type"] == "llama3"

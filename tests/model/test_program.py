@@ -85,7 +85,7 @@ BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
 
 @pytest.mark.skipif(not BF16_GEMMS, reason="no bf16 GEMM on this CPU")
 @pytest.mark.parametrize("path", BF16_GEMMS or [None])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3"])  # SmolLM3: no rope on its NoPE layers
 def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
     monkeypatch.setattr(gemm, "isa", lambda: path)
     llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
@@ -118,6 +118,9 @@ def test_where_the_program_cannot_run(gguf_models, hf_folders):
     assert llm.engine.runner.paths["step"] == "Python between the kernels (attention is not on the CPU kernel)"
     llm = LLM(str(gguf_models["Q8_0"]), dtype="float32", ops="torch")
     assert llm.engine.runner.model.step_program is None and "step" not in llm.engine.runner.paths
+    for kind, why in (("gemma3", "Gemma's norms"), ("qwen3_moe", "mixtures of experts"),
+                      ("phi3_partial", "part of each head")):
+        assert why in LLM(str(hf_folders[kind]), dtype="float32").engine.runner.model.use_step_program()
 
 
 def test_a_failing_op_stops_the_program_and_says_which():
