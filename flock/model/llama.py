@@ -8,7 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata
-from flock.model import fused_ops, program
+from flock.model import fused_ops, program, quant
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
@@ -153,11 +153,25 @@ class SparseMoE(nn.Module):
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        self.quantized: quant.Experts | None = None  # the experts in one call of the quantized kernels
+
+    def group_quantized(self) -> None:
+        """Run the experts in one call of the quantized kernels (quant.moe) where their weights allow it."""
+        if all(e.gate_up_proj.silu_and_mul and e.down_proj.qweight is not None for e in self.experts):
+            self.quantized = quant.experts([e.gate_up_proj.qweight for e in self.experts],
+                                           [e.down_proj.qweight for e in self.experts], self.top_k,
+                                           self.renormalize, self.float32_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not len(x):  # a step may finish no row of a layer
             return torch.zeros_like(x)
         logits = self.gate(x)
+        out = quant.moe(x, logits, self.quantized) if self.quantized is not None else self.mixture(x, logits)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def mixture(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -170,10 +184,7 @@ class SparseMoE(nn.Module):
         runs = x[tokens].split(counts.tolist())
         ys = torch.cat([self.experts[expert](run) for expert, run in zip(experts.tolist(), runs)])
         # added to each token in expert order (index_add_ runs through its rows in order)
-        out = torch.zeros_like(x).index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(x.dtype))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return torch.zeros_like(x).index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(x.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -317,6 +328,9 @@ class LlamaForCausalLM(nn.Module):
                 module.use_quantized(weight, silu_and_mul=id(module) in gate_ups)
             else:
                 module.use_quantized(weight)
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.group_quantized()
 
     def _silu_gate_ups(self) -> set[int]:
         """The gate_up projections whose GEMM may apply the MLP's SiLU-and-mul (not GeGLU's)."""

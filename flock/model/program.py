@@ -45,20 +45,38 @@ def unavailable(model) -> str | None:
         return "Gemma's norms (weights offset from 1, four a layer) are not among its ops"
     if len(set(c.layer_windows)) > 1:
         return "its layers attend over different windows"
-    if any(c.moe_layers):
-        return "its MLPs are mixtures of experts"
     if c.rotary_dim != c.head_dim:
         return "its rotary embedding turns part of each head"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                mlp.down_proj)):
+        if _mixture(mlp) and (why := _mixture_unavailable(mlp)):
+            return why
+        if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, *_mlp_projections(mlp))):
             return "a projection is neither quantized nor packed for Flock's bf16 GEMM"
-        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None or not mlp.gate_up_proj.silu_and_mul:
+        if not _mixture(mlp) and (mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
+                                  or not mlp.gate_up_proj.silu_and_mul):
             return "an MLP has a bias, or its SiLU-and-mul is not in its gate_up GEMM"
         if not (attn.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
             return "the fused ops are off"
     return None
+
+
+def _mixture(mlp) -> bool:
+    return hasattr(mlp, "experts")  # a SparseMoE (flock.model.llama imports this module)
+
+
+def _mixture_unavailable(mlp) -> str | None:
+    if mlp.quantized is None:
+        return "a mixture's experts are not in one call of the quantized kernels (quant.moe)"
+    if mlp.shared_expert is not None:
+        return "a mixture has a shared expert (Qwen2-MoE's)"
+    if mlp.gate.bias is not None:
+        return "a mixture's router has a bias"
+    return None
+
+
+def _mlp_projections(mlp) -> tuple:
+    return (mlp.gate,) if _mixture(mlp) else (mlp.gate_up_proj, mlp.down_proj)
 
 
 class StepProgram:
@@ -114,7 +132,7 @@ class StepProgram:
         config = self.model.config
         q, kv = attn.q_size, attn.kv_size
         widths = dict(x=config.hidden_size, residual=config.hidden_size, qkv=q + 2 * kv, attention=q,
-                      mid=config.intermediate_size)
+                      mid=config.intermediate_size, logits=config.num_experts)
         for name, width in widths.items():
             setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
         self.positions = torch.zeros(self.rows, dtype=torch.int64)
@@ -172,8 +190,14 @@ class StepProgram:
             self._attention(i, attn, attention, op)
             linear(f"layer {i} o", attn.o_proj, out, self.x)
             norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
-            linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
-            linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
+            if _mixture(mlp):
+                linear(f"layer {i} router", mlp.gate, self.x, self.logits)
+                op(f"layer {i} experts", quant._lib(None).flock_qmoe_op, ctypes.addressof(mlp.quantized.layer),
+                   self.x, self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, self.x, self.x.stride(0),
+                   threads)
+            else:
+                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
+                linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
         self.records = np.array([r + [0] * (WIDTH - len(r)) for r in records], dtype=object)
         self.row_words = np.nonzero(self.records == ROWS)
         self.records[self.row_words] = 0

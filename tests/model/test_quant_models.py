@@ -9,6 +9,7 @@ import torch
 from flock import LLM, SamplingParams
 from flock.model import quant
 from flock.model.linear import Embedding, Linear
+from flock.model.llama import SparseMoE
 from flock.model.quant import KERNEL_TYPES, QuantWeight
 from tests.engine.test_parity import flock_greedy, shared_prefix_prompts
 from tests.model.gguf_files import Q, write_gguf
@@ -62,6 +63,8 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
     else:
         assert set(types) == {CASES[case][1].name}
     assert "quantized" in llm.engine.runner.paths
+    mixtures = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert all(m.quantized is not None for m in mixtures) and bool(mixtures) == ("MoE" in case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -88,6 +91,15 @@ def test_scheduling_never_changes_quantized_results(gguf_models, config):
     expected, _ = flock_greedy(gguf_models["K-quants"], prompts, dtype="float32")
     got, llm = flock_greedy(gguf_models["K-quants"], prompts, dtype="float32", **config)
     assert got == expected and llm.engine.runner.model.quantized_types()
+
+
+@pytest.mark.parametrize("config", [dict(scheduler="feather"), dict(max_num_batched_tokens=7)])
+def test_scheduling_never_changes_a_quantized_mixture(gguf_models, config):
+    """The experts of a step's tokens run in one call: a token's experts and sums never depend on the others."""
+    prompts = shared_prefix_prompts(seed=7)
+    expected, _ = flock_greedy(gguf_models["Qwen3-MoE Q8_0"], prompts, dtype="bfloat16", scheduler="batchllm")
+    got, _ = flock_greedy(gguf_models["Qwen3-MoE Q8_0"], prompts, dtype="bfloat16", **config)
+    assert got == expected
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])

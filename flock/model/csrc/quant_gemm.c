@@ -1042,6 +1042,36 @@ int32_t flock_qgemm_init(void) {
 #endif
 }
 
+// One tile of the vector kernels: weight rows n0 .. n0 + NT (of n; with glu, gate rows, their up rows n
+// further) times the R activation rows x, out to y from element y_at on (rows ldy apart). `first`: the band's
+// first tile, which streams its weights from memory.
+static void vector_tile(int type, int x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t n0, int64_t nb,
+                        int first, const void *const *x, int R, void *y, int64_t y_at, int64_t ldy, int out_bf16,
+                        int glu) {
+    for (int64_t j = n0, step; j < n0 + NT && j < n; j += step) {
+        float sums[MT * 16], up[MT * 16];  // sums[step * r + i]: row j + i
+        // two octets at once (dot_x16, where the build has it) once a band's first row tile has brought its
+        // weights into cache: from memory, one octet after the other reads them faster
+        const int pair = x8 && !first && j + 16 <= n0 + NT && j + 16 <= n;
+        const uint8_t *wj = w + j * row_bytes, *uj = w + (j + n) * row_bytes;
+        step = pair && dot_x16(R, type, wj, wj + 8 * row_bytes, x, nb, sums) ? 16 : x8 ? 8 : 1;
+        if (step == 8) dot_octet(R, first, type, wj, x, nb, sums);
+        else if (step == 1) dot_rows(R, first, type, wj, x, nb, sums);
+        if (glu) {
+            if (step == 16) dot_x16(R, type, uj, uj + 8 * row_bytes, x, nb, up);
+            else if (step == 8) dot_octet(R, first, type, uj, x, nb, up);
+            else dot_rows(R, first, type, uj, x, nb, up);
+            silu_mul_rows(sums, up, R * step);
+        }
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < step; e++) {
+                const int64_t at = y_at + r * ldy + j + e;
+                if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[step * r + e]);
+                else ((float *)y)[at] = sums[step * r + e];
+            }
+    }
+}
+
 // Weight bands a thread takes at a time. A band's first row tile streams its weights from memory, and a thread's
 // stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 2 tasks a
 // thread, still taken as threads come free. From ONE_BAND_ROWS rows on, a band's products dwarf its stream's
@@ -1098,28 +1128,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
             const int R = m - m0 < MT ? (int)(m - m0) : MT;
             const void *x[MT];
             for (int r = 0; r < R; r++) x[r] = (const uint8_t *)xq + (m0 + r) * act_row;
-            for (int64_t j = n0, step; j < n0 + NT && j < n; j += step) {
-                float sums[MT * 16], up[MT * 16];  // sums[step * r + i]: row j + i
-                // two octets at once (dot_x16, where the build has it) once a band's first row tile has brought
-                // its weights into cache: from memory, one octet after the other reads them faster
-                const int pair = x8 && m0 > 0 && j + 16 <= n0 + NT && j + 16 <= n, stream = m0 == 0;
-                const uint8_t *wj = w + j * row_bytes, *uj = w + (j + n) * row_bytes;
-                step = pair && dot_x16(R, type, wj, wj + 8 * row_bytes, x, nb, sums) ? 16 : x8 ? 8 : 1;
-                if (step == 8) dot_octet(R, stream, type, wj, x, nb, sums);
-                else if (step == 1) dot_rows(R, stream, type, wj, x, nb, sums);
-                if (glu) {
-                    if (step == 16) dot_x16(R, type, uj, uj + 8 * row_bytes, x, nb, up);
-                    else if (step == 8) dot_octet(R, stream, type, uj, x, nb, up);
-                    else dot_rows(R, stream, type, uj, x, nb, up);
-                    silu_mul_rows(sums, up, R * step);
-                }
-                for (int r = 0; r < R; r++)
-                    for (int e = 0; e < step; e++) {
-                        const int64_t at = (m0 + r) * ldy + j + e;
-                        if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[step * r + e]);
-                        else ((float *)y)[at] = sums[step * r + e];
-                    }
-            }
+            vector_tile(type, x8, w, row_bytes, n, n0, nb, m0 == 0, x, R, y, m0 * ldy, ldy, out_bf16, glu);
         }
     }
     free(xq);
@@ -1132,3 +1141,5 @@ int32_t flock_qgemm_op(const int64_t *a) {
                        (const void *)(intptr_t)a[6], a[7], (int32_t)a[8], a[9], (void *)(intptr_t)a[10], a[11],
                        (int32_t)a[12], (int32_t)a[13], (int32_t)a[14]);
 }
+
+#include "quant_moe.h"
