@@ -4,10 +4,10 @@ For each of Q4_K_M and Q8_0 of a ~1B Llama-shaped model (bench/harness/gguf_mode
 llama.cpp's own tools on first use):
 - resident memory: RSS after an engine is built (64 MiB of KV), in a child process per case, minus that of a
   flock/tiny engine with the same KV budget, as a ratio to the file's size (bar: <= 1.25x, quantized engine);
-- single-stream decode: `llama-bench -p 0 -n N -t T` (tg) vs Flock's decode phase (one short prompt, N new
-  tokens, ignore_eos; tokens/s after the first token), quantized and quantization="none" (bars: >= 1.0x
-  llama.cpp, >= 2.5x "none"); with --decode-rounds N the two again, alternating, N rounds in all, and the median
-  of the rounds' ratios;
+- single-stream decode: `llama-bench -p 0 -n N -t T` (tg: random tokens) vs Flock's decode phase (one short
+  prompt, N new tokens sampled at temperature 1, ignore_eos; tokens/s after the first token), quantized and
+  quantization="none" (bars: >= 1.0x llama.cpp, >= 2.5x "none"); with --decode-rounds N the two again,
+  alternating, N rounds in all, and the median of the rounds' ratios;
 - a shared-prefix batch (two 600-token prefixes x 8 distinct 40-token tails, 32 new tokens each): llama-server
   with 16 slots driven by 16 concurrent requests vs Flock scheduler="batchllm" (bars: >= 10x, >= 1.5x "none");
   with --batch-rounds N the two again, alternating, N rounds in all, and the median of the rounds' ratios.
@@ -73,11 +73,19 @@ def _greedy(n: int):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _decode_once(engine, prompt: list[int], n: int) -> dict:
+def _sampled(n: int, seed: int):
+    """Temperature 1: each step's token varies as llama-bench's random ones do (a random model's greedy pick
+    repeats one token, whose experts of a mixture would stay in cache)."""
+    from flock import SamplingParams
+
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=n, ignore_eos=True)
+
+
+def _decode_once(engine, prompt: list[int], n: int, seed: int) -> dict:
     """One request alone: time to the first token, then tokens/s of the decode phase (after the first token)."""
     from flock.engine.loop import run
 
-    req = engine.add_request(prompt, _greedy(n))
+    req = engine.add_request(prompt, _sampled(n, seed))
     start, first = time.perf_counter(), None
     for _ in run(engine):
         if first is None and req.output_token_ids:
@@ -96,7 +104,7 @@ def child_speed(model: str, threads: int, kwargs: dict, decode_tokens: int, deco
     if decode_tokens:
         prompt = llm.get_tokenizer().encode(DECODE_PROMPT, add_special_tokens=True)
         with machine.OthersCPU() as others:
-            runs = [_decode_once(llm.engine, prompt, decode_tokens) for _ in range(decode_repeats)]
+            runs = [_decode_once(llm.engine, prompt, decode_tokens, seed) for seed in range(decode_repeats)]
         out["decode"] = {"tokens_per_s": statistics.mean(r["tokens_per_s"] for r in runs),
                          "best_tokens_per_s": max(r["tokens_per_s"] for r in runs), "runs": runs,
                          "prompt_tokens": len(prompt), "others_cpu": others.fraction}

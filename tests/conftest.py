@@ -84,7 +84,7 @@ HF_CONFIGS = {
     "qwen2_moe": dict(  # 4 experts, the top 2 as the softmax gives them, a gated shared expert; qkv bias
         model_type="qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=48, shared_expert_intermediate_size=96,
+        moe_intermediate_size=32, shared_expert_intermediate_size=96,
     ),
     "mixtral": dict(  # w1/w2/w3 experts under block_sparse_moe
         model_type="mixtral", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

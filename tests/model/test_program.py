@@ -111,7 +111,7 @@ def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
     assert runs and max(runs) <= 3  # the steps of 4 and 5 rows ran the layers
 
 
-def test_where_the_program_cannot_run(gguf_models, hf_folders):
+def test_where_the_program_cannot_run(gguf_models, hf_folders, tmp_path):
     llm = LLM(str(hf_folders["llama"]), dtype="float32")  # float weights
     assert "neither quantized nor packed" in llm.engine.runner.model.use_step_program()
     assert "step" not in llm.engine.runner.paths
@@ -121,6 +121,8 @@ def test_where_the_program_cannot_run(gguf_models, hf_folders):
     assert llm.engine.runner.model.step_program is None and "step" not in llm.engine.runner.paths
     moe = LLM(str(gguf_models["Qwen3-MoE Q8_0"]), dtype="float32")  # its float32 router on oneDNN
     assert "neither quantized nor packed" in moe.engine.runner.model.use_step_program()
+    shared = LLM(str(write_gguf(hf_folders["qwen2_moe"], tmp_path / "qwen2_moe.gguf", Q.Q8_0)), dtype="bfloat16")
+    assert "a shared expert" in shared.engine.runner.model.use_step_program()
     for kind, why in (("gemma3", "Gemma's norms"), ("qwen3_moe", "not in one call of the quantized kernels"),
                       ("phi3_partial", "part of each head")):
         assert why in LLM(str(hf_folders[kind]), dtype="float32").engine.runner.model.use_step_program()

@@ -19,7 +19,12 @@ K_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.
 CASES = {"Q8_0": ("llama", Q.Q8_0, None), "Q4_0": ("llama", Q.Q4_0, None), "Q4_1": ("qwen2", Q.Q4_1, None),
          "Q5_0": ("llama", Q.Q5_0, None), "Q5_1": ("llama", Q.Q5_1, None), "K-quants": ("llama256", Q.Q4_K, K_MIX),
          "Gemma 3 Q8_0": ("gemma3", Q.Q8_0, None),  # GeGLU: its gate_up GEMM gives both halves
-         "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None)}  # each expert a slice of its layer's 3D tensor
+         "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None),  # each expert a slice of its layer's 3D tensor
+         "Qwen2-MoE Q8_0": ("qwen2_moe", Q.Q8_0, None),  # a shared expert beside them
+         "Mixtral Q4_0": ("mixtral", Q.Q4_0, None)}  # float32 routing weights
+
+
+MIXTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +53,11 @@ def in_file_layout(weight: QuantWeight) -> int:
 def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
     llm = LLM(str(gguf_models[case]), dtype="float32", kv_cache_memory_bytes=1 << 20)
     # routers stay in floats in the file, as llama-quantize keeps them
-    found = {name: m for name, m in layers(llm).items() if not name.endswith(".mlp.gate")}
+    found = {name: m for name, m in layers(llm).items() if not name.endswith((".mlp.gate", ".shared_expert_gate"))}
     assert all(m.qweight is not None and m.weight.numel() == 0 for m in found.values())
     held = {id(m.qweight): m.qweight for m in found.values()}  # a tied lm_head holds the embedding's
     matrices = {name: n for name, n in file_bytes(gguf_models[case]).items()
-                if not name.endswith(("norm.weight", "bias", "ffn_gate_inp.weight"))}
+                if not name.endswith(("norm.weight", "bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))}
     assert sum(map(in_file_layout, held.values())) == sum(matrices.values())
     interleaved = [p for w in held.values() for p in w.parts if p.interleaved]
     assert bool(interleaved) == (quant.isa() != "baseline")
@@ -64,7 +69,7 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
         assert set(types) == {CASES[case][1].name}
     assert "quantized" in llm.engine.runner.paths
     mixtures = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
-    assert all(m.quantized is not None for m in mixtures) and bool(mixtures) == ("MoE" in case)
+    assert all(m.quantized is not None for m in mixtures) and bool(mixtures) == (CASES[case][0] in MIXTURES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -127,8 +127,8 @@ static int64_t act_row_bytes(int type, int64_t k) {
 // y (m rows, ldy apart) = the layer's mixture for the m tokens x (ldx apart) given their router logits (ld
 // apart): each token's top k experts' silu(x Wg^T) * (x Wu^T) Wd^T, each rounded to the dtype, times its weight
 // (rounded so), added up in expert order (each sum rounded so). x, logits and y are bf16 with is_bf16, else
-// float32. y may be x: every token is quantized before anything is written. Returns -1 where memory cannot be had, -2 where an emulated tile operation met shapes the CPU would
-// refuse.
+// float32. y may be x: every token is quantized before anything is written. Returns -1 where memory cannot be
+// had, -2 where an emulated tile operation met shapes the CPU would refuse.
 int32_t flock_qmoe(const MoeLayer *L, const void *x, int64_t ldx, const void *logits, int64_t ld, int32_t is_bf16,
                    int64_t m, void *y, int64_t ldy, int32_t threads) {
     MoeRoute R;
