@@ -29,8 +29,11 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _GEMM = ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], _i32)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _OP = ([_ptr], _i32)
-KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",),
-                        signatures={"flock_gemm": _GEMM, "flock_gemm_op": _OP})
+# a mixture layer's experts in one call (flock.model.moe): layer, x, ldx, logits, ld, is_bf16, m, y, ldy, threads
+MOE_SIGNATURE = ([_ptr, _ptr, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32], _i32)
+_SIGNATURES = {"flock_gemm": _GEMM, "flock_gemm_op": _OP, "flock_gemm_moe": MOE_SIGNATURE,
+               "flock_gemm_moe_op": _OP}
+KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",), signatures=_SIGNATURES)
 
 
 def _amx_ready(lib: ctypes.CDLL) -> str | None:
@@ -48,7 +51,7 @@ def _amx_ready(lib: ctypes.CDLL) -> str | None:
 
 AMX = native.Library(_CSRC / "gemm_amx.c", "the AMX bf16 GEMM", paths=("amx",), ready=_amx_ready,
                      flags=("-O3", "-fopenmp", "-fno-math-errno"),
-                     signatures={"flock_amx_gemm_init": ([], _i32), "flock_gemm": _GEMM, "flock_gemm_op": _OP})
+                     signatures={"flock_amx_gemm_init": ([], _i32), **_SIGNATURES})
 _EMULATED = replace(AMX, flags=(*AMX.flags, "-DFLOCK_EMULATED_AMX"), paths=("baseline",))
 
 

@@ -8,7 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata
-from flock.model import fused_ops, program, quant
+from flock.model import fused_ops, moe, program
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
@@ -153,20 +153,26 @@ class SparseMoE(nn.Module):
         if config.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
-        self.quantized: quant.Experts | None = None  # the experts in one call of the quantized kernels
+        self.grouped: moe.Experts | None = None  # the experts in one C call (group_experts)
 
-    def group_quantized(self) -> None:
-        """Run the experts in one call of the quantized kernels (quant.moe) where their weights allow it."""
-        if all(e.gate_up_proj.silu_and_mul and e.down_proj.qweight is not None for e in self.experts):
-            self.quantized = quant.experts([e.gate_up_proj.qweight for e in self.experts],
-                                           [e.down_proj.qweight for e in self.experts], self.top_k,
-                                           self.renormalize, self.float32_weights)
+    def group_experts(self) -> None:
+        """Run the experts in one C call (flock.model.moe) where their weights allow it: quantized, or packed for
+        the bf16 GEMM, their SiLU-and-mul in the gate_up GEMM."""
+        gate_ups, downs = [e.gate_up_proj for e in self.experts], [e.down_proj for e in self.experts]
+        router = moe.Router(self.top_k, self.renormalize, self.float32_weights)
+        if not all(g.silu_and_mul for g in gate_ups):
+            return
+        if all(g.qweight is not None and d.qweight is not None for g, d in zip(gate_ups, downs)):
+            self.grouped = moe.quantized([g.qweight for g in gate_ups], [d.qweight for d in downs], router)
+        elif all(g.pairs is not None and d.pairs is not None for g, d in zip(gate_ups, downs)):
+            self.grouped = moe.packed([g.pairs for g in gate_ups], [d.pairs for d in downs], downs[0].out_features,
+                                      downs[0].in_features, router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not len(x):  # a step may finish no row of a layer
             return torch.zeros_like(x)
         logits = self.gate(x)
-        out = quant.moe(x, logits, self.quantized) if self.quantized is not None else self.mixture(x, logits)
+        out = self.grouped(x, logits) if self.grouped is not None else self.mixture(x, logits)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -314,6 +320,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear) and module.qweight is None:
                 module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs,
                                silu_and_mul=id(module) in gate_ups)
+        self._group_experts()
 
     def use_quantized(self, weights: dict[str, QuantWeight]) -> None:
         """Multiply by (and look up embeddings in) quantized weights: module name -> its weight; the MLPs'
@@ -328,9 +335,12 @@ class LlamaForCausalLM(nn.Module):
                 module.use_quantized(weight, silu_and_mul=id(module) in gate_ups)
             else:
                 module.use_quantized(weight)
+        self._group_experts()
+
+    def _group_experts(self) -> None:
         for module in self.modules():
             if isinstance(module, SparseMoE):
-                module.group_quantized()
+                module.group_experts()
 
     def _silu_gate_ups(self) -> set[int]:
         """The gate_up projections whose GEMM may apply the MLP's SiLU-and-mul (not GeGLU's)."""

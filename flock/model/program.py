@@ -66,8 +66,8 @@ def _mixture(mlp) -> bool:
 
 
 def _mixture_unavailable(mlp) -> str | None:
-    if mlp.quantized is None:
-        return "a mixture's experts are not in one call of the quantized kernels (quant.moe)"
+    if mlp.grouped is None:
+        return "a mixture's experts are not in one C call (flock.model.moe)"
     if mlp.shared_expert is not None:
         return "a mixture has a shared expert (Qwen2-MoE's)"
     if mlp.gate.bias is not None:
@@ -192,7 +192,7 @@ class StepProgram:
             norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
             if _mixture(mlp):
                 linear(f"layer {i} router", mlp.gate, self.x, self.logits)
-                op(f"layer {i} experts", quant._lib(None).flock_qmoe_op, ctypes.addressof(mlp.quantized.layer),
+                op(f"layer {i} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer),
                    self.x, self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, self.x, self.x.stride(0),
                    threads)
             else:

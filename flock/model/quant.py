@@ -72,7 +72,7 @@ KERNEL = native.Library(
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
-                "flock_qmoe": ([_ptr, _ptr, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32], _i32),
+                "flock_qmoe": gemm.MOE_SIGNATURE, "flock_qmoe_op": ([_ptr], _i32),
                 "flock_qgemm_level": ([], _i32), "flock_qgemm_op": ([_ptr], _i32), "flock_qgemm_init": ([], _i32)})
 # The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI), and the AMX tiles built
 # for AVX2 with the tile operations in portable C (EMULATED_AMX): how CPUs without VNNI or AMX test them.
@@ -267,59 +267,6 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     if bias is not None:
         out += bias
     return out if flat else out.view(*x.shape[:-1], n)
-
-
-class MoeLayer(ctypes.Structure):
-    """csrc/quant_moe.h's MoeLayer: a mixture layer's experts' blocks and how its router chooses them."""
-
-    _fields_ = [(name, _i64) for name in ("gate_up_type", "gate_up_x8", "gate_up_row_bytes", "down_type", "down_x8",
-                                          "down_row_bytes")] + [("gate_up", _ptr), ("down", _ptr)] + \
-        [(name, _i64) for name in ("hidden", "inter", "experts", "top_k", "renormalize", "float32_weights")]
-
-
-@dataclass
-class Experts:
-    """A mixture layer's quantized experts as flock_qmoe takes them (made by `experts`)."""
-
-    layer: MoeLayer
-    addresses: torch.Tensor  # [2, experts] int64: each expert's gate_up and down blocks (layer points into it)
-    weights: list[QuantWeight]  # the blocks, kept alive here
-
-
-def experts(gate_ups: list[QuantWeight], downs: list[QuantWeight], top_k: int, renormalize: bool,
-            float32_weights: bool) -> Experts | None:
-    """The experts ([gate | up] and down weights, in expert order) for `moe`, or None where one call cannot take
-    them: a fused weight of two quant types, or experts of different types or layouts."""
-    if not all(fuses_glu(w) and len(d.parts) == 1 for w, d in zip(gate_ups, downs)):
-        return None
-    gu, dn = [w.parts[0] for w in gate_ups], [w.parts[0] for w in downs]
-    if len({(p.qtype, p.interleaved, p.blocks.shape) for p in gu}) > 1 or \
-            len({(p.qtype, p.interleaved, p.blocks.shape) for p in dn}) > 1:
-        return None
-    addresses = torch.tensor([[p.blocks.data_ptr() for p in gu], [p.blocks.data_ptr() for p in dn]], dtype=torch.int64)
-    layer = MoeLayer(gu[0].qtype, gu[0].interleaved, gu[0].blocks.shape[1], dn[0].qtype, dn[0].interleaved,
-                     dn[0].blocks.shape[1], addresses[0].data_ptr(), addresses[1].data_ptr(), gu[0].k, dn[0].k,
-                     len(gu), top_k, renormalize, float32_weights)
-    return Experts(layer, addresses, [*gate_ups, *downs])
-
-
-def moe(x: torch.Tensor, logits: torch.Tensor, experts: Experts, path: str | None = None) -> torch.Tensor:
-    """The mixture layer's output for tokens x [m, hidden] (float32 or bf16) given their router logits [m, experts]
-    (x's dtype): each token's top k experts' SiLU-and-mul MLPs, weighted and summed in expert order, in one call
-    (csrc/quant_moe.h)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or logits.dtype != x.dtype:
-        raise ValueError(f"the quantized experts take float32 or bfloat16 tokens and logits of their dtype, not "
-                         f"{x.dtype} and {logits.dtype}")
-    x, logits = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, logits))
-    out = torch.empty_like(x)
-    code = _lib(path).flock_qmoe(ctypes.addressof(experts.layer), x.data_ptr(), x.stride(0), logits.data_ptr(),
-                                 logits.stride(0), int(x.dtype == torch.bfloat16), len(x), out.data_ptr(),
-                                 out.stride(0), torch.get_num_threads())
-    if code == -1:
-        raise MemoryError(f"no memory for the experts' activations of {len(x)} tokens")
-    if code:
-        raise RuntimeError(f"the quantized GEMM's tiles met shapes an AMX CPU refuses ({code})")
-    return out
 
 
 def _part_rows(part: QuantTensor, ids: torch.Tensor, k: int, dtype: torch.dtype, path: str | None) -> torch.Tensor:

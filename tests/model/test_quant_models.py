@@ -69,7 +69,7 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
         assert set(types) == {CASES[case][1].name}
     assert "quantized" in llm.engine.runner.paths
     mixtures = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
-    assert all(m.quantized is not None for m in mixtures) and bool(mixtures) == (CASES[case][0] in MIXTURES)
+    assert all(m.grouped is not None and m.grouped.kind == "quantized" for m in mixtures) and bool(mixtures) == (CASES[case][0] in MIXTURES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -378,3 +378,5 @@ int32_t flock_gemm_op(const int64_t *a) {
     return flock_gemm((const bf16 *)(intptr_t)a[0], a[1], (const int32_t *)(intptr_t)a[2], (void *)(intptr_t)a[3],
                       a[4], a[5], a[6], a[7], (int32_t)a[8], (int32_t)a[9]);
 }
+
+#include "gemm_moe.h"

@@ -4,80 +4,16 @@
 // same bits as a call of its own); what one call saves is the per-expert calls' thread starts, quantization and
 // Python between them: most of a decode step's mixture layer on a model of small experts.
 
+#include "moe_route.h"
+
 // A layer's experts: each one's [gate | up] (2 inter rows of hidden) and down (hidden rows of inter) blocks, one
-// quant type each, as int64 addresses; the router's choice (top_k by the float32 softmax, renormalized or not)
+// quant type each, as int64 addresses, and how its router chooses them
 typedef struct {
     int64_t gate_up_type, gate_up_x8, gate_up_row_bytes, down_type, down_x8, down_row_bytes;
     const int64_t *gate_up, *down;
-    int64_t hidden, inter, experts, top_k, renormalize, float32_weights;
+    int64_t hidden, inter;
+    MoeRouter router;
 } MoeLayer;
-
-typedef struct {  // a step's (token, expert) pairs, sorted by expert (stable), and the experts' runs of them
-    int64_t *token, *run_start, *run_expert;  // run_start[runs]: the pairs' count
-    float *weight;
-    int64_t pairs, runs;
-} MoeRoute;
-
-static inline void store_x(void *v, int64_t at, float value, int is_bf16) {
-    if (is_bf16) ((bf16 *)v)[at] = f32_to_bf16(value);
-    else ((float *)v)[at] = value;
-}
-
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
-// Token t's top k experts and weights from its router logits: the float32 softmax, the k largest (the lower
-// expert first among equals, largest first), divided by their sum with renormalize; rounded to bf16 as the
-// model's dtype unless the model keeps float32 weights (Mixtral).
-static void route_token(const MoeLayer *L, const void *logits, int64_t at, int is_bf16, int64_t *chosen,
-                        float *weight) {
-    const int64_t E = L->experts;
-    float p[E], max = -INFINITY, sum = 0.0f;
-    char taken[E];
-    for (int64_t e = 0; e < E; e++) p[e] = load_x(logits, at + e, is_bf16), max = fmaxf(max, p[e]), taken[e] = 0;
-    for (int64_t e = 0; e < E; e++) p[e] = expf(p[e] - max), sum += p[e];
-    float kept = 0.0f;
-    for (int64_t j = 0; j < L->top_k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-        chosen[j] = best, weight[j] = p[best] / sum, taken[best] = 1;
-        kept += weight[j];
-    }
-    for (int64_t j = 0; j < L->top_k; j++) {
-        if (L->renormalize) weight[j] /= kept;
-        if (is_bf16 && !L->float32_weights) weight[j] = round_bf16(weight[j]);
-    }
-}
-
-// The m tokens' pairs sorted by expert (a counting sort: each expert's pairs in token order); 0, or -1 where
-// memory cannot be had.
-static int route(const MoeLayer *L, const void *logits, int64_t ld, int is_bf16, int64_t m, MoeRoute *R) {
-    const int64_t P = m * L->top_k, E = L->experts;
-    int64_t *chosen = malloc((size_t)P * sizeof(int64_t)), *count = calloc((size_t)E + 1, sizeof(int64_t));
-    float *weight = malloc((size_t)P * sizeof(float));
-    R->token = malloc((size_t)P * sizeof(int64_t)), R->weight = malloc((size_t)P * sizeof(float));
-    R->run_start = malloc((size_t)(E + 1) * sizeof(int64_t)), R->run_expert = malloc((size_t)E * sizeof(int64_t));
-    R->pairs = P, R->runs = 0;
-    const int ok = chosen && count && weight && R->token && R->weight && R->run_start && R->run_expert;
-    if (ok) {
-        for (int64_t t = 0; t < m; t++) route_token(L, logits, t * ld, is_bf16, chosen + t * L->top_k,
-                                                     weight + t * L->top_k);
-        for (int64_t i = 0; i < P; i++) count[chosen[i] + 1]++;
-        for (int64_t e = 0; e < E; e++) {
-            if (count[e + 1]) R->run_start[R->runs] = count[e], R->run_expert[R->runs++] = e;
-            count[e + 1] += count[e];  // count[e]: where expert e's pairs start
-        }
-        R->run_start[R->runs] = P;
-        for (int64_t i = 0; i < P; i++) {
-            const int64_t at = count[chosen[i]]++;
-            R->token[at] = i / L->top_k, R->weight[at] = weight[i];
-        }
-    }
-    free(chosen), free(count), free(weight);
-    return ok ? 0 : -1;
-}
-
-static void free_route(MoeRoute *R) { free(R->token), free(R->weight), free(R->run_start), free(R->run_expert); }
 
 // One GEMM of every run's pairs by its expert's weights (`w`: each expert's blocks; n outputs, k inputs), inside
 // the parallel region: hq's pair rows (act_row bytes each) in, y's out (dtype rows of n). Runs of AMX_ROWS pairs
@@ -132,7 +68,7 @@ static int64_t act_row_bytes(int type, int64_t k) {
 int32_t flock_qmoe(const MoeLayer *L, const void *x, int64_t ldx, const void *logits, int64_t ld, int32_t is_bf16,
                    int64_t m, void *y, int64_t ldy, int32_t threads) {
     MoeRoute R;
-    if (route(L, logits, ld, is_bf16, m, &R)) return free_route(&R), -1;
+    if (moe_route(&L->router, logits, ld, is_bf16, m, &R)) return -1;
     const int64_t P = R.pairs, size = is_bf16 ? 2 : 4;
     const int64_t gu_row = act_row_bytes((int)L->gate_up_type, L->hidden), d_row = act_row_bytes((int)L->down_type,
                                                                                                  L->inter);
@@ -154,28 +90,14 @@ int32_t flock_qmoe(const MoeLayer *L, const void *x, int64_t ldx, const void *lo
                 quantize_row(h, L->inter, is_bf16, p, L->inter, (int)L->down_type, hq);
             code = code ? code : experts_gemm(&R, (int)L->down_type, (int)L->down_x8, L->down, L->down_row_bytes,
                                               L->hidden, L->inter, hq, d_row, ys, is_bf16, 0, threads);
-            // the weighted sum, its columns split over the threads, each token's pairs added in expert order
-#pragma omp for schedule(static)
-            for (int64_t c0 = 0; c0 < L->hidden; c0 += 64) {
-                const int64_t c1 = c0 + 64 < L->hidden ? c0 + 64 : L->hidden;
-                for (int64_t t = 0; t < m; t++)
-                    for (int64_t c = c0; c < c1; c++) store_x(y, t * ldy + c, 0.0f, is_bf16);
-                for (int64_t p = 0; p < P; p++) {
-                    const int64_t t = R.token[p];
-                    for (int64_t c = c0; c < c1; c++) {
-                        float term = load_x(ys, p * L->hidden + c, is_bf16) * R.weight[p];
-                        float sum = load_x(y, t * ldy + c, is_bf16) + (is_bf16 ? round_bf16(term) : term);
-                        store_x(y, t * ldy + c, sum, is_bf16);
-                    }
-                }
-            }
+            moe_weighted_sum(&R, ys, L->hidden, is_bf16, m, y, ldy);
         }
         if (code) {
 #pragma omp atomic write
             failed = code;
         }
     }
-    free(xq), free(hq), free(h), free(ys), free_route(&R);
+    free(xq), free(hq), free(h), free(ys), moe_free_route(&R);
     return failed;
 }
 
