@@ -30,7 +30,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
 # as step-program ops (flock.model.program)
-PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias")
+PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias", "silu_and_mul", "gelu_and_mul")
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
     paths=("avx512dq", "avx2", "baseline"),

@@ -2,8 +2,9 @@
 
 Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
-layer's forward once (the quantized or bf16 GEMMs, the fused norms (Qwen3's of q and k too) and rope, the bias
-adds, the KV write and the CPU attention kernel), as records of int64 words over buffers that stay put, and a
+layer's forward once (the quantized or bf16 GEMMs, the fused norms (of q and k too; Gemma's four a layer), rope
+(each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's window, and a
+mixture's router and one-call experts), as records of int64 words over buffers that stay put, and a
 step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their
 inputs are those of the modules' forward, so the results are the same bits.
 
@@ -35,16 +36,12 @@ def _f32_word(value: float) -> int:
 
 def unavailable(model) -> str | None:
     """Why the model's layers cannot run as a step program (None: they can)."""
-    backend = model.layers[0].self_attn.backend
-    if not isinstance(backend, CpuCascadeBackend) or not backend.uses_kernel(torch.device("cpu")):
+    if not all(isinstance(b := layer.self_attn.backend, CpuCascadeBackend) and b.uses_kernel(torch.device("cpu"))
+               for layer in model.layers):
         return "attention is not on the CPU kernel"
     c = model.config
     if c.residual_multiplier != 1.0:
         return "the layers scale their outputs (Granite's residual_multiplier)"
-    if c.gemma_norms:
-        return "Gemma's norms (weights offset from 1, four a layer) are not among its ops"
-    if len(set(c.layer_windows)) > 1:
-        return "its layers attend over different windows"
     if c.rotary_dim != c.head_dim:
         return "its rotary embedding turns part of each head"
     for layer in model.layers:
@@ -53,10 +50,10 @@ def unavailable(model) -> str | None:
             return why
         if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, *_mlp_projections(mlp))):
             return "a projection is neither quantized nor packed for Flock's bf16 GEMM"
-        if not _mixture(mlp) and (mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None
-                                  or not mlp.gate_up_proj.silu_and_mul):
-            return "an MLP has a bias, or its SiLU-and-mul is not in its gate_up GEMM"
-        if not (attn.fused and layer.input_layernorm.fused and layer.post_attention_layernorm.fused):
+        if not _mixture(mlp) and (mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+            return "an MLP has a bias"
+        norms = [m for m in layer.modules() if hasattr(m, "eps")]
+        if not (attn.fused and all(n.fused for n in norms) and (_mixture(mlp) or mlp.fused)):
             return "the fused ops are off"
     return None
 
@@ -84,13 +81,14 @@ class StepProgram:
         self.model = weakref.proxy(model)  # the model holds the program: no cycle keeps its caches alive
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the records were built for
-        self.step = _Args()  # the attention kernel's arguments, set at each run
+        self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, set each run
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
 
     def takes(self, x: torch.Tensor, meta) -> bool:
-        return isinstance(meta, CpuMetadata) and 0 < len(x) <= MAX_ROWS
+        windows = {layer.self_attn.window for layer in self.model.layers}
+        return all(isinstance(meta.for_window(w), CpuMetadata) for w in windows) and 0 < len(x) <= MAX_ROWS
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: CpuMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's (output, residual) for the embeddings x, as the layers' forward gives them: views of
         buffers that the next step overwrites."""
         m = len(x)
@@ -114,13 +112,14 @@ class StepProgram:
             self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + t / 1e9
         return failed
 
-    def _set_step(self, m: int, meta: CpuMetadata) -> None:
-        """The attention kernel's arguments for this step (each layer's op takes its own caches)."""
-        attn = self.model.layers[0].self_attn
-        q = self.qkv[:m, : attn.q_size].view(m, attn.num_heads, attn.head_dim)
-        out = self.attention[:m].view(m, attn.num_heads, attn.head_dim)
-        args = attn.backend.kernel_args(q, attn.k_cache, attn.v_cache, out, meta)
-        ctypes.memmove(ctypes.addressof(self.step), ctypes.addressof(args), ctypes.sizeof(_Args))
+    def _set_step(self, m: int, meta) -> None:
+        """The attention kernel's arguments of each window for this step (each layer's op takes its own caches)."""
+        for window, step in self.steps.items():
+            attn = next(layer.self_attn for layer in self.model.layers if layer.self_attn.window == window)
+            q = self.qkv[:m, : attn.q_size].view(m, attn.num_heads, attn.head_dim)
+            out = self.attention[:m].view(m, attn.num_heads, attn.head_dim)
+            args = attn.backend.kernel_args(q, attn.k_cache, attn.v_cache, out, meta.for_window(window))
+            ctypes.memmove(ctypes.addressof(step), ctypes.addressof(args), ctypes.sizeof(_Args))
 
     def _build(self, m: int, dtype: torch.dtype) -> None:
         """Buffers of at least m rows and the records over them, unless those built last still serve."""
@@ -131,8 +130,10 @@ class StepProgram:
         self.rows = max(m, min(2 * self.rows, MAX_ROWS), 16)
         config = self.model.config
         q, kv = attn.q_size, attn.kv_size
+        unfused = any(not _mixture(layer.mlp) and not layer.mlp.gate_up_proj.silu_and_mul for layer in self.model.layers)
         widths = dict(x=config.hidden_size, residual=config.hidden_size, qkv=q + 2 * kv, attention=q,
-                      mid=config.intermediate_size, logits=config.num_experts)
+                      mid=config.intermediate_size, logits=config.num_experts,
+                      gate_up=2 * config.intermediate_size * unfused)  # its activation an op of its own
         for name, width in widths.items():
             setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
         self.positions = torch.zeros(self.rows, dtype=torch.int64)
@@ -166,15 +167,38 @@ class StepProgram:
                    out.shape[1])
 
         def norm(name: str, module, first: bool) -> None:
+            """The residual add and norm before a block (the first layer's: the norm of the embeddings)."""
             fn = getattr(ops, f"flock_{'rms_norm' if first else 'add_rms_norm'}_op_{suffix}")
             x, r, eps = self.x, self.residual, _f32_word(module.eps)
             args = (r, r.stride(0), x, x.stride(0)) if first else (x, x.stride(0), r, r.stride(0))
-            op(name, fn, *args, module.weight, ROWS, x.shape[1], eps, threads)
+            op(name, fn, *args, module.kernel_weight(), ROWS, x.shape[1], eps, threads)
 
-        rope = self.model.rope
+        def output_norm(name: str, module) -> None:
+            """A block's output normalized in place (Gemma 2's and 3's sandwich norms)."""
+            x = self.x
+            op(name, getattr(ops, f"flock_rms_norm_op_{suffix}"), x, x.stride(0), x, x.stride(0),
+               module.kernel_weight(), ROWS, x.shape[1], _f32_word(module.eps), threads)
+
+        def mlp_records(i: int, mlp) -> None:
+            if _mixture(mlp):
+                linear(f"layer {i} router", mlp.gate, self.x, self.logits)
+                op(f"layer {i} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer),
+                   self.x, self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, self.x, self.x.stride(0),
+                   threads)
+                return
+            if mlp.gate_up_proj.silu_and_mul:
+                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
+            else:  # GeGLU (Gemma's), or gate and up of two quant types
+                act = "silu_and_mul" if mlp.silu else "gelu_and_mul"
+                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.gate_up)
+                op(f"layer {i} {act.replace('_', ' ')}", getattr(ops, f"flock_{act}_op_{suffix}"), self.gate_up,
+                   self.gate_up.stride(0), self.mid, self.mid.stride(0), ROWS, self.mid.shape[1], threads)
+            linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
+
         qkv, out = self.qkv, self.attention
+        self.steps = {layer.self_attn.window: _Args() for layer in self.model.layers}
         for i, layer in enumerate(self.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, rope = layer.self_attn, self.model.rope_of(layer)
             norm(f"layer {i} input norm", layer.input_layernorm, first=i == 0)
             linear(f"layer {i} qkv", attn.qkv_proj, self.x, qkv)
             if attn.qk_norm:
@@ -182,22 +206,21 @@ class StepProgram:
                 for name, at, module, heads in (("q", qkv, attn.q_norm, attn.num_heads),
                                                 ("k", k_at, attn.k_norm, attn.num_kv_heads)):
                     op(f"layer {i} {name} norm", getattr(ops, f"flock_head_rms_norm_op_{suffix}"), at, qkv.stride(0),
-                       module.weight, ROWS, heads, attn.head_dim, _f32_word(module.eps), threads)
+                       module.kernel_weight(), ROWS, heads, attn.head_dim, _f32_word(module.eps), threads)
             if attn.rotates:  # SmolLM3's NoPE layers do not
                 op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions,
                    rope.cos, rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim,
                    threads)
             self._attention(i, attn, attention, op)
             linear(f"layer {i} o", attn.o_proj, out, self.x)
-            norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
-            if _mixture(mlp):
-                linear(f"layer {i} router", mlp.gate, self.x, self.logits)
-                op(f"layer {i} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer),
-                   self.x, self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, self.x, self.x.stride(0),
-                   threads)
+            if layer.sandwich:
+                output_norm(f"layer {i} post-attention norm", layer.post_attention_layernorm)
+                norm(f"layer {i} pre-feedforward norm", layer.pre_feedforward_layernorm, first=False)
             else:
-                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
-                linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
+                norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
+            mlp_records(i, layer.mlp)
+            if layer.sandwich:
+                output_norm(f"layer {i} post-feedforward norm", layer.post_feedforward_layernorm)
         self.records = np.array([r + [0] * (WIDTH - len(r)) for r in records], dtype=object)
         self.row_words = np.nonzero(self.records == ROWS)
         self.records[self.row_words] = 0
@@ -214,4 +237,5 @@ class StepProgram:
         k_at, v_at = qkv.data_ptr() + attn.q_size * size, qkv.data_ptr() + (attn.q_size + attn.kv_size) * size
         op(f"layer {i} KV write", lib.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at, qkv.stride(0) * size,
            k_cache, v_cache, row, self.slots, ROWS, row)
-        op(f"layer {i} attention", lib.flock_cpu_cascade_op, ctypes.addressof(self.step), k_cache, v_cache)
+        op(f"layer {i} attention", lib.flock_cpu_cascade_op, ctypes.addressof(self.steps[attn.window]), k_cache,
+           v_cache)

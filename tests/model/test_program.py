@@ -18,7 +18,10 @@ pytestmark = pytest.mark.skipif(cpu.kernel_unavailable() is not None, reason="no
 
 CASES = {"K-quants": ("llama256", Q.Q4_K, K_MIX), "Q4_1 with qkv bias": ("qwen2", Q.Q4_1, None),
          "Q8_0 with q/k norms": ("qwen3", Q.Q8_0, None),
-         "Q8_0": ("llama", Q.Q8_0, None), "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None)}
+         "Q8_0": ("llama", Q.Q8_0, None), "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None),
+         "Gemma Q8_0": ("gemma", Q.Q8_0, None),  # GeGLU, norms offset from 1
+         "Gemma 2 Q8_0": ("gemma2", Q.Q8_0, None),  # four norms a layer, capped scores, a window on every other
+         "Gemma 3 Q4_0": ("gemma3", Q.Q4_0, None)}  # q/k norms, windows with their own rope base
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +89,8 @@ BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
 
 @pytest.mark.skipif(not BF16_GEMMS, reason="no bf16 GEMM on this CPU")
 @pytest.mark.parametrize("path", BF16_GEMMS or [None])
-# SmolLM3: no rope on its NoPE layers; the mixtures' experts packed, in one call a layer
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "mixtral"])
+# SmolLM3: no rope on its NoPE layers; the mixtures' experts packed, in one call a layer; Gemma's layers
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "mixtral", "gemma2", "gemma3"])
 def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
     monkeypatch.setattr(gemm, "isa", lambda: path)
     llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
@@ -124,7 +127,7 @@ def test_where_the_program_cannot_run(gguf_models, hf_folders, tmp_path):
     assert "neither quantized nor packed" in moe.engine.runner.model.use_step_program()
     shared = LLM(str(write_gguf(hf_folders["qwen2_moe"], tmp_path / "qwen2_moe.gguf", Q.Q8_0)), dtype="bfloat16")
     assert "a shared expert" in shared.engine.runner.model.use_step_program()
-    for kind, why in (("gemma3", "Gemma's norms"), ("qwen3_moe", "not in one C call"),
+    for kind, why in (("qwen3_moe", "not in one C call"),
                       ("phi3_partial", "part of each head")):
         assert why in LLM(str(hf_folders[kind]), dtype="float32").engine.runner.model.use_step_program()
 

@@ -308,8 +308,8 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
     return f;
 }
 
-// The norms, rope and a bias add as ops of a step program (flock/model/program.py): their arguments as int64
-// words.
+// The norms, rope, the GLU activations and a bias add as ops of a step program (flock/model/program.py): their
+// arguments as int64 words.
 #define DEFINE_PROGRAM_OPS(NAME, T, LOAD, STORE)                                                              \
     int32_t flock_rms_norm_op_##NAME(const int64_t *a) {                                                      \
         flock_rms_norm_##NAME((const T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3],                     \
@@ -330,6 +330,16 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
         flock_rope_##NAME((T *)(intptr_t)a[0], a[1], (const int64_t *)(intptr_t)a[2],                        \
                           (const T *)(intptr_t)a[3], (const T *)(intptr_t)a[4], a[5], a[6], (int32_t)a[7],     \
                           (int32_t)a[8], (int32_t)a[9]);                                                      \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_silu_and_mul_op_##NAME(const int64_t *a) {                                                  \
+        flock_silu_and_mul_##NAME((const T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3], a[4], a[5],       \
+                                  (int32_t)a[6]);                                                             \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_gelu_and_mul_op_##NAME(const int64_t *a) {                                                  \
+        flock_gelu_and_mul_##NAME((const T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3], a[4], a[5],       \
+                                  (int32_t)a[6]);                                                             \
         return 0;                                                                                             \
     }                                                                                                         \
     /* x (a[3] rows, a[1] apart) += bias (a[2], a[4] wide), as PyTorch's out += bias */                       \
