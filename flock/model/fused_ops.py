@@ -22,7 +22,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
     "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _i32],
     "head_rms_norm": [_ptr, _i64, _ptr, _i64, _i32, _i32, _f32, _i32],
-    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
+    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "gelu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
@@ -95,13 +95,16 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
           head_dim: int) -> None:
-    """Rotate the first `heads` heads of every row of x in place; cos/sin: [max_positions, head_dim] tables."""
+    """Rotate the first `heads` heads of every row of x in place; cos/sin: [max_positions, rotary dim] tables,
+    which turn the first rotary dim dims of each head (all of them, or a partial rotary factor's share)."""
     _check_rows(x, cos)
+    if cos.shape[1] > head_dim or cos.shape[1] % 2:
+        raise ValueError(f"rope_: tables {cos.shape[1]} wide for heads of {head_dim}")
     if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != x.shape[:1]:
         raise ValueError(f"rope_ needs one contiguous int64 position per row, got {positions.dtype} "
                          f"{tuple(positions.shape)} for {x.shape[0]} rows")
     _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                             cos.stride(0), x.shape[0], heads, head_dim, torch.get_num_threads())
+                             cos.stride(0), x.shape[0], heads, head_dim, cos.shape[1], torch.get_num_threads())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -99,20 +99,19 @@ class Attention(nn.Module):
 
     def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
         """q and k normalized (Qwen3) and with the rotary embedding applied, and v: [T, heads, head_dim] each."""
-        fused_rope = self.fused and self.rotates and rope.cos.shape[-1] == self.head_dim  # it turns whole heads
         if self.fused:
             if self.qk_norm:
                 fused_ops.head_rms_norm_(qkv, self.q_norm.kernel_weight(), self.q_norm.eps, self.num_heads,
                                          self.head_dim)
                 fused_ops.head_rms_norm_(qkv[:, self.q_size :], self.k_norm.kernel_weight(), self.k_norm.eps,
                                          self.num_kv_heads, self.head_dim)
-            if fused_rope:
+            if self.rotates:
                 fused_ops.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
         heads = self.num_heads + 2 * self.num_kv_heads
         q, k, v = qkv.view(-1, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         if not self.fused and self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotates and not fused_rope:
+        if self.rotates and not self.fused:
             q, k = rope(positions, q, k)
         return q, k, v
 

@@ -42,8 +42,6 @@ def unavailable(model) -> str | None:
     c = model.config
     if c.residual_multiplier != 1.0:
         return "the layers scale their outputs (Granite's residual_multiplier)"
-    if c.rotary_dim != c.head_dim:
-        return "its rotary embedding turns part of each head"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if _mixture(mlp) and (why := _mixture_unavailable(mlp)):
@@ -210,7 +208,7 @@ class StepProgram:
             if attn.rotates:  # SmolLM3's NoPE layers do not
                 op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions,
                    rope.cos, rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-                   threads)
+                   rope.cos.shape[1], threads)
             self._attention(i, attn, attention, op)
             linear(f"layer {i} o", attn.o_proj, out, self.x)
             if layer.sandwich:

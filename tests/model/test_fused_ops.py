@@ -109,12 +109,14 @@ def test_head_rms_norm_in_place_leaves_the_other_heads(dtype, n):
 @pytest.mark.parametrize("n", ROWS)
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
-def test_rope_is_bit_exact_and_in_place(dtype, n, scaling):
+@pytest.mark.parametrize("partial", [1.0, 0.75])  # Phi-4-mini's factor: the last quarter of each head passes
+def test_rope_is_bit_exact_and_in_place(dtype, n, scaling, partial):
     torch.manual_seed(n)
     heads, kv_heads, head_dim = 9, 3, 64
     config = ModelConfig(model_type="llama", vocab_size=100, hidden_size=heads * head_dim, intermediate_size=8,
                          num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                         rope_theta=1e5, rope_scaling=scaling)
+                         rope_theta=1e5, rope_scaling=scaling, partial_rotary_factor=partial)
+    assert RotaryEmbedding(config, 8, dtype).cos.shape[1] == config.rotary_dim == head_dim * partial
     rope = RotaryEmbedding(config, 4096, dtype)
     qkv = rows(n, (heads + 2 * kv_heads) * head_dim, dtype)
     positions = torch.randint(0, 4096, (n,))

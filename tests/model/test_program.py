@@ -89,8 +89,10 @@ BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
 
 @pytest.mark.skipif(not BF16_GEMMS, reason="no bf16 GEMM on this CPU")
 @pytest.mark.parametrize("path", BF16_GEMMS or [None])
-# SmolLM3: no rope on its NoPE layers; the mixtures' experts packed, in one call a layer; Gemma's layers
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "mixtral", "gemma2", "gemma3"])
+# SmolLM3: no rope on its NoPE layers; the mixtures' experts packed, in one call a layer; Gemma's layers; a partial
+# rotary factor
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "mixtral", "gemma2", "gemma3",
+                                  "phi3_partial"])
 def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
     monkeypatch.setattr(gemm, "isa", lambda: path)
     llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
@@ -128,7 +130,7 @@ def test_where_the_program_cannot_run(gguf_models, hf_folders, tmp_path):
     shared = LLM(str(write_gguf(hf_folders["qwen2_moe"], tmp_path / "qwen2_moe.gguf", Q.Q8_0)), dtype="bfloat16")
     assert "a shared expert" in shared.engine.runner.model.use_step_program()
     for kind, why in (("qwen3_moe", "not in one C call"),
-                      ("phi3_partial", "part of each head")):
+                      ("granite", "residual_multiplier")):
         assert why in LLM(str(hf_folders[kind]), dtype="float32").engine.runner.model.use_step_program()
 
 

@@ -158,11 +158,12 @@ static inline float gelu_tanh(float g) {
     }                                                                                                         \
                                                                                                               \
     /* Rotate-half rotary embedding, in place, on the first `heads` heads of each row (q then k of a fused  \
-       qkv row): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded as PyTorch's. */         \
+       qkv row): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded as PyTorch's, over the    \
+       first rotary_dim dims of each head (a partial rotary factor: the rest pass as they are). */            \
     void flock_rope_##NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos, const T *sin,     \
                            int64_t table_stride, int64_t rows, int32_t heads, int32_t head_dim,               \
-                           int32_t threads) {                                                                 \
-        int32_t half = head_dim / 2;                                                                          \
+                           int32_t rotary_dim, int32_t threads) {                                             \
+        int32_t half = rotary_dim / 2;                                                                        \
         int64_t work = rows * heads * head_dim;                                                               \
         PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
@@ -329,7 +330,7 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
     int32_t flock_rope_op_##NAME(const int64_t *a) {                                                          \
         flock_rope_##NAME((T *)(intptr_t)a[0], a[1], (const int64_t *)(intptr_t)a[2],                        \
                           (const T *)(intptr_t)a[3], (const T *)(intptr_t)a[4], a[5], a[6], (int32_t)a[7],     \
-                          (int32_t)a[8], (int32_t)a[9]);                                                      \
+                          (int32_t)a[8], (int32_t)a[9], (int32_t)a[10]);                                      \
         return 0;                                                                                             \
     }                                                                                                         \
     int32_t flock_silu_and_mul_op_##NAME(const int64_t *a) {                                                  \
