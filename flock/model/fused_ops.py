@@ -25,12 +25,15 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32, _i32],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "gelu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
+    "scale": [_ptr, _i64, _i64, _i64, _f32, _i32],
+    "add_gated": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
 # as step-program ops (flock.model.program)
-PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias", "silu_and_mul", "gelu_and_mul")
+PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias", "silu_and_mul", "gelu_and_mul",
+               "scale", "add_gated")
 KERNEL = native.Library(
     Path(__file__).resolve().parent / "csrc" / "fused_ops.c", "the fused ops",
     paths=("avx512dq", "avx2", "baseline"),
@@ -105,6 +108,21 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"{tuple(positions.shape)} for {x.shape[0]} rows")
     _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                              cos.stride(0), x.shape[0], heads, head_dim, cos.shape[1], torch.get_num_threads())
+
+
+def scale_(x: torch.Tensor, factor: float) -> None:
+    """x *= factor, in place."""
+    _check_rows(x)
+    _kernel("scale", x.dtype)(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], factor, torch.get_num_threads())
+
+
+def add_gated_(x: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> None:
+    """x += sigmoid(gate) * shared, in place; gate: one value a row ([rows, 1])."""
+    _check_rows(x, shared, gate)
+    if not (x.shape == shared.shape and gate.shape == (x.shape[0], 1)):
+        raise ValueError(f"add_gated_: x {tuple(x.shape)}, shared {tuple(shared.shape)}, gate {tuple(gate.shape)}")
+    _kernel("add_gated", x.dtype)(x.data_ptr(), x.stride(0), shared.data_ptr(), shared.stride(0), gate.data_ptr(),
+                                  gate.stride(0), x.shape[0], x.shape[1], torch.get_num_threads())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,7 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    fused = False  # the shared expert's gated add by fused_ops
     """A mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's): each token's top k experts by the router's
     float32 softmax, their outputs weighted and summed in expert order, as transformers sums them; Qwen2-MoE's
     shared expert added, gated by a sigmoid."""
@@ -172,9 +173,13 @@ class SparseMoE(nn.Module):
             return torch.zeros_like(x)
         logits = self.gate(x)
         out = self.grouped(x, logits) if self.grouped is not None else self.mixture(x, logits)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
+        if self.fused:
+            fused_ops.add_gated_(out, shared, gate)
+            return out
+        return out + torch.sigmoid(gate) * shared
 
     def mixture(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
@@ -193,6 +198,8 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fused = False  # Granite's residual_multiplier by fused_ops
+
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
         super().__init__()
         self.self_attn = Attention(config, layer_id, backend)
@@ -222,8 +229,13 @@ class DecoderLayer(nn.Module):
         return self.scaled(self.mlp(x)), residual
 
     def scaled(self, x: torch.Tensor) -> torch.Tensor:
-        """A block's output as the residual stream adds it (Granite's residual_multiplier)."""
-        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
+        """A block's output as the residual stream adds it (Granite's residual_multiplier; fused: in place)."""
+        if self.residual_multiplier == 1.0:
+            return x
+        if self.fused:
+            fused_ops.scale_(x, self.residual_multiplier)
+            return x
+        return x * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -307,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, on: bool = True) -> None:
         """Run RMSNorm (+ residual add), RoPE and SiLU-and-mul by the fused kernels (see fused_ops.unavailable)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, SparseMoE, DecoderLayer)):
                 module.fused = on
 
     def prepack_weights(self, pairs: bool = False) -> None:

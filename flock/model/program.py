@@ -3,8 +3,8 @@
 Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
 layer's forward once (the quantized or bf16 GEMMs, the fused norms (of q and k too; Gemma's four a layer), rope
-(each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's window, and a
-mixture's router and one-call experts), as records of int64 words over buffers that stay put, and a
+(each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's window, a
+mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over buffers that stay put, and a
 step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their
 inputs are those of the modules' forward, so the results are the same bits.
 
@@ -39,19 +39,15 @@ def unavailable(model) -> str | None:
     if not all(isinstance(b := layer.self_attn.backend, CpuCascadeBackend) and b.uses_kernel(torch.device("cpu"))
                for layer in model.layers):
         return "attention is not on the CPU kernel"
-    c = model.config
-    if c.residual_multiplier != 1.0:
-        return "the layers scale their outputs (Granite's residual_multiplier)"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if _mixture(mlp) and (why := _mixture_unavailable(mlp)):
-            return why
+        if _mixture(mlp) and mlp.grouped is None:
+            return "a mixture's experts are not in one C call (flock.model.moe)"
         if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, *_mlp_projections(mlp))):
             return "a projection is neither quantized nor packed for Flock's bf16 GEMM"
-        if not _mixture(mlp) and (mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+        if any(p.bias is not None for p in _mlp_projections(mlp)):
             return "an MLP has a bias"
-        norms = [m for m in layer.modules() if hasattr(m, "eps")]
-        if not (attn.fused and all(n.fused for n in norms) and (_mixture(mlp) or mlp.fused)):
+        if not all(m.fused for m in layer.modules() if hasattr(m, "fused")):
             return "the fused ops are off"
     return None
 
@@ -60,18 +56,18 @@ def _mixture(mlp) -> bool:
     return hasattr(mlp, "experts")  # a SparseMoE (flock.model.llama imports this module)
 
 
-def _mixture_unavailable(mlp) -> str | None:
-    if mlp.grouped is None:
-        return "a mixture's experts are not in one C call (flock.model.moe)"
-    if mlp.shared_expert is not None:
-        return "a mixture has a shared expert (Qwen2-MoE's)"
-    if mlp.gate.bias is not None:
-        return "a mixture's router has a bias"
-    return None
+def _dense_mlps(layers) -> list:
+    """The layers' MLPs that run as a gate_up and a down GEMM: dense ones and the mixtures' shared experts."""
+    return [m for layer in layers for m in ([layer.mlp.shared_expert] if _mixture(layer.mlp) else [layer.mlp])
+            if m is not None]
 
 
 def _mlp_projections(mlp) -> tuple:
-    return (mlp.gate,) if _mixture(mlp) else (mlp.gate_up_proj, mlp.down_proj)
+    if not _mixture(mlp):
+        return mlp.gate_up_proj, mlp.down_proj
+    if mlp.shared_expert is None:
+        return (mlp.gate,)
+    return mlp.gate, mlp.shared_expert_gate, mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj
 
 
 class StepProgram:
@@ -128,10 +124,12 @@ class StepProgram:
         self.rows = max(m, min(2 * self.rows, MAX_ROWS), 16)
         config = self.model.config
         q, kv = attn.q_size, attn.kv_size
-        unfused = any(not _mixture(layer.mlp) and not layer.mlp.gate_up_proj.silu_and_mul for layer in self.model.layers)
-        widths = dict(x=config.hidden_size, residual=config.hidden_size, qkv=q + 2 * kv, attention=q,
-                      mid=config.intermediate_size, logits=config.num_experts,
-                      gate_up=2 * config.intermediate_size * unfused)  # its activation an op of its own
+        mlps = _dense_mlps(self.model.layers)
+        mid = max((m.down_proj.in_features for m in mlps), default=0)
+        shared = any(_mixture(layer.mlp) and layer.mlp.shared_expert is not None for layer in self.model.layers)
+        widths = dict(x=config.hidden_size, residual=config.hidden_size, qkv=q + 2 * kv, attention=q, mid=mid,
+                      logits=config.num_experts, shared=config.hidden_size * shared, shared_gate=int(shared),
+                      gate_up=2 * mid * any(not m.gate_up_proj.silu_and_mul for m in mlps))  # GeGLU an op of its own
         for name, width in widths.items():
             setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
         self.positions = torch.zeros(self.rows, dtype=torch.int64)
@@ -177,21 +175,35 @@ class StepProgram:
             op(name, getattr(ops, f"flock_rms_norm_op_{suffix}"), x, x.stride(0), x, x.stride(0),
                module.kernel_weight(), ROWS, x.shape[1], _f32_word(module.eps), threads)
 
-        def mlp_records(i: int, mlp) -> None:
+        def mlp_records(name: str, mlp, out: torch.Tensor) -> None:
             if _mixture(mlp):
-                linear(f"layer {i} router", mlp.gate, self.x, self.logits)
-                op(f"layer {i} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer),
-                   self.x, self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, self.x, self.x.stride(0),
-                   threads)
+                if mlp.shared_expert is not None:  # from the input the experts' call then overwrites
+                    mlp_records(f"{name} shared expert", mlp.shared_expert, self.shared)
+                    linear(f"{name} shared expert gate", mlp.shared_expert_gate, self.x, self.shared_gate)
+                linear(f"{name} router", mlp.gate, self.x, self.logits)
+                op(f"{name} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer), self.x,
+                   self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, out, out.stride(0), threads)
+                if mlp.shared_expert is not None:
+                    op(f"{name} shared expert add", getattr(ops, f"flock_add_gated_op_{suffix}"), out, out.stride(0),
+                       self.shared, self.shared.stride(0), self.shared_gate, self.shared_gate.stride(0), ROWS,
+                       out.shape[1], threads)
                 return
+            mid = self.mid[:, : mlp.down_proj.in_features]
             if mlp.gate_up_proj.silu_and_mul:
-                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.mid, glu=True)
+                linear(f"{name} gate_up", mlp.gate_up_proj, self.x, mid, glu=True)
             else:  # GeGLU (Gemma's), or gate and up of two quant types
                 act = "silu_and_mul" if mlp.silu else "gelu_and_mul"
-                linear(f"layer {i} gate_up", mlp.gate_up_proj, self.x, self.gate_up)
-                op(f"layer {i} {act.replace('_', ' ')}", getattr(ops, f"flock_{act}_op_{suffix}"), self.gate_up,
-                   self.gate_up.stride(0), self.mid, self.mid.stride(0), ROWS, self.mid.shape[1], threads)
-            linear(f"layer {i} down", mlp.down_proj, self.mid, self.x)
+                gate_up = self.gate_up[:, : 2 * mid.shape[1]]
+                linear(f"{name} gate_up", mlp.gate_up_proj, self.x, gate_up)
+                op(f"{name} {act.replace('_', ' ')}", getattr(ops, f"flock_{act}_op_{suffix}"), gate_up,
+                   gate_up.stride(0), mid, mid.stride(0), ROWS, mid.shape[1], threads)
+            linear(f"{name} down", mlp.down_proj, mid, out)
+
+        def scaled(i: int, layer, what: str) -> None:
+            """Granite's residual_multiplier on a block's output."""
+            if layer.residual_multiplier != 1.0:
+                op(f"layer {i} {what} scale", getattr(ops, f"flock_scale_op_{suffix}"), self.x, self.x.stride(0),
+                   ROWS, self.x.shape[1], _f32_word(layer.residual_multiplier), threads)
 
         qkv, out = self.qkv, self.attention
         self.steps = {layer.self_attn.window: _Args() for layer in self.model.layers}
@@ -211,12 +223,14 @@ class StepProgram:
                    rope.cos.shape[1], threads)
             self._attention(i, attn, attention, op)
             linear(f"layer {i} o", attn.o_proj, out, self.x)
+            scaled(i, layer, "attention")
             if layer.sandwich:
                 output_norm(f"layer {i} post-attention norm", layer.post_attention_layernorm)
                 norm(f"layer {i} pre-feedforward norm", layer.pre_feedforward_layernorm, first=False)
             else:
                 norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
-            mlp_records(i, layer.mlp)
+            mlp_records(f"layer {i}", layer.mlp, self.x)
+            scaled(i, layer, "MLP")
             if layer.sandwich:
                 output_norm(f"layer {i} post-feedforward norm", layer.post_feedforward_layernorm)
         self.records = np.array([r + [0] * (WIDTH - len(r)) for r in records], dtype=object)

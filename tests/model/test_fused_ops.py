@@ -143,6 +143,26 @@ def test_act_and_mul(dtype, n, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+def test_scale_and_gated_add_in_place(dtype, n):
+    """Granite's residual_multiplier (the bits of x * m) and Qwen2-MoE's shared expert added under its sigmoid
+    gate."""
+    torch.manual_seed(n)
+    x, shared, gate = rows(n, 576, dtype, stride=600), rows(n, 576, dtype), rows(n, 1, dtype, scale=3.0)
+    want = x * 0.22
+    fused_ops.scale_(x, 0.22)
+    assert torch.equal(x, want)
+    want = x + torch.sigmoid(gate) * shared
+    fused_ops.add_gated_(x, shared, gate)
+    if dtype == torch.bfloat16:
+        assert_near(x, want)
+    else:  # the sigmoid within an ulp or two of PyTorch's; sums near 0 make that many ulps of theirs
+        assert torch.allclose(x, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="add_gated_"):
+        fused_ops.add_gated_(x, shared, gate.expand(n, 2).contiguous())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_special_values(dtype):
     gate = torch.tensor([-1e4, -200.0, -100.0, -88.8, -87.5, -80.0, -1e-3, 0.0, -0.0, 1e-3, 5.0, 80.0, 88.5,
                          89.0, 1e4, float("inf"), float("-inf"), float("nan"), 1e-40]).to(dtype)

@@ -180,6 +180,32 @@ static inline float gelu_tanh(float g) {
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
+    /* x *= factor in place (Granite's residual_multiplier on a block's output), rounded as PyTorch's */       \
+    void flock_scale_##NAME(T *x, int64_t x_stride, int64_t rows, int64_t cols, float factor, int32_t threads) { \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            T *xr = x + i * x_stride;                                                                         \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < cols; j++) xr[j] = STORE(LOAD(xr[j]) * factor);                           \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* x += sigmoid(gate) * shared for each row, its gate one value (Qwen2-MoE's shared expert), each op       \
+       rounded as PyTorch's */                                                                                \
+    void flock_add_gated_##NAME(T *x, int64_t x_stride, const T *shared, int64_t s_stride, const T *gate,     \
+                                int64_t g_stride, int64_t rows, int64_t cols, int32_t threads) {              \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            T *xr = x + i * x_stride;                                                                         \
+            const T *sr = shared + i * s_stride;                                                              \
+            const float g = NAME##_round(1.0f / (1.0f + exp_approx(-LOAD(gate[i * g_stride]))));              \
+            _Pragma("omp simd")                                                                               \
+            for (int64_t j = 0; j < cols; j++) xr[j] = STORE(LOAD(xr[j]) + NAME##_round(g * LOAD(sr[j])));    \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
     ACT_AND_MUL(silu_and_mul, NAME, T, LOAD, STORE, silu)                                                     \
     ACT_AND_MUL(gelu_and_mul, NAME, T, LOAD, STORE, gelu_tanh)                                                \
                                                                                                               \
@@ -309,7 +335,7 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
     return f;
 }
 
-// The norms, rope, the GLU activations and a bias add as ops of a step program (flock/model/program.py): their
+// The norms, rope, the GLU activations, a scale, a gated add and a bias add as ops of a step program (flock/model/program.py): their
 // arguments as int64 words.
 #define DEFINE_PROGRAM_OPS(NAME, T, LOAD, STORE)                                                              \
     int32_t flock_rms_norm_op_##NAME(const int64_t *a) {                                                      \
@@ -341,6 +367,15 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
     int32_t flock_gelu_and_mul_op_##NAME(const int64_t *a) {                                                  \
         flock_gelu_and_mul_##NAME((const T *)(intptr_t)a[0], a[1], (T *)(intptr_t)a[2], a[3], a[4], a[5],       \
                                   (int32_t)a[6]);                                                             \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_scale_op_##NAME(const int64_t *a) {                                                         \
+        flock_scale_##NAME((T *)(intptr_t)a[0], a[1], a[2], a[3], word_f32(a[4]), (int32_t)a[5]);              \
+        return 0;                                                                                             \
+    }                                                                                                         \
+    int32_t flock_add_gated_op_##NAME(const int64_t *a) {                                                     \
+        flock_add_gated_##NAME((T *)(intptr_t)a[0], a[1], (const T *)(intptr_t)a[2], a[3],                    \
+                               (const T *)(intptr_t)a[4], a[5], a[6], a[7], (int32_t)a[8]);                   \
         return 0;                                                                                             \
     }                                                                                                         \
     /* x (a[3] rows, a[1] apart) += bias (a[2], a[4] wide), as PyTorch's out += bias */                       \
