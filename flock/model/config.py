@@ -204,6 +204,14 @@ class ModelConfig:
         intermediate_size wide; Qwen's num_experts on the layers decoder_sparse_step and mlp_only_layers leave."""
         if model_type not in MOE_TYPES:
             return {}
+        fields = ModelConfig._moe_layout(d, model_type)
+        if fields["num_experts"] and not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+            raise ValueError(f"num_experts_per_tok {fields['num_experts_per_tok']} of {fields['num_experts']} experts: "
+                             "a mixture chooses between 1 and all of them")
+        return fields
+
+    @staticmethod
+    def _moe_layout(d: dict, model_type: str) -> dict:
         layers = d["num_hidden_layers"]
         if model_type == "mixtral":
             return {"num_experts": d.get("num_local_experts", 8),

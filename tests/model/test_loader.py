@@ -154,7 +154,9 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 0}).sliding_window == 8
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 1}).layer_windows == [None, 8]  # a backend each
     assert ModelConfig.from_dict(base | {"model_type": "qwen2", "attention_bias": False}).attention_bias
-    for unsupported, match in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")]:
+    too_many = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}  # a top 5 of 4 experts
+    for unsupported, match in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias"),
+                               (too_many, "num_experts_per_tok 5 of 4")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_dict(base | unsupported)
     (tmp_path / "config.json").write_text(json.dumps(base | {"eos_token_id": 3}))
