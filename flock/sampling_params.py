@@ -71,6 +71,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already in the output
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit divided by it (if > 0), else multiplied
+    # None: the penalties as vLLM's (repetition over the prompt and output, frequency and presence over the
+    # output); n: all three over the last n tokens of the prompt and output, as llama.cpp's penalty_last_n (0: off)
+    penalty_last_n: int | None = None
     logit_bias: dict[int, float] | None = None  # token id (or its string) -> added to its logit, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (vLLM's): a word's last token is banned after the rest
@@ -165,6 +168,9 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
                 or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        window = self.penalty_last_n
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+            raise ValueError(f"penalty_last_n must be None or an integer >= 0, got {window!r}")
         self._validate_logit_bias(vocab_size)
         allowed = self.allowed_token_ids
         if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(

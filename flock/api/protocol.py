@@ -661,3 +661,20 @@ def reasoning_usage(gen: GenerationRequest, choices: list) -> int | None:
     """The choices' reasoning tokens (each a Choice or a streamed choice, with `reasoning_tokens`), when the
     request's thinking was split off."""
     return sum(c.reasoning_tokens for c in choices) if gen.reasoning else None
+
+
+def is_int(x) -> bool:
+    """An integer, not a bool (JSON's true is not 1 here)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def flag(body: dict, name: str) -> bool:
+    """A bool field of a body, false when absent."""
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be a bool, got {value!r}", param=name)
+    return value

@@ -15,12 +15,14 @@ from starlette.exceptions import HTTPException
 
 import flock
 from flock.api.metrics import StatusCounter
-from flock.api.protocol import APIError
+from flock.api import llama_cpp
+from flock.api.protocol import APIError, chat_token_ids
 from flock.api.server_generate import (
     ServerContext,
     check_model,
     embed,
     generate,
+    generate_llama_cpp,
     generate_native,
     json_body,
     respond,
@@ -33,7 +35,7 @@ from flock.sampling_params import SamplingParams
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                 "/v1/score", "/v1/rerank", "/generate"}
+                 "/v1/score", "/v1/rerank", "/generate", "/completion", "/completions"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -96,11 +98,33 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
         body = check_model(await json_body(raw), ctx)
+        if isinstance(body, dict) and "content" in body:  # llama-server's
+            return llama_cpp.tokenize_content(body, ctx.engine.tokenizer)
         return tokenize(body, ctx.engine.tokenizer, ctx.engine.max_model_len)
 
     @app.post("/detokenize", dependencies=auth)
-    async def detokenize_(raw: Request):
-        return detokenize(check_model(await json_body(raw), ctx), ctx.engine.tokenizer)
+    async def detokenize_(raw: Request):  # vLLM's "prompt", and llama-server's "content"
+        text = detokenize(check_model(await json_body(raw), ctx), ctx.engine.tokenizer)["prompt"]
+        return {"prompt": text, "content": text}
+
+    @app.post("/completion", dependencies=auth)  # llama-server's native endpoint, and its other name
+    @app.post("/completions", dependencies=auth)
+    async def completion_(raw: Request):
+        return await generate_llama_cpp(raw, ctx)
+
+    @app.post("/apply-template", dependencies=auth)  # llama-server's: a chat through the template, as text
+    async def apply_template(raw: Request):
+        body = check_model(await json_body(raw), ctx)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        ids = chat_token_ids(body, ctx.engine.tokenizer)
+        return {"prompt": ctx.engine.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    @app.get("/props", dependencies=auth)  # llama-server's
+    async def props_():
+        settings = llama_cpp.DEFAULTS | {"n_predict": -1, "seed": -1}
+        return llama_cpp.props(ctx.model_names[0], settings, ctx.engine.max_model_len,
+                               getattr(ctx.engine.tokenizer, "chat_template", None), ctx.engine.config.max_num_seqs)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from flock.api import embeddings, scores
+from flock.api import embeddings, llama_cpp, scores
 from flock.api.answer_stream import AnswerStream
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
@@ -122,6 +122,49 @@ async def generate_native(raw: Request, ctx: ServerContext):
     parts = await _collect(streams, raw, ctx)
     objects = [_native_object(req, i, p, ctx, time.monotonic() - start) for i, p in enumerate(parts)]
     return JSONResponse(objects[0] if req.single else objects)
+
+
+async def generate_llama_cpp(raw: Request, ctx: ServerContext):
+    """llama-server's POST /completion (flock/api/llama_cpp.py)."""
+    req = llama_cpp.parse_completion(await json_body(raw), ctx.engine.tokenizer)
+    start = time.monotonic()
+    streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
+    if req.stream:
+        return _SSEResponse(_llama_cpp_stream(req, streams, ctx, start), media_type="text/event-stream")
+    parts = await _collect(streams, raw, ctx)
+    objects = [_llama_cpp_object(req, i, p, ctx, start) for i, p in enumerate(parts)]
+    return JSONResponse(objects[0] if req.single else objects)
+
+
+async def _llama_cpp_stream(req: llama_cpp.Completion, streams: list[RequestStream], ctx: ServerContext,
+                            start: float) -> AsyncIterator[str]:
+    """llama-server's events: each new piece of text with its token ids, then a completion's final object (no
+    [DONE])."""
+    parts = [ChoiceParts() for _ in streams]
+    try:
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    yield _sse({"error": {"code": 500, "message": out.error, "type": "server_error"}})
+                    break
+                parts[i].add(out)
+                if (out.text or out.token_ids) and not req.prefill_only:
+                    yield _sse(llama_cpp.partial_object(req, i, out.text, out.token_ids, len(parts[i].token_ids),
+                                                        out.num_prompt_tokens, out.logprobs, ctx.token_text))
+                if out.finished:
+                    yield _sse(_llama_cpp_object(req, i, parts[i], ctx, start))
+    finally:
+        _close(streams, ctx.metrics)
+
+
+def _llama_cpp_object(req: llama_cpp.Completion, i: int, part: "ChoiceParts", ctx: ServerContext, start: float) -> dict:
+    last, first = part.last, part.first_token_at or part.last_at
+    predicted = 0 if req.prefill_only else len(part.token_ids)
+    timings = llama_cpp.timings(last.num_cached_tokens, last.num_prompt_tokens, first - start, predicted,
+                                part.last_at - first)
+    return llama_cpp.completion_object(req, i, "".join(part.texts), part.token_ids, req.requests[i][0],
+                                       last.num_cached_tokens, last.finish_reason, last.stop_reason, part.logprobs,
+                                       ctx.model_names[0], ctx.engine.tokenizer, ctx.token_text, timings)
 
 
 async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
@@ -252,8 +295,13 @@ class ChoiceParts:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     last: StreamOutput | None = None
+    first_token_at: float | None = None  # time.monotonic() of the first output token
+    last_at: float = 0.0  # of the last event
 
     def add(self, out: StreamOutput) -> None:
+        self.last_at = time.monotonic()
+        if self.first_token_at is None and out.token_ids:
+            self.first_token_at = self.last_at
         self.texts.append(out.text)
         self.token_ids += out.token_ids
         if out.logprobs is not None:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from flock.api.logprobs import TokenText
-from flock.api.protocol import MAX_CHOICES, APIError
+from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -69,7 +69,7 @@ def parse_generate(body, tokenizer) -> NativeRequest:
         raise APIError("sampling_params.n must be the same for every prompt", param="sampling_params")
     logprob = body.get("return_logprob", False)
     start, top = body.get("logprob_start_len", -1), body.get("top_logprobs_num", 0)
-    if not isinstance(logprob, bool) or not _int(start) or start < -1 or not _int(top) or not 0 <= top <= 20:
+    if not isinstance(logprob, bool) or not is_int(start) or start < -1 or not is_int(top) or not 0 <= top <= 20:
         raise APIError("return_logprob must be a bool, logprob_start_len an integer >= -1 and top_logprobs_num an "
                        "integer in [0, 20]", param="return_logprob")
     for p, ids in zip(params, prompts):
@@ -85,7 +85,7 @@ def parse_generate(body, tokenizer) -> NativeRequest:
     requests = [(ids, s) for ids, p in zip(prompts, params) for s in p.samples()]
     prefill = [flag for flag, p in zip(prefill, params) for _ in range(p.n)]
     return NativeRequest(single and len(requests) == 1, requests, _rids(body.get("rid"), len(prompts), len(requests)),
-                         _bool(body, "stream"), logprob, start, top, _bool(body, "return_text_in_logprobs"), prefill)
+                         flag(body, "stream"), logprob, start, top, flag(body, "return_text_in_logprobs"), prefill)
 
 
 def _rids(rid, num_prompts: int, num_requests: int) -> list[str]:
@@ -111,10 +111,10 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
             raise APIError("text must be a non-empty string or a non-empty list of them", param="text")
         return [tokenizer.encode(t) for t in texts], isinstance(text, str)
-    single = isinstance(ids, list) and bool(ids) and _int(ids[0])
+    single = isinstance(ids, list) and bool(ids) and is_int(ids[0])
     batch = [ids] if single else ids
     if not isinstance(batch, list) or not batch or not all(
-            isinstance(b, list) and b and all(_int(t) for t in b) for b in batch):
+            isinstance(b, list) and b and all(is_int(t) for t in b) for b in batch):
         raise APIError("input_ids must be a non-empty list of token ids, or a list of them", param="input_ids")
     return batch, single
 
@@ -126,12 +126,12 @@ def _sampling_params(spec: dict) -> SamplingParams:
                        param="sampling_params")
     kwargs = {name: spec[key] for key, name in _PLAIN.items() if spec.get(key) is not None}
     max_new = spec.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)  # null: up to the context length
-    if max_new is not None and (not _int(max_new) or max_new < 0):
+    if max_new is not None and (not is_int(max_new) or max_new < 0):
         raise APIError(f"sampling_params.max_new_tokens must be at least 0, got {max_new!r}", param="sampling_params")
     kwargs["max_tokens"] = 1 if max_new == 0 else max_new  # 0: prefill only, the one token is dropped
     temperature = spec.get("temperature")
     if temperature is not None:
-        kwargs["temperature"] = 0.0 if _number(temperature) and 0 <= temperature < GREEDY_BELOW else temperature
+        kwargs["temperature"] = 0.0 if is_number(temperature) and 0 <= temperature < GREEDY_BELOW else temperature
     top_k = spec.get("top_k")
     if top_k == 0:
         raise APIError("sampling_params.top_k must be -1 (disable) or at least 1, got 0", param="sampling_params")
@@ -213,17 +213,3 @@ def model_info(model: str, tokenizer_path: str) -> dict:
             "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
             "has_audio_understanding": False}
 
-
-def _bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise APIError(f"{name} must be a bool, got {value!r}", param=name)
-    return value
-
-
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -8,7 +8,8 @@ In vLLM's order, before temperature, top-k and top-p (and before a greedy row's 
 2. logit_bias: each listed token's bias is added to its logit;
 3. repetition_penalty over the prompt and output tokens: a positive logit is divided by it, a negative one
    multiplied; then frequency and presence over the output tokens only (the OpenAI definition):
-   logit -= frequency_penalty * count + presence_penalty * (count > 0).
+   logit -= frequency_penalty * count + presence_penalty * (count > 0). With penalty_last_n, all three count
+   the last n tokens of the prompt and output instead (llama.cpp's penalties).
 
 A batch whose rows ask for none of this returns its logits untouched, at the cost of one look at each row's
 params; otherwise only the rows that ask are gathered and adjusted, as one set of tensor ops."""
@@ -120,11 +121,12 @@ def _penalties(logits: torch.Tensor, params, histories) -> None:
     if not rows:
         return
     sub = logits[_long(rows, logits)]
-    counts = _counts([histories[i].output_token_ids for i in rows], sub)
+    counts = _counts([_counted(params[i], histories[i]) for i in rows], sub)
     repetition = _values([params[i].repetition_penalty for i in rows], sub)
     if bool((repetition != 1.0).any()):
-        # the prompt is read only for the rows with a repetition penalty
-        prompts = [histories[i].prompt_token_ids if params[i].repetition_penalty != 1.0 else [] for i in rows]
+        # the prompt is read only for the rows with a repetition penalty (and no window, which counted it)
+        prompts = [histories[i].prompt_token_ids if params[i].repetition_penalty != 1.0
+                   and params[i].penalty_last_n is None else [] for i in rows]
         seen = (counts > 0) | (_counts(prompts, sub) > 0)
         factor = torch.where(seen, repetition, 1.0)
         sub = torch.where(sub > 0, sub / factor, sub * factor)
@@ -132,6 +134,16 @@ def _penalties(logits: torch.Tensor, params, histories) -> None:
     presence = _values([params[i].presence_penalty for i in rows], sub)
     sub -= frequency * counts + presence * (counts > 0)
     logits[_long(rows, logits)] = sub
+
+
+def _counted(p: SamplingParams, history: TokenHistory) -> list[int]:
+    """The tokens the frequency and presence penalties count: the output, or the last penalty_last_n tokens of
+    the prompt and output."""
+    out, n = history.output_token_ids, p.penalty_last_n
+    if n is None or n <= len(out):
+        return out if n is None else out[len(out) - n:]
+    prompt = history.prompt_token_ids
+    return prompt[max(0, len(prompt) - (n - len(out))):] + out
 
 
 def _counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:

@@ -481,7 +481,8 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert r["max_model_len"] == 2048 and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
     assert post("/tokenize", {"messages": chat}).json()["tokens"] == encode_messages(tok, chat)
-    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "The cache is paged."}
+    text = "The cache is paged."
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": text, "content": text}  # llama.cpp's too
     bad = post("/detokenize", {"tokens": [len(tok)]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert post("/tokenize", {"prompt": "x", "stream": True}).json()["error"]["param"] == "stream"
@@ -608,6 +609,62 @@ def test_sglang_generate(server, client):
     assert [o["meta_info"]["id"] for o in named] == ["x", "y"] and named[0]["text"] == same
     info = httpx.get(f"{server.url}/get_model_info", headers=AUTH, timeout=10).json()
     assert info["is_generation"] is True and info["model_path"] == MODEL
+
+
+def test_llama_cpp_completion(server, client):
+    """llama-server's native /completion: an object for one prompt, a list for several or n_cmpl; the stop type and
+    word; streamed pieces then the final object (no [DONE]); probabilities; samplers it lacks refused; its
+    /tokenize, /detokenize, /apply-template and /props."""
+    post = lambda path, body: httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60)  # noqa: E731
+    prompt = "The cache is paged and shared by prefix."
+    greedy = {"temperature": 0, "n_predict": 8, "ignore_eos": True}
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY).choices[0].text
+    one = post("/completion", {"prompt": prompt, **greedy, "return_tokens": True}).json()
+    assert one["content"] == same and len(one["tokens"]) == one["tokens_predicted"] == 8 and one["stop"] is True
+    assert one["stop_type"] == "limit" and one["stopping_word"] == "" and one["model"] == MODEL
+    assert one["tokens_evaluated"] > 0 and one["timings"]["predicted_n"] == 8 and "completion_probabilities" not in one
+    ids = post("/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert post("/completion", {"prompt": ids, **greedy}).json()["content"] == same
+    detok = post("/detokenize", {"tokens": ids}).json()
+    assert detok["content"] == detok["prompt"] and prompt in detok["content"]
+    mixed = post("/completions", {"prompt": [ids[0], prompt[:3]], **greedy}).json()
+    assert isinstance(mixed, dict) and mixed["tokens_evaluated"] >= 2
+    several = post("/completion", {"prompt": [prompt, ids], **greedy, "n_cmpl": 2}).json()
+    assert [c["content"] for c in several] == [same] * 4 and [c["index"] for c in several] == [0, 1, 2, 3]
+    stop = same[3:6]
+    word = post("/completion", {"prompt": prompt, **greedy, "stop": [stop]}).json()
+    assert word["stop_type"] == "word" and word["stopping_word"] == stop and word["content"] == same[: same.index(stop)]
+    events = [json.loads(line[6:]) for line in httpx.post(f"{server.url}/completion", headers=AUTH, timeout=60, json={
+        "prompt": prompt, **greedy, "stream": True, "n_probs": 2}).text.split("\n\n") if line]
+    assert "".join(e["content"] for e in events) == same and events[-1]["stop"] and not any(
+        e["stop"] for e in events[:-1])
+    pieces = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert len(pieces) == 8 and all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0 for p in pieces)
+    probs = post("/completion", {"prompt": prompt, **greedy, "n_probs": 3, "post_sampling_probs": True,
+                                 "response_fields": ["content", "generation_settings/n_predict",
+                                                     "completion_probabilities"]}).json()
+    assert set(probs) == {"content", "n_predict", "completion_probabilities"} and probs["n_predict"] == 8
+    assert all(0 < p["prob"] <= 1 and len(p["top_probs"]) == 3 for p in probs["completion_probabilities"])
+    sampled = post("/completion", {"prompt": prompt, "n_predict": 6, "seed": 5, "repeat_penalty": 1.3,
+                                   "samplers": ["penalties", "top_k", "temperature"]}).json()
+    again = post("/completion", {"prompt": prompt, "n_predict": 6, "seed": 5, "repeat_penalty": 1.3,
+                                 "samplers": "ekt"}).json()
+    assert sampled["content"] == again["content"] and sampled["generation_settings"]["samplers"] == [
+        "penalties", "top_k", "temperature"]
+    assert post("/completion", {"prompt": prompt, "n_predict": 0}).json()["tokens_predicted"] == 0
+    for bad in ({"prompt": prompt, "mirostat": 2}, {"prompt": prompt, "dry_multiplier": 0.8}, {"prompt": []},
+                {"prompt": prompt, "samplers": ["top_k", "warp"]}, {"prompt": prompt, "n_predict": -2},
+                {"prompt": prompt, "grammar": "root ::= x", "json_schema": {}}, {"prompt": [10 ** 9]}):
+        r = post("/completion", bad)
+        assert r.status_code == 400 and r.json()["error"]["message"], bad
+    digits = post("/completion", {"prompt": prompt, "n_predict": 12, "temperature": 0, "grammar": 'root ::= [0-9]+'})
+    assert digits.json()["content"].isdigit()
+    pieces = post("/tokenize", {"content": prompt, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids[len(ids) - len(pieces):]
+    chat = post("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
+    assert "Hi" in chat
+    props = httpx.get(f"{server.url}/props", headers=AUTH, timeout=10).json()
+    assert props["default_generation_settings"]["n_ctx"] == 2048 and props["total_slots"] >= 1
 
 
 def test_200_streams_a_fifth_disconnecting_leak_nothing(server, client):

@@ -36,11 +36,13 @@ def reference(row: torch.Tensor, p: SamplingParams, tokens: Tokens, eos: set[int
             x[t] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         x[t] += b
-    for t in set(tokens.prompt_token_ids) | set(out):
+    window = None if p.penalty_last_n is None else (tokens.prompt_token_ids + out)[::-1][:p.penalty_last_n]
+    for t in set(tokens.prompt_token_ids) | set(out) if window is None else set(window):
         r = p.repetition_penalty
         x[t] = x[t] / r if x[t] > 0 else x[t] * r
-    for t in set(out):
-        x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    counted = out if window is None else window  # llama.cpp's: the last n tokens of the prompt and output
+    for t in set(counted):
+        x[t] -= p.frequency_penalty * counted.count(t) + p.presence_penalty
     return torch.tensor(x, dtype=torch.float64)
 
 
@@ -59,6 +61,9 @@ KINDS = {
     "allowed_token_ids": lambda rng: SamplingParams(allowed_token_ids=rng.sample(range(VOCAB), 5)),
     "bad_words": lambda rng: SamplingParams(bad_words_token_ids=[[rng.randrange(VOCAB)], [3, rng.randrange(VOCAB)]] + [
         [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 4))] for _ in range(3)]),
+    "llama.cpp's window": lambda rng: SamplingParams(
+        repetition_penalty=rng.uniform(0.2, 3), frequency_penalty=rng.uniform(-2, 2),
+        presence_penalty=rng.uniform(-2, 2), penalty_last_n=rng.choice([0, 1, 5, 20, 64])),
     "all": lambda rng: SamplingParams(
         presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
         repetition_penalty=rng.uniform(0.2, 3), logit_bias={rng.randrange(VOCAB): rng.uniform(-10, 10)},
