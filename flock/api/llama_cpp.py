@@ -295,9 +295,10 @@ def tokenize_content(body: dict, tokenizer) -> dict:
     return {"tokens": pieces}
 
 
-def props(model: str, settings: dict, max_model_len: int, chat_template: str | None, slots: int) -> dict:
+def props(model: str, settings: dict, max_model_len: int, tokenizer, slots: int) -> dict:
     """llama-server's GET /props."""
     return {"default_generation_settings": {"n_ctx": max_model_len, "params": settings}, "total_slots": slots,
-            "model_alias": model, "model_path": model, "chat_template": chat_template or "",
+            "model_alias": model, "model_path": model, "chat_template": getattr(tokenizer, "chat_template", None) or "",
+            "bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or "",
             "modalities": {"vision": False, "audio": False}, "build_info": "flock"}
 

@@ -123,8 +123,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/props", dependencies=auth)  # llama-server's
     async def props_():
         settings = llama_cpp.DEFAULTS | {"n_predict": -1, "seed": -1}
-        return llama_cpp.props(ctx.model_names[0], settings, ctx.engine.max_model_len,
-                               getattr(ctx.engine.tokenizer, "chat_template", None), ctx.engine.config.max_num_seqs)
+        return llama_cpp.props(ctx.model_names[0], settings, ctx.engine.max_model_len, ctx.engine.tokenizer,
+                               ctx.engine.config.max_num_seqs)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
