@@ -59,7 +59,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: all tokens
     top_p: float = 1.0
-    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely (after temperature)
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely
+    # top-k, top-p and min-p on the logits before the temperature, which then scales what they leave (llama.cpp's
+    # default chain); False: after it (vLLM's)
+    temperature_last: bool = False
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] | str | None = None

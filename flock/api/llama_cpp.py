@@ -3,12 +3,12 @@ of /tokenize and /detokenize, /apply-template and GET /props, so a client writte
 
 A body's `prompt` is one prompt (a string, token ids, or ids and strings mixed) or several (a list of those,
 strings alone included), each completed `n_cmpl` times; one completion answers an object, more a list. Sampling
-takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; n_predict -1: up to the context)
-and its penalties over the last `repeat_last_n` tokens of the prompt and output. Top-k, top-p and min-p apply
-after the temperature, as in vLLM (llama.cpp's default chain applies them before it). Samplers Flock does not run
-(mirostat, DRY, XTC, typical-p, top-n-sigma, dynamic temperature) are refused unless left at their defaults; the
-slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is cached anyway); other
-unknown fields are ignored, as llama-server ignores them.
+takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; n_predict -1: up to the
+context), its penalties over the last `repeat_last_n` tokens of the prompt and output, and its chain: top-k,
+top-p and min-p on the logits before the temperature (or after it, where `samplers` puts it first). Samplers
+Flock does not run (mirostat, DRY, XTC, typical-p, top-n-sigma, dynamic temperature) are refused unless left at
+their defaults; the slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is
+cached anyway); other unknown fields are ignored, as llama-server ignores them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
     for name, value in values.items():
         if not is_number(value):
             raise APIError(f"{name} must be a number, got {value!r}", param=name)
-    off = _samplers_off(body.get("samplers"))
+    off, temperature_last = _samplers(body.get("samplers"))
     n_predict = body.get("n_predict", -1)
     if not is_int(n_predict) or n_predict < -1:
         raise APIError(f"n_predict must be an integer >= -1, got {n_predict!r}", param="n_predict")
@@ -126,6 +126,7 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         temperature=0.0 if temperature <= 0 else 1.0 if "temperature" in off else temperature,
         top_k=-1 if values["top_k"] <= 0 or "top_k" in off else int(values["top_k"]),
         top_p=1.0 if "top_p" in off else values["top_p"], min_p=0.0 if "min_p" in off else values["min_p"],
+        temperature_last=temperature_last,
         max_tokens=None if n_predict == -1 else max(n_predict, 1), seed=None if seed < 0 else seed, n=n,
         stop=_stop(body.get("stop")), ignore_eos=flag(body, "ignore_eos"),
         logit_bias=_logit_bias(body.get("logit_bias"), tokenizer), structured_outputs=_grammar(body))
@@ -144,11 +145,12 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
     return params, settings
 
 
-def _samplers_off(samplers) -> set[str]:
+def _samplers(samplers) -> tuple[set[str], bool]:
     """The samplers Flock runs that a `samplers` list (names, or a string of llama.cpp's sampler letters) leaves
-    out; their order is not followed."""
+    out, and whether the temperature comes after the truncations (as in llama.cpp's default chain); the order of
+    the truncations among themselves is llama.cpp's default one."""
     if samplers is None:
-        return set()
+        return set(), True
     if isinstance(samplers, str):
         names = [SAMPLER_CHARS.get(c) for c in samplers]
     elif isinstance(samplers, list) and all(isinstance(s, str) for s in samplers):
@@ -157,7 +159,9 @@ def _samplers_off(samplers) -> set[str]:
         raise APIError("samplers must be a list of sampler names or a string of sampler letters", param="samplers")
     if None in names:
         raise APIError(f"samplers has an unknown sampler ({samplers!r})", param="samplers")
-    return {"penalties", "top_k", "top_p", "min_p", "temperature"} - set(names)
+    truncations = [i for i, name in enumerate(names) if name in ("top_k", "top_p", "min_p")]
+    last = "temperature" in names and all(i < names.index("temperature") for i in truncations)
+    return {"penalties", "top_k", "top_p", "min_p", "temperature"} - set(names), last
 
 
 def _stop(stop) -> list[str]:

@@ -98,21 +98,15 @@ class Sampler:
                 return tokens
             # a row with a NaN or no finite logit: PyTorch's softmax decides, as before
         logits = logits.float()
-        if any(p.temperature != 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
-            temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-            logits = logits / temps[:, None]
-        if any(p.min_p > 0 for p in params):  # as vLLM: after temperature, before top-k and top-p
-            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
-            floor = logits.max(dim=-1, keepdim=True).values + min_p.log()[:, None]
-            logits = logits.masked_fill(logits < floor, float("-inf"))
-        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        if min(top_k) < vocab:
-            k = torch.tensor(top_k, device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-        if (top_p < 1).any():
-            logits = _apply_top_p(logits, top_p)
+        late = [i for i, p in enumerate(params) if p.temperature_last]
+        if not late:
+            logits = _truncated(logits, params)
+        else:  # llama.cpp's order on those rows
+            early, out = [i for i, p in enumerate(params) if not p.temperature_last], torch.empty_like(logits)
+            for rows in (early, late):
+                if rows:
+                    out[rows] = _truncated(logits[rows], [params[i] for i in rows])
+            logits = out
         return self._draw(logits.softmax(dim=-1), u.to(logits.device))
 
     def _uniforms(self, generators: list) -> torch.Tensor:
@@ -142,6 +136,44 @@ class Sampler:
         inside = chunks[torch.arange(n, device=probs.device), c].double()
         k = torch.searchsorted(inside.cumsum(-1), (target[:, 0] - before)[:, None], right=True)[:, 0]
         return c * CHUNK + torch.minimum(k, _last_positive(inside))  # the minimum guards against rounding
+
+
+def _truncated(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits after temperature and the truncations: vLLM's order (temperature, min-p, top-k, top-p), or with
+    temperature_last (every row's alike) llama.cpp's default chain (top-k, top-p, min-p, then temperature)."""
+    if params[0].temperature_last:
+        return _tempered(_min_p(_top_p(_top_k(logits, params), params), params), params)
+    return _top_p(_top_k(_min_p(_tempered(logits, params), params), params), params)
+
+
+def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    if all(p.temperature == 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
+        return logits
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    return logits / temps[:, None]
+
+
+def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    if all(p.min_p == 0 for p in params):
+        return logits
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    floor = logits.max(dim=-1, keepdim=True).values + min_p.log()[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    if min(top_k) == vocab:
+        return logits
+    k = torch.tensor(top_k, device=logits.device)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    return _apply_top_p(logits, top_p) if (top_p < 1).any() else logits
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,10 @@ def test_prompt_forms(tok):
 def test_defaults_samplers_and_penalties(tok):
     p = parse_completion({"prompt": "x"}, tok).requests[0][1]
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.max_tokens) == (0.8, 40, 0.95, 0.05, None)
-    assert p.penalty_last_n == 64 and p.repetition_penalty == 1.0
+    assert p.penalty_last_n == 64 and p.repetition_penalty == 1.0 and p.temperature_last  # llama.cpp's chain
+    first = parse_completion({"prompt": "x", "samplers": ["temperature", "top_k"]}, tok).requests[0][1]
+    assert not first.temperature_last and parse_completion({"prompt": "x", "samplers": "kmt"},
+                                                           tok).requests[0][1].temperature_last
     p = parse_completion({"prompt": "x", "temperature": -1, "top_k": 0, "n_predict": 5, "seed": 3,
                           "repeat_penalty": 1.2, "repeat_last_n": -1, "stop": "END"}, tok).requests[0][1]
     assert (p.temperature, p.top_k, p.max_tokens, p.seed, p.stop) == (0.0, -1, 5, 3, ["END"])

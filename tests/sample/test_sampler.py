@@ -134,6 +134,21 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_after_temperature():
     assert set(draw(SamplingParams(temperature=1.0, min_p=1.0), 1000, seed=20).tolist()) == {RANKED[0]}
 
 
+def test_temperature_last_truncates_the_untempered_distribution():
+    """llama.cpp's chain: top-p and min-p on 0.4, 0.3, 0.2, 0.1, then temperature 0.5 over what is left; a batch
+    mixes both orders row by row."""
+    n = 10_000
+    late = SamplingParams(temperature=0.5, top_p=0.5, temperature_last=True)  # keeps two, then 16:9
+    early = SamplingParams(temperature=0.5, top_p=0.5)  # sharpened first: keeps one
+    sampler = Sampler(21)
+    out = sampler(LOGITS.expand(2 * n, -1).clone(), [late, early] * n, [None] * (2 * n))
+    got, first = freqs(out[0::2], 4), freqs(out[1::2], 4)
+    assert set(torch.nonzero(got).flatten().tolist()) == {RANKED[0], RANKED[1]}
+    assert abs(got[RANKED[0]] - 16 / 25) < 0.02 and set(torch.nonzero(first).flatten().tolist()) == {RANKED[0]}
+    got = freqs(draw(SamplingParams(temperature=0.5, min_p=0.5, temperature_last=True), n, seed=22), 4)
+    assert got[RANKED[3]] == 0 and abs(got[RANKED[0]] - 16 / 29) < 0.02 and abs(got[RANKED[2]] - 4 / 29) < 0.02
+
+
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
     # top_k=2 leaves 4/7, 3/7; top_p=0.5 then keeps only the first (on the raw distribution it would keep two)
     out = draw(SamplingParams(temperature=1.0, top_k=2, top_p=0.5), 5000, seed=17)
