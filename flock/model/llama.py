@@ -138,10 +138,11 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    fused = False  # the shared expert's gated add by fused_ops
     """A mixture of experts (Mixtral's, Qwen2-MoE's, Qwen3-MoE's): each token's top k experts by the router's
     float32 softmax, their outputs weighted and summed in expert order, as transformers sums them; Qwen2-MoE's
     shared expert added, gated by a sigmoid."""
+
+    fused = False  # the shared expert's gated add by fused_ops
 
     def __init__(self, config: ModelConfig):
         super().__init__()

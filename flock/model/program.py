@@ -4,9 +4,9 @@ Between its kernels a decode step runs Python for every layer, and slowly: the w
 through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
 layer's forward once (the quantized or bf16 GEMMs, the fused norms (of q and k too; Gemma's four a layer), rope
 (each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's window, a
-mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over buffers that stay put, and a
-step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels, their order and their
-inputs are those of the modules' forward, so the results are the same bits.
+mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over buffers
+that stay put, and a step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels,
+their order and their inputs are those of the modules' forward, so the results are the same bits.
 
 `unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
 kernel and every row of it goes on to the last layer (decode steps), up to MAX_ROWS rows.
