@@ -6,7 +6,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16.h"
 
 typedef struct {  // how a layer's router chooses: the top_k of experts by the float32 softmax
     int64_t experts, top_k, renormalize, float32_weights;
@@ -19,25 +20,15 @@ typedef struct {  // a step's (token, expert) pairs, sorted by expert (stable), 
 } MoeRoute;
 
 static inline float moe_load(const void *v, int64_t at, int is_bf16) {
-    if (!is_bf16) return ((const float *)v)[at];
-    const uint32_t bits = (uint32_t)((const uint16_t *)v)[at] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t moe_bf16(float f) {  // nearest even
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)v)[at]) : ((const float *)v)[at];
 }
 
 static inline void moe_store(void *v, int64_t at, float value, int is_bf16) {
-    if (is_bf16) ((uint16_t *)v)[at] = moe_bf16(value);
+    if (is_bf16) ((uint16_t *)v)[at] = f32_to_bf16(value);
     else ((float *)v)[at] = value;
 }
 
-static inline float moe_round(float v, int is_bf16) { return is_bf16 ? moe_load((uint16_t[]){moe_bf16(v)}, 0, 1) : v; }
+static inline float moe_round(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 // A token's top k experts and weights from its router logits: the float32 softmax, the k largest (the lower
 // expert first among equals, largest first), divided by their sum with renormalize; rounded to bf16 as the

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp2_poly.h"
 
 #ifdef __AVX2__
@@ -118,18 +119,6 @@ static inline float round_f16(float v) {
 #endif
 }
 
-static inline float bf16_to_f32(bf16 h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) {  // nearest even
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (bf16)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
 
 // Q4_K / Q5_K: 8 sub-blocks of 32, each a 6-bit scale and a 6-bit minimum packed in 12 bytes; out: the 8
 // scales, then the 8 minimums, a byte each. Sub-blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7
