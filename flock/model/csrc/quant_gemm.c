@@ -1061,6 +1061,11 @@ static void vector_tile(int type, int x8, const uint8_t *w, int64_t row_bytes, i
     }
 }
 
+// The bytes of a row's activation blocks for weights of this type.
+static int64_t act_row_bytes(int type, int64_t k) {
+    return k / block_size(type) * (block_size(type) == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
+}
+
 // Weight bands a thread takes at a time. A band's first row tile streams its weights from memory, and a thread's
 // stream restarts with every task it takes (the hardware prefetchers start over at each jump): about 2 tasks a
 // thread, still taken as threads come free. From ONE_BAND_ROWS rows on, a band's products dwarf its stream's
@@ -1080,8 +1085,7 @@ static int64_t bands_per_task(int64_t m_tiles, int64_t bands, int threads) {
 int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                     const void *x, int64_t ldx, int32_t x_bf16, int64_t m, void *y, int64_t ldy, int32_t out_bf16,
                     int32_t glu, int32_t threads) {
-    const int bs = block_size(type);
-    const int64_t nb = k / bs, act_row = nb * (bs == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
+    const int64_t nb = k / block_size(type), act_row = act_row_bytes(type, k);
     const int64_t m_tiles = (m + MT - 1) / MT, tiles = (n + NT - 1) / NT * m_tiles;
     const int64_t chunk = bands_per_task(m_tiles, tiles / m_tiles, threads) * m_tiles;
     void *xq = malloc((size_t)((m + 15) / 16 * 16 * act_row));  // whole tiles of rows for the AMX tiles

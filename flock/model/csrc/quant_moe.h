@@ -15,16 +15,16 @@ typedef struct {
     MoeRouter router;
 } MoeLayer;
 
-// One GEMM of every run's pairs by its expert's weights (`w`: each expert's blocks; n outputs, k inputs), inside
-// the parallel region: hq's pair rows (act_row bytes each) in, y's out (dtype rows of n). Runs of AMX_ROWS pairs
-// or more take the AMX tiles (AMX builds); the rest, bands of one expert's weights, go to the vector tiles as
-// threads come free. Returns nonzero as flock_qgemm does.
 #ifdef AMX_TILES
 #define ON_TILES(x8, rows) ((x8) && (rows) >= AMX_ROWS)
 #else
 #define ON_TILES(x8, rows) 0
 #endif
 
+// One GEMM of every run's pairs by its expert's weights (`w`: each expert's blocks; n outputs, k inputs), inside
+// the parallel region: xq's pair rows (act_row bytes each) in, y's out (dtype rows of n). Runs of AMX_ROWS pairs
+// or more take the AMX tiles (AMX builds); the rest, bands of one expert's weights, go to the vector tiles as
+// threads come free. Returns nonzero as flock_qgemm does.
 static int experts_gemm(const MoeRoute *R, int type, int x8, const int64_t *w, int64_t row_bytes, int64_t n,
                         int64_t k, const uint8_t *xq, int64_t act_row, void *y, int out_bf16, int glu, int threads) {
     const int64_t nb = k / block_size(type), bands = (n + NT - 1) / NT;
@@ -56,10 +56,6 @@ static int experts_gemm(const MoeRoute *R, int type, int x8, const int64_t *w, i
     return failed;
 }
 
-static int64_t act_row_bytes(int type, int64_t k) {
-    return k / block_size(type) * (block_size(type) == 32 ? (int64_t)sizeof(act32) : (int64_t)sizeof(act256));
-}
-
 // y (m rows, ldy apart) = the layer's mixture for the m tokens x (ldx apart) given their router logits (ld
 // apart): each token's top k experts' silu(x Wg^T) * (x Wu^T) Wd^T, each rounded to the dtype, times its weight
 // (rounded so), added up in expert order (each sum rounded so). x, logits and y are bf16 with is_bf16, else
@@ -75,26 +71,27 @@ int32_t flock_qmoe(const MoeLayer *L, const void *x, int64_t ldx, const void *lo
     uint8_t *xq = malloc((size_t)((P + 15) * gu_row)), *hq = malloc((size_t)((P + 15) * d_row));  // whole AMX tiles
     void *h = malloc((size_t)(P * L->inter * size)), *ys = malloc((size_t)(P * L->hidden * size));
     int failed = xq && hq && h && ys ? 0 : -1;
-#pragma omp parallel num_threads(threads) if(threads > 1 && !failed)
-    {
-        int code = 0;
-        if (!failed) {
+    if (!failed) {
+        // every thread meets every worksharing loop below, whatever its own GEMMs returned
+#pragma omp parallel num_threads(threads) if(threads > 1)
+        {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < P; p++)
                 quantize_row((const uint8_t *)x + R.token[p] * ldx * size, 0, is_bf16, 0, L->hidden,
                              (int)L->gate_up_type, xq + p * gu_row);
-            code = experts_gemm(&R, (int)L->gate_up_type, (int)L->gate_up_x8, L->gate_up, L->gate_up_row_bytes,
-                                L->inter, L->hidden, xq, gu_row, h, is_bf16, 1, threads);
+            const int gate_up = experts_gemm(&R, (int)L->gate_up_type, (int)L->gate_up_x8, L->gate_up,
+                                             L->gate_up_row_bytes, L->inter, L->hidden, xq, gu_row, h, is_bf16, 1,
+                                             threads);
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < P; p++)
                 quantize_row(h, L->inter, is_bf16, p, L->inter, (int)L->down_type, hq);
-            code = code ? code : experts_gemm(&R, (int)L->down_type, (int)L->down_x8, L->down, L->down_row_bytes,
-                                              L->hidden, L->inter, hq, d_row, ys, is_bf16, 0, threads);
+            const int down = experts_gemm(&R, (int)L->down_type, (int)L->down_x8, L->down, L->down_row_bytes,
+                                          L->hidden, L->inter, hq, d_row, ys, is_bf16, 0, threads);
             moe_weighted_sum(&R, ys, L->hidden, is_bf16, m, y, ldy);
-        }
-        if (code) {
+            if (gate_up || down) {
 #pragma omp atomic write
-            failed = code;
+                failed = gate_up ? gate_up : down;
+            }
         }
     }
     free(xq), free(hq), free(h), free(ys), moe_free_route(&R);
