@@ -290,7 +290,8 @@ def gemms_alone(model, rows: int, reps: int) -> tuple[float, float, float]:
 def add_program_ops(parts: dict[str, float], op_seconds: dict[str, float]) -> None:
     """Adds the step program's op times (timed inside its C call) to the parts the Python wrappers timed."""
     for kind, seconds in op_seconds.items():
-        part = "gemm" if kind.endswith("GEMM") else "attention" if kind in ("attention", "KV write") else "elementwise"
+        gemm = kind.endswith("GEMM") or kind == "experts"  # a mixture's one call: its GEMMs, routing and sum
+        part = "gemm" if gemm else "attention" if kind in ("attention", "KV write") else "elementwise"
         parts[part] += seconds
 
 

@@ -140,114 +140,141 @@ class StepProgram:
     def _records(self, dtype: torch.dtype, threads: int) -> None:
         ops = fused_ops.KERNEL.load(fused_ops.isa())
         self.run_program, self.run_timed = ops.flock_run_program, ops.flock_run_program_timed
-        suffix, bf16, size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
-        attention = kernel_library(self.model.layers[0].self_attn.backend.isa)
-        records, self.names = [], []
-
-        def op(name: str, fn, *args) -> None:
-            records.append([_address(fn), *(a if isinstance(a, int) or a is ROWS else a.data_ptr() for a in args)])
-            self.names.append(name)
-
-        def linear(name: str, layer, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
-            if layer.pairs is not None:
-                mode = gemm.OUT_GLU if glu else gemm.OUT_BF16
-                op(f"{name} GEMM", gemm._lib(None).flock_gemm_op, x, x.stride(0), layer.pairs, out, out.stride(0),
-                   ROWS, out.shape[1], x.shape[1], mode, threads)
-            else:
-                w = layer.qweight
-                for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu]:
-                    op(f"{name} GEMM", quant._lib(None).flock_qgemm_op, qtype, int(x8), blocks, row_bytes, cols, w.k,
-                       x, x.stride(0), bf16, ROWS, out.data_ptr() + col * size, out.stride(0), bf16, int(glu), threads)
-            if layer.bias is not None:
-                op(f"{name} bias", getattr(ops, f"flock_add_bias_op_{suffix}"), out, out.stride(0), layer.bias, ROWS,
-                   out.shape[1])
-
-        def norm(name: str, module, first: bool) -> None:
-            """The residual add and norm before a block (the first layer's: the norm of the embeddings)."""
-            fn = getattr(ops, f"flock_{'rms_norm' if first else 'add_rms_norm'}_op_{suffix}")
-            x, r, eps = self.x, self.residual, _f32_word(module.eps)
-            args = (r, r.stride(0), x, x.stride(0)) if first else (x, x.stride(0), r, r.stride(0))
-            op(name, fn, *args, module.kernel_weight(), ROWS, x.shape[1], eps, threads)
-
-        def output_norm(name: str, module) -> None:
-            """A block's output normalized in place (Gemma 2's and 3's sandwich norms)."""
-            x = self.x
-            op(name, getattr(ops, f"flock_rms_norm_op_{suffix}"), x, x.stride(0), x, x.stride(0),
-               module.kernel_weight(), ROWS, x.shape[1], _f32_word(module.eps), threads)
-
-        def mlp_records(name: str, mlp, out: torch.Tensor) -> None:
-            if _mixture(mlp):
-                if mlp.shared_expert is not None:  # from the input the experts' call then overwrites
-                    mlp_records(f"{name} shared expert", mlp.shared_expert, self.shared)
-                    linear(f"{name} shared expert gate", mlp.shared_expert_gate, self.x, self.shared_gate)
-                linear(f"{name} router", mlp.gate, self.x, self.logits)
-                op(f"{name} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer), self.x,
-                   self.x.stride(0), self.logits, self.logits.stride(0), bf16, ROWS, out, out.stride(0), threads)
-                if mlp.shared_expert is not None:
-                    op(f"{name} shared expert add", getattr(ops, f"flock_add_gated_op_{suffix}"), out, out.stride(0),
-                       self.shared, self.shared.stride(0), self.shared_gate, self.shared_gate.stride(0), ROWS,
-                       out.shape[1], threads)
-                return
-            mid = self.mid[:, : mlp.down_proj.in_features]
-            if mlp.gate_up_proj.silu_and_mul:
-                linear(f"{name} gate_up", mlp.gate_up_proj, self.x, mid, glu=True)
-            else:  # GeGLU (Gemma's), or gate and up of two quant types
-                act = "silu_and_mul" if mlp.silu else "gelu_and_mul"
-                gate_up = self.gate_up[:, : 2 * mid.shape[1]]
-                linear(f"{name} gate_up", mlp.gate_up_proj, self.x, gate_up)
-                op(f"{name} {act.replace('_', ' ')}", getattr(ops, f"flock_{act}_op_{suffix}"), gate_up,
-                   gate_up.stride(0), mid, mid.stride(0), ROWS, mid.shape[1], threads)
-            linear(f"{name} down", mlp.down_proj, mid, out)
-
-        def scaled(i: int, layer, what: str) -> None:
-            """Granite's residual_multiplier on a block's output."""
-            if layer.residual_multiplier != 1.0:
-                op(f"layer {i} {what} scale", getattr(ops, f"flock_scale_op_{suffix}"), self.x, self.x.stride(0),
-                   ROWS, self.x.shape[1], _f32_word(layer.residual_multiplier), threads)
-
-        qkv, out = self.qkv, self.attention
         self.steps = {layer.self_attn.window: _Args() for layer in self.model.layers}
+        recorder = _Recorder(self, ops, dtype, threads)
         for i, layer in enumerate(self.model.layers):
-            attn, rope = layer.self_attn, self.model.rope_of(layer)
-            norm(f"layer {i} input norm", layer.input_layernorm, first=i == 0)
-            linear(f"layer {i} qkv", attn.qkv_proj, self.x, qkv)
-            if attn.qk_norm:
-                k_at = qkv.data_ptr() + attn.q_size * size
-                for name, at, module, heads in (("q", qkv, attn.q_norm, attn.num_heads),
-                                                ("k", k_at, attn.k_norm, attn.num_kv_heads)):
-                    op(f"layer {i} {name} norm", getattr(ops, f"flock_head_rms_norm_op_{suffix}"), at, qkv.stride(0),
-                       module.kernel_weight(), ROWS, heads, attn.head_dim, _f32_word(module.eps), threads)
-            if attn.rotates:  # SmolLM3's NoPE layers do not
-                op(f"layer {i} rope", getattr(ops, f"flock_rope_op_{suffix}"), qkv, qkv.stride(0), self.positions,
-                   rope.cos, rope.sin, rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-                   rope.cos.shape[1], threads)
-            self._attention(i, attn, attention, op)
-            linear(f"layer {i} o", attn.o_proj, out, self.x)
-            scaled(i, layer, "attention")
-            if layer.sandwich:
-                output_norm(f"layer {i} post-attention norm", layer.post_attention_layernorm)
-                norm(f"layer {i} pre-feedforward norm", layer.pre_feedforward_layernorm, first=False)
-            else:
-                norm(f"layer {i} post-attention norm", layer.post_attention_layernorm, first=False)
-            mlp_records(f"layer {i}", layer.mlp, self.x)
-            scaled(i, layer, "MLP")
-            if layer.sandwich:
-                output_norm(f"layer {i} post-feedforward norm", layer.post_feedforward_layernorm)
-        self.records = np.array([r + [0] * (WIDTH - len(r)) for r in records], dtype=object)
+            recorder.layer(i, layer)
+        self.names = recorder.names
+        self.records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=object)
         self.row_words = np.nonzero(self.records == ROWS)
         self.records[self.row_words] = 0
         self.records = self.records.astype(np.int64)
 
-    def _attention(self, i: int, attn, lib, op) -> None:
-        """The layer's K and V into its caches, then its attention into self.attention."""
-        k_cache, v_cache, qkv, size = attn.k_cache, attn.v_cache, self.qkv, self.qkv.element_size()
+
+class _Recorder:
+    """A program's records, layer by layer, over the buffers of `program` (its x, residual, qkv, attention, mid,
+    ... rows): each record an op's address and its arguments (ROWS: the step's row count, set at each run)."""
+
+    def __init__(self, program: StepProgram, ops: ctypes.CDLL, dtype: torch.dtype, threads: int):
+        self.p, self.ops, self.threads = program, ops, threads
+        self.suffix, self.bf16, self.size = fused_ops.SUFFIX[dtype], int(dtype == torch.bfloat16), dtype.itemsize
+        self.attention = kernel_library(program.model.layers[0].self_attn.backend.isa)
+        self.records: list[list] = []
+        self.names: list[str] = []
+
+    def op(self, name: str, fn, *args) -> None:
+        self.records.append([_address(fn), *(a if isinstance(a, int) or a is ROWS else a.data_ptr() for a in args)])
+        self.names.append(name)
+
+    def fused(self, name: str, kind: str, *args) -> None:
+        """An op of csrc/fused_ops.c for the model's dtype; its last argument the thread count."""
+        self.op(name, getattr(self.ops, f"flock_{kind}_op_{self.suffix}"), *args, self.threads)
+
+    def layer(self, i: int, layer) -> None:
+        p, attn, name = self.p, layer.self_attn, f"layer {i}"
+        self.norm(f"{name} input norm", layer.input_layernorm, first=i == 0)
+        self.linear(f"{name} qkv", attn.qkv_proj, p.x, p.qkv)
+        self.rotated_qk(name, attn, p.model.rope_of(layer))
+        self.attention_records(name, attn)
+        self.linear(f"{name} o", attn.o_proj, p.attention, p.x)
+        self.scaled(f"{name} attention", layer)
+        if layer.sandwich:  # Gemma 2's and 3's: the attention output normalized, then the norm before the MLP
+            self.output_norm(f"{name} post-attention norm", layer.post_attention_layernorm)
+            self.norm(f"{name} pre-feedforward norm", layer.pre_feedforward_layernorm, first=False)
+        else:
+            self.norm(f"{name} post-attention norm", layer.post_attention_layernorm, first=False)
+        self.mlp(name, layer.mlp, p.x)
+        self.scaled(f"{name} MLP", layer)
+        if layer.sandwich:
+            self.output_norm(f"{name} post-feedforward norm", layer.post_feedforward_layernorm)
+
+    def linear(self, name: str, layer, x: torch.Tensor, out: torch.Tensor, glu: bool = False) -> None:
+        if layer.pairs is not None:
+            mode = gemm.OUT_GLU if glu else gemm.OUT_BF16
+            self.op(f"{name} GEMM", gemm._lib(None).flock_gemm_op, x, x.stride(0), layer.pairs, out, out.stride(0),
+                    ROWS, out.shape[1], x.shape[1], mode, self.threads)
+        else:
+            w, bf16 = layer.qweight, self.bf16
+            for qtype, x8, blocks, row_bytes, cols, col in w.calls[glu]:
+                self.op(f"{name} GEMM", quant._lib(None).flock_qgemm_op, qtype, int(x8), blocks, row_bytes, cols,
+                        w.k, x, x.stride(0), bf16, ROWS, out.data_ptr() + col * self.size, out.stride(0), bf16,
+                        int(glu), self.threads)
+        if layer.bias is not None:
+            self.op(f"{name} bias", getattr(self.ops, f"flock_add_bias_op_{self.suffix}"), out, out.stride(0),
+                    layer.bias, ROWS, out.shape[1])
+
+    def norm(self, name: str, module, first: bool) -> None:
+        """The residual add and norm before a block (the first layer's: the norm of the embeddings)."""
+        x, r = self.p.x, self.p.residual
+        args = (r, r.stride(0), x, x.stride(0)) if first else (x, x.stride(0), r, r.stride(0))
+        self.fused(name, "rms_norm" if first else "add_rms_norm", *args, module.kernel_weight(), ROWS, x.shape[1],
+                   _f32_word(module.eps))
+
+    def output_norm(self, name: str, module) -> None:
+        """A block's output normalized in place (Gemma 2's and 3's sandwich norms)."""
+        x = self.p.x
+        self.fused(name, "rms_norm", x, x.stride(0), x, x.stride(0), module.kernel_weight(), ROWS, x.shape[1],
+                   _f32_word(module.eps))
+
+    def rotated_qk(self, name: str, attn, rope) -> None:
+        """q and k normalized (Qwen3's, Gemma 3's) and turned by the layer's rotary tables."""
+        qkv = self.p.qkv
+        if attn.qk_norm:
+            k_at = qkv.data_ptr() + attn.q_size * self.size
+            for which, at, module, heads in (("q", qkv, attn.q_norm, attn.num_heads),
+                                             ("k", k_at, attn.k_norm, attn.num_kv_heads)):
+                self.fused(f"{name} {which} norm", "head_rms_norm", at, qkv.stride(0), module.kernel_weight(), ROWS,
+                           heads, attn.head_dim, _f32_word(module.eps))
+        if attn.rotates:  # SmolLM3's NoPE layers do not
+            self.fused(f"{name} rope", "rope", qkv, qkv.stride(0), self.p.positions, rope.cos, rope.sin,
+                       rope.cos.stride(0), ROWS, attn.num_heads + attn.num_kv_heads, attn.head_dim, rope.cos.shape[1])
+
+    def attention_records(self, name: str, attn) -> None:
+        """The layer's K and V into its caches, then its attention (its window's plan) into the attention rows."""
+        k_cache, v_cache, qkv, size = attn.k_cache, attn.v_cache, self.p.qkv, self.size
         if not (k_cache.is_contiguous() and k_cache.stride() == v_cache.stride() and k_cache.dtype == qkv.dtype
                 and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)):
-            raise ValueError(f"layer {i}: the step program needs contiguous K and V caches of [blocks, block size, "
+            raise ValueError(f"{name}: the step program needs contiguous K and V caches of [blocks, block size, "
                              f"KV heads, head dim], got {tuple(k_cache.shape)}")
         row = attn.kv_size * size
         k_at, v_at = qkv.data_ptr() + attn.q_size * size, qkv.data_ptr() + (attn.q_size + attn.kv_size) * size
-        op(f"layer {i} KV write", lib.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at, qkv.stride(0) * size,
-           k_cache, v_cache, row, self.slots, ROWS, row)
-        op(f"layer {i} attention", lib.flock_cpu_cascade_op, ctypes.addressof(self.steps[attn.window]), k_cache,
-           v_cache)
+        self.op(f"{name} KV write", self.attention.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at,
+                qkv.stride(0) * size, k_cache, v_cache, row, self.p.slots, ROWS, row)
+        self.op(f"{name} attention", self.attention.flock_cpu_cascade_op,
+                ctypes.addressof(self.p.steps[attn.window]), k_cache, v_cache)
+
+    def mlp(self, name: str, mlp, out: torch.Tensor) -> None:
+        p = self.p
+        if _mixture(mlp):
+            self.mixture(name, mlp, out)
+            return
+        mid = p.mid[:, : mlp.down_proj.in_features]
+        if mlp.gate_up_proj.silu_and_mul:
+            self.linear(f"{name} gate_up", mlp.gate_up_proj, p.x, mid, glu=True)
+        else:  # GeGLU (Gemma's), or gate and up of two quant types
+            act = "silu_and_mul" if mlp.silu else "gelu_and_mul"
+            gate_up = p.gate_up[:, : 2 * mid.shape[1]]
+            self.linear(f"{name} gate_up", mlp.gate_up_proj, p.x, gate_up)
+            self.fused(f"{name} {act.replace('_', ' ')}", act, gate_up, gate_up.stride(0), mid, mid.stride(0), ROWS,
+                       mid.shape[1])
+        self.linear(f"{name} down", mlp.down_proj, mid, out)
+
+    def mixture(self, name: str, mlp, out: torch.Tensor) -> None:
+        """The router's GEMM and the experts' one call (flock.model.moe); a shared expert first, from the input
+        the experts' call then overwrites, added under its gate after."""
+        p = self.p
+        if mlp.shared_expert is not None:
+            self.mlp(f"{name} shared expert", mlp.shared_expert, p.shared)
+            self.linear(f"{name} shared expert gate", mlp.shared_expert_gate, p.x, p.shared_gate)
+        self.linear(f"{name} router", mlp.gate, p.x, p.logits)
+        self.op(f"{name} experts", mlp.grouped.function(op=True), ctypes.addressof(mlp.grouped.layer), p.x,
+                p.x.stride(0), p.logits, p.logits.stride(0), self.bf16, ROWS, out, out.stride(0), self.threads)
+        if mlp.shared_expert is not None:
+            self.fused(f"{name} shared expert add", "add_gated", out, out.stride(0), p.shared, p.shared.stride(0),
+                       p.shared_gate, p.shared_gate.stride(0), ROWS, out.shape[1])
+
+    def scaled(self, name: str, layer) -> None:
+        """Granite's residual_multiplier on a block's output."""
+        if layer.residual_multiplier != 1.0:
+            self.fused(f"{name} scale", "scale", self.p.x, self.p.x.stride(0), ROWS, self.p.x.shape[1],
+                       _f32_word(layer.residual_multiplier))
