@@ -15,6 +15,7 @@ llama.cpp's own tools on first use):
     python -m bench.gguf_quant                     # the full run (first use: minutes to make the 1B files)
     python -m bench.gguf_quant --model qwen3-0.6b  # the same on Qwen3-0.6B's shape (q/k norms, 128-wide heads)
     python -m bench.gguf_quant --model qwen3moe    # a mixture of experts (Qwen3-30B-A3B's layout, 1.2B parameters)
+    python -m bench.gguf_quant --model qwen3moe-a3b  # its layer shapes, 8 layers (5.2B parameters; ~20 GB to make)
     python -m bench.gguf_quant --model gemma3-1b   # Gemma 3 1B's shape (windows on five layers of six, GeGLU)
     python -m bench.gguf_quant --model smollm2 --quants Q8_0 --decode-tokens 16 --decode-repeats 1 \\
         --bench-repetitions 1 --prefix-len 64 --tail-len 8 --gen 4     # a dry run in about three minutes
@@ -295,9 +296,10 @@ def parse_args() -> argparse.Namespace:
     llama_cpp.add_argument(p)
     p.add_argument("--work", type=Path, default=gguf_models.WORK, help="where the GGUF files are kept (%(default)s)")
     p.add_argument("--model", default="llama-1b",
-                   choices=("llama-1b", "qwen3-0.6b", "qwen3moe", "gemma3-1b", "smollm2"),
+                   choices=("llama-1b", "qwen3-0.6b", "qwen3moe", "qwen3moe-a3b", "gemma3-1b", "smollm2"),
                    help="llama-1b: the ~1B random Llama (the bench); qwen3-0.6b: Qwen3-0.6B's shape, random; "
-                        "qwen3moe: Qwen3-30B-A3B's layout at 1,024 hidden, random; gemma3-1b: Gemma 3 1B's shape, "
+                        "qwen3moe: Qwen3-30B-A3B's layout at 1,024 hidden, random; qwen3moe-a3b: its layer shapes, 8 "
+                        "layers; gemma3-1b: Gemma 3 1B's shape, "
                         "random; smollm2: the 135M model (quick dry runs)")
     p.add_argument("--quants", default=",".join(QUANTS), help="comma-separated llama-quantize types")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: memory, decode, batch")

@@ -81,6 +81,23 @@ def forced_isa(choices: Sequence[str]) -> str | None:
     return name or None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim). Weights that were allocated one by one
+    and released as their packed copies are made stay in malloc's heap otherwise (its mmap threshold rises with
+    the first large frees), so a model's weights would take twice their size while they are packed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def cache_root() -> Path:
     """FLOCK_CACHE_DIR, default ~/.cache/flock: what Flock builds once and keeps (kernels, GGUF tables)."""
     return Path(os.environ.get("FLOCK_CACHE_DIR", Path.home() / ".cache" / "flock"))

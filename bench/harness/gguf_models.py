@@ -8,6 +8,9 @@
   norms, tied embeddings) with random weights the same way and SmolLM2's tokenizer;
 - `qwen3moe`: Qwen3-30B-A3B's layout at 1,024 hidden (`flock/bench-qwen3moe`'s: 8 layers, 128 experts 384 wide, the
   top 8, 8 q / 4 kv heads of 128, q/k norms; 1.2B parameters, 0.12B active) with random weights the same way;
+- `qwen3moe-a3b`: Qwen3-30B-A3B's layer shapes (2,048 hidden, 32 q / 4 kv heads of 128, 128 experts 768 wide, the
+  top 8) for 8 of its 48 layers: 5.2B parameters, 0.4B active, its experts' down projections K-quants as in the
+  real file;
 - `gemma3-1b`: Gemma 3 1B's shape (hidden 1152, 26 layers, intermediate 6912, 4 q / 1 kv heads of 256, q/k norms,
   a 512-token window on five layers of six, GeGLU, four norms a layer, tied embeddings; the norms' offsets 0) with
   random weights the same way;
@@ -37,13 +40,16 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4,
              "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 384, "norm_topk_prob": True}
+QWEN3_MOE_A3B = {**QWEN3_MOE, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "moe_intermediate_size": 768, "intermediate_size": 6144}  # 8 of Qwen3-30B-A3B's 48 layers
 GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
              "num_hidden_layers": 26, "intermediate_size": 6912, "num_attention_heads": 4, "num_key_value_heads": 1,
              "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
              "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
              "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
              "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]}
-RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B, "qwen3moe": QWEN3_MOE, "gemma3-1b": GEMMA3_1B}
+RANDOM_SHAPES = {"llama-1b": LLAMA_1B, "qwen3-0.6b": QWEN3_06B, "qwen3moe": QWEN3_MOE, "qwen3moe-a3b": QWEN3_MOE_A3B,
+                 "gemma3-1b": GEMMA3_1B}
 STD = 0.02
 ROWS = 1024  # rows drawn at a time (float32), so drawing never holds a whole tensor twice
 

@@ -7,12 +7,16 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from flock import native
 from flock.attention.base import AttentionBackend, AttentionMetadata
 from flock.model import fused_ops, moe, program
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
 from flock.model.rope import RotaryEmbedding
+
+
+TRIM_BYTES = 256 << 20  # prepack_weights gives the heap's free pages back after each this many bytes released
 
 
 class RMSNorm(nn.Module):
@@ -327,11 +331,16 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every projection's weight for oneDNN (see linear.unavailable), or with `pairs` for Flock's
         bf16 GEMM (see gemm.unavailable), which also fuses the MLPs' SiLU-and-mul into their gate_up GEMM; the
         lm_head of tied embeddings keeps its weight, which the embedding reads."""
-        gate_ups = self._silu_gate_ups()
+        gate_ups, released = self._silu_gate_ups(), 0
         for module in self.modules():
             if isinstance(module, Linear) and module.qweight is None:
+                released += module.weight.nbytes
                 module.prepack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings, pairs=pairs,
                                silu_and_mul=id(module) in gate_ups)
+                if released >= TRIM_BYTES:  # the released weights back to the system as they go
+                    native.trim_heap()
+                    released = 0
+        native.trim_heap()
         self._group_experts()
 
     def use_quantized(self, weights: dict[str, QuantWeight]) -> None:
