@@ -249,6 +249,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         for step in run(self._engine, self._admit, self._on_step_error):
             t0 = time.perf_counter()
+            self._publish()  # before the outputs: a client that has its tokens finds the step in /health
             self._emit()
             self._busy_seconds += step.seconds + time.perf_counter() - t0
             self._publish()
