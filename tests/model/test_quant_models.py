@@ -121,6 +121,19 @@ def test_float_weights_quantized_at_load(hf_folders, kind):
     assert np.abs(got[kind] - got["none"]).mean() < (0.005 if kind == "q8_0" else 0.05) * np.abs(got["none"]).mean()
 
 
+def test_a_float_mixture_quantized_at_load_runs_its_experts_in_one_call(hf_folders):
+    prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(seed=8) if len(p) > 4]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    got = {}
+    for quantization in ("q8_0", "none"):
+        llm = LLM(str(hf_folders["qwen3_moe"]), dtype="float32", quantization=quantization)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[quantization] = np.array([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+        mixtures = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+        assert all((m.grouped is not None) == (quantization == "q8_0") for m in mixtures) and mixtures
+    assert np.abs(got["q8_0"] - got["none"]).mean() < 0.005 * np.abs(got["none"]).mean()
+
+
 def test_float64_and_bad_settings(gguf_models, hf_folders):
     llm = LLM(str(gguf_models["Q8_0"]), dtype="float64")  # auto: dequantized, the reference
     assert all(m.qweight is None for m in layers(llm).values()) and "quantized" not in llm.engine.runner.paths
