@@ -81,22 +81,35 @@ static inline int64_t block_cols(int glu) { return glu ? NC / 2 : NC; }
 // x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy): bf16 (OUT_BF16), the
 // fp32 sums unrounded (OUT_F32; logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick), or
 // silu(gate) * up in bf16 (OUT_GLU, a weight packed with glu; n = I). Returns 0.
+// Tile i of flock_gemm's (column block major, MR rows each).
+static void gemm_tile(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
+                      int64_t k2, int32_t out, int64_t i) {
+    const int64_t row_tiles = (m + MR - 1) / MR, cols = block_cols(out == OUT_GLU);
+    const int64_t block = i / row_tiles, r0 = i % row_tiles * MR;
+    const int mr = m - r0 < MR ? (int)(m - r0) : MR;
+    const int ncols = n - block * cols < cols ? (int)(n - block * cols) : cols;
+    const int32_t *xr = (const int32_t *)(x + r0 * ldx), *wb = packed + block * k2 * NC;
+    const int64_t at = r0 * ldy + block * cols;
+    if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + at, ldy, ncols);
+    else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + at, ldy, ncols);
+}
+
+static int64_t gemm_tiles(int64_t m, int64_t n, int32_t out) {
+    const int64_t cols = block_cols(out == OUT_GLU);
+    return (n + cols - 1) / cols * ((m + MR - 1) / MR);
+}
+
+// x: m rows of k bf16 (row stride ldx elements, even); y: m rows of n (row stride ldy): bf16 (OUT_BF16), the
+// fp32 sums unrounded (OUT_F32; logits: bf16 would round them to 1/8 at 25 and make ties of a greedy pick), or
+// silu(gate) * up in bf16 (OUT_GLU, a weight packed with glu; n = I). Returns 0.
 int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64_t ldy, int64_t m, int64_t n,
                int64_t k, int32_t out, int32_t threads) {
-    const int64_t k2 = k / 2, row_tiles = (m + MR - 1) / MR, cols = block_cols(out == OUT_GLU);
-    const int64_t tiles = (n + cols - 1) / cols * row_tiles;
+    const int64_t tiles = gemm_tiles(m, n, out);
 #pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
-            const int64_t block = i / row_tiles, r0 = i % row_tiles * MR;
-            const int mr = m - r0 < MR ? (int)(m - r0) : MR;
-            const int ncols = n - block * cols < cols ? (int)(n - block * cols) : cols;
-            const int32_t *xr = (const int32_t *)(x + r0 * ldx), *wb = packed + block * k2 * NC;
-            const int64_t at = r0 * ldy + block * cols;
-            if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + at, ldy, ncols);
-            else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + at, ldy, ncols);
-        }
+        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++)
+            gemm_tile(x, ldx, packed, y, ldy, m, n, k / 2, out, i);
     }
     return 0;
 }
@@ -107,4 +120,5 @@ int32_t flock_gemm_op(const int64_t *a) {
                       a[4], a[5], a[6], a[7], (int32_t)a[8], (int32_t)a[9]);
 }
 
+#define GEMM_TILES  // gemm_moe.h: every expert's tiles in one parallel region
 #include "gemm_moe.h"

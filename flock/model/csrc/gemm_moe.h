@@ -15,6 +15,42 @@ typedef struct {
     MoeRouter router;
 } GemmMoeLayer;
 
+// Each run's rows of x (k wide, in pair order) times its expert's packed weight (`weights`) into y (n wide):
+// the bits of a flock_gemm call per run. On the AVX512-BF16 GEMM (GEMM_TILES) every run's tiles are split evenly
+// over the threads of one parallel region; the AMX GEMM takes a call per run.
+static int runs_gemm(const MoeRoute *R, const int64_t *weights, const bf16 *x, int64_t k, void *y, int64_t n,
+                     int32_t out, int32_t threads) {
+#ifdef GEMM_TILES
+    int64_t *first = malloc((size_t)(R->runs + 1) * sizeof(int64_t));  // each run's first tile
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t r = 0; r < R->runs; r++)
+        first[r + 1] = first[r] + gemm_tiles(R->run_start[r + 1] - R->run_start[r], n, out);
+    const int64_t tiles = first[R->runs], size = out == OUT_F32 ? 4 : 2;
+#pragma omp parallel num_threads(threads) if(threads > 1 && tiles > 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t r = 0;
+        for (int64_t i = tiles * t / nt; i < tiles * (t + 1) / nt; i++) {
+            while (i >= first[r + 1]) r++;
+            const int64_t p0 = R->run_start[r];
+            gemm_tile(x + p0 * k, k, (const int32_t *)(intptr_t)weights[R->run_expert[r]], (uint8_t *)y + p0 * n * size,
+                      n, R->run_start[r + 1] - p0, n, k / 2, out, i - first[r]);
+        }
+    }
+    free(first);
+    return 0;
+#else
+    for (int64_t r = 0; r < R->runs; r++) {
+        const int64_t p0 = R->run_start[r], rows = R->run_start[r + 1] - p0;
+        const int failed = flock_gemm(x + p0 * k, k, (const int32_t *)(intptr_t)weights[R->run_expert[r]],
+                                      (bf16 *)y + p0 * n, n, rows, n, k, out, threads);
+        if (failed) return failed;
+    }
+    return 0;
+#endif
+}
+
 // y (m rows, ldy apart) = the layer's mixture for the m bf16 tokens x (ldx apart) given their bf16 router logits
 // (ld apart), as quant_moe.h's flock_qmoe on bf16 weights (is_bf16 must be 1). y may be x. Returns 0, -1 where
 // memory cannot be had, -3 for float32, else flock_gemm's code.
@@ -28,13 +64,8 @@ int32_t flock_gemm_moe(const GemmMoeLayer *L, const bf16 *x, int64_t ldx, const 
     bf16 *ys = malloc((size_t)(P * H) * sizeof(bf16) + 2);
     int failed = xs && h && ys ? 0 : -1;
     for (int64_t p = 0; p < P && !failed; p++) memcpy(xs + p * H, x + R.token[p] * ldx, (size_t)H * sizeof(bf16));
-    for (int64_t r = 0; r < R.runs && !failed; r++) {
-        const int64_t p0 = R.run_start[r], rows = R.run_start[r + 1] - p0, e = R.run_expert[r];
-        failed = flock_gemm(xs + p0 * H, H, (const int32_t *)(intptr_t)L->gate_up[e], h + p0 * I, I, rows, I, H,
-                            OUT_GLU, threads);
-        failed = failed ? failed : flock_gemm(h + p0 * I, I, (const int32_t *)(intptr_t)L->down[e], ys + p0 * H, H,
-                                              rows, H, I, OUT_BF16, threads);
-    }
+    failed = failed ? failed : runs_gemm(&R, L->gate_up, xs, H, h, I, OUT_GLU, threads);
+    failed = failed ? failed : runs_gemm(&R, L->down, h, I, ys, H, OUT_BF16, threads);
     if (!failed) {
 #pragma omp parallel num_threads(threads) if(threads > 1 && m * H >= 16384)
         moe_weighted_sum(&R, ys, H, 1, m, y, ldy);
