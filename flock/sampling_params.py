@@ -63,6 +63,13 @@ class SamplingParams:
     # top-k, top-p and min-p on the logits before the temperature, which then scales what they leave (llama.cpp's
     # default chain); False: after it (vLLM's)
     temperature_last: bool = False
+    # llama.cpp's other truncations: locally typical sampling (the tokens whose surprise is nearest the entropy, up
+    # to this mass; 1: off), top-n-sigma (logits within n standard deviations of the largest; <= 0: off), and XTC
+    # (with xtc_probability, every token at least xtc_threshold likely but the least of them dropped)
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] | str | None = None
@@ -113,6 +120,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def truncates(self) -> bool:
+        """Whether a truncation (top-k aside) leaves out some tokens before the draw."""
+        return (self.top_p < 1 or self.min_p > 0 or self.typical_p < 1 or self.top_n_sigma > 0
+                or (self.xtc_probability > 0 and self.xtc_threshold <= 0.5))
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
@@ -149,6 +162,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p!r}")
+        if not _is_real(self.top_n_sigma) or not math.isfinite(self.top_n_sigma):
+            raise ValueError(f"top_n_sigma must be a finite number (<= 0: off), got {self.top_n_sigma!r}")
+        for name in ("xtc_probability", "xtc_threshold"):
+            if not _is_real(getattr(self, name)) or not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -5,8 +5,8 @@ A body's `prompt` is one prompt (a string, token ids, or ids and strings mixed) 
 strings alone included), each completed `n_cmpl` times; one completion answers an object, more a list. Sampling
 takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; n_predict -1: up to the
 context), its penalties over the last `repeat_last_n` tokens of the prompt and output, and its chain: top-k,
-top-p and min-p on the logits before the temperature (or after it, where `samplers` puts it first). Samplers
-Flock does not run (mirostat, DRY, XTC, typical-p, top-n-sigma, dynamic temperature) are refused unless left at
+top-p, min-p, typical-p, top-n-sigma and XTC on the logits before the temperature (or after it, where `samplers`
+puts it first). Samplers Flock does not run (mirostat, DRY, dynamic temperature) are refused unless left at
 their defaults; the slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is
 cached anyway); other unknown fields are ignored, as llama-server ignores them.
 """
@@ -21,16 +21,18 @@ from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0, "repeat_last_n": 64,
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": -1.0,
+            "xtc_probability": 0.0, "xtc_threshold": 0.1, "repeat_penalty": 1.0, "repeat_last_n": 64,
             "presence_penalty": 0.0, "frequency_penalty": 0.0}  # llama-server's (common_params_sampling)
 # samplers Flock does not run: their field and the value that leaves them off
-UNSUPPORTED = {"mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "typical_p": 1.0, "top_n_sigma": -1.0,
-               "dynatemp_range": 0.0, "n_indent": 0, "t_max_predict_ms": 0, "lora": [], "multimodal_data": []}
+UNSUPPORTED = {"mirostat": 0, "dry_multiplier": 0.0, "dynatemp_range": 0.0, "n_indent": 0, "t_max_predict_ms": 0,
+               "lora": [], "multimodal_data": []}
 SAMPLER_NAMES = {"dry": "dry", "topk": "top_k", "topp": "top_p", "nucleus": "top_p", "topnsigma": "top_n_sigma",
                  "typp": "typ_p", "typ": "typ_p", "minp": "min_p", "temperature": "temperature", "temp": "temperature",
                  "xtc": "xtc", "infill": "infill", "penalties": "penalties", "adaptivep": "adaptive_p"}
 SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
                  "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+TRUNCATIONS = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc")  # llama.cpp's, in its default order
 WHOLE_CONTEXT = 1 << 40  # repeat_last_n -1: every token of the prompt and output
 
 
@@ -126,6 +128,9 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         temperature=0.0 if temperature <= 0 else 1.0 if "temperature" in off else temperature,
         top_k=-1 if values["top_k"] <= 0 or "top_k" in off else int(values["top_k"]),
         top_p=1.0 if "top_p" in off else values["top_p"], min_p=0.0 if "min_p" in off else values["min_p"],
+        typical_p=1.0 if "typ_p" in off else values["typical_p"],
+        top_n_sigma=-1.0 if "top_n_sigma" in off else values["top_n_sigma"],
+        xtc_probability=0.0 if "xtc" in off else values["xtc_probability"], xtc_threshold=values["xtc_threshold"],
         temperature_last=temperature_last,
         max_tokens=None if n_predict == -1 else max(n_predict, 1), seed=None if seed < 0 else seed, n=n,
         stop=_stop(body.get("stop")), ignore_eos=flag(body, "ignore_eos"),
@@ -141,7 +146,7 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         raise APIError(str(e)) from None
     settings = {**values, "n_predict": n_predict, "seed": seed, "stop": params.stop, "ignore_eos": params.ignore_eos,
                 "n_probs": body.get("n_probs", 0), "stream": body.get("stream", False), "n_cmpl": n,
-                "samplers": [s for s in ("penalties", "top_k", "top_p", "min_p", "temperature") if s not in off]}
+                "samplers": [s for s in ("penalties", *TRUNCATIONS, "temperature") if s not in off]}
     return params, settings
 
 
@@ -159,9 +164,9 @@ def _samplers(samplers) -> tuple[set[str], bool]:
         raise APIError("samplers must be a list of sampler names or a string of sampler letters", param="samplers")
     if None in names:
         raise APIError(f"samplers has an unknown sampler ({samplers!r})", param="samplers")
-    truncations = [i for i, name in enumerate(names) if name in ("top_k", "top_p", "min_p")]
+    truncations = [i for i, name in enumerate(names) if name in TRUNCATIONS]
     last = "temperature" in names and all(i < names.index("temperature") for i in truncations)
-    return {"penalties", "top_k", "top_p", "min_p", "temperature"} - set(names), last
+    return {"penalties", "temperature", *TRUNCATIONS} - set(names), last
 
 
 def _stop(stop) -> list[str]:

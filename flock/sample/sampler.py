@@ -1,5 +1,6 @@
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,7 +90,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         u = self._uniforms(generators)
         vocab = logits.shape[-1]
-        plain = all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 and p.min_p == 0 for p in params)
+        plain = all((p.top_k <= 0 or p.top_k >= vocab) and not p.truncates for p in params)
         if plain and _fused(logits):
             # temperature alone: the fused kernel draws as _draw does, from the logits as they are (~7x faster)
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
@@ -98,16 +99,28 @@ class Sampler:
                 return tokens
             # a row with a NaN or no finite logit: PyTorch's softmax decides, as before
         logits = logits.float()
+        xtc = self._xtc_rows(params, generators)
         late = [i for i, p in enumerate(params) if p.temperature_last]
         if not late:
-            logits = _truncated(logits, params)
+            logits = _truncated(logits, params, xtc)
         else:  # llama.cpp's order on those rows
             early, out = [i for i, p in enumerate(params) if not p.temperature_last], torch.empty_like(logits)
             for rows in (early, late):
                 if rows:
-                    out[rows] = _truncated(logits[rows], [params[i] for i in rows])
+                    out[rows] = _truncated(logits[rows], [params[i] for i in rows], [xtc[i] for i in rows])
             logits = out
         return self._draw(logits.softmax(dim=-1), u.to(logits.device))
+
+    def _xtc_rows(self, params: list[SamplingParams], generators: list) -> list[bool]:
+        """The rows whose XTC applies this step: each row with XTC draws its own chance (from its generator, after
+        the token's draw; rows without it draw as they would)."""
+        rows = [i for i, p in enumerate(params) if p.xtc_probability > 0 and p.xtc_threshold <= 0.5]
+        on = [False] * len(params)
+        if rows:
+            chance = self._uniforms([generators[i] for i in rows])
+            for i, c in zip(rows, chance.tolist()):
+                on[i] = c < params[i].xtc_probability
+        return on
 
     def _uniforms(self, generators: list) -> torch.Tensor:
         """One uniform in [0, 1) per row: from the row's own generator (so a seeded request draws the same
@@ -138,12 +151,18 @@ class Sampler:
         return c * CHUNK + torch.minimum(k, _last_positive(inside))  # the minimum guards against rounding
 
 
-def _truncated(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _truncated(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: list[bool]) -> torch.Tensor:
     """The logits after temperature and the truncations: vLLM's order (temperature, min-p, top-k, top-p), or with
-    temperature_last (every row's alike) llama.cpp's default chain (top-k, top-p, min-p, then temperature)."""
-    if params[0].temperature_last:
-        return _tempered(_min_p(_top_p(_top_k(logits, params), params), params), params)
-    return _top_p(_top_k(_min_p(_tempered(logits, params), params), params), params)
+    temperature_last (every row's alike) llama.cpp's default chain (top-n-sigma, top-k, typical, top-p, min-p,
+    XTC on `xtc_rows`, then temperature); llama.cpp's own truncations keep their places among vLLM's."""
+    def xtc(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+        return _xtc(x, ps, xtc_rows)
+
+    steps = (_top_n_sigma, _top_k, _typical, _top_p, _min_p, xtc, _tempered) if params[0].temperature_last else \
+        (_tempered, _top_n_sigma, _min_p, _top_k, _typical, _top_p, xtc)
+    for step in steps:
+        logits = step(logits, params)
+    return logits
 
 
 def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -174,6 +193,56 @@ def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def _top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
     return _apply_top_p(logits, top_p) if (top_p < 1).any() else logits
+
+
+def _top_n_sigma(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """llama.cpp's top-n-sigma: the logits within n standard deviations (of the finite ones) of the largest."""
+    if all(p.top_n_sigma <= 0 for p in params):
+        return logits
+    n = torch.tensor([p.top_n_sigma if p.top_n_sigma > 0 else math.inf for p in params], dtype=logits.dtype)
+    finite = torch.isfinite(logits)
+    count = finite.sum(-1, keepdim=True).clamp_min(1)
+    values = logits.where(finite, 0.0)
+    mean = values.sum(-1, keepdim=True) / count
+    std = (((values - mean) * finite).square().sum(-1, keepdim=True) / count).sqrt()
+    floor = logits.max(-1, keepdim=True).values - n[:, None] * std
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _typical(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Locally typical sampling (llama.cpp's): the tokens by |surprise - entropy|, kept until their mass passes
+    typical_p (the token that passes it kept too)."""
+    if all(p.typical_p >= 1 for p in params):
+        return logits
+    typical = torch.tensor([p.typical_p for p in params], dtype=logits.dtype)
+    logp = logits.log_softmax(-1)
+    probs = logp.exp()
+    entropy = -(probs * logp.where(probs > 0, 0.0)).sum(-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    order = shifted.sort(-1).indices
+    mass = probs.gather(1, order).cumsum(-1)
+    # keep up to the first position whose running mass passes typical_p, that one included
+    drop_sorted = ((mass - probs.gather(1, order)) > typical[:, None]) & (typical[:, None] < 1)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _xtc(logits: torch.Tensor, params: list[SamplingParams], on: list[bool]) -> torch.Tensor:
+    """XTC on the rows `on` (their draw chose it): every token at least xtc_threshold likely is dropped but the
+    least likely of them, where two or more are."""
+    rows = [i for i, o in enumerate(on) if o]
+    if not rows:
+        return logits
+    threshold = torch.tensor([params[i].xtc_threshold for i in rows], dtype=logits.dtype)
+    sub = logits[rows]
+    probs = sub.softmax(-1)
+    above = probs >= threshold[:, None]
+    least = probs.masked_fill(~above, math.inf).argmin(-1, keepdim=True)  # the least likely above the threshold
+    drop = above & (above.sum(-1, keepdim=True) >= 2)
+    drop.scatter_(1, least, False)
+    logits = logits.clone()
+    logits[rows] = sub.masked_fill(drop, float("-inf"))
+    return logits
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:

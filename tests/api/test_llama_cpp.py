@@ -40,6 +40,12 @@ def test_defaults_samplers_and_penalties(tok):
     assert (p.top_p, p.min_p, p.repetition_penalty, p.top_k) == (1.0, 0.0, 1.0, 40)  # left out: off
     p = parse_completion({"prompt": "x", "samplers": "kp"}, tok).requests[0][1]
     assert (p.temperature, p.min_p) == (1.0, 0.0)  # no temperature sampler: the logits as they are
+    p = parse_completion({"prompt": "x", "typical_p": 0.7, "top_n_sigma": 1.5, "xtc_probability": 0.5,
+                          "xtc_threshold": 0.2}, tok).requests[0][1]
+    assert (p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold) == (0.7, 1.5, 0.5, 0.2)
+    p = parse_completion({"prompt": "x", "typical_p": 0.7, "xtc_probability": 0.5, "samplers": "kt"},
+                         tok).requests[0][1]
+    assert (p.typical_p, p.xtc_probability) == (1.0, 0.0)
     assert parse_completion({"prompt": "x", "n_predict": 0}, tok).prefill_only
 
 
@@ -55,7 +61,7 @@ def test_logit_bias_and_grammar(tok):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "mirostat": 1}, "mirostat"), ({"prompt": "x", "typical_p": 0.5}, "typical_p"),
+    ({"prompt": "x", "mirostat": 1}, "mirostat"), ({"prompt": "x", "dynatemp_range": 0.5}, "dynatemp_range"),
     ({"prompt": "x", "lora": [{"id": 0, "scale": 1}]}, "lora"), ({"prompt": 3}, "prompt"),
     ({"prompt": "x", "n_cmpl": 0}, "n_cmpl"), ({"prompt": "x", "n_probs": 21}, "n_probs"),
     ({"prompt": "x", "logit_bias": [[1.5, 2]]}, "logit_bias"), ({"prompt": "x", "stream": "yes"}, "stream"),

@@ -149,6 +149,28 @@ def test_temperature_last_truncates_the_untempered_distribution():
     assert got[RANKED[3]] == 0 and abs(got[RANKED[0]] - 16 / 29) < 0.02 and abs(got[RANKED[2]] - 4 / 29) < 0.02
 
 
+def test_llama_cpp_truncations():
+    """On 0.4, 0.3, 0.2, 0.1: typical-p 0.5 keeps the three whose surprise is nearest the entropy (0.3, 0.2, then 0.4,
+    whose mass passes 0.5); top-n-sigma 1 the logits within one standard deviation of the top (0.4, 0.3); XTC
+    (threshold 0.25, always) drops 0.4, the likelier of the two above the threshold; never, it drops nothing."""
+    n = 10_000
+
+    def kept(params: SamplingParams, seed: int) -> set[int]:
+        return set(torch.nonzero(freqs(draw(params, n, seed=seed), 4)).flatten().tolist())
+
+    assert kept(SamplingParams(temperature=1.0, typical_p=0.5), 23) == {RANKED[0], RANKED[1], RANKED[2]}
+    assert kept(SamplingParams(temperature=1.0, top_n_sigma=1.0), 24) == {RANKED[0], RANKED[1]}
+    got = freqs(draw(SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.25), n, seed=25), 4)
+    assert got[RANKED[0]] == 0 and abs(got[RANKED[1]] - 0.5) < 0.02 and abs(got[RANKED[3]] - 1 / 6) < 0.02
+    assert kept(SamplingParams(temperature=1.0, xtc_probability=1e-9, xtc_threshold=0.25), 26) == set(RANKED)
+    # in llama.cpp's chain: top-n-sigma leaves 4/7, 3/7, whose first alone passes typical-p's 0.5
+    late = SamplingParams(temperature=0.5, typical_p=0.5, top_n_sigma=1.0, temperature_last=True)
+    assert kept(late, 27) == {RANKED[0]}
+    for bad in (dict(typical_p=0.0), dict(xtc_probability=1.5), dict(top_n_sigma=float("inf"))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).validate()
+
+
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
     # top_k=2 leaves 4/7, 3/7; top_p=0.5 then keeps only the first (on the raw distribution it would keep two)
     out = draw(SamplingParams(temperature=1.0, top_k=2, top_p=0.5), 5000, seed=17)
