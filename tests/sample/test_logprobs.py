@@ -81,7 +81,8 @@ def test_logprobs_are_raw_before_penalties_and_temperature(hf_folders):
                             repetition_penalty=1.3, logit_bias={11: 100.0})
     a, b = (llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (base, biased))
     assert b.token_ids == [11]  # the bias picked the token, its logprob is the model's own
-    assert a.logprobs[0].top == pytest.approx(b.logprobs[0].top)
+    assert [t for t, _ in a.logprobs[0].top] == [t for t, _ in b.logprobs[0].top]
+    assert [lp for _, lp in a.logprobs[0].top] == pytest.approx([lp for _, lp in b.logprobs[0].top])
     assert b.logprobs[0].logprob == pytest.approx(dict((t, lp) for t, lp in a.logprobs[0].top).get(11, b.logprobs[0].logprob))
     assert b.logprobs[0].rank >= 1
 
