@@ -1,5 +1,7 @@
 from dataclasses import dataclass, field, fields
 
+from flock.spec.config import SpeculativeConfig
+
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
 QUANTIZATION = ("auto", "gguf", "none", "q8_0", "q4_0")  # see flock.model.quant
@@ -57,6 +59,14 @@ class EngineConfig:
         False, "let JSON outputs put any whitespace between tokens (a small model can loop on it), for requests "
         "whose structured_outputs.disable_any_whitespace is not set", flag="--structured-outputs-any-whitespace")
 
+    speculative_config: dict | None = option(
+        None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}': drafts from prompt lookup, verified in each request's next step (greedy "
+        "outputs unchanged)")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         for name, value in list(kwargs.items()):
@@ -83,5 +93,6 @@ class EngineConfig:
             raise ValueError(f"ops must be one of {', '.join(OPS)}, got {self.ops!r}")
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
+        self.speculative()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

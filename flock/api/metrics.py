@@ -95,8 +95,13 @@ class VllmMetrics:
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
-        self.engine, self.counted_preemptions = engine, 0
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.engine = engine
+        # counters the engine keeps: (counter, EngineState field, counted so far)
+        self.engine_counts = [[counter(name, doc), field, 0] for name, doc, field in (
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "accepted_draft_tokens"))]
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.cache_queries = counter("vllm:prefix_cache_queries",
@@ -118,9 +123,12 @@ class VllmMetrics:
 
     def sync(self) -> None:
         """The counters read from the engine's own counts, brought up to date (at each scrape)."""
-        preemptions = self.engine.state.preemptions
-        self.preemptions.inc(max(preemptions - self.counted_preemptions, 0))
-        self.counted_preemptions = max(preemptions, self.counted_preemptions)
+        state = self.engine.state
+        for entry in self.engine_counts:
+            counter, field, counted = entry
+            value = getattr(state, field)
+            counter.inc(max(value - counted, 0))
+            entry[2] = max(value, counted)
 
 
 class StatusCounter:

@@ -2,6 +2,7 @@
 field (vLLM's flag names), its type, default and help taken from the field."""
 
 import argparse
+import json
 import types
 from dataclasses import MISSING, Field, fields
 
@@ -40,8 +41,18 @@ def _add_flag(g, f: Field) -> None:
     g.add_argument(flag, dest=f.name, type=_scalar(f.type), default=default, choices=choices, help=help, **meta)
 
 
-def _scalar(annotation) -> type:
-    """`int | None` -> int."""
+def _scalar(annotation):
+    """`int | None` -> int; a dict field takes JSON."""
     if isinstance(annotation, types.UnionType):
-        return next(t for t in annotation.__args__ if t is not type(None))
-    return annotation
+        annotation = next(t for t in annotation.__args__ if t is not type(None))
+    return _json_object if annotation is dict else annotation
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value

@@ -75,6 +75,9 @@ class EngineState:
     steps: int = 0
     step_tokens: int = 0  # tokens computed by all steps
     preemptions: int = 0
+    num_drafts: int = 0  # speculative decoding: steps of requests that verified drafts, drafts, confirmed drafts
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     model_seconds: float = 0.0  # forward passes and sampling
     busy_seconds: float = 0.0  # the engine thread's time in steps: scheduling, model, outputs
 
@@ -339,6 +342,9 @@ class AsyncEngine:
             steps=s.steps,
             step_tokens=s.step_tokens,
             preemptions=s.preemptions,
+            num_drafts=s.num_drafts,
+            draft_tokens=s.draft_tokens,
+            accepted_draft_tokens=s.accepted_draft_tokens,
             model_seconds=s.model_seconds,
             busy_seconds=self._busy_seconds,
         )

@@ -18,6 +18,7 @@ from flock.request import Request
 from flock.sample.grammar import GrammarCompiler
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
+from flock.spec import NgramProposer
 from flock.tokenizer import load_tokenizer
 
 log = logging.getLogger("flock")
@@ -83,6 +84,8 @@ class LLMEngine:
         self.base_model = config.model if resolved.config.base_model else None  # named when it is asked to generate
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
+        spec = config.speculative()
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self.grammars = GrammarCompiler(self.tokenizer, resolved.config.vocab_size, sorted(self.eos_token_ids),
                                         config.structured_outputs_any_whitespace)
@@ -174,8 +177,8 @@ class LLMEngine:
         finished = []
         sampled, pooled = iter(zip(out.tokens, out.logprobs)), iter(out.embeddings)
         now = time.monotonic()
-        for (req, n), samples in zip(plan.scheduled, plan.samples):
-            req.num_computed_tokens += n
+        for (req, n), samples, drafts in zip(plan.scheduled, plan.samples, plan.drafts):
+            req.num_computed_tokens += n - len(drafts)
             if not samples:
                 continue
             if req.num_output_tokens == 0:
@@ -186,18 +189,39 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 finished.append(req)
                 continue
-            token, logprobs = next(sampled)
+            tokens, logprobs = next(sampled)
+            req.num_computed_tokens += len(tokens) - 1  # the confirmed drafts
+            self.stats.add_drafts(len(drafts), len(tokens) - 1)
+            if self._append(req, tokens, logprobs):
+                req.finish_time = now
+                self.scheduler.finish(req)
+                finished.append(req)
+            elif self.proposer is not None:
+                req.draft_token_ids = self._propose(req)
+        return finished
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list) -> bool:
+        """Give the request its new tokens, one by one until one stops it (True then: the rest are dropped)."""
+        for token, entry in zip(tokens, logprobs):
             req.token_ids.append(token)
             if req.logprobs is not None:
-                req.logprobs.append(logprobs)
+                req.logprobs.append(entry)
             if req.grammar is not None and not req.grammar.is_terminated():
                 req.grammar.accept_token(token)
             self.stats.generated_tokens += 1
             if self._check_stop(req):
-                req.finish_time = now
-                self.scheduler.finish(req)
-                finished.append(req)
-        return finished
+                return True
+        return False
+
+    def _propose(self, req: Request) -> list[int]:
+        """Drafts to verify in the request's next step: none where a grammar constrains it, and no more than
+        its length caps leave room for beside the token sampled after them."""
+        if req.grammar is not None:
+            return []
+        left = self.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - req.num_output_tokens)
+        return self.proposer.propose(req.token_ids, left - 1)
 
     def _check_stop(self, req: Request) -> bool:
         token, p = req.token_ids[-1], req.params

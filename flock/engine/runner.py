@@ -12,8 +12,9 @@ from flock.engine.heap import keep_freed_memory, release_freed_memory
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
-from flock.sample.sampler import Sampler
+from flock.sample.sampler import Sampler, SamplingRow
 from flock.sched.base import StepPlan
+from flock.spec import DraftRow, accepted
 
 DEFAULT_KV_BYTES = 1 << 30
 WARM_UP_TOKENS = 2048  # at most: a model's start-up pays about one full step for it
@@ -22,13 +23,26 @@ LOGPROB_ROWS = 512  # prompt rows turned into logits at a time (a row of logits 
 
 @dataclass
 class StepOutput:
-    """What a step produced: a token (and logprobs, where asked) for each sampling request in plan order, and
-    the prompt logprobs of the prompt tokens it computed, as (request, position of the first, entries)."""
+    """What a step produced: for each sampling request in plan order, its new tokens (its drafts the step
+    confirmed, then the token sampled after them) and their logprobs where asked; the prompt logprobs of the
+    prompt tokens it computed, as (request, position of the first, entries)."""
 
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None]
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     embeddings: list[list[float]] = field(default_factory=list)  # of each embedding request, in plan order
+
+
+def draft_rows(finishing: list[tuple[Request, int, list[int]]]) -> tuple[list[SamplingRow], list[int]]:
+    """The sampling rows of requests (with the step row of their last new token, and the drafts it ends with):
+    a request's own row at its last verified token, then a row after each draft."""
+    rows, indices = [], []
+    for req, last, drafts in finishing:
+        first = last - len(drafts)
+        rows.append(req)
+        rows += [DraftRow(req, drafts[: j + 1]) for j in range(len(drafts))]
+        indices += range(first, last + 1)
+    return rows, indices
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,17 +97,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Run one forward pass; sample every request whose context is now complete (see `StepPlan.sampling`)."""
-        input_ids, positions, layout, sample_rows = self._prepare(plan)
+        input_ids, positions, layout, last_rows = self._prepare(plan)
         prompt_rows = self._prompt_rows(plan, layout.query_start)
-        if prompt_rows:
+        drafts = [d for d, s in zip(plan.drafts, plan.samples) if s]
+        if prompt_rows or any(drafts):
             layout.sampled = None  # the last layer finishes more rows than the sampled ones
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
         # embedding requests' last rows are pooled, not sampled
-        finishing = list(zip(plan.sampling(), sample_rows))
-        pooled = [(req.pooling, row) for req, row in finishing if req.pooling is not None]
-        kept = [(req, row) for req, row in finishing if req.pooling is None]
-        sampling, sample_rows = [req for req, _ in kept], [row for _, row in kept]
+        finishing = list(zip(plan.sampling(), last_rows, drafts))
+        pooled = [(req.pooling, row) for req, row, _ in finishing if req.pooling is not None]
+        kept = [(req, row, d) for req, row, d in finishing if req.pooling is None]
+        sampling, sample_rows = draft_rows(kept)
         masks = self.sampler.start_masks(sampling)  # grammar bitmasks, filled while the model runs
         # the last layer finishes only the rows it must (all of a decode step: no gather then)
         rows = sorted(set(sample_rows).union((row for _, row in pooled), *(r for *_, r in prompt_rows)))
@@ -106,7 +121,12 @@ class ModelRunner:
             gather = prompt_rows or pooled
             logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if gather else hidden)
             sampled = self.sampler.sample(logits, sampling, masks)
-            out.tokens, out.logprobs = sampled.tokens.tolist(), sampled.logprobs
+            tokens, first = sampled.tokens.tolist(), 0
+            for _, _, d in kept:  # each request's rows: its last token's, then one after each draft
+                n = accepted(tokens[first : first + len(d)], d) + 1
+                out.tokens.append(tokens[first : first + n])
+                out.logprobs.append(sampled.logprobs[first : first + n])
+                first += len(d) + 1
         return out
 
     @staticmethod
@@ -187,8 +207,9 @@ class ModelRunner:
         token_table = np.repeat(np.cumsum(table_lens) - table_lens, counts) + positions // bs
         slots = np.concatenate(tables)[token_table] * bs + positions % bs
         ids = []
-        for req, start, n in zip(reqs, starts.tolist(), counts.tolist()):
-            ids += req.token_ids[start : start + n]
+        for req, start, n, drafts in zip(reqs, starts.tolist(), counts.tolist(), plan.drafts):
+            ids += req.token_ids[start : start + n - len(drafts)]
+            ids += drafts
         to = dict(device=self.device)
         layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
                             slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples))

@@ -19,6 +19,9 @@ class RunStats:
     copied_prefill_tokens: int = 0  # prompt tokens of a partly shared block taken by copying its KV (admissions)
     computed_decode_tokens: int = 0  # tokens past the prompt, recomputation after preemption included
     generated_tokens: int = 0
+    num_drafts: int = 0  # sampled steps of requests that verified drafts (vLLM's spec_decode counters)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
     schedule_seconds: float = 0.0
@@ -77,6 +80,12 @@ class RunStats:
             self.computed_prefill_tokens += in_prompt
             self.computed_decode_tokens += n - in_prompt
 
+    def add_drafts(self, drafts: int, accepted: int) -> None:
+        if drafts:
+            self.num_drafts += 1
+            self.draft_tokens += drafts
+            self.accepted_draft_tokens += accepted
+
     def set_total(self, parts: Iterable["RunStats"]) -> None:
         """Every counter becomes its sum over `parts` (several engines as one; the largest step: the max).
         The wall time and the step trace stay."""
@@ -99,6 +108,10 @@ class RunStats:
             "saving_rate": self.saving_rate,
             "computed_decode_tokens": self.computed_decode_tokens,
             "generated_tokens": self.generated_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "draft_acceptance_rate": self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_acceptance_length": 1 + self.accepted_draft_tokens / self.num_drafts if self.num_drafts else 0.0,
             "steps": self.steps,
             "mean_tokens_per_step": self.step_tokens / steps,
             "mean_requests_per_step": self.step_requests / steps,

@@ -87,7 +87,8 @@ class KVCacheManager:
         self.tables[req] = table
         if cached.tail_tokens:  # the source may be taken by a later allocation: the copy runs first
             self.copies[req] = (cached.tail_block, table[(computed - 1) // self.block_size], cached.tail_tokens)
-        self._register_blocks(req, computed, computed + num_new_tokens)
+        # a draft's KV is the request's only once verified: blocks are listed up to its tokens
+        self._register_blocks(req, computed, min(computed + num_new_tokens, req.num_tokens))
         return True
 
     def keep_for(self, waiting: list[Request]) -> None:

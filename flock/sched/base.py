@@ -13,7 +13,8 @@ class StepPlan:
     """A step's decisions, the one value the runner and the engine read: each scheduled request advances by
     its number of new tokens from `starts` (its computed tokens), over its block table; `kv_copies` are cached
     block starts copied before the step; `samples` marks the requests whose whole context the step computes,
-    which get a new token. The scheduler fills the lists after `scheduled` (`Scheduler.schedule`)."""
+    which get a new token; `drafts` are the speculative tokens each request's new tokens end with (verified by
+    the step's samples). The scheduler fills the lists after `scheduled` (`Scheduler.schedule`)."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -21,6 +22,7 @@ class StepPlan:
     block_tables: list[list[int]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source block, own block, tokens)
     samples: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +75,8 @@ class Scheduler:
             start = req.num_computed_tokens
             plan.starts.append(start)
             plan.block_tables.append(kv.block_table(req))
-            plan.samples.append(not req.prefix_only and start + n == req.num_tokens)
+            plan.samples.append(not req.prefix_only and start + n >= req.num_tokens)
+            plan.drafts.append(req.draft_token_ids[: max(0, start + n - req.num_tokens)])
             copy = kv.take_copy(req)
             if copy is not None:
                 plan.kv_copies.append(copy)
@@ -90,6 +93,14 @@ class Scheduler:
         if cached is not None:
             req.num_computed_tokens += self.kv.prefix_tokens(cached)
         return True
+
+    def with_drafts(self, req: Request, n: int, budget: int) -> int:
+        """`n` new tokens of a running request, and after them its drafts where `n` reaches its last token and the
+        budget and the KV pool hold them (their KV allocated then); never preempts for a draft."""
+        drafts = min(len(req.draft_token_ids), budget - n)
+        if drafts > 0 and req.num_computed_tokens + n == req.num_tokens and self.allocate(req, n + drafts):
+            return n + drafts
+        return n
 
     def observe(self, plan: StepPlan, model_seconds: float) -> None:
         """Feedback after the model ran `plan`, for policies that learn from measured speed."""

@@ -128,12 +128,13 @@ class BatchLLMScheduler(Scheduler):
             for req in list(g.admitted):
                 if budget == 0 or req.num_tokens - req.num_computed_tokens != 1 or req not in g.admitted:
                     continue
-                while not self.allocate(req, 1):
+                n = self.with_drafts(req, 1, budget)
+                while not self.allocate(req, n):
                     if not self._make_room(g, req, plan):
                         break
                 if req in g.admitted:
-                    plan.scheduled.append((req, 1))
-                    budget -= 1
+                    plan.scheduled.append((req, n))
+                    budget -= n
         return budget
 
     def _members(self, g: GroupState, plan: StepPlan, budget: int) -> int:

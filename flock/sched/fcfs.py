@@ -20,7 +20,7 @@ class FCFSScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.with_drafts(req, min(req.num_tokens - req.num_computed_tokens, budget), budget)
             while not self.allocate(req, n):
                 victim = self.victim(self.running[i:])  # not one already planned in this step
                 self.running.remove(victim)

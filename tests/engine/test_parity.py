@@ -206,7 +206,7 @@ def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
             hidden = engine.runner.model(input_ids, positions, engine.runner.backend.build_metadata(layout))
             logits.append(engine.runner.model.compute_logits(hidden))
             n = len(plan.sampling())
-            engine._postprocess(plan, StepOutput([0] * n, [None] * n))
+            engine._postprocess(plan, StepOutput([[0]] * n, [[None]] * n))
     return torch.cat(logits)
 
 
