@@ -15,7 +15,7 @@ from flock.model import resolve_model
 from flock.model.config import sampling_defaults
 from flock.pooling_params import PoolingParams
 from flock.request import Request
-from flock.sample.grammar import GrammarCompiler
+from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
 from flock.spec import NgramProposer
@@ -214,14 +214,15 @@ class LLMEngine:
         return False
 
     def _propose(self, req: Request) -> list[int]:
-        """Drafts to verify in the request's next step: none where a grammar constrains it, and no more than
-        its length caps leave room for beside the token sampled after them."""
-        if req.grammar is not None:
-            return []
+        """Drafts to verify in the request's next step, no more than its length caps leave room for beside the
+        token sampled after them; under a grammar, those it allows (the tokens it forces, where it does)."""
         left = self.max_model_len - req.num_tokens
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - req.num_output_tokens)
-        return self.proposer.propose(req.token_ids, left - 1)
+        drafts = self.proposer.propose(req.token_ids, left - 1)
+        if req.grammar is None or req.grammar.is_terminated():
+            return drafts
+        return drafts_in_grammar(req.grammar, drafts, min(self.proposer.k, left - 1))
 
     def _check_stop(self, req: Request) -> bool:
         token, p = req.token_ids[-1], req.params

@@ -38,10 +38,8 @@ def draft_rows(finishing: list[tuple[Request, int, list[int]]]) -> tuple[list[Sa
     a request's own row at its last verified token, then a row after each draft."""
     rows, indices = [], []
     for req, last, drafts in finishing:
-        first = last - len(drafts)
-        rows.append(req)
-        rows += [DraftRow(req, drafts[: j + 1]) for j in range(len(drafts))]
-        indices += range(first, last + 1)
+        rows += [DraftRow(req, drafts[:j]) for j in range(len(drafts) + 1)]
+        indices += range(last - len(drafts), last + 1)
     return rows, indices
 
 

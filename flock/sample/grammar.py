@@ -130,6 +130,23 @@ def _structural_tag(text: str) -> str:
     return xgr.StructuralTag.from_legacy_structural_tag(items, tag.get("triggers", [])).model_dump_json()
 
 
+def drafts_in_grammar(matcher: xgrammar.GrammarMatcher, drafts: list[int], limit: int) -> list[int]:
+    """Drafts for a constrained request: the tokens its grammar forces next (jump-forward), else `drafts`; at
+    most `limit`, up to the first the grammar refuses or that would end it. The matcher is left as it was."""
+    candidates = (matcher.find_jump_forward_tokens() if limit > 0 else [])[:limit] or drafts
+    kept = 0
+    for token in candidates:
+        if not matcher.accept_token(token):
+            break
+        if matcher.is_terminated():
+            matcher.rollback(1)
+            break
+        kept += 1
+    if kept:
+        matcher.rollback(kept)
+    return candidates[:kept]
+
+
 class GrammarMasks:
     """The token bitmasks of a step's constrained rows, filled on a side thread while the model runs."""
 
@@ -139,17 +156,32 @@ class GrammarMasks:
         self.pool: ThreadPoolExecutor | None = None
         self.batch = None
 
-    def fill(self, matchers: list[xgrammar.GrammarMatcher]) -> Future | None:
-        """Start filling one bitmask row per matcher (in order); None when there is none."""
-        if not matchers:
+    def fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int]]]) -> Future | None:
+        """Start filling one bitmask row per constrained row (in order): its matcher, and the drafts before the
+        row (a request's rows follow each other, each with one draft more); None when there is none."""
+        if not rows:
             return None
         xgr = _xgrammar()
-        if self.bitmask is None or len(self.bitmask) < len(matchers):
-            self.bitmask = xgr.allocate_token_bitmask(max(len(matchers), 64), self.vocab_size)
+        if self.bitmask is None or len(self.bitmask) < len(rows):
+            self.bitmask = xgr.allocate_token_bitmask(max(len(rows), 64), self.vocab_size)
             self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="flock-grammar")
             self.batch = self.batch or xgr.BatchGrammarMatcher()
-        bitmask = self.bitmask[: len(matchers)]
-        return self.pool.submit(self.batch.batch_fill_next_token_bitmask, matchers, bitmask)
+        return self.pool.submit(self._fill, rows, self.bitmask[: len(rows)])
+
+    def _fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int]]], bitmask: torch.Tensor) -> None:
+        """Rows of requests without drafts in one batch call; a request with drafts row by row, its matcher
+        advanced by a draft between rows and rolled back after its last."""
+        last = [i + 1 == len(rows) or not rows[i + 1][1] for i in range(len(rows))]  # a request's last row
+        alone = [i for i, (_, drafts) in enumerate(rows) if not drafts and last[i]]
+        if alone:
+            self.batch.batch_fill_next_token_bitmask([rows[i][0] for i in alone], bitmask, alone)
+        for i, (matcher, drafts) in enumerate(rows):
+            if drafts or not last[i]:
+                if drafts:
+                    matcher.accept_token(drafts[-1])
+                matcher.fill_next_token_bitmask(bitmask, i)
+                if last[i]:
+                    matcher.rollback(len(drafts))
 
     def apply(self, logits: torch.Tensor, rows: list[int], filled: Future) -> None:
         """Mask logits rows `rows` (in place) with the bitmask rows `filled` has made, in the same order."""

@@ -30,11 +30,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class SamplingRow(TokenHistory, Protocol):
-    """What sampling reads of a row's request (a Request is one)."""
+    """What sampling reads of a row: its request's params, generator and grammar, its tokens so far (a Request
+    has all but `drafts`, which a step's rows add: flock.spec.DraftRow)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     grammar: object | None  # an xgrammar matcher
+    drafts: list[int]  # speculative tokens before this row, counted in its output (read by the grammar masks)
 
 
 @dataclass
@@ -56,7 +58,7 @@ class Sampler:
 
     def start_masks(self, rows: Sequence[SamplingRow]) -> Future | None:
         """Start filling the grammar bitmasks of the constrained rows (before the model runs)."""
-        return self.masks.fill([r.grammar for r in rows if r.grammar is not None])
+        return self.masks.fill([(r.grammar, r.drafts) for r in rows if r.grammar is not None])
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: Future | None = None) -> Sampled:
         """A token per row, with logprobs where asked: the grammar masks (`start_masks`) first, the logprobs from

@@ -5,12 +5,12 @@ from flock.request import Request
 
 @dataclass
 class DraftRow:
-    """The sampling row of a request's logits after its first `len(drafts)` drafts: the request's params and
-    generator, with those drafts as if already generated (penalties, bad words and min_tokens read them)."""
+    """The sampling row of a request's logits after its first `len(drafts)` drafts (none: its own row): the
+    request's params, generator and grammar, with those drafts as if already generated (penalties, bad words,
+    min_tokens and the grammar's mask read them)."""
 
     request: Request
     drafts: list[int]
-    grammar = None  # a request with a grammar gets no drafts
 
     @property
     def params(self):
@@ -21,12 +21,16 @@ class DraftRow:
         return self.request.generator
 
     @property
+    def grammar(self):
+        return self.request.grammar
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + self.drafts
+        return self.request.output_token_ids + self.drafts if self.drafts else self.request.output_token_ids
 
 
 def accepted(tokens: list[int], drafts: list[int]) -> int:

@@ -51,7 +51,7 @@ def test_rows_after_drafts_count_them_as_output():
     eos, draft = 0, 5
     req = Request(0, [9, 9], SamplingParams(temperature=0, min_tokens=2, frequency_penalty=2.0))
     req.token_ids.append(7)  # one output token so far
-    rows = [req, DraftRow(req, [draft])]
+    rows = [DraftRow(req, []), DraftRow(req, [draft])]
     logits = torch.zeros(2, 8)
     logits[:, eos], logits[:, draft], logits[:, 3] = 3.0, 2.5, 1.0
     tokens = Sampler(0, [eos], 8).sample(logits, rows).tokens.tolist()

@@ -163,14 +163,34 @@ def test_seeded_sampling_with_drafts_is_the_same_in_any_batch(hf_folders, refere
     assert llm.stats()["accepted_draft_tokens"] > 0
 
 
-def test_structured_requests_get_no_drafts():
-    llm = LLM("flock/tiny", speculative_config=SPEC)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "tags": {"type": "array", "items": {"enum": ["ab", "cd"]}, "maxItems": 3}},
+          "required": ["name", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("spec", [{"regex": "(ab ){5}x"}, {"json": SCHEMA}, {"choice": ["alpha beta", "alpha gamma"]}])
+def test_structured_outputs_with_drafts(spec):
+    """A grammar's forced tokens (jump-forward) and n-gram drafts it allows are verified under its masks, each
+    row's mask after the drafts before it: the same output as without drafts, inside the grammar."""
+    import json
+
     from flock import StructuredOutputsParams
 
-    out = llm.generate(["a b a b a b a b"], SamplingParams(
-        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="(ab){6}")))
-    assert out[0].outputs[0].text == "ab" * 6
-    assert llm.stats()["draft_tokens"] == 0
+    prompts = ["ab ab ab ab", '{"name": "ab", "tags": ["ab", "cd"]} {"name": "', "alpha beta alpha"]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(**spec))
+    base = LLM("flock/tiny", dtype="float32").generate(prompts, params)
+    llm = LLM("flock/tiny", dtype="float32", speculative_config=SPEC)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    assert llm.stats()["accepted_draft_tokens"] > 0
+    for o in outs:
+        text = o.outputs[0].text
+        if "json" in spec:
+            assert set(json.loads(text)) == {"name", "tags"}
+        elif "regex" in spec:
+            assert text == "ab " * 5 + "x"
+        else:
+            assert text in spec["choice"]
 
 
 def test_speculative_config_is_checked():
