@@ -7,6 +7,8 @@ the same `speculative_config`, on SmolLM2-135M-Instruct, the same chat-templated
 Workloads (real text: standard-library reference documents, bench/harness/documents.py):
 - copy: "Repeat the following text exactly" + a document (the answer copies it: drafts hold);
 - quote: questions about a document that ask for its own words (drafts hold in part);
+- extract: a JSON schema's answer (structured outputs) quoting a document: the grammar's forced tokens and the
+  quotes' n-grams as drafts;
 - chat: short questions without a document (little to look up: what drafting costs).
 Each runs as one batch (offline) and one request after another (online, a single stream: where a CPU has
 compute to spare for the drafts). Printed: the CPU and kernel paths, wall s, generated tokens/s, the speed-up
@@ -24,6 +26,10 @@ from bench.harness.offline import hf_folder
 from bench.harness.report import args_dict, markdown_table, write_json
 
 CHILD = Path(__file__).resolve().parent / "harness" / "vllm_spec_child.py"
+SCHEMAS = {"extract": {"type": "object", "properties": {
+    "topic": {"type": "string"},
+    "quotes": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 2}},
+    "required": ["topic", "quotes"], "additionalProperties": False}}
 QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
              "Who wrote Romeo and Juliet?", "What gas do plants take in?", "How many days are in a leap year?",
              "What is the boiling point of water in Celsius?", "Name the largest planet in our solar system.")
@@ -40,18 +46,22 @@ def workloads(tokenizer, n: int) -> dict[str, list[list[int]]]:
     return {
         "copy": [chat(f"Repeat the following text exactly, word for word.\n\n{d}") for d in docs],
         "quote": [chat(f"{d}\n\nQuote the first two sentences of the text above, then explain them.") for d in docs],
+        "extract": [chat(f"{d}\n\nAnswer in JSON: the topic of the text above, and two sentences quoted from it "
+                         "word for word.") for d in docs],
         "chat": [chat(q) for q in (QUESTIONS * n)[:n]],
     }
 
 
 def run_flock(folder: Path, loads: dict, spec: dict | None, args) -> dict:
-    from flock import LLM, SamplingParams
+    from flock import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(str(folder), dtype="bfloat16", max_model_len=args.max_model_len, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in loads["chat"][:2]], SamplingParams(max_tokens=8), use_tqdm=False)
     runs = {}
     for name, prompts in loads.items():
+        schema = SCHEMAS.get(name)  # a structured answer ends with its grammar
+        params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=schema is None, structured_outputs=
+                                None if schema is None else StructuredOutputsParams(json=schema))
         for mode in args.modes:
             llm.reset_prefix_cache()
             run = {"wall_s": 0.0, "steps": 0, "drafts": 0, "accepted": 0, "output_token_ids": []}
@@ -70,7 +80,7 @@ def run_flock(folder: Path, loads: dict, spec: dict | None, args) -> dict:
 
 def run_vllm(folder: Path, loads: dict, spec: dict | None, args) -> dict:
     job = {"model": str(folder), "max_model_len": args.max_model_len, "speculative_config": spec, "gen": args.gen,
-           "modes": args.modes, "warmup": loads["chat"][:2], "workloads": loads}
+           "modes": args.modes, "warmup": loads["chat"][:2], "workloads": loads, "schemas": SCHEMAS}
     data = vllm.run_child(CHILD, job, f"speculative-vllm-{'spec' if spec else 'plain'}", args)
     if isinstance(data, str):
         return {"engine": vllm.VLLM_ENGINE, "error": data}

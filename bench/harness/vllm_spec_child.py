@@ -3,7 +3,7 @@
 usage: python vllm_spec_child.py JOB.json RESULT.json
 
 JOB: {"model", "max_model_len", "speculative_config" (null: none), "gen", "modes": ["batch", "single"],
-"warmup": [[ids]], "workloads": {name: [[ids]]}}
+"warmup": [[ids]], "workloads": {name: [[ids]]}, "schemas": {name: JSON schema of its answers}}
 RESULT: {"vllm_version", "startup_s", "runs": {"NAME/MODE": {"wall_s", "output_token_ids", "metrics"}}}: "batch"
 sends a workload's prompts in one generate call, "single" one prompt after the other; metrics: vLLM's counters
 over the run (spec_decode ones included).
@@ -22,6 +22,7 @@ def main(job_path: str, result_path: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     job = json.loads(open(job_path).read())
     t0 = time.perf_counter()
@@ -30,8 +31,9 @@ def main(job_path: str, result_path: str) -> None:
               disable_log_stats=False, **spec)
     startup_s = time.perf_counter() - t0
 
-    def generate(prompts: list[list[int]], gen: int):
-        params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    def generate(prompts: list[list[int]], gen: int, schema: dict | None = None):
+        structured = None if schema is None else StructuredOutputsParams(json=schema)
+        params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=schema is None, structured_outputs=structured)
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     def metrics() -> dict[str, float]:
@@ -48,8 +50,9 @@ def main(job_path: str, result_path: str) -> None:
             llm.reset_prefix_cache()
             before = metrics()
             t = time.perf_counter()
-            outs = generate(prompts, job["gen"]) if mode == "batch" else \
-                [o for p in prompts for o in generate([p], job["gen"])]
+            schema = job["schemas"].get(name)
+            outs = generate(prompts, job["gen"], schema) if mode == "batch" else \
+                [o for p in prompts for o in generate([p], job["gen"], schema)]
             wall = time.perf_counter() - t
             after = metrics()
             runs[f"{name}/{mode}"] = {"wall_s": wall, "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
