@@ -70,6 +70,18 @@ class SamplingParams:
     top_n_sigma: float = -1.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    # llama.cpp's dynamic temperature: each row's temperature in [temperature - range, temperature + range] by the
+    # normalized entropy of its distribution raised to dynatemp_exponent (range 0: off)
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    # llama.cpp's DRY: a token extending a sequence repeated within the last dry_penalty_last_n tokens (prompt and
+    # output; -1: all) longer than dry_allowed_length loses dry_multiplier * dry_base ** (length - allowed) of its
+    # logit; sequences stop at the breakers (flock/sample/dry.py; multiplier 0: off)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: ["\n", ":", "\"", "*"])
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] | str | None = None
@@ -99,6 +111,7 @@ class SamplingParams:
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: with the priority scheduler, lower values go first (others need 0)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
+    dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -129,6 +142,10 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it (vLLM's: from the left unless truncation_side says)."""
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
@@ -141,6 +158,24 @@ class SamplingParams:
         if k is None or len(prompt_token_ids) <= k:
             return prompt_token_ids
         return prompt_token_ids[-k:] if self.truncation_side == "left" else prompt_token_ids[:k]
+
+    def _validate_llama_cpp(self) -> None:
+        """llama.cpp's dynamic temperature and DRY fields."""
+        if not _is_real(self.dynatemp_range) or not 0 <= self.dynatemp_range < math.inf:
+            raise ValueError(f"dynatemp_range must be a finite number >= 0, got {self.dynatemp_range!r}")
+        if not _is_real(self.dynatemp_exponent) or not math.isfinite(self.dynatemp_exponent):
+            raise ValueError(f"dynatemp_exponent must be a finite number, got {self.dynatemp_exponent!r}")
+        if not _is_real(self.dry_multiplier) or not 0 <= self.dry_multiplier < math.inf:
+            raise ValueError(f"dry_multiplier must be a finite number >= 0, got {self.dry_multiplier!r}")
+        if not _is_real(self.dry_base) or not 1 <= self.dry_base < math.inf:
+            raise ValueError(f"dry_base must be a finite number >= 1, got {self.dry_base!r}")
+        for name, least in (("dry_allowed_length", 0), ("dry_penalty_last_n", -1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        breakers = self.dry_sequence_breakers
+        if not isinstance(breakers, list) or not breakers or not all(isinstance(b, str) and b for b in breakers):
+            raise ValueError(f"dry_sequence_breakers must be a non-empty list of non-empty strings, got {breakers!r}")
 
     def tokenize_bad_words(self, tokenizer) -> None:
         """bad_words_token_ids from bad_words, as vLLM's: each word alone and, when that makes other tokens of
@@ -169,6 +204,7 @@ class SamplingParams:
         for name in ("xtc_probability", "xtc_threshold"):
             if not _is_real(getattr(self, name)) or not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        self._validate_llama_cpp()
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -6,8 +6,8 @@ strings alone included), each completed `n_cmpl` times; one completion answers a
 takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; n_predict -1: up to the
 context), its penalties over the last `repeat_last_n` tokens of the prompt and output, and its chain: top-k,
 top-p, min-p, typical-p, top-n-sigma and XTC on the logits before the temperature (or after it, where `samplers`
-puts it first). Samplers Flock does not run (mirostat, DRY, dynamic temperature) are refused unless left at
-their defaults; the slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is
+puts it first), DRY after the penalties, dynamic temperature. Mirostat, which Flock does not run, is refused
+unless left off; the slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is
 cached anyway); other unknown fields are ignored, as llama-server ignores them.
 """
 
@@ -23,10 +23,12 @@ from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": -1.0,
             "xtc_probability": 0.0, "xtc_threshold": 0.1, "repeat_penalty": 1.0, "repeat_last_n": 64,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0}  # llama-server's (common_params_sampling)
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+            "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+            "dry_penalty_last_n": 64}  # llama-server's (common_params_sampling)
+DRY_BREAKERS = ["\n", ":", "\"", "*"]
 # samplers Flock does not run: their field and the value that leaves them off
-UNSUPPORTED = {"mirostat": 0, "dry_multiplier": 0.0, "dynatemp_range": 0.0, "n_indent": 0, "t_max_predict_ms": 0,
-               "lora": [], "multimodal_data": []}
+UNSUPPORTED = {"mirostat": 0, "n_indent": 0, "t_max_predict_ms": 0, "lora": [], "multimodal_data": []}
 SAMPLER_NAMES = {"dry": "dry", "topk": "top_k", "topp": "top_p", "nucleus": "top_p", "topnsigma": "top_n_sigma",
                  "typp": "typ_p", "typ": "typ_p", "minp": "min_p", "temperature": "temperature", "temp": "temperature",
                  "xtc": "xtc", "infill": "infill", "penalties": "penalties", "adaptivep": "adaptive_p"}
@@ -120,9 +122,11 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
     seed = body.get("seed", -1)
     if not is_int(seed):
         raise APIError(f"seed must be an integer, got {seed!r}", param="seed")
+    for name in ("repeat_last_n", "dry_penalty_last_n", "dry_allowed_length"):
+        least = 0 if name == "dry_allowed_length" else -1
+        if not is_int(values[name]) or values[name] < least:
+            raise APIError(f"{name} must be an integer >= {least}, got {values[name]!r}", param=name)
     last_n = values["repeat_last_n"]
-    if not is_int(last_n) or last_n < -1:
-        raise APIError(f"repeat_last_n must be an integer >= -1, got {last_n!r}", param="repeat_last_n")
     temperature = values["temperature"]
     kwargs = dict(
         temperature=0.0 if temperature <= 0 else 1.0 if "temperature" in off else temperature,
@@ -131,7 +135,12 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         typical_p=1.0 if "typ_p" in off else values["typical_p"],
         top_n_sigma=-1.0 if "top_n_sigma" in off else values["top_n_sigma"],
         xtc_probability=0.0 if "xtc" in off else values["xtc_probability"], xtc_threshold=values["xtc_threshold"],
-        temperature_last=temperature_last,
+        temperature_last=temperature_last, dynatemp_range=0.0 if "temperature" in off else values["dynatemp_range"],
+        dynatemp_exponent=values["dynatemp_exponent"],
+        dry_multiplier=0.0 if "dry" in off else values["dry_multiplier"],
+        dry_base=values["dry_base"] if values["dry_base"] >= 1 else DEFAULTS["dry_base"],  # as llama-server
+        dry_allowed_length=values["dry_allowed_length"], dry_penalty_last_n=values["dry_penalty_last_n"],
+        dry_sequence_breakers=_breakers(body.get("dry_sequence_breakers", DRY_BREAKERS)),
         max_tokens=None if n_predict == -1 else max(n_predict, 1), seed=None if seed < 0 else seed, n=n,
         stop=_stop(body.get("stop")), ignore_eos=flag(body, "ignore_eos"),
         logit_bias=_logit_bias(body.get("logit_bias"), tokenizer), structured_outputs=_grammar(body))
@@ -146,7 +155,8 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         raise APIError(str(e)) from None
     settings = {**values, "n_predict": n_predict, "seed": seed, "stop": params.stop, "ignore_eos": params.ignore_eos,
                 "n_probs": body.get("n_probs", 0), "stream": body.get("stream", False), "n_cmpl": n,
-                "samplers": [s for s in ("penalties", *TRUNCATIONS, "temperature") if s not in off]}
+                "dry_sequence_breakers": params.dry_sequence_breakers,
+                "samplers": [s for s in ("penalties", "dry", *TRUNCATIONS, "temperature") if s not in off]}
     return params, settings
 
 
@@ -166,7 +176,13 @@ def _samplers(samplers) -> tuple[set[str], bool]:
         raise APIError(f"samplers has an unknown sampler ({samplers!r})", param="samplers")
     truncations = [i for i, name in enumerate(names) if name in TRUNCATIONS]
     last = "temperature" in names and all(i < names.index("temperature") for i in truncations)
-    return {"penalties", "temperature", *TRUNCATIONS} - set(names), last
+    return {"penalties", "dry", "temperature", *TRUNCATIONS} - set(names), last
+
+
+def _breakers(breakers) -> list[str]:
+    if not isinstance(breakers, list) or not breakers or not all(isinstance(b, str) for b in breakers):
+        raise APIError("dry_sequence_breakers must be a non-empty array of strings", param="dry_sequence_breakers")
+    return breakers
 
 
 def _stop(stop) -> list[str]:

@@ -20,10 +20,15 @@ from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import encode_chat
 
+# llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
+LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+                      "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                      "dry_sequence_breakers")
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
-                    "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt", "priority"}
+                    "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt", "priority",
+                    *LLAMA_CPP_SAMPLING}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
@@ -481,6 +486,11 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         cache_salt=typed_field(body, "cache_salt", str, None),
         priority=typed_field(body, "priority", int, 0),
     )
+    for name in LLAMA_CPP_SAMPLING:
+        value = body.get(name)
+        if value is not None:
+            kind = type(getattr(params, name))
+            setattr(params, name, typed_field(body, name, kind, None) if kind is not float else _number(body, name, 0))
     try:
         params.validate()
     except ValueError as e:

@@ -35,7 +35,7 @@ from flock.sampling_params import SamplingParams
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                 "/v1/score", "/v1/rerank", "/generate", "/completion", "/completions"}
+                 "/v1/score", "/v1/rerank", "/generate", "/completion", "/completions", "/infill"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -111,6 +111,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/completions", dependencies=auth)
     async def completion_(raw: Request):
         return await generate_llama_cpp(raw, ctx)
+
+    @app.post("/infill", dependencies=auth)  # llama-server's fill-in-the-middle, for code editors
+    async def infill_(raw: Request):
+        return await generate_llama_cpp(raw, ctx, infill=True)
 
     @app.post("/apply-template", dependencies=auth)  # llama-server's: a chat through the template, as text
     async def apply_template(raw: Request):

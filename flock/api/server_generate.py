@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from flock.api import embeddings, llama_cpp, scores
 from flock.api.answer_stream import AnswerStream
+from flock.api.infill import parse_infill
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
@@ -124,9 +125,11 @@ async def generate_native(raw: Request, ctx: ServerContext):
     return JSONResponse(objects[0] if req.single else objects)
 
 
-async def generate_llama_cpp(raw: Request, ctx: ServerContext):
-    """llama-server's POST /completion (flock/api/llama_cpp.py)."""
-    req = llama_cpp.parse_completion(await json_body(raw), ctx.engine.tokenizer)
+async def generate_llama_cpp(raw: Request, ctx: ServerContext, infill: bool = False):
+    """llama-server's POST /completion (flock/api/llama_cpp.py), or its /infill (flock/api/infill.py)."""
+    body, tokenizer = await json_body(raw), ctx.engine.tokenizer
+    req = parse_infill(body, tokenizer, ctx.engine.max_model_len) if infill else \
+        llama_cpp.parse_completion(body, tokenizer)
     start = time.monotonic()
     streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
     if req.stream:

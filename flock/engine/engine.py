@@ -15,6 +15,7 @@ from flock.model import resolve_model
 from flock.model.config import sampling_defaults
 from flock.pooling_params import PoolingParams
 from flock.request import Request
+from flock.sample.dry import breaker_tokens
 from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
@@ -129,6 +130,8 @@ class LLMEngine:
         prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
         if params.bad_words:
             params.tokenize_bad_words(self.tokenizer)
+        if params.dry:
+            params.dry_breakers = breaker_tokens(self.tokenizer, tuple(params.dry_sequence_breakers))
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         req.pooling = pooling
         self._next_id += 1

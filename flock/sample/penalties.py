@@ -9,7 +9,8 @@ In vLLM's order, before temperature, top-k and top-p (and before a greedy row's 
 3. repetition_penalty over the prompt and output tokens: a positive logit is divided by it, a negative one
    multiplied; then frequency and presence over the output tokens only (the OpenAI definition):
    logit -= frequency_penalty * count + presence_penalty * (count > 0). With penalty_last_n, all three count
-   the last n tokens of the prompt and output instead (llama.cpp's penalties).
+   the last n tokens of the prompt and output instead (llama.cpp's penalties);
+4. llama.cpp's DRY over the last dry_penalty_last_n tokens of the prompt and output (dry.py).
 
 A batch whose rows ask for none of this returns its logits untouched, at the cost of one look at each row's
 params; otherwise only the rows that ask are gathered and adjusted, as one set of tensor ops."""
@@ -20,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from flock.sample.dry import dry_penalties
 from flock.sampling_params import SamplingParams
 
 
@@ -36,7 +38,7 @@ class TokenHistory(Protocol):
 def adjusts(p: SamplingParams, history: TokenHistory) -> bool:
     """Whether this row's logits change in this step."""
     return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
-            or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
+            or p.dry or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
@@ -46,7 +48,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
     # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
     rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
             or p.frequency_penalty or p.repetition_penalty != 1.0 or p.allowed_token_ids is not None
-            or p.bad_words_token_ids]
+            or p.bad_words_token_ids or p.dry_multiplier]
     rows = [i for i in rows if adjusts(params[i], histories[i])]
     if not rows:
         return logits
@@ -65,7 +67,19 @@ def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Se
     _min_tokens(logits, params, histories, set(eos_token_ids))
     _logit_bias(logits, params)
     _penalties(logits, params, histories)
+    _dry(logits, params, histories)
     return logits
+
+
+def _dry(logits: torch.Tensor, params, histories) -> None:
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if p.dry:
+            n = p.dry_penalty_last_n
+            window = _last(h, n if n > 0 else len(h.prompt_token_ids) + len(h.output_token_ids))
+            ids, penalties = dry_penalties(window, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                           p.dry_breakers or {})
+            if len(ids):
+                logits[i, _long(ids.tolist(), logits)] -= _values(penalties.tolist(), logits)[:, 0]
 
 
 def _allowed(logits: torch.Tensor, params) -> None:
@@ -139,9 +153,14 @@ def _penalties(logits: torch.Tensor, params, histories) -> None:
 def _counted(p: SamplingParams, history: TokenHistory) -> list[int]:
     """The tokens the frequency and presence penalties count: the output, or the last penalty_last_n tokens of
     the prompt and output."""
-    out, n = history.output_token_ids, p.penalty_last_n
-    if n is None or n <= len(out):
-        return out if n is None else out[len(out) - n:]
+    return history.output_token_ids if p.penalty_last_n is None else _last(history, p.penalty_last_n)
+
+
+def _last(history: TokenHistory, n: int) -> list[int]:
+    """The last n tokens of the prompt and output."""
+    out = history.output_token_ids
+    if n <= len(out):
+        return out[len(out) - n:]
     prompt = history.prompt_token_ids
     return prompt[max(0, len(prompt) - (n - len(out))):] + out
 

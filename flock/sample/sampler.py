@@ -92,7 +92,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         u = self._uniforms(generators)
         vocab = logits.shape[-1]
-        plain = all((p.top_k <= 0 or p.top_k >= vocab) and not p.truncates for p in params)
+        plain = all((p.top_k <= 0 or p.top_k >= vocab) and not p.truncates and p.dynatemp_range <= 0 for p in params)
         if plain and _fused(logits):
             # temperature alone: the fused kernel draws as _draw does, from the logits as they are (~7x faster)
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
@@ -168,10 +168,28 @@ def _truncated(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: lis
 
 
 def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    if all(p.temperature == 1.0 for p in params):  # a pass over the logits that temperature 1 can skip
+    if all(p.temperature == 1.0 and p.dynatemp_range <= 0 for p in params):  # a pass temperature 1 can skip
         return logits
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    dynamic = [i for i, p in enumerate(params) if p.dynatemp_range > 0]
+    if dynamic:
+        temps[dynamic] = _dynamic_temperatures(logits[dynamic], [params[i] for i in dynamic])
     return logits / temps[:, None]
+
+
+def _dynamic_temperatures(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """llama.cpp's dynamic temperature of each row: from temperature - range (at least 0) to temperature + range
+    by its distribution's entropy over that of as many equally likely tokens (its finite logits), to the power
+    dynatemp_exponent; 1 (no scaling) for a row with one token left. Near 0 it keeps only the most likely."""
+    low = torch.tensor([max(0.0, p.temperature - p.dynatemp_range) for p in params], dtype=logits.dtype)
+    high = torch.tensor([p.temperature + p.dynatemp_range for p in params], dtype=logits.dtype)
+    exponent = torch.tensor([p.dynatemp_exponent for p in params], dtype=logits.dtype)
+    size = torch.isfinite(logits).sum(-1)
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp.where(torch.isfinite(logp), 0.0)).sum(-1)
+    normalized = entropy / size.clamp_min(2).to(logits.dtype).log()
+    temps = low + (high - low) * normalized.clamp_min(0).pow(exponent)
+    return torch.where(size > 1, temps.clamp_min(1e-6), 1.0)
 
 
 def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -49,6 +49,22 @@ def test_defaults_samplers_and_penalties(tok):
     assert parse_completion({"prompt": "x", "n_predict": 0}, tok).prefill_only
 
 
+def test_dry_and_dynamic_temperature(tok):
+    p = parse_completion({"prompt": "x"}, tok).requests[0][1]
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n, p.dynatemp_range) == \
+        (0.0, 1.75, 2, 64, 0.0) and p.dry_sequence_breakers == ["\n", ":", "\"", "*"]
+    body = {"prompt": "x", "dry_multiplier": 0.8, "dry_base": 0.5, "dry_allowed_length": 3, "dry_penalty_last_n": -1,
+            "dry_sequence_breakers": ["###"], "dynatemp_range": 0.3, "dynatemp_exponent": 2}
+    c = parse_completion(body, tok)
+    p = c.requests[0][1]
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.8, 1.75, 3, -1)
+    assert p.dry_sequence_breakers == ["###"] and (p.dynatemp_range, p.dynatemp_exponent) == (0.3, 2)
+    assert c.settings["samplers"][:2] == ["penalties", "dry"] and c.settings["dry_multiplier"] == 0.8
+    p = parse_completion(body | {"samplers": "kt"}, tok).requests[0][1]
+    assert p.dry_multiplier == 0.0 and p.dynatemp_range == 0.3  # no "d" in the chain: DRY off
+    assert parse_completion(body | {"samplers": "kd"}, tok).requests[0][1].dynatemp_range == 0.0  # nor temperature
+
+
 def test_logit_bias_and_grammar(tok):
     hello = tok.encode("Hello", add_special_tokens=False)
     p = parse_completion({"prompt": "x", "logit_bias": [[5, 1.5], ["Hello", False]]}, tok).requests[0][1]
@@ -61,7 +77,8 @@ def test_logit_bias_and_grammar(tok):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "mirostat": 1}, "mirostat"), ({"prompt": "x", "dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"prompt": "x", "mirostat": 1}, "mirostat"), ({"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers"),
+    ({"prompt": "x", "dry_allowed_length": -1}, "dry_allowed_length"),
     ({"prompt": "x", "lora": [{"id": 0, "scale": 1}]}, "lora"), ({"prompt": 3}, "prompt"),
     ({"prompt": "x", "n_cmpl": 0}, "n_cmpl"), ({"prompt": "x", "n_probs": 21}, "n_probs"),
     ({"prompt": "x", "logit_bias": [[1.5, 2]]}, "logit_bias"), ({"prompt": "x", "stream": "yes"}, "stream"),

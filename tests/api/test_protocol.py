@@ -51,6 +51,14 @@ def test_penalties_and_biases_as_vllm_names_them(tok):
     assert p.logit_bias == {7: 100.0}
 
 
+def test_llama_cpp_samplers_on_the_openai_endpoints(tok):
+    body = {"prompt": "x", "dry_multiplier": 0.8, "dry_allowed_length": 3, "dry_sequence_breakers": ["\n"],
+            "dynatemp_range": 0.5, "typical_p": 0.9, "xtc_probability": 0.3, "top_n_sigma": 2}
+    p = parse_request("completion", body, tok).params
+    assert (p.dry_multiplier, p.dry_allowed_length, p.dry_sequence_breakers, p.dynatemp_range) == (0.8, 3, ["\n"], 0.5)
+    assert (p.typical_p, p.xtc_probability, p.top_n_sigma, p.dry_base) == (0.9, 0.3, 2.0, 1.75)
+
+
 def test_chat_body_uses_template(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     r = parse_request("chat", {"messages": msgs, "max_completion_tokens": 4, "stream": True,
@@ -145,6 +153,8 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, "logit_bias"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "up"}}, "logit_bias"),
     ("completion", {"prompt": "a", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ("completion", {"prompt": "a", "dry_allowed_length": 1.5}, "dry_allowed_length"),
+    ("completion", {"prompt": "a", "dry_base": 0.5}, "dry_base"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"content": "x"}]}, "messages[0]"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
