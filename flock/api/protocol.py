@@ -33,14 +33,18 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "prompt_cache_key",
-                   "prompt_cache_retention", "safety_identifier", "prediction", "verbosity"}
-# fields accepted at the one value Flock runs with (text only)
-_NEUTRAL_FIELDS = {"modalities": ["text"]}
+                   "prompt_cache_retention", "safety_identifier", "prediction", "verbosity", "guided_decoding_backend"}
+# fields accepted at the one value Flock runs with (text only; JSON's whitespace as structured outputs allow it)
+_NEUTRAL_FIELDS = {"modalities": ["text"], "guided_whitespace_pattern": None}
+# vLLM's guided decoding fields before structured_outputs (removed in vLLM 0.12): the kind each sets; the backend
+# it named is xgrammar's here, whatever it says
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # what beam search does not combine with (vLLM's: it returns texts and scores)
 _NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "response_format",
                    "structured_outputs")
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
     "use_beam_search", "length_penalty", "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
+    *GUIDED_FIELDS,
     "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
@@ -301,6 +305,12 @@ def _bounded(body: dict, name: str) -> int | None:
 def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
     """The constraint of `response_format` (OpenAI's) or `structured_outputs` (vLLM's), and which field set it."""
     fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    legacy = {kind: body[name] for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None}
+    if legacy:  # vLLM's fields before structured_outputs, which pipelines written for it still send
+        name = next(n for n in GUIDED_FIELDS if body.get(n) is not None)
+        if extra is not None or len(legacy) > 1:
+            raise APIError(f"{name}: give one guided_* field, and not beside structured_outputs", param=name)
+        return _checked(StructuredOutputsParams(**legacy), name), "structured_outputs"
     if fmt is not None and extra is not None and fmt != {"type": "text"}:
         raise APIError("set response_format or structured_outputs, not both", param="structured_outputs")
     if extra is not None:

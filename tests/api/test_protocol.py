@@ -59,6 +59,23 @@ def test_llama_cpp_samplers_on_the_openai_endpoints(tok):
     assert (p.typical_p, p.xtc_probability, p.top_n_sigma, p.dry_base) == (0.9, 0.3, 2.0, 1.75)
 
 
+def test_vllms_guided_fields_of_before_structured_outputs(tok):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for name, kind, value in (("guided_json", "json", schema), ("guided_regex", "regex", "[0-9]+"),
+                              ("guided_choice", "choice", ["yes", "no"]), ("guided_grammar", "grammar", 'root ::= "x"')):
+        r = parse_request("completion", {"prompt": "x", name: value, "guided_decoding_backend": "outlines"}, tok)
+        assert getattr(r.params.structured_outputs, kind) == value
+    assert parse_request("completion", {"prompt": "x", "guided_json": '{"type": "string"}'},
+                         tok).params.structured_outputs.json == {"type": "string"}
+    for body, param in (({"guided_json": schema, "guided_regex": "a"}, "guided_json"),
+                        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+                        ({"guided_choice": []}, "guided_choice"), ({"guided_whitespace_pattern": " "},
+                                                                   "guided_whitespace_pattern")):
+        with pytest.raises(APIError) as e:
+            parse_request("completion", {"prompt": "x", **body}, tok)
+        assert e.value.param == param
+
+
 def test_chat_body_uses_template(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     r = parse_request("chat", {"messages": msgs, "max_completion_tokens": 4, "stream": True,
