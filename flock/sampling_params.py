@@ -82,6 +82,11 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 64
     dry_sequence_breakers: list[str] = field(default_factory=lambda: ["\n", ":", "\"", "*"])
+    # llama.cpp's Mirostat (1, or 2 for Mirostat 2.0; 0: off): after the temperature, in place of the truncations,
+    # the tokens kept so that each one's surprise tracks mirostat_tau, learning at the rate mirostat_eta
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     seed: int | None = None
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] | str | None = None
@@ -160,7 +165,7 @@ class SamplingParams:
         return prompt_token_ids[-k:] if self.truncation_side == "left" else prompt_token_ids[:k]
 
     def _validate_llama_cpp(self) -> None:
-        """llama.cpp's dynamic temperature and DRY fields."""
+        """llama.cpp's dynamic temperature, DRY and Mirostat fields."""
         if not _is_real(self.dynatemp_range) or not 0 <= self.dynatemp_range < math.inf:
             raise ValueError(f"dynatemp_range must be a finite number >= 0, got {self.dynatemp_range!r}")
         if not _is_real(self.dynatemp_exponent) or not math.isfinite(self.dynatemp_exponent):
@@ -173,6 +178,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            raise ValueError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            if not _is_real(getattr(self, name)) or not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         breakers = self.dry_sequence_breakers
         if not isinstance(breakers, list) or not breakers or not all(isinstance(b, str) and b for b in breakers):
             raise ValueError(f"dry_sequence_breakers must be a non-empty list of non-empty strings, got {breakers!r}")

@@ -6,9 +6,10 @@ strings alone included), each completed `n_cmpl` times; one completion answers a
 takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; n_predict -1: up to the
 context), its penalties over the last `repeat_last_n` tokens of the prompt and output, and its chain: top-k,
 top-p, min-p, typical-p, top-n-sigma and XTC on the logits before the temperature (or after it, where `samplers`
-puts it first), DRY after the penalties, dynamic temperature. Mirostat, which Flock does not run, is refused
-unless left off; the slot, cache and progress knobs are accepted and change nothing (every prompt's prefix is
-cached anyway); other unknown fields are ignored, as llama-server ignores them.
+puts it first), DRY after the penalties, dynamic temperature; with `mirostat` 1 or 2, llama.cpp's Mirostat chain
+instead (the logit biases, the temperature, Mirostat: no penalties or truncations). The slot, cache and progress
+knobs are accepted and change nothing (every prompt's prefix is cached anyway); other unknown fields are
+ignored, as llama-server ignores them.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "typi
             "xtc_probability": 0.0, "xtc_threshold": 0.1, "repeat_penalty": 1.0, "repeat_last_n": 64,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
             "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
-            "dry_penalty_last_n": 64}  # llama-server's (common_params_sampling)
+            "dry_penalty_last_n": 64, "mirostat": 0, "mirostat_tau": 5.0,
+            "mirostat_eta": 0.1}  # llama-server's (common_params_sampling)
 DRY_BREAKERS = ["\n", ":", "\"", "*"]
 # samplers Flock does not run: their field and the value that leaves them off
-UNSUPPORTED = {"mirostat": 0, "n_indent": 0, "t_max_predict_ms": 0, "lora": [], "multimodal_data": []}
+UNSUPPORTED = {"n_indent": 0, "t_max_predict_ms": 0, "lora": [], "multimodal_data": []}
 SAMPLER_NAMES = {"dry": "dry", "topk": "top_k", "topp": "top_p", "nucleus": "top_p", "topnsigma": "top_n_sigma",
                  "typp": "typ_p", "typ": "typ_p", "minp": "min_p", "temperature": "temperature", "temp": "temperature",
                  "xtc": "xtc", "infill": "infill", "penalties": "penalties", "adaptivep": "adaptive_p"}
@@ -116,14 +118,16 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         if not is_number(value):
             raise APIError(f"{name} must be a number, got {value!r}", param=name)
     off, temperature_last = _samplers(body.get("samplers"))
+    if values["mirostat"]:  # llama.cpp's Mirostat chain: biases, temperature, Mirostat
+        off = {"penalties", "dry", *TRUNCATIONS}
     n_predict = body.get("n_predict", -1)
     if not is_int(n_predict) or n_predict < -1:
         raise APIError(f"n_predict must be an integer >= -1, got {n_predict!r}", param="n_predict")
     seed = body.get("seed", -1)
     if not is_int(seed):
         raise APIError(f"seed must be an integer, got {seed!r}", param="seed")
-    for name in ("repeat_last_n", "dry_penalty_last_n", "dry_allowed_length"):
-        least = 0 if name == "dry_allowed_length" else -1
+    for name in ("repeat_last_n", "dry_penalty_last_n", "dry_allowed_length", "mirostat"):
+        least = 0 if name in ("dry_allowed_length", "mirostat") else -1
         if not is_int(values[name]) or values[name] < least:
             raise APIError(f"{name} must be an integer >= {least}, got {values[name]!r}", param=name)
     last_n = values["repeat_last_n"]
@@ -135,12 +139,13 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         typical_p=1.0 if "typ_p" in off else values["typical_p"],
         top_n_sigma=-1.0 if "top_n_sigma" in off else values["top_n_sigma"],
         xtc_probability=0.0 if "xtc" in off else values["xtc_probability"], xtc_threshold=values["xtc_threshold"],
-        temperature_last=temperature_last, dynatemp_range=0.0 if "temperature" in off else values["dynatemp_range"],
+        temperature_last=temperature_last, dynatemp_range=0.0 if "temperature" in off or values["mirostat"] else values["dynatemp_range"],
         dynatemp_exponent=values["dynatemp_exponent"],
         dry_multiplier=0.0 if "dry" in off else values["dry_multiplier"],
         dry_base=values["dry_base"] if values["dry_base"] >= 1 else DEFAULTS["dry_base"],  # as llama-server
         dry_allowed_length=values["dry_allowed_length"], dry_penalty_last_n=values["dry_penalty_last_n"],
         dry_sequence_breakers=_breakers(body.get("dry_sequence_breakers", DRY_BREAKERS)),
+        mirostat=values["mirostat"], mirostat_tau=values["mirostat_tau"], mirostat_eta=values["mirostat_eta"],
         max_tokens=None if n_predict == -1 else max(n_predict, 1), seed=None if seed < 0 else seed, n=n,
         stop=_stop(body.get("stop")), ignore_eos=flag(body, "ignore_eos"),
         logit_bias=_logit_bias(body.get("logit_bias"), tokenizer), structured_outputs=_grammar(body))

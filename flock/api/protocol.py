@@ -23,7 +23,7 @@ from flock.tokenizer import encode_chat
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
                       "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                      "dry_sequence_breakers")
+                      "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta")
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",

@@ -178,7 +178,7 @@ class LLMEngine:
         for req, first, entries in out.prompt_logprobs:
             req.prompt_logprobs[first : first + len(entries)] = entries
         finished = []
-        sampled, pooled = iter(zip(out.tokens, out.logprobs)), iter(out.embeddings)
+        sampled, pooled, mirostat = iter(zip(out.tokens, out.logprobs)), iter(out.embeddings), iter(out.mirostat_mu)
         now = time.monotonic()
         for (req, n), samples, drafts in zip(plan.scheduled, plan.samples, plan.drafts):
             req.num_computed_tokens += n - len(drafts)
@@ -193,6 +193,9 @@ class LLMEngine:
                 finished.append(req)
                 continue
             tokens, logprobs = next(sampled)
+            mu = next(mirostat, None)
+            if mu is not None:
+                req.mirostat_mu = mu
             req.num_computed_tokens += len(tokens) - 1  # the confirmed drafts
             self.stats.add_drafts(len(drafts), len(tokens) - 1)
             if self._append(req, tokens, logprobs):
@@ -218,11 +221,12 @@ class LLMEngine:
 
     def _propose(self, req: Request) -> list[int]:
         """Drafts to verify in the request's next step, no more than its length caps leave room for beside the
-        token sampled after them; under a grammar, those it allows (the tokens it forces, where it does)."""
+        token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
+        Mirostat, whose bound moves with each token."""
         left = self.max_model_len - req.num_tokens
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - req.num_output_tokens)
-        drafts = self.proposer.propose(req.token_ids, left - 1)
+        drafts = self.proposer.propose(req.token_ids, left - 1) if not req.params.mirostat else []
         if req.grammar is None or req.grammar.is_terminated():
             return drafts
         return drafts_in_grammar(req.grammar, drafts, min(self.proposer.k, left - 1))

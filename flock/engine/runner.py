@@ -31,6 +31,7 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs | None]]
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     embeddings: list[list[float]] = field(default_factory=list)  # of each embedding request, in plan order
+    mirostat_mu: list[float | None] = field(default_factory=list)  # per sampling request: its bound after the step
 
 
 def draft_rows(finishing: list[tuple[Request, int, list[int]]]) -> tuple[list[SamplingRow], list[int]]:
@@ -124,6 +125,7 @@ class ModelRunner:
                 n = accepted(tokens[first : first + len(d)], d) + 1
                 out.tokens.append(tokens[first : first + n])
                 out.logprobs.append(sampled.logprobs[first : first + n])
+                out.mirostat_mu.append(sampled.mirostat_mu[first])
                 first += len(d) + 1
         return out
 

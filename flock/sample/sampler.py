@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,12 +38,14 @@ class SamplingRow(TokenHistory, Protocol):
     generator: torch.Generator | None
     grammar: object | None  # an xgrammar matcher
     drafts: list[int]  # speculative tokens before this row, counted in its output (read by the grammar masks)
+    mirostat_mu: float | None  # a Mirostat request's running bound
 
 
 @dataclass
 class Sampled:
     tokens: torch.Tensor  # one per row
     logprobs: list[TokenLogprobs | None]  # per row: of the rows whose params ask for logprobs
+    mirostat_mu: list[float | None]  # per row: a Mirostat row's bound after its draw
 
 
 class Sampler:
@@ -67,26 +70,39 @@ class Sampler:
             self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = log_softmax(logits[asking]) if asking else None
-        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows)
+        mus = [r.mirostat_mu for r in rows]
+        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if asking:
             entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs for i in asking])
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
-        return Sampled(tokens, logprobs)
+        return Sampled(tokens, logprobs, mus)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:
+                 histories: Sequence[TokenHistory] | None = None, mirostat_mu: list | None = None) -> torch.Tensor:
         """One token per row; `histories` (each row's prompt and output tokens, e.g. its Request) are read by the
-        rows with penalties, a logit_bias or min_tokens, whose logits are adjusted in place."""
+        rows with penalties, a logit_bias or min_tokens, whose logits are adjusted in place; `mirostat_mu`, the
+        Mirostat rows' bounds (None: 2 tau, their start), is updated in place."""
         if histories is not None:
             logits = apply_penalties(logits, params, histories, self.eos_token_ids)
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if len(rows) == len(params):
-            return self._sample(logits, params, generators)
-        tokens = greedy(logits)
+        mirostat = [i for i in rows if params[i].mirostat]
+        if mirostat:
+            rows = [i for i in rows if not params[i].mirostat]
+        tokens = greedy(logits) if len(rows) < len(params) else None
         if rows:
-            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+            drawn = self._sample(logits[rows] if tokens is not None else logits, [params[i] for i in rows],
+                                 [generators[i] for i in rows])
+            if tokens is None:
+                return drawn
+            tokens[rows] = drawn
+        for i in mirostat:
+            p, mu = params[i], mirostat_mu[i] if mirostat_mu is not None else None
+            u = self._uniforms([generators[i]])[0]
+            tokens[i], mu = _mirostat(logits[i].float(), p, 2 * p.mirostat_tau if mu is None else mu, u.item())
+            if mirostat_mu is not None:
+                mirostat_mu[i] = mu
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
@@ -165,6 +181,30 @@ def _truncated(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: lis
     for step in steps:
         logits = step(logits, params)
     return logits
+
+
+def _mirostat(logits: torch.Tensor, p: SamplingParams, mu: float, u: float, m: int = 100) -> tuple[int, float]:
+    """llama.cpp's Mirostat draw from one row of logits after its temperature: version 2 keeps the tokens whose
+    surprise (-log2 p) is at most mu (the most likely at least), version 1 the top k that its estimate of the
+    distribution's Zipf exponent over the m most likely tokens gives for mu; the token is drawn from those, and mu
+    moves by eta times the gap between its surprise there and tau. Returns the token and the new mu."""
+    probs, order = (logits / p.temperature).softmax(-1).sort(descending=True)
+    if p.mirostat == 2:
+        keep = max(1, int((-probs.log2() <= mu).sum()))
+    else:
+        top = probs[:m].double()
+        t = torch.log(torch.arange(2, len(top) + 1, dtype=torch.float64) / torch.arange(1, len(top), dtype=torch.float64))
+        s_hat = float((t * torch.log(top[:-1] / top[1:])).sum() / (t * t).sum())
+        eps = s_hat - 1
+        with np.errstate(all="ignore"):
+            k = np.float64(eps) * 2**mu / (1 - np.float64(len(probs)) ** -eps)
+            k = k ** (1 / s_hat) if k > 0 else 1.0
+        keep = max(int(k), 1) if math.isfinite(k) else 1
+    kept = probs[:keep] / probs[:keep].sum()
+    index = min(int(torch.searchsorted(kept.double().cumsum(0), torch.tensor([u * float(kept.sum())],
+                                                                           dtype=torch.float64), right=True)), keep - 1)
+    surprise = -math.log2(float(kept[index]))
+    return int(order[index]), mu - p.mirostat_eta * (surprise - p.mirostat_tau)
 
 
 def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -25,6 +25,10 @@ class DraftRow:
         return self.request.grammar
 
     @property
+    def mirostat_mu(self) -> float | None:
+        return self.request.mirostat_mu  # a Mirostat request gets no drafts
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.request.prompt_token_ids
 

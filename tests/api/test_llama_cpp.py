@@ -63,6 +63,12 @@ def test_dry_and_dynamic_temperature(tok):
     p = parse_completion(body | {"samplers": "kt"}, tok).requests[0][1]
     assert p.dry_multiplier == 0.0 and p.dynatemp_range == 0.3  # no "d" in the chain: DRY off
     assert parse_completion(body | {"samplers": "kd"}, tok).requests[0][1].dynatemp_range == 0.0  # nor temperature
+    p = parse_completion(body | {"mirostat": 2, "mirostat_tau": 4.0, "repeat_penalty": 1.3}, tok).requests[0][1]
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (2, 4.0, 0.1)
+    assert (p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.dry_multiplier, p.dynatemp_range) == \
+        (-1, 1.0, 0.0, 1.0, 0.0, 0.0)  # llama.cpp's Mirostat chain: biases, temperature, Mirostat
+    with pytest.raises(APIError, match="mirostat must be 0"):
+        parse_completion({"prompt": "x", "mirostat": 3}, tok)
 
 
 def test_logit_bias_and_grammar(tok):
@@ -77,7 +83,7 @@ def test_logit_bias_and_grammar(tok):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "mirostat": 1}, "mirostat"), ({"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers"),
+    ({"prompt": "x", "mirostat": -1}, "mirostat"), ({"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers"),
     ({"prompt": "x", "dry_allowed_length": -1}, "dry_allowed_length"),
     ({"prompt": "x", "lora": [{"id": 0, "scale": 1}]}, "lora"), ({"prompt": 3}, "prompt"),
     ({"prompt": "x", "n_cmpl": 0}, "n_cmpl"), ({"prompt": "x", "n_probs": 21}, "n_probs"),

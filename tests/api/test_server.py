@@ -652,7 +652,7 @@ def test_llama_cpp_completion(server, client):
     assert sampled["content"] == again["content"] and sampled["generation_settings"]["samplers"] == [
         "penalties", "top_k", "temperature"]
     assert post("/completion", {"prompt": prompt, "n_predict": 0}).json()["tokens_predicted"] == 0
-    for bad in ({"prompt": prompt, "mirostat": 2}, {"prompt": prompt, "dry_sequence_breakers": []}, {"prompt": []},
+    for bad in ({"prompt": prompt, "mirostat": 3}, {"prompt": prompt, "dry_sequence_breakers": []}, {"prompt": []},
                 {"prompt": prompt, "samplers": ["top_k", "warp"]}, {"prompt": prompt, "n_predict": -2},
                 {"prompt": prompt, "grammar": "root ::= x", "json_schema": {}}, {"prompt": [10 ** 9]}):
         r = post("/completion", bad)

@@ -110,3 +110,62 @@ def test_dynamic_temperature():
 def test_bad_values_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def reference_mirostat(logits: list[float], version: int, tau: float, eta: float, mu: float, u: float, m: int = 100):
+    """llama.cpp's two Mirostat samplers written out plainly, on a list of logits after the temperature."""
+    z = max(logits)
+    p = [math.exp(x - z) for x in logits]
+    total = sum(p)
+    ranked = sorted(((q / total, t) for t, q in enumerate(p)), key=lambda e: -e[0])
+    if version == 2:
+        keep = max(1, sum(1 for q, _ in ranked if -math.log2(q) <= mu))
+    else:
+        pairs = [(math.log((i + 2) / (i + 1)), math.log(ranked[i][0] / ranked[i + 1][0]))
+                 for i in range(min(m - 1, len(ranked) - 1))]
+        s = sum(a * b for a, b in pairs) / sum(a * a for a, _ in pairs)
+        keep = max(int(((s - 1) * 2**mu / (1 - len(logits) ** -(s - 1))) ** (1 / s)), 1)
+    kept = ranked[:keep]
+    mass = sum(q for q, _ in kept)
+    acc = 0.0
+    for q, t in kept:
+        acc += q / mass
+        if u < acc:
+            return t, mu - eta * (-math.log2(q / mass) - tau)
+    q, t = kept[-1]
+    return t, mu - eta * (-math.log2(q / mass) - tau)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_mirostat_draw_and_update(version, seed):
+    from flock.sample.sampler import _mirostat
+
+    rng = random.Random(seed)
+    logits = [rng.gauss(0, 3) for _ in range(300)]
+    mu, u = rng.uniform(1, 12), rng.random()
+    p = SamplingParams(temperature=1.0, mirostat=version, mirostat_tau=rng.uniform(1, 6), mirostat_eta=0.1)
+    token, new_mu = _mirostat(torch.tensor(logits, dtype=torch.float64), p, mu, u)
+    want_token, want_mu = reference_mirostat(logits, version, p.mirostat_tau, p.mirostat_eta, mu, u)
+    assert token == want_token and new_mu == pytest.approx(want_mu, rel=1e-6)
+
+
+def test_mirostat_in_the_engine(llm):
+    greedy = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for version in (1, 2):
+        # tau 0 keeps only the most likely token at every step: greedy (version 2: mu stays 0)
+        params = SamplingParams(temperature=0.8, mirostat=version, mirostat_tau=0.0, max_tokens=10, ignore_eos=True,
+                                seed=1)
+        if version == 2:
+            assert llm.generate(["a b c"], params)[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+        # the bound moves with each token, and a seeded request draws the same in any batch
+        params = SamplingParams(temperature=1.0, mirostat=version, mirostat_tau=3.0, max_tokens=10, ignore_eos=True,
+                                seed=7)
+        engine = llm.engine
+        req = engine.add_request(llm.get_tokenizer().encode("a b c"), params)
+        while engine.has_unfinished():
+            engine.step()
+        assert req.mirostat_mu != 6.0
+        alone = llm.generate(["a b c"], params)[0].outputs[0].token_ids
+        batch = llm.generate(["x y", "a b c"], params)[1].outputs[0].token_ids
+        assert req.output_token_ids == alone == batch
