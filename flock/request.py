@@ -34,6 +34,7 @@ class Request:
         self.generator = None  # torch.Generator of a seeded request
         self.prefix_only = prefix_only  # a scheduler's pseudo-request for a shared prefix: computes KV, never samples
         self.draft_token_ids: list[int] = []  # proposed to follow its tokens, verified in its next step
+        self.draft_rate = 1.0  # running chance that its next draft holds (flock.spec.updated_rate)
         self.mirostat_mu = 2 * params.mirostat_tau if params.mirostat else None  # Mirostat's running bound
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
         self.detokenizer = None  # the engine's IncrementalText of its output, for stop strings and streams

@@ -19,7 +19,7 @@ from flock.sample.dry import breaker_tokens
 from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
-from flock.spec import NgramProposer
+from flock.spec import NgramProposer, drafts_worth, updated_rate
 from flock.tokenizer import load_tokenizer
 
 log = logging.getLogger("flock")
@@ -197,7 +197,9 @@ class LLMEngine:
             if mu is not None:
                 req.mirostat_mu = mu
             req.num_computed_tokens += len(tokens) - 1  # the confirmed drafts
-            self.stats.add_drafts(len(drafts), len(tokens) - 1)
+            if drafts:
+                self.stats.add_drafts(len(drafts), len(tokens) - 1)
+                req.draft_rate = updated_rate(req.draft_rate, len(drafts), len(tokens) - 1)
             if self._append(req, tokens, logprobs):
                 req.finish_time = now
                 self.scheduler.finish(req)
@@ -226,10 +228,11 @@ class LLMEngine:
         left = self.max_model_len - req.num_tokens
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - req.num_output_tokens)
-        drafts = self.proposer.propose(req.token_ids, left - 1) if not req.params.mirostat else []
+        limit = min(left - 1, drafts_worth(req.draft_rate, self.proposer.k))
+        drafts = self.proposer.propose(req.token_ids, limit) if not req.params.mirostat else []
         if req.grammar is None or req.grammar.is_terminated():
             return drafts
-        return drafts_in_grammar(req.grammar, drafts, min(self.proposer.k, left - 1))
+        return drafts_in_grammar(req.grammar, drafts, limit)
 
     def _check_stop(self, req: Request) -> bool:
         token, p = req.token_ids[-1], req.params

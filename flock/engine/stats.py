@@ -81,10 +81,9 @@ class RunStats:
             self.computed_decode_tokens += n - in_prompt
 
     def add_drafts(self, drafts: int, accepted: int) -> None:
-        if drafts:
-            self.num_drafts += 1
-            self.draft_tokens += drafts
-            self.accepted_draft_tokens += accepted
+        self.num_drafts += 1
+        self.draft_tokens += drafts
+        self.accepted_draft_tokens += accepted
 
     def set_total(self, parts: Iterable["RunStats"]) -> None:
         """Every counter becomes its sum over `parts` (several engines as one; the largest step: the max).

@@ -1,5 +1,8 @@
 from dataclasses import dataclass
 
+RATE_WEIGHT = 0.3  # of a step's outcome in a request's running acceptance rate
+MIN_WORTH = 0.3  # a draft is proposed while the chance that it and the drafts before it hold is at least this
+
 from flock.request import Request
 
 
@@ -46,3 +49,20 @@ def accepted(tokens: list[int], drafts: list[int]) -> int:
         if token != draft:
             return i
     return len(drafts)
+
+
+def updated_rate(rate: float, drafts: int, accepted: int) -> float:
+    """A request's running chance that a draft holds where the drafts before it did, after a step that verified
+    `drafts` and confirmed the first `accepted` (each confirmed draft one success; the refused one, if any, one
+    failure)."""
+    trials = accepted + (accepted < drafts)
+    return (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * accepted / trials if trials else rate
+
+
+def drafts_worth(rate: float, k: int) -> int:
+    """How many drafts are worth their rows (each a row of every GEMM in the step) at that rate: the j-th holds
+    with chance rate ** j; one at least, to keep measuring."""
+    n = 1
+    while n < k and rate ** (n + 1) >= MIN_WORTH:
+        n += 1
+    return n

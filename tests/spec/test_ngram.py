@@ -59,3 +59,16 @@ def test_rows_after_drafts_count_them_as_output():
     assert tokens == [draft, eos]
     logits[:, eos] = -9.0
     assert Sampler(0, [eos], 8).sample(logits, rows).tokens.tolist() == [draft, 3]  # the draft penalized after itself
+
+
+def test_draft_count_follows_the_acceptance_rate():
+    from flock.spec import drafts_worth, updated_rate
+
+    assert drafts_worth(1.0, 4) == 4 and drafts_worth(0.76, 4) == 4 and drafts_worth(0.6, 4) == 2
+    assert drafts_worth(0.45, 4) == 1 and drafts_worth(0.0, 4) == 1  # one at least, to keep measuring
+    rate = 1.0
+    for _ in range(6):  # every first draft refused: one failure a step
+        rate = updated_rate(rate, 4, 0)
+    assert rate < 0.2 and drafts_worth(rate, 4) == 1
+    assert updated_rate(0.5, 4, 4) == pytest.approx(0.65) and updated_rate(0.5, 0, 0) == 0.5
+    assert updated_rate(0.5, 3, 2) == pytest.approx(0.7 * 0.5 + 0.3 * 2 / 3)
