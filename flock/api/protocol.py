@@ -497,8 +497,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         priority=typed_field(body, "priority", int, 0),
     )
     for name in LLAMA_CPP_SAMPLING:
-        value = body.get(name)
-        if value is not None:
+        if body.get(name) is not None:
             kind = type(getattr(params, name))
             setattr(params, name, typed_field(body, name, kind, None) if kind is not float else _number(body, name, 0))
     try:

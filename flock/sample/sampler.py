@@ -86,18 +86,13 @@ class Sampler:
         Mirostat rows' bounds (None: 2 tau, their start), is updated in place."""
         if histories is not None:
             logits = apply_penalties(logits, params, histories, self.eos_token_ids)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        mirostat = [i for i in rows if params[i].mirostat]
-        if mirostat:
-            rows = [i for i in rows if not params[i].mirostat]
-        tokens = greedy(logits) if len(rows) < len(params) else None
+        rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
+        if len(rows) == len(params):
+            return self._sample(logits, params, generators)
+        tokens = greedy(logits)
         if rows:
-            drawn = self._sample(logits[rows] if tokens is not None else logits, [params[i] for i in rows],
-                                 [generators[i] for i in rows])
-            if tokens is None:
-                return drawn
-            tokens[rows] = drawn
-        for i in mirostat:
+            tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        for i in (i for i, p in enumerate(params) if not p.greedy and p.mirostat):
             p, mu = params[i], mirostat_mu[i] if mirostat_mu is not None else None
             u = self._uniforms([generators[i]])[0]
             tokens[i], mu = _mirostat(logits[i].float(), p, 2 * p.mirostat_tau if mu is None else mu, u.item())
@@ -196,10 +191,9 @@ def _mirostat(logits: torch.Tensor, p: SamplingParams, mu: float, u: float, m: i
         t = torch.log(torch.arange(2, len(top) + 1, dtype=torch.float64) / torch.arange(1, len(top), dtype=torch.float64))
         s_hat = float((t * torch.log(top[:-1] / top[1:])).sum() / (t * t).sum())
         eps = s_hat - 1
-        with np.errstate(all="ignore"):
-            k = np.float64(eps) * 2**mu / (1 - np.float64(len(probs)) ** -eps)
-            k = k ** (1 / s_hat) if k > 0 else 1.0
-        keep = max(int(k), 1) if math.isfinite(k) else 1
+        with np.errstate(all="ignore"):  # a negative base or no estimate: one token, where llama.cpp has NaN
+            k = (np.float64(eps) * 2**mu / (1 - np.float64(len(probs)) ** -eps)) ** (1 / s_hat)
+        keep = max(int(k), 1) if np.isfinite(k) else 1
     kept = probs[:keep] / probs[:keep].sum()
     index = min(int(torch.searchsorted(kept.double().cumsum(0), torch.tensor([u * float(kept.sum())],
                                                                            dtype=torch.float64), right=True)), keep - 1)
