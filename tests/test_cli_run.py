@@ -104,3 +104,16 @@ def test_example_batch_has_two_deliberately_bad_lines():
     numbers, prompts, errors, lines = read_batch(str(example), "flock/tiny")
     assert lines == 27 and len(prompts) == 25
     assert len(errors) == 2 and "temperature" in errors[0] and "/v1/images/generations" in errors[1]
+
+
+def test_speculative_config_flag_and_its_summary(tmp_path, capsys):
+    """vLLM's `--speculative-config JSON` on `flock run`: the summary counts the drafts; a bad one is named."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "a b a b a b a b a b a b", "max_tokens": 24, "temperature": 0}) + "\n")
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    code = cli.main(["run", str(path), "-o", str(tmp_path / "o.jsonl"), "--model", "flock/tiny",
+                     "--speculative-config", spec])
+    assert code == 0 and "drafts: confirmed / verified" in capsys.readouterr().out
+    code, err = run(capsys, path, "-o", tmp_path / "p.jsonl", "--model", "flock/tiny", "--speculative-config",
+                    '{"method": "eagle", "num_speculative_tokens": 3}')
+    assert code != 0 and "speculative_config.method='eagle'" in err

@@ -373,6 +373,9 @@ class BatchJob:
             ("steps (mean / max tokens per step)",
              f"{s['steps']} ({s['mean_tokens_per_step']:.1f} / {s['max_tokens_per_step']})"),
             ("preemptions", f"{s['preemptions']}"),
+            *([("drafts: confirmed / verified (tokens a drafting step)",
+                f"{s['accepted_draft_tokens']} / {s['draft_tokens']} ({s['mean_acceptance_length']:.2f})")]
+              if s["draft_tokens"] else []),
             ("tok/s (prompt / generated / total)",
              f"{s['prompt_tokens_per_s']:.0f} / {s['generated_tokens_per_s']:.0f} / {s['total_tokens_per_s']:.0f}"),
             ("time: wall / model / scheduling",
