@@ -23,7 +23,7 @@ def shared_prefix_prompts(seed: int, vocab: int = 8192) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(folder, prompts, dtype=torch.float64) -> list[list[int]]:
+def hf_greedy(folder, prompts, dtype=torch.float64, max_new: int = MAX_NEW) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     # experts one by one, as the modelling code reads (transformers' grouped GEMMs take no float64)
@@ -31,7 +31,7 @@ def hf_greedy(folder, prompts, dtype=torch.float64) -> list[list[int]]:
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
         out.append(gen[0, len(p):].tolist())
     return out

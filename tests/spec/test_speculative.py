@@ -5,12 +5,11 @@ sampling fields that read the output so far read the drafts before each row."""
 import random
 
 import pytest
-import torch
 
 from flock import LLM, SamplingParams
 from flock.config import EngineConfig
 from flock.sched import SCHEDULERS
-from tests.engine.test_parity import assert_no_leak
+from tests.engine.test_parity import assert_no_leak, hf_greedy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 NEW = 24
@@ -28,19 +27,6 @@ def repetitive_prompts(seed: int, vocab: int = 8192) -> list[list[int]]:
     return prompts
 
 
-def hf_tokens(folder, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(hf_folders):
     cache = {}
@@ -48,7 +34,7 @@ def reference(hf_folders):
     def get(kind):
         if kind not in cache:
             prompts = repetitive_prompts(len(kind))
-            cache[kind] = prompts, hf_tokens(hf_folders[kind], prompts)
+            cache[kind] = prompts, hf_greedy(hf_folders[kind], prompts, max_new=NEW)
         return cache[kind]
 
     return get
