@@ -14,6 +14,7 @@ class StepLayout:
     block_size: int
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     sampled: np.ndarray | None = None  # requests whose last new token the step samples (None: not said)
+    sample_counts: np.ndarray | None = None  # of those, how many last new tokens each samples (None: one)
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -28,14 +29,22 @@ class StepLayout:
 
     @property
     def sample_rows(self) -> np.ndarray:
-        """Indices in the step of the tokens it samples: each sampled request's last new token."""
-        return np.asarray(self.query_start, dtype=np.int64)[np.asarray(self.sampled, dtype=np.int64) + 1] - 1
+        """Indices in the step of the tokens it samples: each sampled request's last new token (its last
+        `sample_counts` ones: a row after each speculative draft too)."""
+        ends = np.asarray(self.query_start, dtype=np.int64)[np.asarray(self.sampled, dtype=np.int64) + 1]
+        if self.sample_counts is None:
+            return ends - 1
+        counts = np.asarray(self.sample_counts, dtype=np.int64)
+        return np.repeat(ends - counts, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
     def sampled_only(self) -> tuple["StepLayout", np.ndarray]:
-        """The step with only the sampled requests' last tokens as queries (the same contexts), and those
-        tokens' indices in this step."""
+        """The step with only the sampled tokens as queries (the same contexts), and those tokens' indices in
+        this step."""
         sel, rows = np.asarray(self.sampled, dtype=np.int64), self.sample_rows
-        layout = StepLayout(query_start=np.arange(len(sel) + 1), seq_lens=np.asarray(self.seq_lens)[sel],
+        counts = np.ones(len(sel), dtype=np.int64) if self.sample_counts is None else self.sample_counts
+        query_start = np.zeros(len(sel) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        layout = StepLayout(query_start=query_start, seq_lens=np.asarray(self.seq_lens)[sel],
                             block_tables=[self.block_tables[i] for i in sel], block_size=self.block_size,
                             slot_mapping=self.slot_mapping[torch.from_numpy(rows)])
         return layout, rows

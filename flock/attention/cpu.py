@@ -204,7 +204,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
         if not self.uses_kernel(layout.slot_mapping.device):
             return super().build_metadata(layout)
         meta = self._plan(layout, layout.slot_mapping)
-        if layout.sampled is not None and len(layout.sampled) < len(layout.slot_mapping):
+        if layout.sampled is not None and len(layout.sample_rows) < len(layout.slot_mapping):
             sampled, rows = layout.sampled_only()
             meta.rows_only = self._plan(sampled, layout.slot_mapping, rows)
         return meta

@@ -99,8 +99,10 @@ class ModelRunner:
         input_ids, positions, layout, last_rows = self._prepare(plan)
         prompt_rows = self._prompt_rows(plan, layout.query_start)
         drafts = [d for d, s in zip(plan.drafts, plan.samples) if s]
-        if prompt_rows or any(drafts):
+        if prompt_rows:
             layout.sampled = None  # the last layer finishes more rows than the sampled ones
+        elif any(drafts):
+            layout.sample_counts = np.array([len(d) + 1 for d in drafts])  # a row after each draft too
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
         # embedding requests' last rows are pooled, not sampled

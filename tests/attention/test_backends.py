@@ -198,3 +198,16 @@ def test_groups_equal_those_of_tables_sorted_and_compared_as_tuples():
                     min(usable[a], usable[b])) for a, b in zip(rows, rows[1:])]
         expected = sharing._best(rows, lcp, 0, len(rows) - 1, 2)[1] if len(rows) > 1 else []
         assert find_prefix_groups(tables, usable) == expected
+
+
+def test_sample_rows_with_drafts():
+    """A request verifying drafts samples its last count rows; sampled_only keeps them as its queries."""
+    layout = StepLayout(query_start=np.array([0, 5, 6, 9]), seq_lens=np.array([5, 40, 30]),
+                        block_tables=[np.arange(3)] * 3, block_size=16, slot_mapping=torch.arange(9),
+                        sampled=np.array([1, 2]), sample_counts=np.array([1, 3]))
+    assert layout.sample_rows.tolist() == [5, 6, 7, 8]
+    only, rows = layout.sampled_only()
+    assert rows.tolist() == [5, 6, 7, 8] and only.query_start.tolist() == [0, 1, 4]
+    assert only.seq_lens.tolist() == [40, 30] and only.slot_mapping.tolist() == [5, 6, 7, 8]
+    layout.sample_counts = None
+    assert layout.sample_rows.tolist() == [5, 8]

@@ -5,6 +5,7 @@ sampling fields that read the output so far read the drafts before each row."""
 import random
 
 import pytest
+import torch
 
 from flock import LLM, SamplingParams
 from flock.config import EngineConfig
@@ -235,3 +236,20 @@ def test_server_streams_the_same_tokens_and_counts_drafts():
     accepted = next(v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
     assert drafts >= accepted > 0
     assert len(chunks) < 40  # steps that confirmed drafts sent several tokens at once
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
+def test_cpu_kernel_with_drafts_in_mixed_steps(hf_folders, kind):
+    """float32 on the fused paths and the cpu kernel (which float64 leaves for torch-cascade): a small token budget
+    mixes prefill chunks with decoding requests' drafts in one step; the tokens are transformers' float32 ones."""
+    from flock.attention import cpu
+
+    if cpu.kernel_unavailable(cpu.chosen_isa() or "avx2"):
+        pytest.skip("no cpu kernel here")
+    prompts = repetitive_prompts(len(kind))
+    expected = hf_greedy(hf_folders[kind], prompts, dtype=torch.float32, max_new=NEW)
+    outs, llm = run(hf_folders[kind], prompts, dtype="float32", attention="cpu", block_size=8,
+                    max_num_batched_tokens=24, speculative_config=SPEC)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["accepted_draft_tokens"] > 0 and llm.engine.runner.backend.name.startswith("cpu")
+    assert_no_leak(llm)
