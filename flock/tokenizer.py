@@ -87,3 +87,33 @@ def assistant_tool_calls(message: dict) -> dict:
         out.append(call)
     return message | {"tool_calls": out}
 
+
+
+# llama.cpp's names of each fill-in-the-middle token (llama-vocab.cpp), the first found wins
+FIM_NAMES = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+            "<|code_prefix|>", "<|prefix|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+            "<|code_suffix|>", "<|suffix|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+            "<|code_middle|>", "<|middle|>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
+
+def fim_tokens(tokenizer) -> dict[str, int]:
+    """The model's fill-in-the-middle token ids by role (pre, suf, mid, rep, sep), those it has."""
+    vocab = tokenizer.get_vocab()
+    found = {}
+    for role, names in FIM_NAMES.items():
+        token = next((vocab[name] for name in names if name in vocab), None)
+        if token is not None:
+            found[role] = token
+    return found
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the tokenizer adds one to a text (llama.cpp's add_bos), else []."""
+    bos = tokenizer.bos_token_id
+    return [bos] if bos is not None and tokenizer.encode("a")[:1] == [bos] else []

@@ -10,31 +10,10 @@ middle tokens is told so, as llama-server tells it."""
 
 from flock.api.llama_cpp import Completion, parse_completion
 from flock.api.protocol import APIError, is_int
+from flock.tokenizer import bos_prefix, fim_tokens
 
-# llama.cpp's names of each FIM token (llama-vocab.cpp), the first found wins
-FIM_NAMES = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-            "<|code_prefix|>", "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-            "<|code_suffix|>", "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-            "<|code_middle|>", "<|middle|>"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
 N_BATCH = 2048  # llama-server's default logical batch, which sizes the prefix and suffix kept
 SNIPPET = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no file separator
-
-
-def fim_tokens(tokenizer) -> dict[str, int]:
-    """The model's FIM token ids by role (pre, suf, mid, rep, sep), those it has."""
-    vocab = tokenizer.get_vocab()
-    found = {}
-    for role, names in FIM_NAMES.items():
-        token = next((vocab[name] for name in names if name in vocab), None)
-        if token is not None:
-            found[role] = token
-    return found
 
 
 def parse_infill(body, tokenizer, max_model_len: int) -> Completion:
@@ -56,17 +35,17 @@ def parse_infill(body, tokenizer, max_model_len: int) -> Completion:
     ids = infill_prompt(fim, _mixed(body["input_prefix"], "input_prefix", tokenizer),
                         _mixed(body["input_suffix"], "input_suffix", tokenizer),
                         _extra(body.get("input_extra", []), fim, tokenizer),
-                        tokenizer.encode(prompt, add_special_tokens=False), _bos(tokenizer), max_model_len)
+                        tokenizer.encode(prompt, add_special_tokens=False), bos_prefix(tokenizer), max_model_len)
     return parse_completion(body | {"prompt": ids}, tokenizer)
 
 
 def infill_prompt(fim: dict[str, int], prefix: list[int], suffix: list[int], extra: list[int], prompt: list[int],
-                  bos: int | None, max_model_len: int) -> list[int]:
+                  bos: list[int], max_model_len: int) -> list[int]:
     """[extra][BOS]? [PRE]prefix prompt [SUF]suffix [MID], each part cut to its share of the batch and context."""
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (N_BATCH // 4)):]
     suffix = suffix[: max(0, N_BATCH // 4 - (2 + len(prompt)))]
     n_extra = min(max(0, max_model_len - N_BATCH + 2), len(extra))  # llama-server's n_predict -1 gives its + 2
-    head = ([bos] if bos is not None else []) + [fim["pre"], *prefix, *prompt]
+    head = [*bos, fim["pre"], *prefix, *prompt]
     return extra[len(extra) - n_extra:] + head + [fim["suf"], *suffix, fim["mid"]]
 
 
@@ -94,9 +73,3 @@ def _mixed(value, name: str, tokenizer) -> list[int]:
     if not isinstance(parts, list) or not all(isinstance(p, str) or is_int(p) for p in parts):
         raise APIError(f"{name} must be a string, or a list of token ids and strings", param=name)
     return [t for p in parts for t in (tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [p])]
-
-
-def _bos(tokenizer) -> int | None:
-    """The BOS id where the tokenizer adds one to a text (llama_vocab_get_add_bos)."""
-    bos = tokenizer.bos_token_id
-    return bos if bos is not None and tokenizer.encode("a")[:1] == [bos] else None

@@ -18,7 +18,7 @@ from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import encode_chat
+from flock.tokenizer import bos_prefix, encode_chat, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -163,6 +163,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     tools = None
     if kind == "completion":
         texts, prompts = _completion_prompts(body, tokenizer)
+        prompts = _with_suffix(body, texts, prompts, tokenizer, echo)
     else:
         texts, prompts, tools = _chat_prompt(body, tokenizer, tool_parser)
     n = typed_field(body, "n", int, 1)
@@ -279,8 +280,6 @@ def _check_unsupported(body: dict) -> None:
             raise APIError(f"{name}={body[name]!r} is not supported (Flock runs {name}={value!r})", param=name)
     if typed_field(body, "best_of", int, 1) != 1:
         raise APIError("only best_of=1 is supported", param="best_of")
-    if body.get("suffix") not in (None, ""):
-        raise APIError("suffix is not supported", param="suffix")
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -353,6 +352,24 @@ def _checked(spec: StructuredOutputsParams, param: str) -> StructuredOutputsPara
 
 def _completion_prompts(body: dict, tokenizer) -> tuple[list[str | None], list[list[int]]]:
     return prompt_list(body, "prompt", tokenizer)
+
+
+def _with_suffix(body: dict, texts: list[str | None], prompts: list[list[int]], tokenizer, echo: bool
+                 ) -> list[list[int]]:
+    """OpenAI's `suffix` (insertion): each prompt as the prefix of the model's fill-in-the-middle prompt, [BOS]
+    [PRE]prompt[SUF]suffix[MID]; the completion is the text between them."""
+    suffix = typed_field(body, "suffix", str, "")
+    if not suffix:
+        return prompts
+    fim = fim_tokens(tokenizer)
+    if not {"pre", "suf", "mid"} <= fim.keys():
+        raise APIError("suffix needs a model with fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, <PRE>, "
+                       "...); this one has none", param="suffix")
+    if echo:
+        raise APIError("suffix and echo cannot be combined", param="suffix")
+    tail = [fim["suf"], *tokenizer.encode(suffix, add_special_tokens=False), fim["mid"]]
+    return [[*bos_prefix(tokenizer), fim["pre"], *(ids if text is None else tokenizer.encode(text, add_special_tokens=False)),
+             *tail] for text, ids in zip(texts, prompts)]
 
 
 def prompt_list(body: dict, name: str, tokenizer) -> tuple[list[str | None], list[list[int]]]:

@@ -1,12 +1,14 @@
 """llama-server's /infill: the FIM prompt as llama-server builds it (tokens found by name, the repo-level
-pattern, each part cut to its share), refusals naming the field, and a live server answering as the engine."""
+pattern, each part cut to its share), refusals naming the field, and a live server answering as the engine;
+OpenAI's `suffix` on /v1/completions through the same tokens."""
 
 import httpx
 import pytest
 
 from flock import LLM, SamplingParams
-from flock.api.infill import N_BATCH, fim_tokens, infill_prompt, parse_infill
-from flock.api.protocol import APIError
+from flock.api.infill import N_BATCH, infill_prompt, parse_infill
+from flock.api.protocol import APIError, parse_request
+from flock.tokenizer import fim_tokens
 
 FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"]
 
@@ -57,10 +59,26 @@ def test_prompt_is_llama_servers_repo_level_pattern(coder):
     assert ids == want and params.max_tokens == 8 and req.single
 
 
+def test_openai_suffix_is_the_fim_prompt(coder):
+    _, tok = coder
+    f = fim_tokens(tok)
+    bos = [tok.bos_token_id] if tok.encode("a")[:1] == [tok.bos_token_id] else []
+    tail = [f["suf"], *encode(tok, "\n\nf(1)\n"), f["mid"]]
+    r = parse_request("completion", {"prompt": ["def f(x):\n    ", "g"], "suffix": "\n\nf(1)\n"}, tok)
+    assert r.prompts == [bos + [f["pre"], *encode(tok, p), *tail] for p in ("def f(x):\n    ", "g")]
+    r = parse_request("completion", {"prompt": [5, 6], "suffix": "\n\nf(1)\n"}, tok)
+    assert r.prompts == [bos + [f["pre"], 5, 6, *tail]]
+    with pytest.raises(APIError, match="suffix and echo") as e:
+        parse_request("completion", {"prompt": "a", "suffix": "b", "echo": True}, tok)
+    assert e.value.param == "suffix"
+    with pytest.raises(APIError, match="fill-in-the-middle tokens"):
+        parse_request("completion", {"prompt": "a", "suffix": "b"}, LLM("flock/tiny").get_tokenizer())
+
+
 def test_parts_cut_to_their_shares():
     fim = {"pre": 1, "suf": 2, "mid": 3}
     prefix, suffix, extra, prompt = list(range(10, 2010)), list(range(3000, 4000)), list(range(5000, 5100)), [7, 8]
-    ids = infill_prompt(fim, prefix, suffix, extra, prompt, None, N_BATCH + 50)
+    ids = infill_prompt(fim, prefix, suffix, extra, prompt, [], N_BATCH + 50)
     kept_extra, rest = ids[:52], ids[52:]  # the context beside the batch (+ 2, as llama-server's n_predict -1)
     assert kept_extra == extra[-52:]
     assert rest[0] == 1 and rest[1 : 1 + 1536] == prefix[-1536:] and rest[1537:1539] == prompt
@@ -93,5 +111,11 @@ def test_server_answers_as_the_engine(coder):
     with ServerProcess("--model", str(folder), "--max-model-len", "2048", env={"OMP_NUM_THREADS": "1"}) as s:
         got = httpx.post(f"{s.url}/infill", json=body, timeout=60).json()
         plain = httpx.post(f"{s.url}/infill", json={"input_prefix": "x"}, timeout=60)
+        insert = httpx.post(f"{s.url}/v1/completions", json={"model": str(folder), "prompt": "def f(x):\n    ",
+                                                             "suffix": "\n", "max_tokens": 12, "temperature": 0},
+                            timeout=60).json()
     assert got["content"] == want[0].outputs[0].text and got["tokens_evaluated"] == len(ids)
+    fim_ids = parse_request("completion", {"prompt": "def f(x):\n    ", "suffix": "\n"}, tok).prompts[0]
+    inserted = LLM(str(folder)).generate([{"prompt_token_ids": fim_ids}], SamplingParams(temperature=0, max_tokens=12))
+    assert insert["choices"][0]["text"] == inserted[0].outputs[0].text
     assert plain.status_code == 400 and "input_suffix" in plain.text
