@@ -117,3 +117,8 @@ def bos_prefix(tokenizer) -> list[int]:
     """[BOS] where the tokenizer adds one to a text (llama.cpp's add_bos), else []."""
     bos = tokenizer.bos_token_id
     return [bos] if bos is not None and tokenizer.encode("a")[:1] == [bos] else []
+
+
+def fim_prompt(fim: dict[str, int], bos: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+    """The fill-in-the-middle prompt (prefix-suffix-middle order): [BOS][PRE]prefix[SUF]suffix[MID]."""
+    return [*bos, fim["pre"], *prefix, fim["suf"], *suffix, fim["mid"]]

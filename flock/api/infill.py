@@ -8,9 +8,9 @@ a 2,048-token batch (llama-server's default n_batch), the suffix its first token
 chunks their last tokens in what the context leaves beside the batch. A model without the prefix, suffix and
 middle tokens is told so, as llama-server tells it."""
 
-from flock.api.llama_cpp import Completion, parse_completion
-from flock.api.protocol import APIError, is_int
-from flock.tokenizer import bos_prefix, fim_tokens
+from flock.api.llama_cpp import Completion, mixed_tokens, parse_completion
+from flock.api.protocol import APIError
+from flock.tokenizer import bos_prefix, fim_prompt, fim_tokens
 
 N_BATCH = 2048  # llama-server's default logical batch, which sizes the prefix and suffix kept
 SNIPPET = "\n\n--- snippet ---\n\n"  # between extra chunks when the model has no file separator
@@ -32,8 +32,8 @@ def parse_infill(body, tokenizer, max_model_len: int) -> Completion:
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
         raise APIError('"prompt" must be a string', param="prompt")
-    ids = infill_prompt(fim, _mixed(body["input_prefix"], "input_prefix", tokenizer),
-                        _mixed(body["input_suffix"], "input_suffix", tokenizer),
+    ids = infill_prompt(fim, mixed_tokens(body["input_prefix"], "input_prefix", tokenizer, add_special=False),
+                        mixed_tokens(body["input_suffix"], "input_suffix", tokenizer, add_special=False),
                         _extra(body.get("input_extra", []), fim, tokenizer),
                         tokenizer.encode(prompt, add_special_tokens=False), bos_prefix(tokenizer), max_model_len)
     return parse_completion(body | {"prompt": ids}, tokenizer)
@@ -45,8 +45,7 @@ def infill_prompt(fim: dict[str, int], prefix: list[int], suffix: list[int], ext
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (N_BATCH // 4)):]
     suffix = suffix[: max(0, N_BATCH // 4 - (2 + len(prompt)))]
     n_extra = min(max(0, max_model_len - N_BATCH + 2), len(extra))  # llama-server's n_predict -1 gives its + 2
-    head = [*bos, fim["pre"], *prefix, *prompt]
-    return extra[len(extra) - n_extra:] + head + [fim["suf"], *suffix, fim["mid"]]
+    return extra[len(extra) - n_extra:] + fim_prompt(fim, bos, prefix + prompt, suffix)
 
 
 def _extra(chunks, fim: dict[str, int], tokenizer) -> list[int]:
@@ -65,11 +64,3 @@ def _extra(chunks, fim: dict[str, int], tokenizer) -> list[int]:
     if "sep" in fim:
         out += [fim["sep"], *encode("filename\n")]
     return out
-
-
-def _mixed(value, name: str, tokenizer) -> list[int]:
-    """A string, or a list of token ids and strings, as token ids (no special tokens added)."""
-    parts = [value] if isinstance(value, str) else value
-    if not isinstance(parts, list) or not all(isinstance(p, str) or is_int(p) for p in parts):
-        raise APIError(f"{name} must be a string, or a list of token ids and strings", param=name)
-    return [t for p in parts for t in (tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [p])]

@@ -93,22 +93,28 @@ def _prompts(prompt, tokenizer) -> tuple[list[list[int]], bool]:
 
 
 def _tokens(prompt, tokenizer) -> list[int]:
-    """One prompt's ids: its strings tokenized (the special tokens, a BOS, added to a string that comes first) and
-    its ids kept, in order."""
-    parts = [prompt] if isinstance(prompt, str) else prompt
+    """One prompt's ids (a BOS added to a string that comes first)."""
+    ids = mixed_tokens(prompt, "prompt", tokenizer, add_special=True)
+    if not ids:
+        raise APIError("a prompt has no tokens", param="prompt")
+    return ids
+
+
+def mixed_tokens(value, name: str, tokenizer, add_special: bool) -> list[int]:
+    """llama.cpp's tokenize_mixed: a string, or a list of token ids and strings, as ids in order (the special
+    tokens added to a string that comes first, where `add_special`); APIError naming `name` otherwise."""
+    parts = [value] if isinstance(value, str) else value
     if not isinstance(parts, list) or not all(isinstance(p, str) or is_int(p) for p in parts):
-        raise APIError("each prompt must be a string, or a list of token ids and strings", param="prompt")
+        raise APIError(f"{name} must be a string, or a list of token ids and strings", param=name)
     vocab = len(tokenizer)
     ids = []
     for i, part in enumerate(parts):
         if isinstance(part, str):
-            ids += tokenizer.encode(part, add_special_tokens=i == 0)
+            ids += tokenizer.encode(part, add_special_tokens=add_special and i == 0)
         elif not 0 <= part < vocab:
-            raise APIError(f"token id {part} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise APIError(f"token id {part} is outside the vocabulary [0, {vocab})", param=name)
         else:
             ids.append(part)
-    if not ids:
-        raise APIError("a prompt has no tokens", param="prompt")
     return ids
 
 
@@ -307,15 +313,7 @@ def _fields(obj: dict, fields: list[str]) -> dict:
 def tokenize_content(body: dict, tokenizer) -> dict:
     """llama-server's /tokenize: {"tokens": ids}, or with with_pieces [{"id", "piece"}] (a piece that is not whole
     UTF-8 as its bytes)."""
-    content = body.get("content")
-    if not isinstance(content, (str, list)):
-        raise APIError("content must be a string (or a list of token ids and strings)", param="content")
-    parts = [content] if isinstance(content, str) else content
-    if not all(isinstance(p, str) or is_int(p) for p in parts):
-        raise APIError("content must be a string, or a list of token ids and strings", param="content")
-    add_special = flag(body, "add_special")
-    ids = [t for i, p in enumerate(parts)
-           for t in (tokenizer.encode(p, add_special_tokens=add_special and i == 0) if isinstance(p, str) else [p])]
+    ids = mixed_tokens(body.get("content"), "content", tokenizer, flag(body, "add_special"))
     if not flag(body, "with_pieces"):
         return {"tokens": ids}
     pieces = []

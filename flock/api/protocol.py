@@ -18,7 +18,7 @@ from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import bos_prefix, encode_chat, fim_tokens
+from flock.tokenizer import bos_prefix, encode_chat, fim_prompt, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -367,9 +367,9 @@ def _with_suffix(body: dict, texts: list[str | None], prompts: list[list[int]], 
                        "...); this one has none", param="suffix")
     if echo:
         raise APIError("suffix and echo cannot be combined", param="suffix")
-    tail = [fim["suf"], *tokenizer.encode(suffix, add_special_tokens=False), fim["mid"]]
-    return [[*bos_prefix(tokenizer), fim["pre"], *(ids if text is None else tokenizer.encode(text, add_special_tokens=False)),
-             *tail] for text, ids in zip(texts, prompts)]
+    bos, tail = bos_prefix(tokenizer), tokenizer.encode(suffix, add_special_tokens=False)
+    return [fim_prompt(fim, bos, ids if text is None else tokenizer.encode(text, add_special_tokens=False), tail)
+            for text, ids in zip(texts, prompts)]
 
 
 def prompt_list(body: dict, name: str, tokenizer) -> tuple[list[str | None], list[list[int]]]:

@@ -21,10 +21,8 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
         spec = dict(spec)
-        method = spec.pop("method", None) or spec.pop("model", None)
-        spec.pop("model", None)
-        if method in ("ngram", "[ngram]"):
-            method = "ngram"
+        method, model = spec.pop("method", None), spec.pop("model", None)
+        method = "ngram" if (method or model) in ("ngram", "[ngram]") else method or model
         if method not in METHODS:
             raise ValueError(f"speculative_config.method={method!r} is not supported: Flock drafts with 'ngram' (prompt "
                              "lookup); draft models, EAGLE and MTP heads are not run")

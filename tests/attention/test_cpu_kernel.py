@@ -4,6 +4,8 @@ paged layouts; its fallbacks are TorchCascadeBackend bit for bit; inside the eng
 Paths this CPU lacks are skipped (`isa_paths()` lists the ones it runs).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -340,23 +342,26 @@ def test_an_unknown_isa_is_a_clear_error(monkeypatch):
         make_backend("cpu", tb.config(4, 2), torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch, dtype, kind):
+def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch, dtype, kind, drafts):
     """The kernel inside the engine (prefix caching, chunked prefills, decodes, groups; the last layer's plan
-    for the sampled rows alone; Mistral's 12-token sliding window): every layer's output is within the bf16
-    bound (fp32: 1e-5) of exact attention on the same inputs, on every row it plans."""
+    for the sampled rows alone, with speculative drafts a row after each draft too; Mistral's 12-token sliding
+    window): every layer's output is within the bf16 bound (fp32: 1e-5) of exact attention on the same inputs, on
+    every row it plans."""
     from tests.engine.test_parity import shared_prefix_prompts
 
     from flock import LLM, SamplingParams
 
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(str(hf_folders[kind]), dtype=str(dtype).removeprefix("torch."), attention="cpu", block_size=4,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, speculative_config=spec if drafts else None)
     backend = llm.engine.runner.backend
     exact = TorchCascadeBackend(backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.sliding_window,
                                 torch.float64)
     forward, build = backend.forward, backend.build_metadata
-    seen = {"calls": 0, "grouped": 0, "prefill": 0, "fresh": 0, "sampled_only": 0, "error": 0.0}
+    seen = {"calls": 0, "grouped": 0, "prefill": 0, "fresh": 0, "sampled_only": 0, "draft_rows": 0, "error": 0.0}
 
     def checked_build(layout):
         seen["layout"] = layout
@@ -370,9 +375,11 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
                             exact.build_metadata(layout))
         rows = torch.from_numpy(np.unique(meta.tokens.numpy())).long()  # all, or the sampled rows' plan
         seen["sampled_only"] += len(rows) < len(q)
+        seen["draft_rows"] += len(rows) < len(q) and layout.sample_counts is not None
         got, ref = out[rows], ref[rows]
-        err = tb.half_ulp_excess(got, ref) if dtype == torch.bfloat16 else (got.double() - ref).abs().max().item()
-        seen["error"] = max(seen["error"], err)
+        if len(rows):  # (a step of prompt chunks alone samples nothing: its last layer plans no rows)
+            err = tb.half_ulp_excess(got, ref) if dtype == torch.bfloat16 else (got.double() - ref).abs().max().item()
+            seen["error"] = max(seen["error"], err)
         seen["calls"] += 1
         seen["grouped"] += len(meta.merge_tokens) > 0
         seen["prefill"] += bool((layout.query_lens > 1).any())
@@ -381,9 +388,13 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
 
     monkeypatch.setattr(backend, "build_metadata", checked_build)
     monkeypatch.setattr(backend, "forward", checked_forward)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in shared_prefix_prompts(seed=7)], params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=16 if drafts else 8, ignore_eos=True)
+    prompts = shared_prefix_prompts(seed=7)
+    if drafts:  # repeats to draft from, admitted while others decode
+        prompts = [p + p[-6:] * 3 for p in prompts]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert seen["calls"] > 0 and seen["prefill"] > 0 and seen["fresh"] > 0
+    assert (seen["draft_rows"] > 0) == drafts
     assert seen["grouped"] > 0 or kind == "mistral"  # contexts past the window join no group
     assert seen["sampled_only"] > 0
     assert seen["error"] <= (4e-3 if dtype == torch.bfloat16 else FP32_TOL)
@@ -408,3 +419,25 @@ def test_float32_greedy_matches_transformers(hf_folders, references, kind):
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert (llm.stats()["preemptions"] > 0) == (budget is not None)
         assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", ["bs4-d32", "bs8-d128"], indirect=True)
+def test_sampled_rows_plan_with_draft_rows(monkeypatch, isa, dtype, shape):
+    """The last layer's plan for the sampled rows alone, where requests sample their last 1-3 new tokens (a row
+    after each speculative draft): on every path those rows equal the float64 reference of the whole step."""
+    layout, inputs, expected = case("several groups", 4, 2, dtype, *shape)
+    layout = dataclasses.replace(layout, sampled=np.arange(len(layout.seq_lens)),
+                                 sample_counts=np.minimum(layout.query_lens, np.arange(len(layout.seq_lens)) % 3 + 1))
+    if isa == cpu.EMULATED_AMX:
+        backend = CpuCascadeBackend(4, 2, inputs[0].shape[-1], None, dtype, isa=isa)
+    else:
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        backend = make_backend("cpu", tb.config(4, 2), torch.device("cpu"), dtype)
+    meta = backend.build_metadata(layout)
+    rows = torch.from_numpy(layout.sample_rows)
+    assert meta.rows_only is not None and (layout.sample_counts > 1).any()
+    q, k, v, k_cache, v_cache = inputs
+    out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta.rows_only)
+    check(out[rows], expected[rows], dtype)
