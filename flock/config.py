@@ -1,5 +1,6 @@
 from dataclasses import dataclass, field, fields
 
+from flock.lora.request import lora_requests
 from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
@@ -16,7 +17,7 @@ def option(default, help: str, **cli):
 # those no value of which changes what Flock does (it runs no model code from a folder, logs no stats)
 VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
                       "enable_chunked_prefill": True, "tokenizer_mode": "auto"}
-VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats"}
+VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras"}
 
 
 @dataclass
@@ -64,6 +65,13 @@ class EngineConfig:
         "\"prompt_lookup_max\": 4}': drafts from prompt lookup, verified in each request's next step (greedy "
         "outputs unchanged)")
 
+    enable_lora: bool = option(False, "serve LoRA adapters saved by PEFT (LoRARequest; the API's model names of "
+                               "--lora-modules); dense MLPs then run their activation after the gate_up GEMM")
+    max_lora_rank: int | None = option(None, "refuse LoRA adapters of a higher rank (default: any)")
+    lora_modules: list[str] | None = option(
+        None, "LoRA adapters to load at start, each NAME=PATH or vLLM's JSON {\"name\": ..., \"path\": ...}; "
+        "requests pick one by its name as their model (turns on --enable-lora)", nargs="+")
+
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
@@ -94,5 +102,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         self.speculative()
+        if self.lora_modules:
+            self.enable_lora = True
+            lora_requests(self.lora_modules)
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -7,6 +7,7 @@ from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.lora import LoRARequest
 from flock.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -38,15 +39,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
-        outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams). All
-        prompts and parameters are checked before any work starts: a bad one raises ValueError naming its index
-        and field."""
+        outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams); a
+        `lora_request` (one for all prompts, or one each) runs them with a LoRA adapter (engine started with
+        enable_lora=True). All prompts and parameters are checked before any work starts: a bad one raises
+        ValueError naming its index and field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = [replace(p, cache_salt=prompt["cache_salt"]) if isinstance(prompt, dict) and "cache_salt" in prompt
                   else p for p, prompt in zip(self._params_per_prompt(sampling_params, len(prompts)), prompts)]
+        if lora_request is not None:
+            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+            params = [replace(p, lora_request=lora) for p, lora in zip(params, loras)]
         texts, token_ids = zip(*(self.encode_prompt(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
         self._check_all(token_ids, params)
         self.engine.reset_stats()
@@ -129,6 +137,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's next message for one conversation (a list of {"role", "content"} dicts) or
         for a list of them, through the tokenizer's chat template, as vLLM's `LLM.chat` (whose template options
@@ -143,7 +152,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids, "prompt": self.engine.tokenizer.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`."""

@@ -27,7 +27,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self._block_hashes: list[int] = []
-        self.root_hash = root_hash(params.cache_salt)  # the parent of its first block's hash
+        self.root_hash = root_hash(*self.cache_namespace)  # the parent of its first block's hash
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
         self.num_preemptions = 0
@@ -62,6 +62,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def cache_namespace(self) -> tuple[str | None, str | None]:
+        """Its cache salt and LoRA adapter: requests share prefix-cache blocks only within one namespace."""
+        lora = self.params.lora_request
+        return self.params.cache_salt, None if lora is None else lora.lora_name
 
     @property
     def reads_prefix_cache(self) -> bool:

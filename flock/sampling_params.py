@@ -1,6 +1,8 @@
 import math
 from dataclasses import dataclass, field, replace
 
+from flock.lora.request import LoRARequest
+
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
@@ -114,6 +116,9 @@ class SamplingParams:
     # vLLM's: the request's prefix-cache blocks are found only by requests with the same salt (tenants that must
     # not learn each other's prompts from cache hits); it changes no output
     cache_salt: str | None = None
+    # the LoRA adapter the request runs with (vLLM passes it beside the params: LLM.generate(lora_request=...), the
+    # API's model name); its prefix-cache blocks are found only by requests of the same adapter
+    lora_request: LoRARequest | None = None
     priority: int = 0  # vLLM's: with the priority scheduler, lower values go first (others need 0)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
     dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers

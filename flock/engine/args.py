@@ -42,9 +42,11 @@ def _add_flag(g, f: Field) -> None:
 
 
 def _scalar(annotation):
-    """`int | None` -> int; a dict field takes JSON."""
+    """`int | None` -> int; a dict field takes JSON; a list field (nargs) its items' type."""
     if isinstance(annotation, types.UnionType):
         annotation = next(t for t in annotation.__args__ if t is not type(None))
+    if isinstance(annotation, types.GenericAlias):  # list[str]
+        annotation = annotation.__args__[0]
     return _json_object if annotation is dict else annotation
 
 

@@ -11,6 +11,7 @@ from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
 from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
+from flock.lora import LoRARequest, lora_requests
 from flock.model import resolve_model
 from flock.model.config import sampling_defaults
 from flock.pooling_params import PoolingParams
@@ -88,6 +89,9 @@ class LLMEngine:
         spec = config.speculative()
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
+        self.lora_requests = lora_requests(config.lora_modules or [])  # the adapters the API knows by name
+        for request in self.lora_requests.values():
+            self.load_lora(request)
         self.grammars = GrammarCompiler(self.tokenizer, resolved.config.vocab_size, sorted(self.eos_token_ids),
                                         config.structured_outputs_any_whitespace)
         self._next_id = 0
@@ -116,6 +120,8 @@ class LLMEngine:
         params = engine_params(params, self.model_config.hidden_size, self.base_model)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
         check_priority(params, self.config.scheduler)
+        if params.lora_request is not None:
+            self.load_lora(params.lora_request)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
@@ -142,6 +148,13 @@ class LLMEngine:
         self.scheduler.add(req)
         self.stats.add_request(req)
         return req
+
+    def load_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter (once per name; ValueError naming what is wrong with it)."""
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request {request.lora_name!r}: this engine serves no LoRA adapters (start it with "
+                             "enable_lora=True, --enable-lora or --lora-modules)")
+        self.runner.lora.add(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -9,6 +9,7 @@ from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.heap import keep_freed_memory, release_freed_memory
+from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
@@ -66,6 +67,8 @@ class ModelRunner:
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed,
             config.quantization,
         )
+        # adapters' updates go on the projections before the GEMMs pack their weights (see LoRAModel)
+        self.lora = LoRAModel(self.model, config.max_lora_rank, self.dtype, self.device) if config.enable_lora else None
         self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
@@ -114,6 +117,9 @@ class ModelRunner:
         # the last layer finishes only the rows it must (all of a decode step: no gather then)
         rows = sorted(set(sample_rows).union((row for _, row in pooled), *(r for *_, r in prompt_rows)))
         out_rows = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.lora is not None:
+            self.lora.set_step([self.lora.id_of(req.params.lora_request) for req, _ in plan.scheduled],
+                               np.fromiter((n for _, n in plan.scheduled), np.int64), None if out_rows is None else rows)
         hidden = self.model(input_ids, positions, meta, out_rows)
         at = {row: i for i, row in enumerate(rows)}
         out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))

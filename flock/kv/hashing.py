@@ -4,10 +4,12 @@ import xxhash
 ROOT_HASH = 0
 
 
-def root_hash(salt: str | None) -> int:
-    """The parent of a request's first block: the salt's hash for a salted request (vLLM's cache_salt), so that
-    none of its blocks' hashes equals an unsalted or otherwise salted one's."""
-    return ROOT_HASH if salt is None else xxhash.xxh3_64_intdigest(b"cache_salt\0" + salt.encode())
+def root_hash(salt: str | None, adapter: str | None = None) -> int:
+    """The parent of a request's first block: for a salted request (vLLM's cache_salt) or one of a LoRA adapter,
+    the hash of its salt and adapter name, so that none of its blocks' hashes equals another salt's or adapter's."""
+    if salt is None and adapter is None:
+        return ROOT_HASH
+    return xxhash.xxh3_64_intdigest(f"cache_salt\0{salt}\0lora\0{adapter}".encode())
 
 
 def hash_block(parent: int, tokens) -> int:

@@ -50,6 +50,7 @@ class Linear(nn.Linear):
     pairs: torch.Tensor | None = None
     qweight: quant.QuantWeight | None = None
     silu_and_mul = False  # packed so: forward gives silu(gate) * up of the outputs [gate | up]
+    lora = None  # flock.lora.layers.LinearLoRA of an engine serving LoRA adapters: their updates on its output
 
     def use_quantized(self, weight: quant.QuantWeight, silu_and_mul: bool = False) -> None:
         """Multiply by quantized blocks from now on (the float weight is released); `silu_and_mul` as in
@@ -71,7 +72,12 @@ class Linear(nn.Linear):
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
-        """x W^T + b; `float32`: Flock's GEMM returns its fp32 sums unrounded (other paths: the model's dtype)."""
+        """x W^T + b (+ the step's LoRA updates); `float32`: Flock's GEMM returns its fp32 sums unrounded (other
+        paths: the model's dtype)."""
+        y = self._product(x, float32)
+        return y if self.lora is None or not self.lora.step.active else self.lora.add_to(y, x)
+
+    def _product(self, x: torch.Tensor, float32: bool) -> torch.Tensor:
         if self.qweight is not None:
             return quant.linear(x, self.qweight, self.bias, torch.float32 if float32 else x.dtype, self.silu_and_mul)
         if self.silu_and_mul:

@@ -250,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
     step_program: program.StepProgram | None = None  # see use_step_program
+    lora_step = None  # flock.lora.layers.StepAdapters of an engine serving LoRA adapters
+    fuse_glu = True  # the dense MLPs' SiLU-and-mul in their gate_up GEMM where the GEMM can (see unfuse_glu)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -287,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale != 1.0:  # Granite's, Gemma's
             x = x * self.embedding_scale
-        if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
+        if (out_rows is None and self.step_program is not None and self.step_program.takes(x, meta)
+                and (self.lora_step is None or not self.lora_step.active)):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
         for layer in self.layers[:-1]:
@@ -365,7 +368,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _silu_gate_ups(self) -> set[int]:
         """The gate_up projections whose GEMM may apply the MLP's SiLU-and-mul (not GeGLU's)."""
-        return {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP) and m.silu}
+        dense = set() if self.fuse_glu else {id(layer.mlp) for layer in self.layers}
+        return {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP) and m.silu and id(m) not in dense}
+
+    def unfuse_glu(self) -> None:
+        """Run the dense MLPs' activation after their gate_up GEMM, not in it (a LoRA update of gate or up must be
+        added to the GEMM's output first); call before prepack_weights."""
+        self.fuse_glu = False
+        for layer in self.layers:
+            if isinstance(layer.mlp, MLP) and layer.mlp.gate_up_proj.qweight is not None:
+                layer.mlp.gate_up_proj.silu_and_mul = False
 
     def quantized_types(self) -> dict[str, int]:
         """How many layers run on each quant type ("Q4_K+Q6_K": a fused weight of two)."""

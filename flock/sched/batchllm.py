@@ -57,12 +57,12 @@ class BatchLLMScheduler(Scheduler):
 
     # -- planning ----------------------------------------------------------------------------------------------
     def _plan(self) -> None:
-        """Groups of the unplanned requests, planned apart for each cache salt: requests of different salts never
-        share blocks."""
-        by_salt: dict[str | None, list[Request]] = {}
+        """Groups of the unplanned requests, planned apart for each cache salt and LoRA adapter: requests of
+        different ones never share blocks."""
+        by_namespace: dict[tuple, list[Request]] = {}
         for r in self.unplanned:
-            by_salt.setdefault(r.params.cache_salt, []).append(r)
-        groups = [group for requests in by_salt.values() for group in self._groups(requests)]
+            by_namespace.setdefault(r.cache_namespace, []).append(r)
+        groups = [group for requests in by_namespace.values() for group in self._groups(requests)]
         groups.sort(key=lambda x: x[0])  # R_group = 1 / (L_prefix + sum L_distinct), largest first
         self.pending.extend(g for _, g in groups)
         self.unplanned = []
@@ -191,7 +191,8 @@ class BatchLLMScheduler(Scheduler):
         self._pseudo_ids -= 1
         first = g.waiting[0]
         p = Request(self._pseudo_ids, first.prompt_token_ids[: g.prefix_len],
-                    SamplingParams(max_tokens=1, cache_salt=first.params.cache_salt), prefix_only=True)
+                    SamplingParams(max_tokens=1, cache_salt=first.params.cache_salt,
+                                   lora_request=first.params.lora_request), prefix_only=True)
         p.status = RequestStatus.RUNNING
         return p
 

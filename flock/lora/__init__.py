@@ -1,0 +1,5 @@
+"""LoRA adapters (PEFT folders) served beside a model's own weights: see docs/architecture.md#lora-adapters."""
+
+from flock.lora.request import LoRARequest, lora_requests
+
+__all__ = ["LoRARequest", "lora_requests"]

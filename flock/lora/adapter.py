@@ -1,0 +1,93 @@
+"""LoRA adapters as PEFT saves them: `adapter_config.json` and `adapter_model.safetensors` (or `.bin`).
+
+Each target projection's update is B A scaled by lora_alpha / r (PEFT's `use_rslora`: / sqrt(r); its
+`rank_pattern` and `alpha_pattern` per module); the scale is folded into B. Adapters of the attention and dense
+MLP projections load; those that change other weights (embeddings, the LM head, `modules_to_save`, experts),
+DoRA and LoRA biases are refused by name, as vLLM refuses them.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class Update:
+    """One projection's low-rank update: y += (x A^T) B^T, B already scaled."""
+
+    a: torch.Tensor  # [r, in_features]
+    b: torch.Tensor  # [out_features of the part, r]
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: Path
+    rank: int  # the largest of its modules'
+    updates: dict[str, Update]  # Hugging Face module name ("model.layers.0.self_attn.q_proj") -> its update
+
+
+def load_adapter(name: str, path: str | Path) -> Adapter:
+    """The adapter saved in the folder `path` (ValueError naming what is wrong)."""
+    folder = Path(path)
+    config = _config(folder)
+    tensors = _tensors(folder)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key.removeprefix(PEFT_PREFIX))
+        if match is None:
+            raise ValueError(f"{folder}: tensor {key!r} is not a LoRA A or B weight (LoRA biases, embedding "
+                             "updates and modules_to_save are not supported)")
+        pairs.setdefault(match[1], {})[match[2]] = tensor
+    updates = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{folder}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        a, b = ab["A"], ab["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{folder}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
+                             "[r, in] and [out, r]")
+        updates[module] = Update(a.float(), b.float() * _scale(config, module, a.shape[0]))
+    if not updates:
+        raise ValueError(f"{folder}: the adapter holds no LoRA weights")
+    return Adapter(name, folder, max(u.a.shape[0] for u in updates.values()), updates)
+
+
+def _config(folder: Path) -> dict:
+    file = folder / "adapter_config.json"
+    if not file.is_file():
+        raise ValueError(f"{folder}: no adapter_config.json (a LoRA adapter is a folder PEFT saved)")
+    config = json.loads(file.read_text())
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"{folder}: peft_type {peft_type!r} is not supported, only LORA")
+    for key, off in (("use_dora", False), ("bias", "none"), ("modules_to_save", None), ("lora_bias", False),
+                     ("fan_in_fan_out", False)):
+        if config.get(key) not in (off, None, []):
+            raise ValueError(f"{folder}: {key}={config[key]!r} is not supported")
+    return config
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "adapter_model.safetensors").is_file():
+        return load_file(str(folder / "adapter_model.safetensors"))
+    if (folder / "adapter_model.bin").is_file():
+        return torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
+    """PEFT's scaling of a module's update: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)

@@ -1,0 +1,149 @@
+"""LoRA adapters: greedy tokens equal PEFT's over transformers for every adapter in one mixed batch, under every
+scheduler; prefix-cache blocks are shared only within an adapter; bad adapters are refused by name."""
+
+import json
+
+import pytest
+import torch
+
+from flock import LLM, LoRARequest, SamplingParams
+from tests.engine.test_parity import assert_no_leak, shared_prefix_prompts
+from tests.lora.adapters import ALL_FUSED, ALL_LLAMA, make_adapter, peft_greedy
+
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_folders, tmp_path_factory):
+    """Per model kind: two adapters (every projection; q and v only, rsLoRA, an alpha pattern) and the prompts
+    with PEFT's tokens for each adapter and for none."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            root, base = tmp_path_factory.mktemp(f"lora-{kind}"), hf_folders[kind]
+            every = ALL_FUSED if kind == "phi3" else ALL_LLAMA
+            qv = ["qkv_proj"] if kind == "phi3" else ["q_proj", "v_proj"]
+            a = make_adapter(base, root / "a", 1, every)
+            b = make_adapter(base, root / "b", 2, qv, r=4, alpha=8, use_rslora=True,
+                             alpha_pattern={"layers.1.self_attn.v_proj": 4})
+            prompts = shared_prefix_prompts(seed=3)[:6]
+            cache[kind] = a, b, prompts, {name: peft_greedy(base, adapter, prompts, MAX_NEW)
+                                          for name, adapter in (("a", a), ("b", b), (None, None))}
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3", "gemma", "qwen3"])
+@pytest.mark.parametrize("scheduler", ["fcfs", "batchllm"])
+def test_adapters_match_peft_in_one_batch(hf_folders, adapters, kind, scheduler):
+    a, b, prompts, expected = adapters(kind)
+    assert expected["a"] != expected[None] and expected["b"] != expected[None]  # the adapters change the answers
+    llm = LLM(str(hf_folders[kind]), dtype="float64", enable_lora=True, scheduler=scheduler, block_size=8)
+    loras = [LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b)), None]
+    # every prompt with each adapter and with none, interleaved: the same tokens share no KV across adapters
+    runs = [(lora, p) for p in prompts for lora in loras]
+    outs = llm.generate([{"prompt_token_ids": p} for _, p in runs], GREEDY, use_tqdm=False,
+                        lora_request=[lora for lora, _ in runs])
+    got = {None if lora is None else lora.lora_name: [] for lora in loras}
+    for (lora, _), out in zip(runs, outs):
+        got[None if lora is None else lora.lora_name].append(out.outputs[0].token_ids)
+    assert got == expected
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("ops", ["auto", "torch"])
+def test_float32_speed_paths_match_peft(hf_folders, adapters, ops):
+    """float32: the fused elementwise kernels and oneDNN's prepacked weights ("auto"), the activation then after
+    the gate_up GEMM."""
+    a, _, prompts, expected = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype="float32", enable_lora=True, ops=ops)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, str(a)))
+    assert [o.outputs[0].token_ids for o in outs] == expected["a"]
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather", "lpm"])
+def test_prefix_blocks_are_shared_within_an_adapter_only(hf_folders, adapters, scheduler):
+    a, b, _, _ = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype="float32", enable_lora=True, scheduler=scheduler, block_size=8)
+    doc = list(range(100, 164))
+    lora_a, lora_b = LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))
+    first = llm.generate({"prompt_token_ids": doc + [0]}, GREEDY, use_tqdm=False, lora_request=lora_a)[0]
+    later = llm.generate([{"prompt_token_ids": doc + [i]} for i in (1, 2, 3)], GREEDY, use_tqdm=False,
+                         lora_request=[lora_a, lora_b, None])
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in later] == [len(doc), 0, 0]
+
+
+def test_the_activation_runs_after_the_gate_up_gemm(hf_folders):
+    llm = LLM(str(hf_folders["llama"]), dtype="float32", enable_lora=True)
+    assert not any(layer.mlp.gate_up_proj.silu_and_mul for layer in llm.engine.runner.model.layers)
+
+
+def test_lora_modules_load_at_start(hf_folders, adapters):
+    a, b, prompts, expected = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype="float64", lora_modules=[f"a={a}", json.dumps({"name": "b", "path": str(b)})])
+    assert sorted(llm.engine.lora_requests) == ["a", "b"] and llm.config.enable_lora
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=llm.engine.lora_requests["b"])
+    assert [o.outputs[0].token_ids for o in outs] == expected["b"]
+
+
+@pytest.mark.parametrize("spec, match", [(["a"], "NAME=PATH"), (["=x"], "NAME=PATH"), (['{"name": "a"}'], "NAME=PATH"),
+                                         (["{bad"], "not JSON"), (["a=x", "a=y"], "twice")])
+def test_bad_lora_modules_are_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("flock/tiny", lora_modules=spec)
+
+
+def test_bad_adapters_are_refused_by_name(hf_folders, adapters, tmp_path):
+    base = hf_folders["llama"]
+    a, _, _, _ = adapters("llama")
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(base), dtype="float32").generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(a)))
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4)
+    cases = [
+        (LoRARequest("a", 1, str(a)), "rank 8, more than max_lora_rank=4"),
+        (LoRARequest("none", 1, str(tmp_path / "missing")), "adapter_config.json"),
+        (LoRARequest("", 1, str(a)), "lora_name"),
+        (LoRARequest("embed", 1, str(make_adapter(base, tmp_path / "embed", 0, ["embed_tokens", "q_proj"], r=2))),
+         "not a LoRA A or B weight"),
+        (LoRARequest("dora", 1, str(make_adapter(base, tmp_path / "dora", 0, ["q_proj"], r=2, use_dora=True))),
+         "use_dora"),
+        (LoRARequest("other", 1, str(make_adapter(hf_folders["qwen3"], tmp_path / "other", 0, ["q_proj"], r=2))),
+         "another model"),
+    ]
+    for i, (request, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match) as e:
+            llm.generate([prompt, prompt], GREEDY, use_tqdm=False, lora_request=[None, request])
+        assert "request 1" in str(e.value), i
+    ok = make_adapter(base, tmp_path / "small", 0, ["q_proj"], r=2)
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("small", 1, str(ok)))
+    with pytest.raises(ValueError, match="is loaded from"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("small", 1, str(a)))
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "none"), ("bfloat16", "q8_0"), ("float32", "q8_0")])
+def test_steps_with_adapters_leave_the_step_program(hf_folders, adapters, dtype, quantization):
+    """Decode steps of base requests alone run as one C call (the step program); those with adapter rows run the
+    modules, which add the updates: the same tokens as a run without the program, and the adapter's differ."""
+    a, _, prompts, _ = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype=dtype, quantization=quantization, enable_lora=True)
+    model = llm.engine.runner.model
+    if model.step_program is None:
+        pytest.skip(f"no step program here: {llm.engine.runner.paths.get('step')}")
+    loras = [LoRARequest("a", 1, str(a)), None] * len(prompts)
+    batch = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)]
+
+    with_program = tokens()
+    model.step_program = None
+    assert tokens() == with_program
+    assert with_program[0::2] != with_program[1::2]
