@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -23,6 +24,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     cache_salt: str | None = None  # the step requests' (SamplingParams')
     priority: int = 0
+    lora_request: LoRARequest | None = None  # the step requests' LoRA adapter
 
     def validate(self, max_tokens_set: bool = True) -> None:
         """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later)."""
@@ -36,7 +38,7 @@ class BeamSearchParams:
 
     def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True,
-                              cache_salt=self.cache_salt, priority=self.priority)
+                              cache_salt=self.cache_salt, priority=self.priority, lora_request=self.lora_request)
 
 
 @dataclass

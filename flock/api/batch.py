@@ -33,6 +33,7 @@ from flock.beam_search import BeamSearch
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.lora import lora_requests
 
 SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
@@ -164,6 +165,7 @@ class BatchJob:
         self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
         self.token_text = TokenText(engine.tokenizer)
         self.flags = cfg.sampling | ({"max_tokens": cfg.max_tokens} if cfg.max_tokens is not None else {})
+        self.loras = lora_requests(engine.config.lora_modules or [])  # a line's model may name one
         engine.reset_stats()
 
     def submit_all(self) -> None:
@@ -194,6 +196,7 @@ class BatchJob:
                 gen = parsed.gen
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
+            gen.use_lora(self.loras.get(gen.model))
             gen.truncate(self.engine.max_model_len)
             for ids in gen.prompts:
                 self.engine.check_request(ids, gen.params)
@@ -223,6 +226,9 @@ class BatchJob:
 
     def _submit_embeddings(self, line: BatchLine) -> None:
         try:
+            if line.body.get("model") in self.loras:
+                raise APIError(f"{line.body['model']} is a LoRA adapter: adapters generate; embeddings and scores "
+                               "come from the base model", param="model")
             parsed = parse_embeddings(line.body, self.engine.tokenizer) if line.kind == "embedding" else \
                 parse_scores(line.kind, line.body, self.engine.tokenizer)
             for ids in parsed.prompts:
@@ -331,6 +337,8 @@ class BatchJob:
     def _response(self, line: PendingLine) -> tuple[str, dict]:
         """(request id, response body) of a line whose requests have all finished."""
         gen, model = line.request, self.engine.config.model
+        if isinstance(gen, (GenerationRequest, ResponsesRequest)):
+            model = self._model_of(gen if isinstance(gen, GenerationRequest) else gen.gen)
         if isinstance(gen, (EmbeddingRequest, ScoreRequest)):
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
@@ -351,6 +359,10 @@ class BatchJob:
         request_id = new_id(gen.kind)
         return request_id, response_body(gen.kind, request_id, model, choices,
                                          choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
+
+    def _model_of(self, gen: GenerationRequest) -> str:
+        """The model a line's output names: its LoRA adapter's (as vLLM), else the engine's."""
+        return gen.model if gen.model in self.loras else self.engine.config.model
 
     def close(self) -> None:
         self.output.close()

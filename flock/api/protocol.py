@@ -16,6 +16,7 @@ from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, pr
 from flock.api.reasoning import REASONING_PARSERS, THINKING_END, ReasoningFormat, reasoning_token_count, thinking_open
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
+from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import bos_prefix, encode_chat, fim_prompt, fim_tokens
@@ -107,6 +108,12 @@ class GenerationRequest:
     @property
     def prompt(self) -> str | None:
         return self.texts[0] if len(self.texts) == 1 else None
+
+    def use_lora(self, lora: LoRARequest | None) -> None:
+        """Run with this LoRA adapter (the one its model names), beam search included."""
+        self.params.lora_request = lora
+        if self.beam is not None:
+            self.beam.lora_request = lora
 
     def truncate(self, max_model_len: int) -> None:
         """Apply truncate_prompt_tokens now, so that usage, returned ids and a completion's echo show the prompts
@@ -266,7 +273,7 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
     beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty,
-                            params.cache_salt, params.priority)
+                            params.cache_salt, params.priority, params.lora_request)
     try:
         beam.validate(max_tokens_set=params.max_tokens is not None)
     except ValueError as e:

@@ -15,6 +15,7 @@ import sys
 from flock.api.reasoning import THINKING_END
 from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
+from flock.lora import lora_requests
 
 log = logging.getLogger("flock")
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -67,6 +68,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted: Flock logs requests only with --access-log")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
     v.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, help="as --log-level")
+    v.add_argument("--max-loras", "--max-cpu-loras", type=int,
+                   help="accepted: Flock keeps every loaded LoRA adapter in memory and runs any number in one step")
 
 
 def apply_vllm_arguments(args: argparse.Namespace) -> None:
@@ -109,7 +112,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         names = args.served_model_name or [args.model]
         ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser,
-                            ResponseStore(max(args.max_stored_responses, 0)))
+                            ResponseStore(max(args.max_stored_responses, 0)), lora_requests(config.lora_modules or []))
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

@@ -142,12 +142,15 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     created = int(time.time())
 
     def model_card(name: str) -> dict:
+        """vLLM's card: a LoRA adapter's root is its folder and its parent the base model."""
+        lora = ctx.loras.get(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "flock",
-                "max_model_len": ctx.engine.max_model_len}
+                "root": lora.lora_path if lora else ctx.engine.config.model,
+                "parent": ctx.model_names[0] if lora else None, "max_model_len": ctx.engine.max_model_len}
 
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+        return {"object": "list", "data": [model_card(name) for name in [*ctx.model_names, *ctx.loras]]}
 
     @router.get("/models/{name:path}")  # OpenAI's retrieve (names may hold slashes: "org/model")
     async def model(name: str):

@@ -47,6 +47,7 @@ from flock.engine.async_engine import (
     RequestStream,
     StreamOutput,
 )
+from flock.lora import LoRARequest
 from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class ServerContext:
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
     reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
     responses: ResponseStore = field(default_factory=ResponseStore)
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters (--lora-modules) by model name
     token_text: TokenText = field(init=False)
 
     def __post_init__(self):
@@ -86,9 +88,10 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser,
                         reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
+    gen.use_lora(ctx.loras.get(gen.model))
     gen.truncate(ctx.engine.max_model_len)
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
-    reply = Reply(kind, new_id(kind, given), ctx.model_names[0], int(time.time()))
+    reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()))
     if gen.beam is not None:
         return JSONResponse(await _beam_search(reply, gen, raw, ctx))
     streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
@@ -174,6 +177,9 @@ async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
     """POST /v1/embeddings (flock/api/embeddings.py), or the score / rerank APIs (kind "score" / "rerank",
     flock/api/scores.py): the texts embedded, the response made of their embeddings."""
     body = check_model(await json_body(raw), ctx)
+    if isinstance(body, dict) and body.get("model") in ctx.loras:
+        raise APIError(f"{body['model']} is a LoRA adapter: adapters generate; embeddings and scores come from the "
+                       "base model", param="model")
     req = embeddings.parse_embeddings(body, ctx.engine.tokenizer) if kind == "embedding" else \
         scores.parse_scores(kind, body, ctx.engine.tokenizer)
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)
@@ -188,7 +194,8 @@ async def respond(raw: Request, ctx: ServerContext):
     history = ctx.responses.history(body.get("previous_response_id")) if isinstance(body, dict) else None
     req = parse_responses(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser, history,
                           ctx.engine.sampling_defaults)
-    gen, model = req.gen, ctx.model_names[0]
+    gen, model = req.gen, reported_model(body.get("model"), ctx)
+    gen.use_lora(ctx.loras.get(body.get("model")))
     req.storable = ctx.responses.capacity > 0
     try:
         gen.truncate(ctx.engine.max_model_len)
@@ -211,7 +218,7 @@ async def respond(raw: Request, ctx: ServerContext):
 async def _response_events(req: ResponsesRequest, streams: list[RequestStream], ctx: ServerContext
                            ) -> AsyncIterator[str]:
     gen = req.gen
-    events, answer = ResponseEvents(req, ctx.model_names[0]), AnswerStream(gen, ctx.engine.tokenizer)
+    events, answer = ResponseEvents(req, reported_model(gen.model, ctx)), AnswerStream(gen, ctx.engine.tokenizer)
     hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs too (as vLLM)
     logprobs = gen.params.logprobs is not None and not hidden
     token_text = ctx.token_text.for_request(gen.tokens_as_ids)
@@ -240,11 +247,17 @@ async def _response_events(req: ResponsesRequest, streams: list[RequestStream], 
 
 
 def check_model(body, ctx: ServerContext):
-    """The body, if it names no model or one this server serves (else a 404)."""
+    """The body, if it names no model or one this server serves, a LoRA adapter included (else a 404)."""
     model = body.get("model") if isinstance(body, dict) else None
-    if model is not None and model not in ctx.model_names:
+    if model is not None and model not in ctx.model_names and model not in ctx.loras:
         raise APIError(f"the model `{model}` does not exist", param="model", status=404, code="model_not_found")
     return body
+
+
+def reported_model(model: str | None, ctx: ServerContext) -> str:
+    """The model name a response gives: the LoRA adapter's where the request named one (as vLLM), else the first
+    served name."""
+    return model if model in ctx.loras else ctx.model_names[0]
 
 
 async def json_body(raw: Request):

@@ -1,0 +1,81 @@
+"""LoRA adapters through the OpenAI server and batch jobs: a request's model names its adapter (vLLM's
+--lora-modules), /v1/models lists them, the answers are the adapter's, embeddings of an adapter are refused."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from flock import LLM, LoRARequest, SamplingParams
+from flock.api.batch import JobConfig, run_job
+from flock.api.metrics import Metrics
+from flock.api.server_app import build_app
+from flock.api.server_generate import ServerContext
+from flock.config import EngineConfig
+from flock.engine.async_engine import AsyncEngine
+from flock.engine.engine import LLMEngine
+from flock.lora import lora_requests
+from tests.lora.adapters import ALL_LLAMA, make_adapter
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def setup(hf_folders, tmp_path_factory):
+    """The Llama test model, an adapter of it, and each one's greedy completion of PROMPT (LLM, float32)."""
+    base = hf_folders["llama"]
+    adapter = make_adapter(base, tmp_path_factory.mktemp("api-lora") / "sql", 5, ALL_LLAMA)
+    llm = LLM(str(base), dtype="float32", enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = {lora: llm.generate(PROMPT, params, use_tqdm=False,
+                                   lora_request=lora and LoRARequest(lora, 1, str(adapter)))[0].outputs[0].text
+                for lora in ("sql", None)}
+    assert expected["sql"] != expected[None]
+    return base, adapter, expected
+
+
+def test_the_server_routes_a_model_name_to_its_adapter(setup):
+    base, adapter, expected = setup
+    config = EngineConfig.from_kwargs(str(base), dtype="float32", lora_modules=[f"sql={adapter}"])
+    engine = AsyncEngine(config).start()
+    ctx = ServerContext(engine, Metrics(engine), ["base"], loras=lora_requests(config.lora_modules))
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://t") as http:
+            models = (await http.get("/v1/models")).json()["data"]
+            answers = [await http.post("/v1/completions", json=body | {"model": m}) for m in ("sql", "base")]
+            streamed = await http.post("/v1/completions", json=body | {"model": "sql", "stream": True})
+            missing = await http.post("/v1/completions", json=body | {"model": "nope"})
+            embedding = await http.post("/v1/embeddings", json={"model": "sql", "input": "x"})
+            return models, answers, streamed, missing, embedding
+
+    try:
+        models, answers, streamed, missing, embedding = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert [(m["id"], m["parent"], m["root"]) for m in models] == [("base", None, str(base)), ("sql", "base", str(adapter))]
+    assert [a.json()["choices"][0]["text"] for a in answers] == [expected["sql"], expected[None]]
+    assert [a.json()["model"] for a in answers] == ["sql", "base"]
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected["sql"]
+    assert missing.status_code == 404
+    assert embedding.status_code == 400 and "LoRA adapter" in embedding.json()["error"]["message"]
+
+
+def test_batch_lines_pick_their_adapter_by_model(setup, tmp_path):
+    base, adapter, expected = setup
+    engine = LLMEngine(EngineConfig.from_kwargs(str(base), dtype="float32", lora_modules=[f"sql={adapter}"]))
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": body | extra}
+             for i, (url, extra) in enumerate([("/v1/completions", {"model": "sql"}), ("/v1/completions", {}),
+                                               ("/v1/embeddings", {"model": "sql", "input": "x"})])]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(json.dumps(line) for line in lines))
+    run_job(JobConfig(str(inp), str(tmp_path / "out.jsonl"), quiet=True), engine)
+    out = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert (out["c0"]["model"], out["c0"]["choices"][0]["text"]) == ("sql", expected["sql"])
+    assert out["c1"]["choices"][0]["text"] == expected[None]
+    errors = (tmp_path / "out.errors.jsonl").read_text()
+    assert "c2" in errors and "LoRA adapter" in errors
