@@ -9,6 +9,7 @@ import torch
 from flock.lora.adapter import Adapter, load_adapter
 from flock.lora.layers import LinearLoRA, Part, ProjectionUpdate, StepAdapters
 from flock.lora.request import LoRARequest
+from flock.model import gemm
 from flock.model.loader import text_decoder_name
 
 
@@ -27,7 +28,9 @@ class LoRAModel:
         self.step = StepAdapters()
         model.unfuse_glu()  # an update of gate or up must land before the activation
         model.lora_step = self.step
-        self.targets = _targets(model, self.step)
+        # bf16 updates on Flock's GEMM where it runs (whatever the base weights' path: packed, oneDNN, quantized)
+        packed = gemm.unavailable(dtype, device) is None
+        self.targets = _targets(model, self.step, packed)
         self.loaded: dict[str, tuple[LoRARequest, int]] = {}  # name -> (its request, its id)
         self._next_id = 1
 
@@ -55,7 +58,7 @@ class LoRAModel:
         """Forget an adapter (its requests must have finished)."""
         _, adapter_id = self.loaded.pop(name)
         for target in self.targets.values():
-            target.lora.updates.pop(adapter_id, None)
+            target.lora.forget(adapter_id)
 
     def id_of(self, request: LoRARequest | None) -> int:
         return 0 if request is None else self.loaded[request.lora_name][1]
@@ -96,7 +99,7 @@ def _hf_name(module: str) -> str:
     return f"model.{name}" if name.startswith("layers.") else name
 
 
-def _targets(model, step: StepAdapters) -> dict[str, Target]:
+def _targets(model, step: StepAdapters, packed: bool) -> dict[str, Target]:
     """Every projection an adapter may update, by its Hugging Face module name (fused ones by their parts too)."""
     targets = {}
     for i, layer in enumerate(model.layers):
@@ -109,7 +112,7 @@ def _targets(model, step: StepAdapters) -> dict[str, Target]:
             parts |= {"mlp.gate_up_proj": (mlp.gate_up_proj, {"gate_proj": width, "up_proj": width}),
                       "mlp.down_proj": (mlp.down_proj, {})}
         for name, (linear, pieces) in parts.items():
-            linear.lora = LinearLoRA(step)
+            linear.lora = LinearLoRA(step, packed and gemm.takes(linear.in_features))
             targets[f"{at}.{name}"] = Target(linear.lora, linear.in_features, slice(0, linear.out_features))
             start, prefix = 0, f"{at}.{name.split('.')[0]}"
             for piece, width in pieces.items():

@@ -31,8 +31,11 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _OP = ([_ptr], _i32)
 # a mixture layer's experts in one call (flock.model.moe): layer, x, ldx, logits, ld, is_bf16, m, y, ldy, threads
 MOE_SIGNATURE = ([_ptr, _ptr, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32], _i32)
+# LoRA updates (flock.lora.layers): x, ldx, shrink, ranks, expand, y, ldy, m, n, k, row_ids, owners, shrunk,
+# delta, threads
+_LORA = ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32], _i32)
 _SIGNATURES = {"flock_gemm": _GEMM, "flock_gemm_op": _OP, "flock_gemm_moe": MOE_SIGNATURE,
-               "flock_gemm_moe_op": _OP}
+               "flock_gemm_moe_op": _OP, "flock_lora": _LORA, "flock_lora_op": _OP}
 KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",), signatures=_SIGNATURES)
 
 
@@ -103,6 +106,20 @@ def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
         blocks = F.pad(w, (0, 0, 0, -n % BLOCK)).view(-1, BLOCK, k)
     packed = huge_pages.empty((blocks.shape[0], k // 2, BLOCK), torch.int32)  # streamed by every decode step
     return packed.copy_(blocks.contiguous().view(torch.int32).transpose(1, 2)).view(-1)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, shrink: torch.Tensor, ranks: int, expand: torch.Tensor,
+             row_ids: torch.Tensor | None, owners: torch.Tensor, path: str | None = None) -> None:
+    """y += mask(x A^T) B^T in place (csrc/gemm_lora.h): `shrink` the packed [ranks, K] A, `expand` the packed
+    [N, ranks] B; with `row_ids` (int64, one a row) each row's rank columns whose `owners` (int32) differ are
+    zeroed first. x, y: bf16 rows, contiguous within a row."""
+    m, n = y.shape
+    shrunk, delta = x.new_empty((m, ranks)), x.new_empty((m, n))
+    code = _lib(path).flock_lora(x.data_ptr(), x.stride(0), shrink.data_ptr(), ranks, expand.data_ptr(), y.data_ptr(),
+                                 y.stride(0), m, n, x.shape[1], 0 if row_ids is None else row_ids.data_ptr(),
+                                 owners.data_ptr(), shrunk.data_ptr(), delta.data_ptr(), torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"the LoRA update ({path or isa()}) failed ({code}) on K = {x.shape[1]}")
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

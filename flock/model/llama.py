@@ -289,8 +289,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale != 1.0:  # Granite's, Gemma's
             x = x * self.embedding_scale
-        if (out_rows is None and self.step_program is not None and self.step_program.takes(x, meta)
-                and (self.lora_step is None or not self.lora_step.active)):
+        if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
         for layer in self.layers[:-1]:

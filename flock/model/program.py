@@ -23,6 +23,7 @@ from flock.model import fused_ops, gemm, quant
 
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
 MAX_ROWS = 256  # above this many rows the Python between the kernels is a small share of a step
+MAX_PROGRAMS = 8  # records kept for this many sets of LoRA adapters
 ROWS = object()  # an argument filled with the step's rows at each run
 
 
@@ -62,6 +63,10 @@ def _dense_mlps(layers) -> list:
             if m is not None]
 
 
+def _projections(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_projections(layer.mlp)
+
+
 def _mlp_projections(mlp) -> tuple:
     if not _mixture(mlp):
         return mlp.gate_up_proj, mlp.down_proj
@@ -74,13 +79,23 @@ class StepProgram:
     def __init__(self, model):
         self.model = weakref.proxy(model)  # the model holds the program: no cycle keeps its caches alive
         self.rows = 0  # rows the buffers hold
-        self.key = None  # what the records were built for
+        self.key = None  # what the buffers were made for
+        self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> (records, row words, names, kept)
         self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, set each run
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
 
     def takes(self, x: torch.Tensor, meta) -> bool:
         windows = {layer.self_attn.window for layer in self.model.layers}
-        return all(isinstance(meta.for_window(w), CpuMetadata) for w in windows) and 0 < len(x) <= MAX_ROWS
+        return (all(isinstance(meta.for_window(w), CpuMetadata) for w in windows) and 0 < len(x) <= MAX_ROWS
+                and (not self._lora_ids() or self._lora_in_c()))
+
+    def _lora_ids(self) -> tuple[int, ...]:
+        """The LoRA adapters of the step (flock.lora), whose updates the records then add."""
+        step = self.model.lora_step
+        return step.ids if step is not None else ()
+
+    def _lora_in_c(self) -> bool:
+        return all(p.lora is None or p.lora.packed for layer in self.model.layers for p in _projections(layer))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's (output, residual) for the embeddings x, as the layers' forward gives them: views of
@@ -90,6 +105,9 @@ class StepProgram:
         self.residual[:m].copy_(x)  # the first layer's norm reads the embeddings there
         self.positions[:m].copy_(positions)
         self.slots[:m].copy_(meta.slot_mapping)
+        if self._lora_ids():
+            rows = self.model.lora_step.all_rows
+            self.row_ids[:m].fill_(rows) if isinstance(rows, int) else self.row_ids[:m].copy_(rows)
         self._set_step(m, meta)
         self.records[self.row_words] = m
         failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH) if self.op_seconds is None \
@@ -116,11 +134,23 @@ class StepProgram:
             ctypes.memmove(ctypes.addressof(step), ctypes.addressof(args), ctypes.sizeof(_Args))
 
     def _build(self, m: int, dtype: torch.dtype) -> None:
-        """Buffers of at least m rows and the records over them, unless those built last still serve."""
+        """Buffers of at least m rows and the records over them for the step's LoRA adapters, unless those built
+        before still serve."""
         attn = self.model.layers[0].self_attn
         key = (dtype, torch.get_num_threads(), attn.k_cache.data_ptr(), len(self.model.layers))
-        if key == self.key and m <= self.rows:
-            return
+        if key != self.key or m > self.rows:
+            self._buffers(m, dtype)
+            self.programs = {}
+            self.key = key
+        lora = self._lora_ids()
+        if lora not in self.programs:
+            if len(self.programs) >= MAX_PROGRAMS:
+                self.programs.pop(next(iter(self.programs)))
+            self.programs[lora] = self._records(dtype, key[1])
+        self.records, self.row_words, self.names, _ = self.programs[lora]
+
+    def _buffers(self, m: int, dtype: torch.dtype) -> None:
+        attn = self.model.layers[0].self_attn
         self.rows = max(m, min(2 * self.rows, MAX_ROWS), 16)
         config = self.model.config
         q, kv = attn.q_size, attn.kv_size
@@ -134,21 +164,20 @@ class StepProgram:
             setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
         self.positions = torch.zeros(self.rows, dtype=torch.int64)
         self.slots = torch.zeros(self.rows, dtype=torch.int64)
-        self._records(dtype, key[1])
-        self.key = key
-
-    def _records(self, dtype: torch.dtype, threads: int) -> None:
+        self.row_ids = torch.zeros(self.rows, dtype=torch.int64)  # each row's LoRA adapter
         ops = fused_ops.KERNEL.load(fused_ops.isa())
         self.run_program, self.run_timed = ops.flock_run_program, ops.flock_run_program_timed
         self.steps = {layer.self_attn.window: _Args() for layer in self.model.layers}
-        recorder = _Recorder(self, ops, dtype, threads)
+
+    def _records(self, dtype: torch.dtype, threads: int) -> tuple:
+        """(records, their row words, op names, what they point to beyond the buffers: LoRA stacks, scratch)."""
+        recorder = _Recorder(self, fused_ops.KERNEL.load(fused_ops.isa()), dtype, threads)
         for i, layer in enumerate(self.model.layers):
             recorder.layer(i, layer)
-        self.names = recorder.names
-        self.records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=object)
-        self.row_words = np.nonzero(self.records == ROWS)
-        self.records[self.row_words] = 0
-        self.records = self.records.astype(np.int64)
+        records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=object)
+        row_words = np.nonzero(records == ROWS)
+        records[row_words] = 0
+        return records.astype(np.int64), row_words, recorder.names, recorder.kept
 
 
 class _Recorder:
@@ -161,6 +190,7 @@ class _Recorder:
         self.attention = kernel_library(program.model.layers[0].self_attn.backend.isa)
         self.records: list[list] = []
         self.names: list[str] = []
+        self.kept: list[torch.Tensor] = []  # LoRA stacks and scratch the records point to
 
     def op(self, name: str, fn, *args) -> None:
         self.records.append([_address(fn), *(a if isinstance(a, int) or a is ROWS else a.data_ptr() for a in args)])
@@ -202,6 +232,14 @@ class _Recorder:
         if layer.bias is not None:
             self.op(f"{name} bias", getattr(self.ops, f"flock_add_bias_op_{self.suffix}"), out, out.stride(0),
                     layer.bias, ROWS, out.shape[1])
+        stack = layer.lora.stack(out.shape[1]) if layer.lora is not None else None
+        if stack is not None:  # the step's LoRA updates (flock.lora.layers), each row masked to its adapter's
+            rows = self.p.rows
+            shrunk, delta = x.new_empty((rows, stack.ranks)), x.new_empty((rows, out.shape[1]))
+            self.kept += [stack.shrink, stack.expand, stack.owners, shrunk, delta]
+            self.op(f"{name} LoRA", gemm._lib(None).flock_lora_op, x, x.stride(0), stack.shrink, stack.ranks,
+                    stack.expand, out, out.stride(0), ROWS, out.shape[1], x.shape[1], self.p.row_ids, stack.owners,
+                    shrunk, delta, self.threads)
 
     def norm(self, name: str, module, first: bool) -> None:
         """The residual add and norm before a block (the first layer's: the norm of the embeddings)."""

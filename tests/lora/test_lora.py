@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flock import LLM, LoRARequest, SamplingParams
+from flock.model import gemm
 from tests.engine.test_parity import assert_no_leak, shared_prefix_prompts
 from tests.lora.adapters import ALL_FUSED, ALL_LLAMA, make_adapter, peft_greedy
 
@@ -129,9 +130,10 @@ def test_bad_adapters_are_refused_by_name(hf_folders, adapters, tmp_path):
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", "none"), ("bfloat16", "q8_0"), ("float32", "q8_0")])
-def test_steps_with_adapters_leave_the_step_program(hf_folders, adapters, dtype, quantization):
-    """Decode steps of base requests alone run as one C call (the step program); those with adapter rows run the
-    modules, which add the updates: the same tokens as a run without the program, and the adapter's differ."""
+def test_steps_with_adapters_run_in_the_step_program(hf_folders, adapters, dtype, quantization):
+    """Decode steps run as one C call (the step program), with the LoRA updates of their adapters recorded after
+    each projection (bf16: csrc/gemm_lora.h; float32 steps with adapters run the modules): the same tokens as a
+    run without the program, and the adapter's differ from the base model's."""
     a, _, prompts, _ = adapters("llama")
     llm = LLM(str(hf_folders["llama"]), dtype=dtype, quantization=quantization, enable_lora=True)
     model = llm.engine.runner.model
@@ -147,3 +149,24 @@ def test_steps_with_adapters_leave_the_step_program(hf_folders, adapters, dtype,
     model.step_program = None
     assert tokens() == with_program
     assert with_program[0::2] != with_program[1::2]
+
+
+@pytest.mark.parametrize("path", sorted({gemm.isa(), gemm.EMULATED_AMX} - {None}))
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_c_update_equals_float_products_rounded_as_bf16(path, masked):
+    """y += mask(x A^T) B^T (gemm.add_lora): each product rounded to bf16 as a GEMM call rounds it, rows whose
+    adapter does not own a rank column get nothing from it."""
+    gen = torch.Generator().manual_seed(0)
+    m, k, n, ranks = 7, 64, 80, 32
+    x, a, b, y = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((m, k), (ranks, k), (n, ranks), (m, n)))
+    owners = torch.tensor([1] * 12 + [2] * 16 + [-1] * 4, dtype=torch.int32)
+    rows = torch.tensor([1, 2, 0, 2, 1, 1, 0]) if masked else None
+    got = y.clone()
+    gemm.add_lora(got, x, gemm.pack(a), ranks, gemm.pack(b), rows, owners, path=path)
+    shrunk = (x.double() @ a.double().T).to(torch.bfloat16)
+    if masked:
+        shrunk = shrunk * (rows[:, None] == owners[None, :])
+    expected = (y.double() + (shrunk.double() @ b.double().T).to(torch.bfloat16).double()).to(torch.bfloat16)
+    # fp32 sums against float64 ones: a rounding may differ by one bf16 step
+    assert torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert not torch.equal(got, y)

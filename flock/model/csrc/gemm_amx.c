@@ -380,3 +380,5 @@ int32_t flock_gemm_op(const int64_t *a) {
 }
 
 #include "gemm_moe.h"
+
+#include "gemm_lora.h"

@@ -122,3 +122,5 @@ int32_t flock_gemm_op(const int64_t *a) {
 
 #define GEMM_TILES  // gemm_moe.h: every expert's tiles in one parallel region
 #include "gemm_moe.h"
+
+#include "gemm_lora.h"
