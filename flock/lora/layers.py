@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from flock.model import gemm
 
 MAX_STACKS = 4  # stacked weights kept a projection (for this many recent sets of adapters)
-RANK_ALIGN = 32  # stacked ranks padded (with zero columns) to a multiple of this: what the AMX GEMM takes
 
 
 @dataclass
@@ -121,7 +120,9 @@ class LinearLoRA:
     def _stack(self, ids: tuple[int, ...], out_features: int) -> Stack:
         updates = [self.updates[a] for a in ids]
         sizes = [u.a.shape[0] for u in updates]
-        total = -(-sum(sizes) // RANK_ALIGN) * RANK_ALIGN
+        total = sum(sizes)
+        while self.packed and not gemm.takes(total):  # padded with zero ranks to a width the GEMM takes (AMX: 32s)
+            total += 1
         first = updates[0].a
         shrink = first.new_zeros(total, first.shape[1])
         expand = first.new_zeros(out_features, total)

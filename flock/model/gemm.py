@@ -22,7 +22,7 @@ from flock import native
 from flock.model import huge_pages
 
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
-OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes
+OUT_BF16, OUT_F32, OUT_GLU, OUT_ADD = 0, 1, 2, 3  # what flock_gemm writes (OUT_ADD: added to its bf16 output)
 EMULATED_AMX = "emulated-amx"
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -31,9 +31,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _OP = ([_ptr], _i32)
 # a mixture layer's experts in one call (flock.model.moe): layer, x, ldx, logits, ld, is_bf16, m, y, ldy, threads
 MOE_SIGNATURE = ([_ptr, _ptr, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32], _i32)
-# LoRA updates (flock.lora.layers): x, ldx, shrink, ranks, expand, y, ldy, m, n, k, row_ids, owners, shrunk,
-# delta, threads
-_LORA = ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32], _i32)
+# LoRA updates (flock.lora.layers): x, ldx, shrink, ranks, expand, y, ldy, m, n, k, row_ids, owners, shrunk, threads
+_LORA = ([_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32], _i32)
 _SIGNATURES = {"flock_gemm": _GEMM, "flock_gemm_op": _OP, "flock_gemm_moe": MOE_SIGNATURE,
                "flock_gemm_moe_op": _OP, "flock_lora": _LORA, "flock_lora_op": _OP}
 KERNEL = native.Library(_CSRC / "gemm_bf16.c", "the bf16 GEMM", paths=("avx512bf16",), signatures=_SIGNATURES)
@@ -112,12 +111,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, shrink: torch.Tensor, ranks: int,
              row_ids: torch.Tensor | None, owners: torch.Tensor, path: str | None = None) -> None:
     """y += mask(x A^T) B^T in place (csrc/gemm_lora.h): `shrink` the packed [ranks, K] A, `expand` the packed
     [N, ranks] B; with `row_ids` (int64, one a row) each row's rank columns whose `owners` (int32) differ are
-    zeroed first. x, y: bf16 rows, contiguous within a row."""
+    zeroed first. x, y: bf16 rows, contiguous within a row; x A^T rounded to bf16, y + its product rounded once."""
     m, n = y.shape
-    shrunk, delta = x.new_empty((m, ranks)), x.new_empty((m, n))
+    shrunk = x.new_empty((m, ranks))
     code = _lib(path).flock_lora(x.data_ptr(), x.stride(0), shrink.data_ptr(), ranks, expand.data_ptr(), y.data_ptr(),
                                  y.stride(0), m, n, x.shape[1], 0 if row_ids is None else row_ids.data_ptr(),
-                                 owners.data_ptr(), shrunk.data_ptr(), delta.data_ptr(), torch.get_num_threads())
+                                 owners.data_ptr(), shrunk.data_ptr(), torch.get_num_threads())
     if code:
         raise RuntimeError(f"the LoRA update ({path or isa()}) failed ({code}) on K = {x.shape[1]}")
 

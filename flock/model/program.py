@@ -234,12 +234,11 @@ class _Recorder:
                     layer.bias, ROWS, out.shape[1])
         stack = layer.lora.stack(out.shape[1]) if layer.lora is not None else None
         if stack is not None:  # the step's LoRA updates (flock.lora.layers), each row masked to its adapter's
-            rows = self.p.rows
-            shrunk, delta = x.new_empty((rows, stack.ranks)), x.new_empty((rows, out.shape[1]))
-            self.kept += [stack.shrink, stack.expand, stack.owners, shrunk, delta]
+            shrunk = x.new_empty((self.p.rows, stack.ranks))
+            self.kept += [stack.shrink, stack.expand, stack.owners, shrunk]
             self.op(f"{name} LoRA", gemm._lib(None).flock_lora_op, x, x.stride(0), stack.shrink, stack.ranks,
                     stack.expand, out, out.stride(0), ROWS, out.shape[1], x.shape[1], self.p.row_ids, stack.owners,
-                    shrunk, delta, self.threads)
+                    shrunk, self.threads)
 
     def norm(self, name: str, module, first: bool) -> None:
         """The residual add and norm before a block (the first layer's: the norm of the embeddings)."""

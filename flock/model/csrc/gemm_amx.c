@@ -41,7 +41,7 @@ typedef uint16_t bf16;
 #define AHEAD_BYTES (128 << 10)  // blocks up to this size prefetch the next block while they multiply
 #define STREAM_AHEAD (32 << 10)  // how far ahead of its tiles a thread of a one-panel call prefetches
 
-enum { OUT_BF16, OUT_F32, OUT_GLU };  // as gemm_bf16.c
+enum { OUT_BF16, OUT_F32, OUT_GLU, OUT_ADD };  // as gemm_bf16.c
 
 #ifndef __AVX512BF16__  // the emulated build's epilogue, in portable C
 static inline float mul_add(float a, float b, float c) { return a * b + c; }
@@ -78,8 +78,12 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
             const __m512 v = _mm512_load_ps(s + j * 16);
             if (out == OUT_F32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, v);
             else {
-                const __m512 o = out == OUT_GLU ? silu_mul512(v, _mm512_load_ps(s + j * 16 + NC / 2)) : v;
-                _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(o));
+                bf16 *at = (bf16 *)y + r * ldy + j * 16;
+                __m512 o = out == OUT_GLU ? silu_mul512(v, _mm512_load_ps(s + j * 16 + NC / 2)) : v;
+                if (out == OUT_ADD)
+                    o = _mm512_add_ps(o, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, at)), 16)));
+                _mm256_mask_storeu_epi16(at, m, (__m256i)_mm512_cvtneps_pbh(o));
             }
         }
     }
@@ -91,6 +95,12 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
         } else if (out == OUT_GLU) {
             bf16 *dst = (bf16 *)y + r * ldy;
             for (int c = 0; c < ncols; c++) dst[c] = to_bf16(silu_mul(s[c], s[c + NC / 2]));
+        } else if (out == OUT_ADD) {
+            bf16 *dst = (bf16 *)y + r * ldy;
+            for (int c = 0; c < ncols; c++) {
+                const union { uint32_t u; float f; } old = {(uint32_t)dst[c] << 16};
+                dst[c] = to_bf16(s[c] + old.f);
+            }
         } else {
             bf16 *dst = (bf16 *)y + r * ldy;
             for (int c = 0; c < ncols; c++) dst[c] = to_bf16(s[c]);

@@ -24,7 +24,8 @@ typedef uint16_t bf16;
 #define MR 6    // rows of a register tile
 #define NC 64   // columns of a weight block (4 vectors)
 
-enum { OUT_BF16, OUT_F32, OUT_GLU };  // what a tile writes: its sums rounded to bf16, as fp32, or SiLU-and-mul
+// what a tile writes: its sums rounded to bf16, as fp32, SiLU-and-mul, or added to the bf16 output (rounded once)
+enum { OUT_BF16, OUT_F32, OUT_GLU, OUT_ADD };
 
 static inline __attribute__((always_inline)) void tile(const int mr, const int32_t *x, int64_t ldx, const int32_t *w,
                                                        int64_t k2, void *y, int64_t ldy, int ncols, const int out) {
@@ -53,8 +54,12 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int32
             const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             if (out == OUT_F32) _mm512_mask_storeu_ps((float *)y + r * ldy + j * 16, m, acc[r][j]);
             else {
-                const __m512 v = out == OUT_GLU ? silu_mul512(acc[r][j], acc[r][j + 2]) : acc[r][j];
-                _mm256_mask_storeu_epi16((bf16 *)y + r * ldy + j * 16, m, (__m256i)_mm512_cvtneps_pbh(v));
+                bf16 *at = (bf16 *)y + r * ldy + j * 16;
+                __m512 v = out == OUT_GLU ? silu_mul512(acc[r][j], acc[r][j + 2]) : acc[r][j];
+                if (out == OUT_ADD)
+                    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, at)), 16)));
+                _mm256_mask_storeu_epi16(at, m, (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
 }
@@ -74,6 +79,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int32
 TILE_ROWS(tile_rows, OUT_BF16)
 TILE_ROWS(tile_rows_f32, OUT_F32)
 TILE_ROWS(tile_rows_glu, OUT_GLU)
+TILE_ROWS(tile_rows_add, OUT_ADD)
 
 // Output columns of a block: 64, or with GLU 32 (each a gate and an up column).
 static inline int64_t block_cols(int glu) { return glu ? NC / 2 : NC; }
@@ -91,7 +97,8 @@ static void gemm_tile(const bf16 *x, int64_t ldx, const int32_t *packed, void *y
     const int32_t *xr = (const int32_t *)(x + r0 * ldx), *wb = packed + block * k2 * NC;
     const int64_t at = r0 * ldy + block * cols;
     if (out == OUT_F32) tile_rows_f32(mr, xr, ldx / 2, wb, k2, (float *)y + at, ldy, ncols);
-    else (out == OUT_GLU ? tile_rows_glu : tile_rows)(mr, xr, ldx / 2, wb, k2, (bf16 *)y + at, ldy, ncols);
+    else (out == OUT_GLU ? tile_rows_glu : out == OUT_ADD ? tile_rows_add : tile_rows)(mr, xr, ldx / 2, wb, k2,
+                                                                                       (bf16 *)y + at, ldy, ncols);
 }
 
 static int64_t gemm_tiles(int64_t m, int64_t n, int32_t out) {
