@@ -118,7 +118,7 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
 
 async def generate_native(raw: Request, ctx: ServerContext):
     """SGLang's POST /generate (flock/api/sglang.py)."""
-    req = parse_generate(await json_body(raw), ctx.engine.tokenizer)
+    req = parse_generate(await json_body(raw), ctx.engine.tokenizer, ctx.loras)
     streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
     start = time.monotonic()
     if req.stream:

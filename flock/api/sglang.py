@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flock.api.logprobs import TokenText
 from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
+from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -22,7 +23,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 GREEDY_BELOW = 1e-6  # a temperature under this samples greedily, as SGLang's
 # SGLang's fields for what Flock does not run: refused unless left at their defaults; other unknown fields are
 # ignored, as SGLang ignores them
-UNSUPPORTED = {"input_embeds", "image_data", "video_data", "audio_data", "lora_path", "return_hidden_states",
+UNSUPPORTED = {"input_embeds", "image_data", "video_data", "audio_data", "return_hidden_states",
                "custom_logit_processor", "token_ids_logprob", "session_params"}
 _PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
           "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
@@ -50,8 +51,9 @@ class NativeRequest:
     prefill_only: list[bool] = field(default_factory=list)  # per request: max_new_tokens 0, its one token dropped
 
 
-def parse_generate(body, tokenizer) -> NativeRequest:
-    """Check and convert a /generate body; APIError names what is wrong."""
+def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None) -> NativeRequest:
+    """Check and convert a /generate body; APIError names what is wrong. `lora_path` names an adapter of `loras`
+    (the server's --lora-modules), for every prompt or one each (null: the base model)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     unsupported = sorted(k for k in UNSUPPORTED if body.get(k) not in (None, False, [], {}))
@@ -63,6 +65,11 @@ def parse_generate(body, tokenizer) -> NativeRequest:
     if len(specs) != len(prompts) or not all(isinstance(s, dict) for s in specs):
         raise APIError("sampling_params must be an object, or a list of one per prompt", param="sampling_params")
     params = [_sampling_params(s) for s in specs]
+    for p, name in zip(params, _lora_names(body.get("lora_path"), len(prompts))):
+        if name is not None and name not in (loras or {}):
+            raise APIError(f"lora_path {name!r} is not a LoRA adapter of this server (its --lora-modules: "
+                           f"{sorted(loras or {}) or 'none'})", param="lora_path")
+        p.lora_request = None if name is None else loras[name]
     prefill = [s.get("max_new_tokens") == 0 for s in specs]
     n = {p.n for p in params}
     if len(n) > 1:
@@ -86,6 +93,13 @@ def parse_generate(body, tokenizer) -> NativeRequest:
     prefill = [flag for flag, p in zip(prefill, params) for _ in range(p.n)]
     return NativeRequest(single and len(requests) == 1, requests, _rids(body.get("rid"), len(prompts), len(requests)),
                          flag(body, "stream"), logprob, start, top, flag(body, "return_text_in_logprobs"), prefill)
+
+
+def _lora_names(lora_path, num_prompts: int) -> list[str | None]:
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * num_prompts
+    if len(names) != num_prompts or not all(n is None or isinstance(n, str) for n in names):
+        raise APIError("lora_path must be an adapter's name, or a list of one per prompt", param="lora_path")
+    return names
 
 
 def _rids(rid, num_prompts: int, num_requests: int) -> list[str]:

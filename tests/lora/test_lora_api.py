@@ -1,5 +1,6 @@
 """LoRA adapters through the OpenAI server and batch jobs: a request's model names its adapter (vLLM's
---lora-modules), /v1/models lists them, the answers are the adapter's, embeddings of an adapter are refused."""
+--lora-modules; SGLang's lora_path on /generate), /v1/models lists them, the answers are the adapter's,
+embeddings of an adapter are refused."""
 
 import asyncio
 import json
@@ -49,10 +50,12 @@ def test_the_server_routes_a_model_name_to_its_adapter(setup):
             streamed = await http.post("/v1/completions", json=body | {"model": "sql", "stream": True})
             missing = await http.post("/v1/completions", json=body | {"model": "nope"})
             embedding = await http.post("/v1/embeddings", json={"model": "sql", "input": "x"})
-            return models, answers, streamed, missing, embedding
+            native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+            sglang = [await http.post("/generate", json=native | {"lora_path": name}) for name in ("sql", "nope")]
+            return models, answers, streamed, missing, embedding, sglang
 
     try:
-        models, answers, streamed, missing, embedding = asyncio.run(go())
+        models, answers, streamed, missing, embedding, sglang = asyncio.run(go())
     finally:
         engine.shutdown()
     assert [(m["id"], m["parent"], m["root"]) for m in models] == [("base", None, str(base)), ("sql", "base", str(adapter))]
@@ -62,6 +65,8 @@ def test_the_server_routes_a_model_name_to_its_adapter(setup):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected["sql"]
     assert missing.status_code == 404
     assert embedding.status_code == 400 and "LoRA adapter" in embedding.json()["error"]["message"]
+    assert sglang[0].json()["text"] == expected["sql"]  # SGLang's /generate names the adapter by lora_path
+    assert sglang[1].status_code == 400 and "lora_path" in sglang[1].text
 
 
 def test_batch_lines_pick_their_adapter_by_model(setup, tmp_path):
