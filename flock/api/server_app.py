@@ -2,6 +2,7 @@
 
 import asyncio
 import hmac
+import os
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from flock.api.server_generate import (
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from flock.lora import LoRARequest
 from flock.sampling_params import SamplingParams
 
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
@@ -157,6 +159,29 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         check_model({"model": name}, ctx)
         return model_card(name)
 
+    if runtime_lora_updates():  # vLLM's, behind the same switch
+        @router.post("/load_lora_adapter")
+        async def load_lora_adapter(raw: Request):
+            name, path = _strings(await json_body(raw), "lora_name", "lora_path")
+            lora = LoRARequest(name, len(ctx.loras) + 1, path)
+            if lora.lora_name in ctx.loras or lora.lora_name in ctx.model_names:
+                raise APIError(f"the LoRA adapter {lora.lora_name!r} has already been loaded", param="lora_name")
+            await _engine_call(ctx, lambda engine: engine.load_lora(lora))
+            ctx.loras[lora.lora_name] = lora
+            return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+        @router.post("/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request):
+            name = _strings(await json_body(raw), "lora_name")
+            if name not in ctx.loras:
+                raise APIError(f"the LoRA adapter {name!r} cannot be found", param="lora_name", status=404,
+                               code="model_not_found")
+            if not await _engine_call(ctx, lambda engine: engine.unload_lora(name)):
+                raise APIError(f"the LoRA adapter {name!r} was not unloaded: requests are running or waiting; "
+                               "retry when they are done", param="lora_name", status=409)
+            del ctx.loras[name]
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
     @router.post("/completions")
     async def completions(raw: Request):
         return await generate("completion", raw, ctx)
@@ -222,10 +247,30 @@ def _auth(api_key: str):
 
 
 async def _reset_prefix_cache(ctx: ServerContext) -> bool:
+    return await _engine_call(ctx, lambda engine: engine.reset_prefix_cache())
+
+
+async def _engine_call(ctx: ServerContext, fn):
+    """fn(the engine) between steps; its ValueError a 400, a stopped engine a 503."""
     try:
-        return await ctx.engine.reset_prefix_cache()
+        return await ctx.engine.call(fn)
     except EngineDead as e:
         raise APIError(str(e), status=503, type="server_error", code="engine_unavailable") from None
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+def runtime_lora_updates() -> bool:
+    """vLLM's switch for loading and unloading LoRA adapters while serving (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
+def _strings(body, *fields: str):
+    """The body's fields, each a non-empty string (else a 400 naming the first that is not): one, or a tuple."""
+    for f in fields:
+        if not isinstance(body, dict) or not isinstance(body.get(f), str) or not body[f]:
+            raise APIError(f"the body must be a JSON object with {' and '.join(fields)} (non-empty strings)", param=f)
+    return body[fields[0]] if len(fields) == 1 else tuple(body[f] for f in fields)
 
 
 def _health(ctx: ServerContext) -> JSONResponse:

@@ -215,10 +215,21 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """LLMEngine.reset_prefix_cache, run in the engine thread between steps."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
+    async def call(self, fn):
+        """fn(the LLMEngine) in the engine thread between steps: its result, or its exception raised here."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         done: Future = Future()
-        self._commands.put(lambda: done.set_result(self._engine.reset_prefix_cache()))
+
+        def run():
+            try:
+                done.set_result(fn(self._engine))
+            except Exception as e:  # the caller's to handle; the engine goes on
+                done.set_exception(e)
+
+        self._commands.put(run)
         return await asyncio.wrap_future(done)
 
     # ---- engine thread ----------------------------------------------------------------------------------

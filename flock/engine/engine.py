@@ -156,6 +156,17 @@ class LLMEngine:
                              "enable_lora=True, --enable-lora or --lora-modules)")
         self.runner.lora.add(request)
 
+    def unload_lora(self, name: str) -> bool:
+        """Forget a LoRA adapter (ValueError if none has that name), unless requests are running or waiting: then
+        nothing changes and it returns False, as `reset_prefix_cache` does."""
+        if self.runner.lora is None or name not in self.runner.lora.loaded:
+            raise ValueError(f"no LoRA adapter is loaded as {name!r}")
+        if self.has_unfinished():
+            return False
+        self.runner.lora.remove(name)
+        self.lora_requests.pop(name, None)
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -2,6 +2,7 @@
 scheduler; prefix-cache blocks are shared only within an adapter; bad adapters are refused by name."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,3 +171,19 @@ def test_the_c_update_equals_float_products_rounded_as_bf16(path, masked):
     # fp32 sums against float64 ones: a rounding may differ by one bf16 step
     assert torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
     assert not torch.equal(got, y)
+
+
+def test_an_adapter_unloads_only_when_the_engine_is_idle(hf_folders, adapters):
+    a, _, prompts, expected = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype="float64", enable_lora=True)
+    engine, lora = llm.engine, LoRARequest("a", 1, str(a))
+    req = engine.add_request(prompts[0], replace(GREEDY, lora_request=lora))
+    assert engine.unload_lora("a") is False  # its request is waiting
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == expected["a"][0]
+    assert engine.unload_lora("a") is True and "a" not in engine.runner.lora.loaded
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        engine.unload_lora("a")
+    outs = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False, lora_request=lora)  # loads again
+    assert outs[0].outputs[0].token_ids == expected["a"][0]

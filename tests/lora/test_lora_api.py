@@ -52,6 +52,8 @@ def test_the_server_routes_a_model_name_to_its_adapter(setup):
             embedding = await http.post("/v1/embeddings", json={"model": "sql", "input": "x"})
             native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
             sglang = [await http.post("/generate", json=native | {"lora_path": name}) for name in ("sql", "nope")]
+            runtime = await http.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapter)})
+            assert runtime.status_code == 404  # without VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM
             return models, answers, streamed, missing, embedding, sglang
 
     try:
@@ -84,3 +86,34 @@ def test_batch_lines_pick_their_adapter_by_model(setup, tmp_path):
     assert out["c1"]["choices"][0]["text"] == expected[None]
     errors = (tmp_path / "out.errors.jsonl").read_text()
     assert "c2" in errors and "LoRA adapter" in errors
+
+
+def test_adapters_load_and_unload_while_serving(setup, monkeypatch):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    base, adapter, expected = setup
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    engine = AsyncEngine(EngineConfig.from_kwargs(str(base), dtype="float32", enable_lora=True)).start()
+    ctx = ServerContext(engine, Metrics(engine), ["base"])
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "model": "sql"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://t") as http:
+            before = await http.post("/v1/completions", json=body)
+            loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)})
+            again = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)})
+            bad = await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
+            answer = await http.post("/v1/completions", json=body)
+            models = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+            unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            after = await http.post("/v1/completions", json=body)
+            return before, loaded, again, bad, answer, models, unloaded, after
+
+    try:
+        before, loaded, again, bad, answer, models, unloaded, after = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert before.status_code == 404 and after.status_code == 404
+    assert loaded.status_code == 200 and unloaded.status_code == 200
+    assert again.status_code == 400 and bad.status_code == 400 and "adapter_config.json" in bad.text
+    assert answer.json()["choices"][0]["text"] == expected["sql"]
+    assert models == ["base", "sql"]
