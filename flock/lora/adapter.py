@@ -1,4 +1,5 @@
-"""LoRA adapters as PEFT saves them: `adapter_config.json` and `adapter_model.safetensors` (or `.bin`).
+"""LoRA adapters as PEFT saves them (`adapter_config.json` and `adapter_model.safetensors` or `.bin`), or as
+llama.cpp's convert_lora_to_gguf.py writes them (one GGUF file: `<tensor>.lora_a` / `.lora_b`, adapter.lora.alpha).
 
 Each target projection's update is B A scaled by lora_alpha / r (PEFT's `use_rslora`: / sqrt(r); its
 `rank_pattern` and `alpha_pattern` per module); the scale is folded into B. Adapters of the attention and dense
@@ -12,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -58,6 +60,51 @@ def load_adapter(name: str, path: str | Path) -> Adapter:
     if not updates:
         raise ValueError(f"{folder}: the adapter holds no LoRA weights")
     return Adapter(name, folder, max(u.a.shape[0] for u in updates.values()), updates)
+
+
+def load_gguf_adapter(name: str, path: str | Path, model_type: str, heads: dict[str, int],
+                      hf_modules: list[str]) -> Adapter:
+    """A llama.cpp LoRA adapter (a GGUF file) for a model of `model_type` and `heads` (num_attention_heads,
+    num_key_value_heads: llama.cpp's q/k row order is undone), whose projections are `hf_modules`; llama.cpp's
+    scale: alpha / r (1 without alpha)."""
+    from gguf import GGUFReader
+
+    from flock.model.gguf import dequantize, gguf_to_hf_names, hf_rows, llama_cpp_architecture
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("general.", "adapter."))}
+    if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
+        raise ValueError(f"{path} is not a LoRA adapter (general.type {fields.get('general.type')!r}, adapter.type "
+                         f"{fields.get('adapter.type')!r}; llama.cpp's convert_lora_to_gguf.py writes adapter, lora)")
+    arch = llama_cpp_architecture(model_type)
+    if fields.get("general.architecture") != arch:
+        raise ValueError(f"{path} is an adapter of a {fields.get('general.architecture')} model, not of this {arch}")
+    layers = 1 + max(int(m.split(".")[2]) for m in hf_modules)
+    names = gguf_to_hf_names(arch, layers, [f"{m}.weight" for m in hf_modules])
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for tensor in reader.tensors:
+        base, _, part = tensor.name.rpartition(".lora_")
+        if part not in ("a", "b") or base not in names:
+            raise ValueError(f"{path}: tensor {tensor.name!r} is not a LoRA A or B of this model's projections")
+        values = dequantize(tensor).astype(np.float32)
+        pairs.setdefault(names[base].removesuffix(".weight"), {})[part] = hf_rows(values, base, arch, heads) \
+            if part == "b" else values
+    alpha = float(fields.get("adapter.lora.alpha") or 0)
+    updates = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"a", "b"}:
+            raise ValueError(f"{path}: {module} has lora_{'a' if 'a' not in ab else 'b'} missing")
+        a, b = torch.from_numpy(ab["a"]), torch.from_numpy(ab["b"])
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{path}: {module} has lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)}, not "
+                             "[r, in] and [out, r]")
+        updates[module] = Update(a, b * (alpha / a.shape[0] if alpha else 1.0))
+    if not updates:
+        raise ValueError(f"{path}: the adapter holds no LoRA weights")
+    return Adapter(name, Path(path), max(u.a.shape[0] for u in updates.values()), updates)
 
 
 def _config(folder: Path) -> dict:

@@ -2,11 +2,12 @@
 its updates placed on the model's projections; each step tells them which rows run which adapter."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from flock.lora.adapter import Adapter, load_adapter
+from flock.lora.adapter import Adapter, load_adapter, load_gguf_adapter
 from flock.lora.layers import LinearLoRA, Part, ProjectionUpdate, StepAdapters
 from flock.lora.request import LoRARequest
 from flock.model import gemm
@@ -26,6 +27,9 @@ class LoRAModel:
     def __init__(self, model, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
         self.max_lora_rank, self.dtype, self.device = max_lora_rank, dtype, device
         self.step = StepAdapters()
+        c = model.config
+        self.model_type = c.model_type
+        self.heads = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads}
         model.unfuse_glu()  # an update of gate or up must land before the activation
         model.lora_step = self.step
         # bf16 updates on Flock's GEMM where it runs (whatever the base weights' path: packed, oneDNN, quantized)
@@ -43,7 +47,11 @@ class LoRAModel:
                 raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {known.lora_path}, not "
                                  f"{request.lora_path}")
             return adapter_id
-        adapter = load_adapter(request.lora_name, request.lora_path)
+        if Path(request.lora_path).is_file():  # llama.cpp's: one GGUF file
+            adapter = load_gguf_adapter(request.lora_name, request.lora_path, self.model_type, self.heads,
+                                        sorted({_hf_name(name) for name in self.targets}))
+        else:
+            adapter = load_adapter(request.lora_name, request.lora_path)
         if self.max_lora_rank is not None and adapter.rank > self.max_lora_rank:
             raise ValueError(f"LoRA adapter {request.lora_name!r} has rank {adapter.rank}, more than max_lora_rank="
                              f"{self.max_lora_rank}")

@@ -70,10 +70,14 @@ class GGUFCheckpoint:
     @property
     def architecture(self) -> str:
         """llama.cpp's name of the architecture."""
-        model_type = self.config["model_type"]
-        if model_type == "mixtral":
-            return "llama"
-        return next((arch for arch, t in MODEL_TYPES.items() if t == model_type), model_type)
+        return llama_cpp_architecture(self.config["model_type"])
+
+
+def llama_cpp_architecture(model_type: str) -> str:
+    """llama.cpp's name of a Hugging Face model type."""
+    if model_type == "mixtral":
+        return "llama"
+    return next((arch for arch, t in MODEL_TYPES.items() if t == model_type), model_type)
 
 
 def find_gguf(path: Path) -> Path | None:
@@ -340,7 +344,7 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
     from flock.model.quant import TYPE_NAMES
 
     slots = hf_tensor_slots(model)
-    names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
+    names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     modules = dict(model.named_modules())
     layer_of = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()
                 if name.endswith(".weight") and isinstance(modules[name.removesuffix(".weight")], (Linear, Embedding))}
@@ -362,7 +366,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
 
     quantized = quantized or {}
     slots = hf_tensor_slots(model)
-    names = _gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
+    names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     in_blocks = {name for parts in quantized.values() for name in parts}
     loaded, expanded = {names[name] for name in in_blocks}, set()
     for tensor in ckpt.tensors:
@@ -376,7 +380,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         if tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
             expanded.add(tensor.tensor_type.name)
         try:
-            values = _dequantize(tensor)
+            values = dequantize(tensor)
         except NotImplementedError:
             raise ValueError(f"{ckpt.path.name}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a "
                              "quant type the gguf package cannot dequantize") from None
@@ -394,7 +398,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
                  ", ".join(sorted(expanded)))
 
 
-def _dequantize(tensor) -> np.ndarray:
+def dequantize(tensor) -> np.ndarray:
     """A tensor's values as floats: by Flock's kernel, on all threads, for the types it has one for (the gguf
     package's numpy dequantizer gives the same values, several times slower), else by the gguf package."""
     from gguf import dequantize
@@ -409,16 +413,20 @@ def _dequantize(tensor) -> np.ndarray:
 
 
 def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
+    return hf_rows(rows, name, ckpt.architecture, ckpt.config)
+
+
+def hf_rows(rows: np.ndarray, name: str, arch: str, config: dict) -> np.ndarray:
     """A tensor's rows (floats or quantized blocks) in Hugging Face's order. llama.cpp's converter reorders a
     Llama (or Granite) q or k projection's rows within each head, for a rope that rotates neighbouring dims where Hugging
     Face's rotates the two halves: each head's rows (2 i, 2 i + 1) go back to (i, i + half). Qwen2 and Qwen3 files
     keep Hugging Face's order. Done here rather than by transformers' tensor processors, whose module is slow to
     import at every start."""
-    if ckpt.architecture not in PERMUTED_QK or not (".attn_q." in name or ".attn_k." in name):
+    if arch not in PERMUTED_QK or not (".attn_q." in name or ".attn_k." in name):
         return rows
-    heads = ckpt.config["num_attention_heads"]
+    heads = config["num_attention_heads"]
     if ".attn_k." in name:
-        heads = ckpt.config.get("num_key_value_heads", heads)
+        heads = config.get("num_key_value_heads", heads)
     half = rows.shape[0] // heads // 2
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
@@ -457,7 +465,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]]) -> dict:
     return weights
 
 
-def _gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:
+def gguf_to_hf_names(arch: str, num_layers: int, hf_names) -> dict[str, str]:
     """llama.cpp's tensor names (`blk.0.attn_q.weight`) for Hugging Face ones, from the gguf package's table."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 

@@ -10,7 +10,7 @@ import torch
 from flock import LLM, LoRARequest, SamplingParams
 from flock.model import gemm
 from tests.engine.test_parity import assert_no_leak, shared_prefix_prompts
-from tests.lora.adapters import ALL_FUSED, ALL_LLAMA, make_adapter, peft_greedy
+from tests.lora.adapters import ALL_FUSED, ALL_LLAMA, gguf_adapter, make_adapter, peft_greedy
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -187,3 +187,23 @@ def test_an_adapter_unloads_only_when_the_engine_is_idle(hf_folders, adapters):
         engine.unload_lora("a")
     outs = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False, lora_request=lora)  # loads again
     assert outs[0].outputs[0].token_ids == expected["a"][0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_llama_cpp_gguf_adapters_match_peft(hf_folders, adapters, kind, tmp_path):
+    """A GGUF adapter as llama.cpp's converter writes it (Llama's q and k rows in its order) gives PEFT's tokens, on
+    the Hugging Face folder and on the model as a GGUF file."""
+    from tests.model.gguf_files import write_gguf
+
+    a, _, prompts, expected = adapters(kind)
+    config = json.loads((hf_folders[kind] / "config.json").read_text())
+    adapter = gguf_adapter(a, tmp_path / "a.gguf", "llama" if kind == "llama" else kind, config["num_attention_heads"],
+                           config["num_key_value_heads"])
+    for model in (hf_folders[kind], write_gguf(hf_folders[kind], tmp_path / "model.gguf")):
+        llm = LLM(str(model), dtype="float64", enable_lora=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                            lora_request=LoRARequest("a", 1, str(adapter)))
+        assert [o.outputs[0].token_ids for o in outs] == expected["a"]
+    with pytest.raises(ValueError, match="not of this"):
+        LLM(str(hf_folders["qwen3"]), dtype="float32", enable_lora=True).generate(
+            [1, 2], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
