@@ -47,19 +47,8 @@ def load_adapter(name: str, path: str | Path) -> Adapter:
         if match is None:
             raise ValueError(f"{folder}: tensor {key!r} is not a LoRA A or B weight (LoRA biases, embedding "
                              "updates and modules_to_save are not supported)")
-        pairs.setdefault(match[1], {})[match[2]] = tensor
-    updates = {}
-    for module, ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"{folder}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
-        a, b = ab["A"], ab["B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{folder}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
-                             "[r, in] and [out, r]")
-        updates[module] = Update(a.float(), b.float() * _scale(config, module, a.shape[0]))
-    if not updates:
-        raise ValueError(f"{folder}: the adapter holds no LoRA weights")
-    return Adapter(name, folder, max(u.a.shape[0] for u in updates.values()), updates)
+        pairs.setdefault(match[1], {})[match[2]] = tensor.float()
+    return _adapter(name, folder, pairs, lambda module, rank: _scale(config, module, rank))
 
 
 def load_gguf_adapter(name: str, path: str | Path, model_type: str, heads: dict[str, int],
@@ -90,21 +79,26 @@ def load_gguf_adapter(name: str, path: str | Path, model_type: str, heads: dict[
         if part not in ("a", "b") or base not in names:
             raise ValueError(f"{path}: tensor {tensor.name!r} is not a LoRA A or B of this model's projections")
         values = dequantize(tensor).astype(np.float32)
-        pairs.setdefault(names[base].removesuffix(".weight"), {})[part] = hf_rows(values, base, arch, heads) \
-            if part == "b" else values
+        values = hf_rows(values, base, arch, heads) if part == "b" else values
+        pairs.setdefault(names[base].removesuffix(".weight"), {})[part.upper()] = torch.from_numpy(values)
     alpha = float(fields.get("adapter.lora.alpha") or 0)
+    return _adapter(name, Path(path), pairs, lambda module, rank: alpha / rank if alpha else 1.0)
+
+
+def _adapter(name: str, path: Path, pairs: dict[str, dict[str, torch.Tensor]], scale) -> Adapter:
+    """The adapter of each module's A and B (float32), B scaled by scale(module, rank)."""
     updates = {}
     for module, ab in pairs.items():
-        if set(ab) != {"a", "b"}:
-            raise ValueError(f"{path}: {module} has lora_{'a' if 'a' not in ab else 'b'} missing")
-        a, b = torch.from_numpy(ab["a"]), torch.from_numpy(ab["b"])
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{path}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        a, b = ab["A"], ab["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{path}: {module} has lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)}, not "
+            raise ValueError(f"{path}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, not "
                              "[r, in] and [out, r]")
-        updates[module] = Update(a, b * (alpha / a.shape[0] if alpha else 1.0))
+        updates[module] = Update(a, b * scale(module, a.shape[0]))
     if not updates:
         raise ValueError(f"{path}: the adapter holds no LoRA weights")
-    return Adapter(name, Path(path), max(u.a.shape[0] for u in updates.values()), updates)
+    return Adapter(name, path, max(u.a.shape[0] for u in updates.values()), updates)
 
 
 def _config(folder: Path) -> dict:

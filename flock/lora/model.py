@@ -24,7 +24,7 @@ class Target:
 
 
 class LoRAModel:
-    def __init__(self, model, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, max_lora_rank: int | None, dtype: torch.dtype, device: torch.device):
         self.max_lora_rank, self.dtype, self.device = max_lora_rank, dtype, device
         self.step = StepAdapters()
         c = model.config
@@ -39,7 +39,7 @@ class LoRAModel:
         self._next_id = 1
 
     def add(self, request: LoRARequest) -> int:
-        """The id of the request's adapter, loaded from its folder the first time its name is seen."""
+        """The id of the request's adapter, loaded from its folder (or GGUF file) the first time its name is seen."""
         request.validate()
         if request.lora_name in self.loaded:
             known, adapter_id = self.loaded[request.lora_name]
@@ -49,7 +49,7 @@ class LoRAModel:
             return adapter_id
         if Path(request.lora_path).is_file():  # llama.cpp's: one GGUF file
             adapter = load_gguf_adapter(request.lora_name, request.lora_path, self.model_type, self.heads,
-                                        sorted({_hf_name(name) for name in self.targets}))
+                                        sorted(self.targets))
         else:
             adapter = load_adapter(request.lora_name, request.lora_path)
         if self.max_lora_rank is not None and adapter.rank > self.max_lora_rank:

@@ -28,11 +28,16 @@ def hf_greedy(folder, prompts, dtype=torch.float64, max_new: int = MAX_NEW) -> l
 
     # experts one by one, as the modelling code reads (transformers' grouped GEMMs take no float64)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager").eval()
+    return model_greedy(model, prompts, max_new)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    """A transformers (or PEFT) model's greedy new tokens for each prompt, one at a time."""
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
         out.append(gen[0, len(p):].tolist())
     return out
 
@@ -127,12 +132,7 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_decoder(hf_folders, tmp_path
     (tmp_path / "tokenizer.json").write_bytes((hf_folders["gemma3"] / "tokenizer.json").read_bytes())
     (tmp_path / "tokenizer_config.json").write_bytes((hf_folders["gemma3"] / "tokenizer_config.json").read_bytes())
     prompts = [[t % 8189 for t in p] for p in shared_prefix_prompts(seed=5)[:6]]  # no image tokens
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = model_greedy(model, prompts)
     got, llm = flock_greedy(tmp_path, prompts, dtype="float32")
     assert got == expected
     assert llm.engine.model_config.multimodal and llm.engine.model_config.model_type == "gemma3_text"

@@ -6,6 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.engine.test_parity import model_greedy
+
 ALL_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ALL_FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's module names
 
@@ -30,14 +32,7 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
-    model = model.to(dtype).eval()
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return model_greedy(model.to(dtype).eval(), prompts, max_new)
 
 
 def gguf_adapter(peft_folder: Path, out: Path, arch: str, heads: int, kv_heads: int) -> Path:
