@@ -26,7 +26,8 @@ from flock.api.embeddings import EmbeddingRequest, parse_embeddings
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
-                                make_choice, new_id, parse_request, reasoning_usage, response_body, with_defaults)
+                                make_choice, new_id, parse_request, reasoning_usage, refuse_adapter_embeddings,
+                                response_body, with_defaults)
 from flock.api.responses import ResponsesRequest, parse_responses, renamed
 from flock.api.scores import ScoreRequest, parse_scores
 from flock.beam_search import BeamSearch
@@ -226,9 +227,7 @@ class BatchJob:
 
     def _submit_embeddings(self, line: BatchLine) -> None:
         try:
-            if line.body.get("model") in self.loras:
-                raise APIError(f"{line.body['model']} is a LoRA adapter: adapters generate; embeddings and scores "
-                               "come from the base model", param="model")
+            refuse_adapter_embeddings(line.body, self.loras)
             parsed = parse_embeddings(line.body, self.engine.tokenizer) if line.kind == "embedding" else \
                 parse_scores(line.kind, line.body, self.engine.tokenizer)
             for ids in parsed.prompts:

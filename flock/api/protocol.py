@@ -262,6 +262,13 @@ def _reasoning(kind: str, body: dict, tokenizer, prompt_ids: list[int], parser: 
     return None if switch is False else fmt
 
 
+def refuse_adapter_embeddings(body, loras: dict) -> None:
+    """An embedding or score body naming a LoRA adapter as its model: a 400 (adapters generate)."""
+    if isinstance(body, dict) and body.get("model") in loras:
+        raise APIError(f"{body['model']} is a LoRA adapter: adapters generate; embeddings and scores come from the "
+                       "base model", param="model")
+
+
 def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling | None) -> BeamSearchParams | None:
     """vLLM's use_beam_search: n beams of each prompt, ranked with length_penalty (flock/beam_search.py)."""
     length_penalty = _number(body, "length_penalty", 1.0)

@@ -34,6 +34,7 @@ from flock.api.protocol import (
     new_id,
     parse_request,
     reasoning_usage,
+    refuse_adapter_embeddings,
     response_body,
     usage,
     with_defaults,
@@ -177,9 +178,7 @@ async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
     """POST /v1/embeddings (flock/api/embeddings.py), or the score / rerank APIs (kind "score" / "rerank",
     flock/api/scores.py): the texts embedded, the response made of their embeddings."""
     body = check_model(await json_body(raw), ctx)
-    if isinstance(body, dict) and body.get("model") in ctx.loras:
-        raise APIError(f"{body['model']} is a LoRA adapter: adapters generate; embeddings and scores come from the "
-                       "base model", param="model")
+    refuse_adapter_embeddings(body, ctx.loras)
     req = embeddings.parse_embeddings(body, ctx.engine.tokenizer) if kind == "embedding" else \
         scores.parse_scores(kind, body, ctx.engine.tokenizer)
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)

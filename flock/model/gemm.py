@@ -22,7 +22,7 @@ from flock import native
 from flock.model import huge_pages
 
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
-OUT_BF16, OUT_F32, OUT_GLU, OUT_ADD = 0, 1, 2, 3  # what flock_gemm writes (OUT_ADD: added to its bf16 output)
+OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes (csrc/gemm_lora.h also adds to a bf16 output)
 EMULATED_AMX = "emulated-amx"
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
