@@ -47,6 +47,14 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     for the assistant's answer, or, with continue_final_message, continuing the last message (as vLLM's).
     `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as objects;
     add_special_tokens adds the tokenizer's (a BOS) to what the template writes."""
+    text = chat_text(tokenizer, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+              continue_final_message: bool = False, tools: list[dict] | None = None,
+              chat_template_kwargs: dict | None = None) -> str:
+    """The text the chat template writes for a chat (see encode_chat)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     messages = [assistant_tool_calls(m) for m in messages]
@@ -57,14 +65,11 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}")
     try:
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=not add_special_tokens,
-                                            tools=tools, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message, **kwargs)
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
-    if add_special_tokens:
-        return tokenizer.encode(out, add_special_tokens=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def assistant_tool_calls(message: dict) -> dict:
