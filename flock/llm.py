@@ -19,7 +19,9 @@ from flock.outputs import (
 from flock.pooling_params import PoolingParams, pair_scores
 from flock.request import Request
 from flock.sampling_params import SamplingParams
-from flock.tokenizer import encode_chat
+from flock.multimodal import ImageInputs
+from flock.multimodal.processor import ImagePrompts, has_images, image_prompts, images_refused, split_images
+from flock.tokenizer import chat_text, encode_chat
 
 Prompt = str | dict | list[int]
 
@@ -42,12 +44,20 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
-        outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams); a
-        `lora_request` (one for all prompts, or one each) runs them with a LoRA adapter (engine started with
-        enable_lora=True). All prompts and parameters are checked before any work starts: a bad one raises
-        ValueError naming its index and field."""
+        outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams) and,
+        for a vision-language model, vLLM's `multi_modal_data` {"image": one or a list of PIL images, URLs or
+        paths} beside a text `prompt` that marks each image with the model's image token; a `lora_request` (one
+        for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True). All
+        prompts and parameters are checked before any work starts: a bad one raises ValueError naming its index
+        and field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
+                              use_tqdm, lora_request)
+
+    def _generate(self, encoded: list[tuple], prompts: Sequence[Prompt], sampling_params, use_tqdm: bool,
+                  lora_request) -> list[RequestOutput]:
+        """Run prompts encoded as (text, token ids, ImageInputs or None)."""
         params = [replace(p, cache_salt=prompt["cache_salt"]) if isinstance(prompt, dict) and "cache_salt" in prompt
                   else p for p, prompt in zip(self._params_per_prompt(sampling_params, len(prompts)), prompts)]
         if lora_request is not None:
@@ -55,12 +65,36 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
             params = [replace(p, lora_request=lora) for p, lora in zip(params, loras)]
-        texts, token_ids = zip(*(self.encode_prompt(p, i) for i, p in enumerate(prompts))) if prompts else ((), ())
+        texts, token_ids, images = zip(*encoded) if encoded else ((), (), ())
+        params = [p if im is None else replace(p, multi_modal=im) for p, im in zip(params, images)]
         self._check_all(token_ids, params)
         self.engine.reset_stats()
         samples = [[self.engine.add_request(ids, s) for s in p.samples()] for ids, p in zip(token_ids, params)]
         self._run([req for reqs in samples for req in reqs], use_tqdm)
         return [self._output(reqs, text) for reqs, text in zip(samples, texts)]
+
+    def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int], ImageInputs | None]:
+        """A prompt's text, token ids and images (vLLM's multi_modal_data)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return *self.encode_prompt(prompt, index), None
+        try:
+            images = data["image"] if data.keys() == {"image"} else None
+            if images is None:
+                raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data)}")
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("images need a text 'prompt' marking where each goes")
+            ids, inputs = self._image_prompts().encode(prompt["prompt"], images if isinstance(images, list)
+                                                       else [images])
+        except ValueError as e:
+            raise ValueError(f"request {index}: {e}") from None
+        return prompt["prompt"], ids, inputs
+
+    def _image_prompts(self) -> ImagePrompts:
+        processor = image_prompts(str(self.engine.model_folder))
+        if processor is None or self.engine.runner.vision is None:
+            raise ValueError(images_refused(str(self.engine.model_folder)))
+        return processor
 
     def embed(
         self,
@@ -145,14 +179,29 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        tools=tools, chat_template_kwargs=chat_template_kwargs)
-        prompts = []
+        encoded = []
         for i, conversation in enumerate(conversations):
             try:
-                ids = encode_chat(self.engine.tokenizer, conversation, **options)
+                encoded.append(self._encode_chat(conversation, options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-            prompts.append({"prompt_token_ids": ids, "prompt": self.engine.tokenizer.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self._generate(encoded, [{}] * len(encoded), sampling_params, use_tqdm, lora_request)
+
+    def _encode_chat(self, conversation: list[dict], options: dict) -> tuple[str, list[int], ImageInputs | None]:
+        """A conversation's prompt text, token ids and images (its content parts of type image_url, image_pil or
+        image)."""
+        tokenizer = self.engine.tokenizer
+        if not has_images(conversation):
+            ids = encode_chat(tokenizer, conversation, **options)
+            return tokenizer.decode(ids), ids, None
+        messages, sources = [], []
+        for m in conversation:
+            if isinstance(m.get("content"), list):
+                parts, found = split_images(m["content"])
+                m, sources = m | {"content": parts}, sources + found
+            messages.append(m)
+        text = chat_text(tokenizer, messages, **options)
+        return text, *self._image_prompts().encode(text, sources, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`."""

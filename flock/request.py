@@ -27,6 +27,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self._block_hashes: list[int] = []
+        images = params.multi_modal
+        self._image_ids = None if images is None else images.cache_ids(self.prompt_token_ids)
         self.root_hash = root_hash(*self.cache_namespace)  # the parent of its first block's hash
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
@@ -69,6 +71,13 @@ class Request:
         lora = self.params.lora_request
         return self.params.cache_salt, None if lora is None else lora.lora_name
 
+    def cache_ids(self, start: int, end: int) -> list[int]:
+        """Its tokens in [start, end) as prefix caching and prefix planning tell them apart: an image placeholder
+        stands for its images (equal placeholders of different pixels are different tokens)."""
+        if self._image_ids is None:
+            return self.token_ids[start:end]
+        return self._image_ids[start : min(end, self.num_prompt_tokens)] + self.token_ids[max(start, self.num_prompt_tokens) : end]
+
     @property
     def reads_prefix_cache(self) -> bool:
         """False for a request whose prompt logprobs need every prompt token's logits computed."""
@@ -79,7 +88,7 @@ class Request:
         list grows as later calls ask for more)."""
         hashes, done = self._block_hashes, len(self._block_hashes)
         if done < num_blocks:
-            hashes += chained_hashes(self.token_ids[done * block_size : num_blocks * block_size], block_size,
+            hashes += chained_hashes(self.cache_ids(done * block_size, num_blocks * block_size), block_size,
                                      hashes[-1] if hashes else self.root_hash)
         return hashes
 

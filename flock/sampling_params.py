@@ -2,6 +2,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from flock.lora.request import LoRARequest
+from flock.multimodal.inputs import ImageInputs
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
@@ -119,6 +120,9 @@ class SamplingParams:
     # the LoRA adapter the request runs with (vLLM passes it beside the params: LLM.generate(lora_request=...), the
     # API's model name); its prefix-cache blocks are found only by requests of the same adapter
     lora_request: LoRARequest | None = None
+    # the prompt's images as its model's processor made them (from a prompt's multi_modal_data or a chat's image
+    # parts, not set by hand); its prefix-cache blocks are found only by requests with the same images
+    multi_modal: ImageInputs | None = field(default=None, repr=False)
     priority: int = 0  # vLLM's: with the priority scheduler, lower values go first (others need 0)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
     dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers

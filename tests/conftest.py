@@ -135,3 +135,17 @@ def cpu_unless_named():
 def hf_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {kind: make_hf_model(kind, root / kind) for kind in HF_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def llava_folder(tmp_path_factory):
+    from tests.multimodal.models import make_llava
+
+    return make_llava(tmp_path_factory.mktemp("llava") / "llava")
+
+
+@pytest.fixture(scope="session")
+def idefics3_folder(tmp_path_factory):
+    from tests.multimodal.models import make_idefics3
+
+    return make_idefics3(tmp_path_factory.mktemp("idefics3") / "idefics3")

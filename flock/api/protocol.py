@@ -19,7 +19,9 @@ from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import bos_prefix, encode_chat, fim_prompt, fim_tokens
+from flock.multimodal import ImageInputs
+from flock.multimodal.processor import has_images, image_prompts, images_refused, split_images
+from flock.tokenizer import bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -172,7 +174,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
         texts, prompts = _completion_prompts(body, tokenizer)
         prompts = _with_suffix(body, texts, prompts, tokenizer, echo)
     else:
-        texts, prompts, tools = _chat_prompt(body, tokenizer, tool_parser)
+        texts, prompts, tools, images = _chat_prompt(body, tokenizer, tool_parser)
     n = typed_field(body, "n", int, 1)
     if n < 1:
         raise APIError(f"n must be at least 1, got {n}", param="n")
@@ -185,6 +187,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     include_usage = bool(options.get("include_usage", False))
     params = _sampling_params(body, kind, default_max_tokens, n)
+    if kind == "chat":
+        params.multi_modal = images
     params.logprobs = _logprobs(body, kind)
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
     if echo and kind == "completion" and params.logprobs is not None:
@@ -276,6 +280,8 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
         return None
     clash = next((name for name in _NOT_WITH_BEAMS
                   if not (body.get(name) is None or body[name] is False or body[name] == {"type": "text"})), None)
+    if params.multi_modal is not None:
+        raise APIError("images are not supported with use_beam_search", param="messages")
     if clash or tools is not None:
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
@@ -422,21 +428,25 @@ def _messages(body: dict) -> list[dict]:
                 for c in calls)):
             raise APIError(f"messages[{i}].tool_calls must be a list of {{'type': 'function', 'function': {{...}}}}",
                            param=f"messages[{i}].tool_calls")
-        out.append(m | {"content": _content_text(m.get("content"), i)})  # name, tool_calls, ... as sent
+        out.append(m | {"content": _content(m.get("content"), i)})  # name, tool_calls, ... as sent
     return out
 
 
-def _content_text(content, i: int) -> str:
+def _content(content, i: int) -> str | list[dict]:
+    """A message's text (text parts joined, as vLLM joins them), or, where it holds images, its parts as sent
+    (text and image_url)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM joins text parts
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "image_url" and (kind != "text" or not isinstance(part.get("text"), str)):
+                raise APIError(f"messages[{i}].content: only text and image_url parts are supported",
+                               param=f"messages[{i}].content")
+        if any(part["type"] == "image_url" for part in content):
+            return content
+        return "\n".join(part["text"] for part in content)
+    raise APIError(f"messages[{i}].content must be a string or a list of content parts", param=f"messages[{i}].content")
 
 
 def encode_messages(tokenizer, messages: list[dict], **template_options) -> list[int]:
@@ -468,12 +478,38 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
     except ToolError as e:
         raise APIError(str(e), param=e.param) from None
     add = typed_field(body, "add_generation_prompt", bool, True)
-    ids = encode_messages(tokenizer, messages, add_generation_prompt=add,
-                          continue_final_message=typed_field(body, "continue_final_message", bool, False),
-                          tools=tools, chat_template_kwargs=template_kwargs(body),
-                          add_special_tokens=typed_field(body, "add_special_tokens", bool, False))
+    options = dict(add_generation_prompt=add, tools=tools, chat_template_kwargs=template_kwargs(body),
+                   continue_final_message=typed_field(body, "continue_final_message", bool, False))
+    special = typed_field(body, "add_special_tokens", bool, False)
+    images = None
+    if has_images(messages):
+        ids, images = _image_chat(tokenizer, messages, options, special)
+    else:
+        ids = encode_messages(tokenizer, messages, add_special_tokens=special, **options)
     last = messages[-1]
-    return [last["content"] if not add or last["role"] == "assistant" else ""], [ids], calling
+    echo = last["content"] if not add or last["role"] == "assistant" else ""
+    return [echo if isinstance(echo, str) else ""], [ids], calling, images
+
+
+def _image_chat(tokenizer, messages: list[dict], options: dict, add_special_tokens: bool
+                ) -> tuple[list[int], ImageInputs]:
+    """Token ids and images of a chat with image_url parts, through the model's processor (data: and http(s)
+    URLs; no local files)."""
+    param = f"messages[{next(i for i, m in enumerate(messages) if isinstance(m['content'], list))}].content"
+    processor = image_prompts(tokenizer.name_or_path)
+    if processor is None:
+        raise APIError(images_refused(tokenizer.name_or_path), param=param)
+    sources, rendered = [], []
+    try:
+        for m in messages:
+            if isinstance(m["content"], list):
+                parts, found = split_images(m["content"])
+                m, sources = m | {"content": parts}, sources + found
+            rendered.append(m)
+        text = chat_text(tokenizer, rendered, **options)
+        return processor.encode(text, sources, add_special_tokens, allow_files=False)
+    except ValueError as e:
+        raise APIError(str(e), param=param) from None
 
 
 def template_kwargs(body: dict) -> dict:

@@ -14,6 +14,7 @@ from flock.kv.manager import KVCacheManager
 from flock.lora import LoRARequest, lora_requests
 from flock.model import resolve_model
 from flock.model.config import sampling_defaults
+from flock.multimodal.processor import images_refused
 from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.dry import breaker_tokens
@@ -71,6 +72,7 @@ class LLMEngine:
         self.config = config
         resolved = resolve_model(config.model)
         self.model_config = resolved.config
+        self.model_folder = resolved.folder
         max_len = config.max_model_len or resolved.config.max_position_embeddings
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
         self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
@@ -124,6 +126,19 @@ class LLMEngine:
             self.load_lora(params.lora_request)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
+        if params.multi_modal is not None:
+            self._encode_images(prompt_token_ids, params)
+
+    def _encode_images(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The prompt's image features from the vision encoder (its cache first)."""
+        if self.runner.vision is None:
+            raise ValueError(images_refused(str(self.model_folder)))
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+        images = params.multi_modal
+        if len(images.positions) and images.positions[-1] >= len(prompt_token_ids):
+            raise ValueError("the prompt's image placeholders lie past its tokens")
+        self.runner.vision.encode(images)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> Request:
         """Queue a generation (SamplingParams) or an embedding (PoolingParams) of the prompt."""

@@ -11,6 +11,8 @@ from flock.config import EngineConfig
 from flock.engine.heap import keep_freed_memory, release_freed_memory
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
+from flock.multimodal.encoder import VisionEncoder
+from flock.multimodal.processor import image_prompts
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.sampler import Sampler, SamplingRow
@@ -70,6 +72,9 @@ class ModelRunner:
         # adapters' updates go on the projections before the GEMMs pack their weights (see LoRAModel)
         self.lora = LoRAModel(self.model, config.max_lora_rank, self.dtype, self.device) if config.enable_lora else None
         self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
+        self.vision = None  # the VisionEncoder of a vision-language model
+        if c.image_token_id is not None and resolved.gguf is None and image_prompts(str(resolved.folder)):
+            self.vision = VisionEncoder(resolved.folder, self.dtype, self.device, config.load_format, config.seed)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         for attn in self.model.attention_layers():
@@ -100,6 +105,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepOutput:
         """Run one forward pass; sample every request whose context is now complete (see `StepPlan.sampling`)."""
         input_ids, positions, layout, last_rows = self._prepare(plan)
+        image_rows = self._image_rows(plan, layout.query_start)
         prompt_rows = self._prompt_rows(plan, layout.query_start)
         drafts = [d for d, s in zip(plan.drafts, plan.samples) if s]
         if prompt_rows:
@@ -120,7 +126,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([self.lora.id_of(req.params.lora_request) for req, _ in plan.scheduled],
                                np.fromiter((n for _, n in plan.scheduled), np.int64), None if out_rows is None else rows)
-        hidden = self.model(input_ids, positions, meta, out_rows)
+        hidden = self.model(input_ids, positions, meta, out_rows, image_rows)
         at = {row: i for i, row in enumerate(rows)}
         out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))
         out.embeddings = [pooling.pool(hidden[at[row]]) for pooling, row in pooled]
@@ -136,6 +142,19 @@ class ModelRunner:
                 out.mirostat_mu.append(sampled.mirostat_mu[first])
                 first += len(d) + 1
         return out
+
+    def _image_rows(self, plan: StepPlan, query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step rows of image placeholder tokens and the image features that replace their embeddings."""
+        rows, features = [], []
+        for i, ((req, n), start) in enumerate(zip(plan.scheduled, plan.starts)):
+            images = req.params.multi_modal
+            if images is not None and start < req.num_prompt_tokens:
+                positions, taken = images.rows_in(start, min(start + n, req.num_prompt_tokens))
+                rows.append(positions - start + query_start[i])
+                features.append(images.features[taken])
+        if not rows or not sum(len(r) for r in rows):
+            return None
+        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(features)
 
     @staticmethod
     def _prompt_rows(plan: StepPlan, query_start: np.ndarray) -> list[tuple[Request, int, range]]:

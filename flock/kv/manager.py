@@ -63,7 +63,7 @@ class KVCacheManager:
             hits.append(block)
         i = len(hits)
         parent = hashes[i - 1] if i else req.root_hash
-        want = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, req.num_tokens - 1)])
+        want = tuple(req.cache_ids(i * self.block_size, min((i + 1) * self.block_size, req.num_tokens - 1)))
         hits.tail_block, hits.tail_tokens = self.pool.best_tail(parent, want)
         return hits
 
@@ -136,7 +136,7 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i], self._block_tokens(req, i))
         self.num_registered[req] = max(registered, full)
         for i in range(computed // self.block_size, self.blocks_needed(num_tokens)):
-            tokens = tuple(req.token_ids[i * self.block_size : min((i + 1) * self.block_size, num_tokens)])
+            tokens = tuple(req.cache_ids(i * self.block_size, min((i + 1) * self.block_size, num_tokens)))
             self.pending_tails[table[i]] = (hashes[i - 1] if i else req.root_hash, tokens)
 
     def _lookup_hashes(self, req: Request) -> list[int]:
@@ -145,4 +145,4 @@ class KVCacheManager:
         return req.block_hashes(self.block_size, n)[:n]  # the request's list may hold more
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
-        return tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return tuple(req.cache_ids(i * self.block_size, (i + 1) * self.block_size))

@@ -20,6 +20,12 @@ GEMMA3_THETAS = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 # Gemma3TextConfig's defaults, which the sparse text_config of Gemma 3's multimodal checkpoints leans on
 GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}
+# vision-language checkpoints whose text decoder Flock runs -> the text decoder's model type when text_config omits
+# it; images go through transformers' vision tower and projector (flock/multimodal) except where named in
+# TEXT_ONLY_MULTIMODAL
+VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llama", "gemma3": "gemma3_text"}
+# Gemma 3's image tokens attend to each other both ways, which Flock's causal attention does not run
+TEXT_ONLY_MULTIMODAL = {"gemma3": "Gemma 3's image tokens attend to each other in both directions"}
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                    "min_p", "max_new_tokens")
@@ -48,7 +54,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k before the rotary embedding
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
-    multimodal: bool = False  # a multimodal checkpoint (Gemma 3's) whose text decoder runs (no vision tower)
+    multimodal: bool = False  # a vision-language checkpoint whose text decoder runs (VISION_LANGUAGE_TYPES)
+    image_token_id: int | None = None  # its image placeholder token, whose rows take the vision tower's features
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
     embedding_multiplier: float = 1.0
@@ -93,7 +100,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        multimodal = d.get("model_type") == "gemma3" and "text_config" in d
+        multimodal = d.get("model_type") in VISION_LANGUAGE_TYPES and "text_config" in d
+        image_token_id = d.get("image_token_id", d.get("image_token_index")) if multimodal else None
         if multimodal:
             d = cls._text_config(d)
         model_type = d.get("model_type", "llama")
@@ -143,6 +151,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             base_model=base_model,
             multimodal=multimodal,
+            image_token_id=image_token_id,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             **cls._moe_fields(d, model_type),
@@ -176,10 +185,11 @@ class ModelConfig:
 
     @staticmethod
     def _text_config(d: dict) -> dict:
-        """Gemma3ForConditionalGeneration's text decoder as a Gemma3ForCausalLM config; the stop ids and dtype are
-        the outer config's where the text one lacks them."""
-        text = {"model_type": "gemma3_text", **d["text_config"], "architectures": ["Gemma3ForCausalLM"]}
-        for key in ("eos_token_id", "torch_dtype", "dtype"):
+        """A vision-language checkpoint's text decoder as a causal LM config; the stop ids and dtype are the outer
+        config's where the text one lacks them."""
+        model_type = d["text_config"].get("model_type") or VISION_LANGUAGE_TYPES[d["model_type"]]
+        text = {**d["text_config"], "model_type": model_type, "architectures": ["ForCausalLM"]}
+        for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
             if text.get(key) is None and d.get(key) is not None:
                 text[key] = d[key]
         return text

@@ -282,13 +282,17 @@ class LlamaForCausalLM(nn.Module):
         self.embedding_scale = float(torch.tensor(scale, dtype=dtype)) if c.gemma_norms else scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the tokens `out_rows` only: the last layer then runs its
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
-        the rest only leave K and V in the cache), as llama.cpp does."""
+        the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: (rows, features) that take
+        the place of those rows' token embeddings (a vision-language model's image placeholders)."""
         x, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale != 1.0:  # Granite's, Gemma's
             x = x * self.embedding_scale
+        if image_rows is not None:
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too

@@ -11,11 +11,12 @@ from safetensors.torch import save_file
 from flock.model.llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# a multimodal checkpoint's text decoder, as its two layouts name it (older files, transformers 5's), and the
+# a multimodal checkpoint's text decoder, as its layouts name it (older files, transformers 5's, Idefics3's), and the
 # parts of it Flock does not run
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.":
-                 "lm_head."}
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+                 "lm_head.", "model.text_model.": "model."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                   "model.vision_model.", "model.connector.")
 FUSED_CHECKPOINTS = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj fused, as Flock does
 # checkpoint names of a model type that are not Flock's (Mixtral's experts): Flock's -> the checkpoint's
 HF_RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),

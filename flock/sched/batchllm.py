@@ -68,7 +68,7 @@ class BatchLLMScheduler(Scheduler):
         self.unplanned = []
 
     def _groups(self, requests: list[Request]) -> list[tuple[int, GroupState]]:
-        plan = plan_prefixes([r.prompt_token_ids for r in requests])
+        plan = plan_prefixes([r.cache_ids(0, r.num_prompt_tokens) for r in requests])
         bs = self.kv.block_size
         groups = []
         for g in plan.groups:
@@ -192,7 +192,8 @@ class BatchLLMScheduler(Scheduler):
         first = g.waiting[0]
         p = Request(self._pseudo_ids, first.prompt_token_ids[: g.prefix_len],
                     SamplingParams(max_tokens=1, cache_salt=first.params.cache_salt,
-                                   lora_request=first.params.lora_request), prefix_only=True)
+                                   lora_request=first.params.lora_request, multi_modal=first.params.multi_modal),
+                    prefix_only=True)
         p.status = RequestStatus.RUNNING
         return p
 

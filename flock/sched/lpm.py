@@ -42,11 +42,11 @@ class DFSWeightScheduler(FCFSScheduler):
 
     def add(self, req: Request) -> None:
         super().add(req)
-        self._timed(self.tree, self.tree.insert, req, req.prompt_token_ids)
+        self._timed(self.tree, self.tree.insert, req, req.cache_ids(0, req.num_prompt_tokens))
 
     def preempt(self, req: Request) -> None:
         super().preempt(req)
-        self._timed(self.tree, self.tree.insert, req, req.prompt_token_ids)
+        self._timed(self.tree, self.tree.insert, req, req.cache_ids(0, req.num_prompt_tokens))
 
     def on_admit(self, req: Request) -> None:
         self._timed(self.tree, self.tree.remove, req)

@@ -1,0 +1,64 @@
+"""A vision-language model's vision tower and projector, as transformers runs them, loaded without its text
+decoder (Flock's own model runs that)."""
+
+import inspect
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from flock.multimodal.inputs import ImageInputs
+
+CACHED_IMAGES = 64  # prompts' features kept by pixel hash: a batch asking many questions of one image encodes it once
+TEXT_MODULES = ("model.language_model.", "model.text_model.", "lm_head.")
+
+
+class VisionEncoder:
+    """Turns a prompt's images into the rows its placeholder tokens take in the decoder's input."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device, load_format: str, seed: int):
+        from transformers import AutoConfig, AutoModelForImageTextToText
+        from transformers.utils import logging
+
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        # the text decoder shrunk to nothing: transformers builds and loads only the vision side
+        config.text_config.num_hidden_layers, config.text_config.vocab_size = 0, 1
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
+        try:
+            if load_format == "dummy":
+                torch.manual_seed(seed)
+                model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+            else:
+                model, info = AutoModelForImageTextToText.from_pretrained(
+                    str(folder), config=config, dtype=dtype, ignore_mismatched_sizes=True, local_files_only=True,
+                    output_loading_info=True)
+                missing = [k for k in info["missing_keys"] if not k.startswith(TEXT_MODULES)]
+                if missing:
+                    raise ValueError(f"{folder}: the vision tower's tensor {missing[0]!r} is missing"
+                                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        finally:
+            logging.set_verbosity(verbosity)
+        self.model = model.model.to(device).eval()
+        self.takes = set(inspect.signature(self.model.get_image_features).parameters)
+        self.dtype, self.device = dtype, device
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    @torch.inference_mode()
+    def encode(self, images: ImageInputs) -> None:
+        """Set `images.features` (from the cache when the same pixels came before); ValueError when the prompt
+        has not one placeholder token for each feature row."""
+        features = self.cache.get(images.key)
+        if features is None:
+            pixels = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                      for k, v in images.pixels.items() if k in self.takes}
+            out = self.model.get_image_features(**pixels).pooler_output
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in out]).to(self.dtype)
+            self.cache[images.key] = features
+            while len(self.cache) > CACHED_IMAGES:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(images.key)
+        if len(features) != len(images.positions):
+            raise ValueError(f"the prompt has {len(images.positions)} image placeholder tokens for "
+                             f"{len(features)} image feature rows (were its placeholders edited?)")
+        images.features = features

@@ -1,0 +1,34 @@
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+IMAGE_IDS = 1 << 31  # placeholders' prefix-cache ids start here, past every vocabulary
+
+
+@dataclass(eq=False)
+class ImageInputs:
+    """A prompt's images as its model's processor made them: the tensors the vision encoder reads, the prompt
+    positions of their placeholder tokens (in order: the encoder's feature rows go there one by one) and a hash
+    of the pixels, which keeps prefix-cache blocks of different images apart. The engine fills `features`."""
+
+    pixels: dict[str, torch.Tensor]
+    positions: np.ndarray
+    key: str
+    num_images: int
+    features: torch.Tensor | None = None  # (len(positions), hidden): the decoder's input rows at those positions
+
+    def cache_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt with each placeholder token replaced by an id drawn from the pixels' hash and its place
+        (in [2**31, 2**32): no vocabulary's), so that prefixes match up to the first image, and past it only
+        where the pixels are the same."""
+        ids = list(prompt_token_ids)  # a scheduler's prefix pseudo-request holds the first placeholders only
+        for k, p in enumerate(self.positions[: np.searchsorted(self.positions, len(ids))].tolist()):
+            ids[p] = IMAGE_IDS + xxhash.xxh3_64_intdigest(f"{self.key}\0{k}".encode()) % IMAGE_IDS
+        return ids
+
+    def rows_in(self, start: int, end: int) -> tuple[np.ndarray, slice]:
+        """The placeholder positions in [start, end) and the slice of `features` that goes there."""
+        lo, hi = np.searchsorted(self.positions, [start, end])
+        return self.positions[lo:hi], slice(int(lo), int(hi))

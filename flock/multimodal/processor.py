@@ -1,0 +1,90 @@
+"""Prompts with images through the model's own transformers processor, which writes each image's placeholder
+tokens (as many as the vision encoder gives it rows) into the prompt."""
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from flock.model.config import TEXT_ONLY_MULTIMODAL, VISION_LANGUAGE_TYPES
+from flock.multimodal.images import load_image
+from flock.multimodal.inputs import ImageInputs
+
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # what a processor returns besides the pixels
+# chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
+IMAGE_PARTS = ("image_url", "image_pil", "image")
+
+
+class ImagePrompts:
+    """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
+
+    def __init__(self, folder: Path, image_token_id: int):
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+        self.image_token_id = image_token_id
+
+    def encode(self, text: str, images: list, add_special_tokens: bool = True,
+               allow_files: bool = True) -> tuple[list[int], ImageInputs]:
+        """Token ids and images of a prompt whose text marks each image where the processor expects it (its
+        image token, or the chat template's), images as `flock.multimodal.images.load_image` reads them."""
+        loaded = [load_image(image, allow_files) for image in images]
+        try:
+            out = self.processor(text=[text], images=loaded, return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
+        except Exception as e:  # processors raise ValueError, IndexError, ... (e.g. images and placeholders differ)
+            raise ValueError(f"the model's processor refused the prompt's {len(loaded)} image(s): {e}") from None
+        ids = out["input_ids"][0].tolist()
+        pixels = {k: v for k, v in out.items() if k not in TEXT_KEYS}
+        digest = xxhash.xxh3_128()
+        for name in sorted(pixels):
+            digest.update(name.encode())
+            digest.update(pixels[name].contiguous().numpy().tobytes())
+        positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
+        return ids, ImageInputs(pixels, positions, digest.hexdigest(), len(loaded))
+
+
+@functools.cache
+def image_prompts(folder: str) -> ImagePrompts | None:
+    """The processor of the vision-language model in `folder`, or None for a model that takes no images."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    d = json.loads(config.read_text())
+    if d.get("model_type") not in VISION_LANGUAGE_TYPES or d.get("model_type") in TEXT_ONLY_MULTIMODAL:
+        return None
+    return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")))
+
+
+def images_refused(folder: str) -> str:
+    """Why the model in `folder` takes no images."""
+    config = Path(folder) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    why = TEXT_ONLY_MULTIMODAL.get(model_type, "it is a text-only model")
+    return f"this model takes no images: {why}"
+
+
+def split_images(content: list) -> tuple[list[dict], list]:
+    """A chat message's content parts in transformers' form (each image a {"type": "image"} part) and its
+    images' sources in order; text parts as they are."""
+    parts, sources = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in IMAGE_PARTS:
+            parts.append(part)
+            continue
+        source = part.get(kind, part.get("url", part.get("path")))
+        if isinstance(source, dict):  # OpenAI's {"url": ..., "detail": ...}
+            source = source.get("url")
+        if source is None:
+            raise ValueError(f"a content part of type {kind!r} needs its image (as '{kind}')")
+        parts.append({"type": "image"})
+        sources.append(source)
+    return parts, sources
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"]) for m in messages)
