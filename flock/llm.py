@@ -8,6 +8,8 @@ from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
 from flock.lora import LoRARequest
+from flock.multimodal import ImageInputs
+from flock.multimodal.processor import ImagePrompts, has_images, image_prompts, images_refused, split_images
 from flock.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -19,8 +21,6 @@ from flock.outputs import (
 from flock.pooling_params import PoolingParams, pair_scores
 from flock.request import Request
 from flock.sampling_params import SamplingParams
-from flock.multimodal import ImageInputs
-from flock.multimodal.processor import ImagePrompts, has_images, image_prompts, images_refused, split_images
 from flock.tokenizer import chat_text, encode_chat
 
 Prompt = str | dict | list[int]
@@ -79,9 +79,9 @@ class LLM:
         if not data:
             return *self.encode_prompt(prompt, index), None
         try:
-            images = data["image"] if data.keys() == {"image"} else None
-            if images is None:
-                raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data)}")
+            if not isinstance(data, dict) or data.keys() != {"image"}:
+                raise ValueError(f"multi_modal_data takes {{'image': images}} only, got {data!r:.80}")
+            images = data["image"]
             if not isinstance(prompt.get("prompt"), str):
                 raise ValueError("images need a text 'prompt' marking where each goes")
             ids, inputs = self._image_prompts().encode(prompt["prompt"], images if isinstance(images, list)
@@ -250,6 +250,8 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError(f"request {index}: images (multi_modal_data) are taken by generate and chat only")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -170,7 +170,7 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completi
 
 def renamed(e: APIError) -> APIError:
     """A chat request's error as the Responses body's: the field named as that body names it."""
-    name = _PARAMS.get(e.param)
+    name = "input" if e.param and e.param.startswith("messages[") else _PARAMS.get(e.param)
     if name is None:
         return e
     message = name + e.message.removeprefix(e.param) if e.message.startswith(e.param) else e.message
@@ -229,7 +229,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         role = item.get("role")
         if role not in _ROLES:
             raise APIError(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", param=f"{where}.role")
-        text = _text(item.get("content"), f"{where}.content")
+        text = _with_images(item.get("content"), f"{where}.content") or _text(item.get("content"), f"{where}.content")
         message = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and item.get("status") in ("in_progress", "incomplete"):
             message["partial"] = True
@@ -276,9 +276,27 @@ def _text(content, where: str) -> str:
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(f"{where}: only text parts are supported ({', '.join(sorted(_TEXT_PARTS))})", param=where)
+            raise APIError(f"{where}: only text parts ({', '.join(sorted(_TEXT_PARTS))}) and a user message's "
+                           "input_image parts are supported", param=where)
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _with_images(content, where: str) -> list[dict] | None:
+    """A message's content as chat parts (text and image_url) when it holds input_image parts, else None."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return None
+    parts = []
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise APIError(f"{where}[{i}]: an input_image needs its image_url (file_id is not supported)",
+                               param=f"{where}[{i}]")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([part], f"{where}[{i}]")})
+    return parts
 
 
 def _tools(body: dict) -> dict:

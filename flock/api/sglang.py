@@ -17,13 +17,15 @@ from flock.api.logprobs import TokenText
 from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
+from flock.multimodal import ImageInputs
+from flock.multimodal.processor import image_prompts, images_refused
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 GREEDY_BELOW = 1e-6  # a temperature under this samples greedily, as SGLang's
 # SGLang's fields for what Flock does not run: refused unless left at their defaults; other unknown fields are
 # ignored, as SGLang ignores them
-UNSUPPORTED = {"input_embeds", "image_data", "video_data", "audio_data", "return_hidden_states",
+UNSUPPORTED = {"input_embeds", "video_data", "audio_data", "return_hidden_states",
                "custom_logit_processor", "token_ids_logprob", "session_params"}
 _PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
           "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
@@ -65,6 +67,8 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None)
     if len(specs) != len(prompts) or not all(isinstance(s, dict) for s in specs):
         raise APIError("sampling_params must be an object, or a list of one per prompt", param="sampling_params")
     params = [_sampling_params(s) for s in specs]
+    for p, images in zip(params, _images(body, tokenizer, prompts)):
+        p.multi_modal = images
     for p, name in zip(params, _lora_names(body.get("lora_path"), len(prompts))):
         if name is not None and name not in (loras or {}):
             raise APIError(f"lora_path {name!r} is not a LoRA adapter of this server (its --lora-modules: "
@@ -131,6 +135,38 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
             isinstance(b, list) and b and all(is_int(t) for t in b) for b in batch):
         raise APIError("input_ids must be a non-empty list of token ids, or a list of them", param="input_ids")
     return batch, single
+
+
+def _images(body: dict, tokenizer, prompts: list[list[int]]) -> list[ImageInputs | None]:
+    """SGLang's image_data: each text prompt's images (a URL, a data: URL or bare base64; a list for several),
+    through the model's processor, which also rewrites that prompt's token ids."""
+    data = body.get("image_data")
+    if data in (None, [], ""):
+        return [None] * len(prompts)
+    text = body.get("text")
+    if text is None:
+        raise APIError("image_data needs text prompts (the model's image token marks each image)", param="image_data")
+    texts, per_prompt = ([text], [data]) if isinstance(text, str) else (text, data)
+    if not isinstance(per_prompt, list) or len(per_prompt) != len(texts):
+        raise APIError("image_data must hold one entry (an image or a list) per prompt", param="image_data")
+    processor = image_prompts(tokenizer.name_or_path)
+    if processor is None:
+        raise APIError(images_refused(tokenizer.name_or_path), param="image_data")
+    out = []
+    for i, (prompt, images) in enumerate(zip(texts, per_prompt)):
+        images = images if isinstance(images, list) else [] if images is None else [images]
+        if not images:
+            out.append(None)
+            continue
+        if not all(isinstance(x, str) for x in images):
+            raise APIError("image_data entries must be strings (URLs or base64)", param="image_data")
+        urls = [x if x.startswith(("data:", "http://", "https://")) else f"data:image;base64,{x}" for x in images]
+        try:
+            prompts[i], inputs = processor.encode(prompt, urls, allow_files=False)
+        except ValueError as e:
+            raise APIError(str(e), param="image_data") from None
+        out.append(inputs)
+    return out
 
 
 def _sampling_params(spec: dict) -> SamplingParams:

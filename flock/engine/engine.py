@@ -133,7 +133,7 @@ class LLMEngine:
         """The prompt's image features from the vision encoder (its cache first)."""
         if self.runner.vision is None:
             raise ValueError(images_refused(str(self.model_folder)))
-        if params.truncate_prompt_tokens is not None:
+        if len(params.truncated(prompt_token_ids, self.max_model_len)) < len(prompt_token_ids):
             raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         images = params.multi_modal
         if len(images.positions) and images.positions[-1] >= len(prompt_token_ids):

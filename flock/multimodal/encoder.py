@@ -22,7 +22,8 @@ class VisionEncoder:
 
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         # the text decoder shrunk to nothing: transformers builds and loads only the vision side
-        config.text_config.num_hidden_layers, config.text_config.vocab_size = 0, 1
+        text = config.text_config
+        text.num_hidden_layers, text.vocab_size, text.pad_token_id = 0, 1, None
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()
         try:

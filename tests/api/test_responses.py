@@ -90,7 +90,8 @@ def test_tools_formats_and_logprobs_as_chat_fields(tok):
     ({"input": "a", "frobnicate": 1}, "frobnicate"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),  # text-only
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0]"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),

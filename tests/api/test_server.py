@@ -398,7 +398,7 @@ def test_responses_equal_chat_completions(server, client):
     unstored = client.responses.create(input="x", store=False, **kw)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-    for body, param in [({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+    for body, param in [({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "u"}]}]},
                          "input[0].content"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]")]:
         with pytest.raises(openai.BadRequestError) as e:

@@ -58,7 +58,7 @@ def make_idefics3(folder, seed: int = 0):
     vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   image_size=32, patch_size=8)
     text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB + 64, max_position_embeddings=1024)
+                       num_key_value_heads=2, vocab_size=VOCAB + 64, max_position_embeddings=1024, pad_token_id=2)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
     torch.manual_seed(seed)

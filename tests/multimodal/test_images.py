@@ -119,11 +119,13 @@ def test_bad_images_are_refused_by_name(llava_folder, hf_folders, tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not an image")
     with pytest.raises(ValueError, match="not an image PIL can read"):
         llm.generate({"prompt": "<image> x", "multi_modal_data": {"image": str(tmp_path / "bad.png")}}, PARAMS)
-    with pytest.raises(ValueError, match="multi_modal_data takes 'image' only"):
+    with pytest.raises(ValueError, match="multi_modal_data takes {'image': images} only"):
         llm.generate({"prompt": "<image> x", "multi_modal_data": {"audio": b""}}, PARAMS)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate({"prompt": "<image> x", "multi_modal_data": {"image": picture(0)}},
                      SamplingParams(truncate_prompt_tokens=4))
+    with pytest.raises(ValueError, match="taken by generate and chat only"):
+        llm.embed({"prompt": "<image> x", "multi_modal_data": {"image": picture(0)}})
     text_only = LLM(str(hf_folders["llama"]), dtype="float32")
     with pytest.raises(ValueError, match="takes no images: it is a text-only model"):
         text_only.chat(chat(picture(0), "hi"), PARAMS)

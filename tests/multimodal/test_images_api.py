@@ -17,6 +17,7 @@ from flock.api.server_generate import ServerContext
 from flock.config import EngineConfig
 from flock.engine.async_engine import AsyncEngine
 from flock.engine.engine import LLMEngine
+from flock.multimodal.processor import image_prompts
 from tests.multimodal.models import picture
 
 QUESTION = "What is this?"
@@ -28,8 +29,8 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def body(url: str, **extra) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+def body(url: str, question: str = QUESTION, **extra) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0,
             "ignore_eos": True} | extra
 
@@ -99,3 +100,33 @@ def test_batch_lines_with_images(llava_folder, expected, tmp_path):
     assert [out[c]["choices"][0]["message"]["content"] for c in ("c0", "c2")] == expected
     errors = (tmp_path / "out.errors.jsonl").read_text()
     assert "c1" in errors and "not an image PIL can read" in errors
+
+
+def test_responses_input_image_and_sglang_image_data(llava_folder, expected):
+    engine = AsyncEngine(EngineConfig.from_kwargs(str(llava_folder), dtype="float32")).start()
+    ctx = ServerContext(engine, Metrics(engine), ["llava"])
+    url = data_url(picture(0))
+    responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                        {"type": "input_text", "text": QUESTION}]}],
+                 "max_output_tokens": 6, "temperature": 0}
+    processor = image_prompts(str(llava_folder))
+    text = processor.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], add_generation_prompt=True)
+    native = {"text": text, "image_data": url.split(",", 1)[1],  # bare base64, as SGLang takes it
+              "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://t") as http:
+            answer = await http.post("/v1/responses", json=responses)
+            generated = await http.post("/generate", json=native)
+            missing = await http.post("/v1/responses", json={"input": [{"role": "user", "content": [
+                {"type": "input_image", "file_id": "f1"}]}]})
+            return answer, generated, missing
+
+    try:
+        answer, generated, missing = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert answer.json()["output"][0]["content"][0]["text"] == expected[0]
+    assert generated.json()["text"].startswith(expected[0])  # the chat text adds no BOS here: the same tokens
+    assert missing.status_code == 400 and "file_id is not supported" in missing.json()["error"]["message"]
