@@ -74,7 +74,8 @@ class ModelRunner:
         self.paths = apply_ops(self.model, config.ops, self.dtype, self.device)
         self.vision = None  # the VisionEncoder of a vision-language model
         if c.image_token_id is not None and resolved.gguf is None and image_prompts(str(resolved.folder)):
-            self.vision = VisionEncoder(resolved.folder, self.dtype, self.device, config.load_format, config.seed)
+            self.vision = VisionEncoder(resolved.folder, self.dtype, self.device, config.load_format, config.seed,
+                                        config.ops)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         for attn in self.model.attention_layers():

@@ -6,7 +6,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from flock.model import gemm, linear
 from flock.multimodal.inputs import ImageInputs
 
 CACHED_IMAGES = 64  # prompts' features kept by pixel hash: a batch asking many questions of one image encodes it once
@@ -16,7 +18,8 @@ TEXT_MODULES = ("model.language_model.", "model.text_model.", "lm_head.")
 class VisionEncoder:
     """Turns a prompt's images into the rows its placeholder tokens take in the decoder's input."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device, load_format: str, seed: int):
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device, load_format: str, seed: int,
+                 ops: str = "auto"):
         from transformers import AutoConfig, AutoModelForImageTextToText
         from transformers.utils import logging
 
@@ -41,6 +44,8 @@ class VisionEncoder:
         finally:
             logging.set_verbosity(verbosity)
         self.model = model.model.to(device).eval()
+        if ops in ("auto", "packed"):
+            pack_linears(self.model, dtype, device)
         self.takes = set(inspect.signature(self.model.get_image_features).parameters)
         self.dtype, self.device = dtype, device
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -63,3 +68,15 @@ class VisionEncoder:
             raise ValueError(f"the prompt has {len(images.positions)} image placeholder tokens for "
                              f"{len(features)} image feature rows (were its placeholders edited?)")
         images.features = features
+
+
+def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Run the vision side's projections on the GEMMs the decoder's run on (Flock's bf16 GEMM, else oneDNN's
+    prepacked weights; see flock.model.linear), where this CPU and dtype have them."""
+    pairs = gemm.unavailable(dtype, device) is None
+    if not pairs and linear.unavailable(dtype, device) is not None:
+        return
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = linear.Linear
+            module.prepack(pairs=pairs)
