@@ -58,6 +58,21 @@ def job(inp, out, **kw) -> JobConfig:
     return JobConfig(str(inp), str(out), **({"quiet": True, "sampling": {"temperature": 0}, "engine": dict(ENGINE)} | kw))
 
 
+def one_engine_and_cluster(lines: list[dict], engine: dict, tmp_path) -> tuple[dict, dict]:
+    """The results of a batch of `lines` through one engine and through 2 Ray workers (see `results`)."""
+    from flock.distributed.driver import ClusterConfig, ClusterEngine
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert run_job(job(inp, tmp_path / "one.jsonl"), LLMEngine(EngineConfig.from_kwargs(**engine))) == 0
+    cluster = ClusterEngine(engine, ClusterConfig(2, worker_cpus=0.5, worker_threads=1))
+    try:
+        assert run_job(job(inp, tmp_path / "out.jsonl"), cluster) == 0
+    finally:
+        cluster.shutdown()
+    return results(tmp_path / "one.jsonl"), results(tmp_path / "out.jsonl")
+
+
 @pytest.fixture(scope="session")
 def ray_address():
     ray = pytest.importorskip("ray")
