@@ -10,8 +10,9 @@ which its CPU install here lacks; its Idefics3 does not. The workload: IMAGES im
 QUESTIONS questions about each, after one system prompt: an image's questions share its tokens and features.
 Both engines get the same text prompts with multi_modal_data and run ROUNDS batches, each with its own images (no
 engine's cache of image features or processed pixels can help the next) after a prefix-cache reset; each reports
-its best wall s (its vision tower included), and Flock the prompt tokens it computed. Printed: the CPU and kernel paths, wall s, generated tokens/s,
-Flock / vLLM and how many answers agree. Results: bench/out/images.json.
+its best wall s (its vision tower included), and Flock the prompt tokens it computed. Printed: the CPU and kernel
+paths, wall s, generated tokens/s, Flock / vLLM and how many answers of the last round agree. Results:
+bench/out/images.json.
 """
 
 import argparse
@@ -32,7 +33,8 @@ SYSTEM = ("You are a careful visual assistant. Look at the picture the user send
 QUESTIONS = ("What is in this picture?", "Which colors stand out?", "Describe the left half.",
              "Is there any text in the image?", "How many shapes do you see?", "Describe the right half.",
              "What is the brightest part?", "Write a short caption for it.")
-PROMPT = "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<image>\n{question}<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<image>\n{question}<|im_end|>\n"
+          "<|im_start|>assistant\n")
 
 
 def make_model(out: Path) -> Path:
@@ -45,7 +47,8 @@ def make_model(out: Path) -> Path:
         return folder
     text_folder = hf_folder("flock/smollm2", out)
     tokenizer = AutoTokenizer.from_pretrained(text_folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>"]})
+    image_tokens = ["<image>", "<fake_token_around_image>", "<global-img>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": image_tokens})
     text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
     text.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     vision = Idefics3VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,

@@ -76,7 +76,8 @@ class Request:
         stands for its images (equal placeholders of different pixels are different tokens)."""
         if self._image_ids is None:
             return self.token_ids[start:end]
-        return self._image_ids[start : min(end, self.num_prompt_tokens)] + self.token_ids[max(start, self.num_prompt_tokens) : end]
+        prompt = self.num_prompt_tokens
+        return self._image_ids[start : min(end, prompt)] + self.token_ids[max(start, prompt) : end]
 
     @property
     def reads_prefix_cache(self) -> bool:

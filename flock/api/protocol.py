@@ -17,10 +17,10 @@ from flock.api.reasoning import REASONING_PARSERS, THINKING_END, ReasoningFormat
 from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.lora import LoRARequest
-from flock.sample.logprobs import TokenLogprobs
-from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import has_images, image_prompts, images_refused, split_images
+from flock.sample.logprobs import TokenLogprobs
+from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from flock.api.logprobs import TokenText
 from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.lora import LoRARequest
-from flock.sample.logprobs import TokenLogprobs
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import image_prompts, images_refused
+from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's

@@ -1,4 +1,4 @@
-"""Image inputs of vision-language models (LLaVA's family): images read from URLs, files or PIL, the model's
+"""Image inputs of vision-language models (LLaVA's and Idefics3's): images read from URLs, files or PIL, the model's
 own transformers processor placing their tokens in the prompt, and its vision tower and projector turning them
 into the rows the text decoder reads in place of those tokens' embeddings."""
 

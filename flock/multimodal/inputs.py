@@ -16,7 +16,6 @@ class ImageInputs:
     pixels: dict[str, torch.Tensor]
     positions: np.ndarray
     key: str
-    num_images: int
     features: torch.Tensor | None = None  # (len(positions), hidden): the decoder's input rows at those positions
 
     def cache_ids(self, prompt_token_ids: list[int]) -> list[int]:

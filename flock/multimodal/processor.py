@@ -43,7 +43,7 @@ class ImagePrompts:
             digest.update(name.encode())
             digest.update(pixels[name].contiguous().numpy().tobytes())
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        return ids, ImageInputs(pixels, positions, digest.hexdigest(), len(loaded))
+        return ids, ImageInputs(pixels, positions, digest.hexdigest())
 
 
 @functools.cache

@@ -64,7 +64,8 @@ def test_greedy_tokens_equal_transformers(llava_folder, reference, engine):
     conversations = [chat(picture(seed), q) for seed in range(3) for q in QUESTIONS]
     got = [o.outputs[0].token_ids for o in llm.chat(conversations, PARAMS, use_tqdm=False)]
     assert got == chats
-    prompt = {"prompt": "Compare <image> with <image> please:", "multi_modal_data": {"image": [picture(0), picture(5, (60, 30))]}}
+    prompt = {"prompt": "Compare <image> with <image> please:",
+              "multi_modal_data": {"image": [picture(0), picture(5, (60, 30))]}}
     assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == two
 
 
