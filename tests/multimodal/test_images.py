@@ -1,6 +1,6 @@
-"""Image inputs of a vision-language model (LLaVA): greedy tokens equal transformers' under every scheduler,
-with prompts cut into chunks and preempted; prefix-cache blocks shared within one image, never across images;
-bad images refused by name."""
+"""Image inputs of vision-language models (LLaVA, Idefics3): greedy tokens equal transformers' under every
+scheduler, with prompts cut into chunks and preempted; prefix-cache blocks shared up to the first image, and past
+it only for the same pixels; bad images refused by name."""
 
 import base64
 import io
@@ -14,8 +14,6 @@ from tests.multimodal.models import picture
 
 QUESTIONS = ["What is this?", "Describe the colors.", "Count the things."]
 NEW = 8
-
-
 SYSTEM = {"role": "system", "content": "You answer questions about pictures in a few plain words, nothing else."}
 
 

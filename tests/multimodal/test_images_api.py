@@ -1,5 +1,6 @@
-"""Images through the OpenAI server and batch jobs: chat image_url parts (data: URLs) give LLM.chat's answers,
-streamed or not; what cannot be read is a 400 naming why, and the rest of a batch goes on."""
+"""Images through the server and batch jobs: chat image_url parts (data: URLs), the Responses API's input_image
+parts and SGLang's image_data give LLM.chat's answers, streamed or not; what cannot be read is a 400 naming why,
+and the rest of a batch goes on."""
 
 import asyncio
 import base64
