@@ -1,5 +1,6 @@
 from dataclasses import dataclass, field, fields
 
+from flock.kv.fp8 import KV_CACHE_DTYPES
 from flock.lora.request import lora_requests
 from flock.spec.config import SpeculativeConfig
 
@@ -14,10 +15,11 @@ def option(default, help: str, **cli):
 
 
 # vLLM engine keywords whose value Flock always runs with (accepted with that value, refused with another), and
-# those no value of which changes what Flock does (it runs no model code from a folder, logs no stats)
+# those no value of which changes what Flock does (it runs no model code from a folder, logs no stats, scales each
+# fp8 KV row by its own values)
 VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
                       "enable_chunked_prefill": True, "tokenizer_mode": "auto"}
-VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras"}
+VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras", "calculate_kv_scales"}
 
 
 @dataclass
@@ -45,6 +47,9 @@ class EngineConfig:
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     num_kv_blocks: int | None = option(None, "KV budget in blocks ...")
     kv_cache_memory_bytes: int | None = option(None, "... or in bytes (default: 1 GiB)")
+    kv_cache_dtype: str = option("auto", "the KV cache's elements: auto (the model's dtype), or fp8 (= fp8_e4m3) or "
+                                 "fp8_e5m2: a row of fp8 codes and a scale per token and KV head, about half the "
+                                 "bytes", choices=KV_CACHE_DTYPES)
     scheduler: str = option("fcfs", "the scheduling policy")
     feather_policy: str = option("static", "batching policy of the feather scheduler")
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
@@ -99,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.ops not in OPS:
             raise ValueError(f"ops must be one of {', '.join(OPS)}, got {self.ops!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
         self.speculative()

@@ -3,6 +3,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flock.kv import fp8
+
 
 @dataclass
 class StepLayout:
@@ -68,8 +70,9 @@ class AttentionBackend:
     name = "base"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype,
-                 scale: float | None = None, softcap: float | None = None):
+                 scale: float | None = None, softcap: float | None = None, kv_dtype: torch.dtype | None = None):
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype  # the caches' elements (fp8: see flock.kv.fp8)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -85,10 +88,15 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (D + 4 for fp8 caches).
+        Returns [T, H, D]."""
         raise NotImplementedError
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """The step's K and V rows into their cache slots (quantized for an fp8 cache, see flock.kv.fp8)."""
+    if fp8.is_fp8(k_cache.dtype):
+        k, v = (fp8.quantize(x, k_cache.dtype).view(torch.uint8) for x in (k, v))
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

@@ -8,7 +8,8 @@ step's segments (`segments.py`: each group's stacked queries against its shared 
 against the rest of its context, causal), KV read from the paged blocks in place, the partials merged by
 log-sum-exp in the same call; a segment that would keep one thread busy alone (one long context, few KV heads)
 is split by KV range into pieces merged the same way. It runs on PyTorch's OpenMP threads and is built and
-loaded by flock.native on first use.
+loaded by flock.native on first use. fp8 caches (flock.kv.fp8) are quantized by its KV write and converted back
+where it repacks their chunks.
 
 A sliding window (Mistral's, Phi-3's) masks each causal row's positions before its window in the kernel; requests
 whose context passes the window join no prefix group (a group's prefix part has no mask).
@@ -28,6 +29,7 @@ from flock import native
 from flock.attention.base import AttentionMetadata, StepLayout, write_kv
 from flock.attention.cascade import TorchCascadeBackend
 from flock.attention.segments import DIRECT, PREFIX, PartialBuffers, Segments, build_segments, concat_ranges, int32
+from flock.kv import fp8
 
 MAX_PARTS = 16  # KV pieces a segment is split into, at most (the kernel merges up to 64 partials per token)
 # Requests with more new tokens than this join no prefix group: their rows fill the tiles alone, and a group's
@@ -48,11 +50,12 @@ class _Args(ctypes.Structure):
         ("num_merges", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
-        ("window", ctypes.c_int32), ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int32), ("softcap", ctypes.c_float), ("kv_format", ctypes.c_int32),
     ]
 
 
-_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_p, _i64, _int, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int32
+KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's fp8 caches (else 0: q's dtype)
 
 
 def _ready(lib: ctypes.CDLL) -> str | None:
@@ -90,6 +93,8 @@ KERNEL = native.Library(
     signatures={"flock_cpu_init": ([], _int), "flock_cpu_tiles": ([], _int),
                 "flock_cpu_cascade": ([ctypes.POINTER(_Args)], _int),
                 "flock_cpu_write_kv": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64], None),
+                "flock_cpu_write_kv_fp8": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], None),
+                "flock_cpu_write_kv_fp8_op": ([_p], ctypes.c_int32),
                 "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int),
                 "flock_cpu_write_kv_op": ([_p], ctypes.c_int32), "flock_cpu_cascade_op": ([_p], ctypes.c_int32)})
 PATHS = KERNEL.paths
@@ -246,17 +251,25 @@ class CpuCascadeBackend(TorchCascadeBackend):
             len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
             meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
-            int(q.dtype == torch.bfloat16), self.sliding_window or 0, self.softcap or 0.0,
+            int(q.dtype == torch.bfloat16), self.sliding_window or 0, self.softcap or 0.0, KV_FORMATS.get(k_cache.dtype, 0),
         )
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
-        """write_kv by one memcpy per token and cache where each token's heads are contiguous rows."""
-        row = k.shape[1] * k.shape[2]
-        rows_ok = k.stride()[1:] == v.stride()[1:] == (k.shape[2], 1) and k_cache.dtype == k.dtype == v.dtype
-        if not (rows_ok and k_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+        """write_kv by one memcpy per token and cache where each token's heads are contiguous rows (quantized
+        row by row in C for an fp8 cache)."""
+        heads, dim = k.shape[1:]
+        kv_format = KV_FORMATS.get(k_cache.dtype, 0)
+        rows_ok = k.stride()[1:] == v.stride()[1:] == (dim, 1) and k.dtype == v.dtype
+        if not (rows_ok and (kv_format or k_cache.dtype == k.dtype) and k_cache.is_contiguous()
+                and k_cache.shape[2:] == (heads, fp8.row_width(dim, k_cache.dtype))
                 and slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == len(k)):
             return write_kv(k, v, k_cache, v_cache, slots)
-        size = k.element_size()
-        kernel_library(self.isa).flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                                                 k_cache.data_ptr(), v_cache.data_ptr(), row * size, slots.data_ptr(),
-                                                 k.shape[0], row * size)
+        size, lib = k.element_size(), kernel_library(self.isa)
+        slot_bytes = k_cache.stride(1) * k_cache.element_size()
+        if kv_format:
+            lib.flock_cpu_write_kv_fp8(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                                       k_cache.data_ptr(), v_cache.data_ptr(), slot_bytes, slots.data_ptr(), k.shape[0],
+                                       heads, dim, int(k.dtype == torch.bfloat16), kv_format)
+            return
+        lib.flock_cpu_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
+                               v_cache.data_ptr(), slot_bytes, slots.data_ptr(), k.shape[0], heads * dim * size)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flock.attention.base import AttentionBackend, AttentionMetadata, StepLayout, write_kv
+from flock.kv import fp8
 
 
 @dataclass
@@ -101,6 +102,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def attend(self, q, k, v, k_cache, v_cache, meta: TorchPagedMetadata, lse: torch.Tensor | None):
         """Attention of every query over its context range; fills `lse` ([T, H]) when given."""
+        k, v = fp8.as_stored(k, k_cache), fp8.as_stored(v, v_cache)  # as later steps will read them
         out = torch.empty_like(q)
         for c in meta.prefills:
             qc = q[c.start : c.end]
@@ -143,7 +145,8 @@ class TorchPagedBackend(AttentionBackend):
         return o, lse
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
-        """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D].
+        """Whole blocks of one layer's cache, in table order: [n_blocks * block_size, KVH, D] (dequantized from
+        an fp8 cache).
 
         Copies into a reused buffer: fresh multi-MB tensors every layer cost page faults on CPUs."""
         n = len(blocks)
@@ -153,7 +156,7 @@ class TorchPagedBackend(AttentionBackend):
             self._buffers[slot] = buf
         out = buf[:n]
         torch.index_select(cache, 0, blocks, out=out)
-        return out.flatten(0, 1)
+        return fp8.dequantize(out.flatten(0, 1), self.dtype) if fp8.is_fp8(cache.dtype) else out.flatten(0, 1)
 
 
 def sdpa(q, k, v, mask, scale: float, want_lse: bool, softcap: float | None = None):

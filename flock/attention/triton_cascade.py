@@ -9,6 +9,7 @@ log-sum-exps (see `triton_kernels.py`).
 
 Where the kernel is not used, the backend is TorchCascadeBackend, exactly:
   * a sliding window (the prefix part would need a mask);
+  * an fp8 KV cache (flock.kv.fp8);
   * float64 on a GPU (the kernel computes in float64 only under Triton's CPU interpreter, where it is tested);
   * a CPU device without TRITON_INTERPRET=1 (Triton compiles for GPUs only), or triton not installed.
 The block size must be a power of two. Importing this module does not import triton.
@@ -58,7 +59,8 @@ class TritonCascadeBackend(TorchCascadeBackend):
 
     # -- which path ------------------------------------------------------------------------------------------
     def uses_kernel(self, device: torch.device) -> bool:
-        if self.sliding_window is not None or self.softcap is not None or importlib.util.find_spec("triton") is None:
+        if (self.sliding_window is not None or self.softcap is not None or self.kv_dtype != self.dtype
+                or importlib.util.find_spec("triton") is None):
             return False
         if device.type == "cuda":
             return self.dtype != torch.float64

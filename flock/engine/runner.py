@@ -9,6 +9,7 @@ from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.heap import keep_freed_memory, release_freed_memory
+from flock.kv import fp8
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.multimodal.encoder import VisionEncoder
@@ -64,7 +65,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.block_size = config.block_size
-        self.backend = make_backend(config.attention, c, self.device, self.dtype)
+        self.kv_dtype = fp8.cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend = make_backend(config.attention, c, self.device, self.dtype, self.kv_dtype)
         self.model = build_model(
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed,
             config.quantization,
@@ -77,10 +79,10 @@ class ModelRunner:
             self.vision = VisionEncoder(resolved.folder, self.dtype, self.device, config.load_format, config.seed,
                                         config.ops)
         self.num_blocks = self._num_blocks(config)
-        shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (self.num_blocks, self.block_size, c.num_key_value_heads, fp8.row_width(c.head_dim, self.kv_dtype))
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size)  # min_tokens holds the EOS ids back
         if self.device.type == "cpu":
             release_freed_memory()
@@ -90,8 +92,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         c = self.model.config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+        row = fp8.row_width(c.head_dim, self.kv_dtype) * self.kv_dtype.itemsize
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * row
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -217,7 +219,7 @@ class ModelRunner:
         dst = torch.tensor([d * bs + t for _, d, n in copies for t in range(n)], device=self.device)
         for attn in self.model.attention_layers():
             for cache in (attn.k_cache, attn.v_cache):
-                rows = cache.view(-1, *cache.shape[2:])
+                rows = cache.view(torch.uint8 if fp8.is_fp8(cache.dtype) else cache.dtype).view(-1, *cache.shape[2:])
                 rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def _prepare(self, plan: StepPlan):

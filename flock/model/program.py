@@ -18,7 +18,8 @@ import weakref
 import numpy as np
 import torch
 
-from flock.attention.cpu import CpuCascadeBackend, CpuMetadata, _Args, kernel_library
+from flock.attention.cpu import KV_FORMATS, CpuCascadeBackend, CpuMetadata, _Args, kernel_library
+from flock.kv import fp8
 from flock.model import fused_ops, gemm, quant
 
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
@@ -269,14 +270,22 @@ class _Recorder:
     def attention_records(self, name: str, attn) -> None:
         """The layer's K and V into its caches, then its attention (its window's plan) into the attention rows."""
         k_cache, v_cache, qkv, size = attn.k_cache, attn.v_cache, self.p.qkv, self.size
-        if not (k_cache.is_contiguous() and k_cache.stride() == v_cache.stride() and k_cache.dtype == qkv.dtype
-                and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)):
+        kv_format = KV_FORMATS.get(k_cache.dtype, 0)
+        if not (k_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+                and (kv_format or k_cache.dtype == qkv.dtype)
+                and k_cache.shape[2:] == (attn.num_kv_heads, fp8.row_width(attn.head_dim, k_cache.dtype))):
             raise ValueError(f"{name}: the step program needs contiguous K and V caches of [blocks, block size, "
                              f"KV heads, head dim], got {tuple(k_cache.shape)}")
         row = attn.kv_size * size
         k_at, v_at = qkv.data_ptr() + attn.q_size * size, qkv.data_ptr() + (attn.q_size + attn.kv_size) * size
-        self.op(f"{name} KV write", self.attention.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at,
-                qkv.stride(0) * size, k_cache, v_cache, row, self.p.slots, ROWS, row)
+        slot_bytes = k_cache.stride(1) * k_cache.element_size()
+        if kv_format:
+            self.op(f"{name} KV write", self.attention.flock_cpu_write_kv_fp8_op, k_at, qkv.stride(0) * size, v_at,
+                    qkv.stride(0) * size, k_cache, v_cache, slot_bytes, self.p.slots, ROWS, attn.num_kv_heads,
+                    attn.head_dim, int(qkv.dtype == torch.bfloat16), kv_format)
+        else:
+            self.op(f"{name} KV write", self.attention.flock_cpu_write_kv_op, k_at, qkv.stride(0) * size, v_at,
+                    qkv.stride(0) * size, k_cache, v_cache, slot_bytes, self.p.slots, ROWS, row)
         self.op(f"{name} attention", self.attention.flock_cpu_cascade_op,
                 ctypes.addressof(self.p.steps[attn.window]), k_cache, v_cache)
 

@@ -342,24 +342,25 @@ def test_an_unknown_isa_is_a_clear_error(monkeypatch):
         make_backend("cpu", tb.config(4, 2), torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch, dtype, kind, drafts):
+def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch, dtype, kind, drafts, kv):
     """The kernel inside the engine (prefix caching, chunked prefills, decodes, groups; the last layer's plan
     for the sampled rows alone, with speculative drafts a row after each draft too; Mistral's 12-token sliding
-    window): every layer's output is within the bf16 bound (fp32: 1e-5) of exact attention on the same inputs, on
-    every row it plans."""
+    window; an fp8 cache): every layer's output is within the bf16 bound (fp32: 1e-5) of exact attention on the
+    same inputs (over what the cache holds), on every row it plans."""
     from tests.engine.test_parity import shared_prefix_prompts
 
     from flock import LLM, SamplingParams
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(str(hf_folders[kind]), dtype=str(dtype).removeprefix("torch."), attention="cpu", block_size=4,
-              max_num_batched_tokens=48, speculative_config=spec if drafts else None)
+              max_num_batched_tokens=48, speculative_config=spec if drafts else None, kv_cache_dtype=kv)
     backend = llm.engine.runner.backend
     exact = TorchCascadeBackend(backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.sliding_window,
-                                torch.float64)
+                                torch.float64, kv_dtype=None if kv == "auto" else llm.engine.runner.kv_dtype)
     forward, build = backend.forward, backend.build_metadata
     seen = {"calls": 0, "grouped": 0, "prefill": 0, "fresh": 0, "sampled_only": 0, "draft_rows": 0, "error": 0.0}
 
@@ -371,8 +372,8 @@ def test_every_attention_call_of_an_engine_run_is_exact(hf_folders, monkeypatch,
         assert isinstance(meta, CpuMetadata)
         out = forward(q, k, v, k_cache, v_cache, meta)  # writes k, v into the caches first
         layout = seen["layout"]
-        ref = exact.forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
-                            exact.build_metadata(layout))
+        caches = (k_cache.double(), v_cache.double()) if kv == "auto" else (k_cache.clone(), v_cache.clone())
+        ref = exact.forward(q.double(), k.double(), v.double(), *caches, exact.build_metadata(layout))
         rows = torch.from_numpy(np.unique(meta.tokens.numpy())).long()  # all, or the sampled rows' plan
         seen["sampled_only"] += len(rows) < len(q)
         seen["draft_rows"] += len(rows) < len(q) and layout.sample_counts is not None

@@ -68,6 +68,20 @@ def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch
     assert generate(plain, prompts) == with_program
 
 
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_program_writes_and_reads_fp8_caches_as_the_layers_do(gguf_models, kv, dtype, monkeypatch):
+    """An fp8 KV cache: the program's quantizing KV write and the kernel over fp8 rows give the layers' bits."""
+    llm, plain = (LLM(str(gguf_models["Q8_0"]), dtype=dtype, quantization="gguf", kv_cache_memory_bytes=1 << 22,
+                      kv_cache_dtype=kv) for _ in range(2))
+    plain.engine.runner.model.step_program = None
+    prompts = shared_prefix_prompts(seed=12)
+    runs = counting(monkeypatch)
+    with_program = generate(llm, prompts)
+    assert runs and max(runs) > 1
+    assert generate(plain, prompts) == with_program
+
+
 def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
     """With op_seconds set, a step runs flock_run_program_timed: the same tokens, and a time for each kind of op."""
     llm, plain = (LLM(str(gguf_models["Q4_1 with qkv bias"]), dtype="float32", quantization="gguf",

@@ -4,7 +4,8 @@
 //   avx512bf16: AVX-512 with vdpbf16ps: bf16 inputs multiply as bf16 pairs (QK^T and PV), softmax in fp32;
 //   avx512    : AVX-512F, bf16 inputs converted to fp32;
 //   avx2      : AVX2 + FMA (the portable floor), 8 lanes.
-// fp32 inputs take the fp32 products on every path (weights P kept in fp32, a 1-ulp 2^x).
+// fp32 inputs take the fp32 products on every path (weights P kept in fp32, a 1-ulp 2^x). The caches hold the
+// inputs' dtype or fp8 rows (kv_fp8.h: codes and a scale a row), turned into values where a chunk is repacked.
 //
 // One call per layer. Work comes as segments (planned once per step in Python, see cpu.py):
 //   a set of query rows against one range of KV positions [kv_start, kv_end) through one block table, causal or
@@ -38,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp2_poly.h"
 
 #if defined(__AMX_BF16__) || (defined(FLOCK_EMULATED_AMX) && defined(__AVX2__))
@@ -79,6 +81,7 @@ typedef struct {
     int32_t bf16;                                   // inputs and output: 1 bf16, 0 fp32
     int32_t window;                                 // a causal row at position p sees (p - window, p] (0: all)
     float softcap;                                  // scaled scores x become softcap tanh(x / softcap) (0: none)
+    int32_t kv_format;                              // the caches' elements: KV_MODEL (q's dtype) or fp8 rows
 } Args;
 
 // ------------------------------------------------------------------------------------------------ vectors
@@ -99,6 +102,7 @@ static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
 static inline int any_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 static inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
@@ -114,6 +118,12 @@ static inline void store_bf16(bf16 *p, vf x) {  // round to nearest even
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(b));
+}
+static inline vf round_bf16(vf x) {  // to the nearest even bf16, kept as fp32
+    __m512i b = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
 }
 static inline vf exp2_int(vf t) {  // t rounded to an integer, and 2^(t - n) from the caller: see vexp2
     return _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -138,6 +148,7 @@ static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline float hmax(vf x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -163,6 +174,12 @@ static inline void store_bf16(bf16 *p, vf x) {
     b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+static inline vf round_bf16(vf x) {
+    __m256i b = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
 }
 static inline vf exp2_int(vf t) { return _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf scale2(vf p, vf n) {  // p * 2^n, n an integer in [-126, 127]
@@ -216,6 +233,8 @@ static inline __attribute__((always_inline)) vf vexp2(vf t, const int precise) {
     }
     return scale2(p, n);
 }
+
+#include "kv_fp8.h"
 
 // ------------------------------------------------------------------------------------------------ microkernel
 
@@ -388,8 +407,8 @@ typedef struct {
 
 // Positions off[0 .. n) of the cache, the unit's run of hb heads from each.
 static Prefetch prefetch_plan(const Args *a, const int64_t *off, int n, int hb) {
-    const int es = a->bf16 ? 2 : 4;
-    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * es;
+    const int es = a->kv_format != KV_MODEL ? 1 : a->bf16 ? 2 : 4;  // fp8 rows: codes, then the scale's 4 bytes
+    const int64_t bytes = ((int64_t)(hb - 1) * a->kv_stride_h + a->head_dim) * es + (es == 1 ? 4 : 0);
     return (Prefetch){a->k_cache, a->v_cache, es, off, n, 0, bytes, 0};
 }
 
@@ -417,9 +436,18 @@ INLINE vf load_row(const void *base, int64_t i, const int in_bf16) {
     return in_bf16 ? load_bf16((const bf16 *)base + i) : vload((const float *)base + i);
 }
 
+// Dims [d, d + W) of the cache row at element `row` as fp32 (an fp8 row's values rounded to bf16 for bf16 models,
+// as every path of theirs takes them).
+INLINE vf load_kv(const void *cache, int64_t row, int d, int D, const int kv, const int in_bf16) {
+    if (kv == KV_MODEL) return load_row(cache, row + d, in_bf16);
+    const uint8_t *r = (const uint8_t *)cache + row;
+    const vf x = fp8_load(r + d, kv == KV_E5M2, fp8_scale(r, D));
+    return in_bf16 ? round_bf16(x) : x;
+}
+
 // A chunk of the unit's heads as fp32, K^T transposed W x W at a time (positions past n are zeros), V rows
 // copied. Reads go position by position over the run of heads: whole blocks of the cache in address order.
-INLINE void repack(const Args *a, Packed p, const int64_t *off, int n, int hb, const int in_bf16) {
+INLINE void repack_kv(const Args *a, Packed p, const int64_t *off, int n, int hb, const int in_bf16, const int kv) {
     const int D = a->head_dim;
     const int64_t sh = a->kv_stride_h;
     for (int t0 = 0; t0 < n; t0 += W)
@@ -427,37 +455,47 @@ INLINE void repack(const Args *a, Packed p, const int64_t *off, int n, int hb, c
             for (int d0 = 0; d0 < D; d0 += W) {
                 vf x[W];
                 for (int i = 0; i < W; i++)
-                    x[i] = t0 + i < n ? load_row(a->k_cache, off[t0 + i] + h * sh + d0, in_bf16) : vzero();
+                    x[i] = t0 + i < n ? load_kv(a->k_cache, off[t0 + i] + h * sh, d0, D, kv, in_bf16) : vzero();
                 transpose_w(x);
                 for (int i = 0; i < W; i++) vstore(p.kt + h * CHUNK * D + (d0 + i) * CHUNK + t0, x[i]);
             }
     for (int t = 0; t < n; t++)
         for (int h = 0; h < hb; h++)
             for (int d0 = 0; d0 < D; d0 += W)
-                vstore(p.v + h * CHUNK * D + t * D + d0, load_row(a->v_cache, off[t] + h * sh + d0, in_bf16));
+                vstore(p.v + h * CHUNK * D + t * D + d0, load_kv(a->v_cache, off[t] + h * sh, d0, D, kv, in_bf16));
+}
+
+INLINE void repack(const Args *a, Packed p, const int64_t *off, int n, int hb, const int in_bf16) {
+    switch (a->kv_format) {
+        case KV_E4M3: repack_kv(a, p, off, n, hb, in_bf16, KV_E4M3); return;
+        case KV_E5M2: repack_kv(a, p, off, n, hb, in_bf16, KV_E5M2); return;
+        default: repack_kv(a, p, off, n, hb, in_bf16, KV_MODEL); return;
+    }
 }
 
 #if defined(__AVX512BF16__)
-static const bf16 ZERO_ROW[MAX_D] __attribute__((aligned(64)));
+// Dims [d, d + nd) (nd 32 or 16) of the bf16 or fp8 cache row at element `row` as bf16, zeros past nd.
+INLINE __m512i kv_bf16(const void *cache, int64_t row, int d, int nd, int D, const int kv) {
+    if (kv == KV_MODEL) return _mm512_maskz_loadu_epi16(nd == 32 ? 0xffffffffu : 0xffffu, (const bf16 *)cache + row + d);
+    const uint8_t *r = (const uint8_t *)cache + row;
+    return fp8_load_bf16(r + d, nd, kv == KV_E5M2, fp8_scale(r, D));
+}
 
 // A bf16 chunk of the unit's heads as pairs: K^T as [dim pair][position] (16 x 16 transposes of 32-bit pairs),
 // V as [position pair][dim][2] (two rows interleaved); positions past n are zeros. Reads as in repack().
-static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int hb) {
+INLINE void repack_pairs_kv(const Args *a, Packed p, const int64_t *off, int n, int hb, const int kv) {
     const int D = a->head_dim;
     const int64_t sh = a->kv_stride_h;
-    const bf16 *kc = a->k_cache, *vc = a->v_cache;
     for (int t0 = 0; t0 < n; t0 += 16)
         for (int h = 0; h < hb; h++) {
             int32_t *kt = (int32_t *)p.kt + h * CHUNK * D;
             for (int d0 = 0; d0 < D; d0 += 32) {
-                const int np = D - d0 >= 32 ? 16 : 8;  // dim pairs in this block (head_dim is a multiple of 16)
-                const __mmask16 mask = np == 16 ? 0xffff : 0x00ff;
+                const int nd = D - d0 >= 32 ? 32 : 16;  // dims in this block (head_dim is a multiple of 16)
                 __m512i x[16];
                 for (int i = 0; i < 16; i++)
-                    x[i] = t0 + i < n ? _mm512_maskz_loadu_epi32(mask, kc + off[t0 + i] + h * sh + d0)
-                                      : _mm512_setzero_si512();
+                    x[i] = t0 + i < n ? kv_bf16(a->k_cache, off[t0 + i] + h * sh, d0, nd, D, kv) : _mm512_setzero_si512();
                 transpose16(x);
-                for (int i = 0; i < np; i++) _mm512_storeu_si512(kt + (d0 / 2 + i) * CHUNK + t0, x[i]);
+                for (int i = 0; i < nd / 2; i++) _mm512_storeu_si512(kt + (d0 / 2 + i) * CHUNK + t0, x[i]);
             }
         }
     // element 2j: dim j of the first row, 2j + 1: of the second (+32: the second source)
@@ -466,34 +504,46 @@ static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int t = 0; t < n; t += 2)
         for (int h = 0; h < hb; h++) {
-            const bf16 *r0 = vc + off[t] + h * sh, *r1 = t + 1 < n ? vc + off[t + 1] + h * sh : ZERO_ROW;
             int32_t *dst = (int32_t *)p.v + h * CHUNK * D + (t / 2) * D;
             for (int d0 = 0; d0 < D; d0 += 32) {
-                const __mmask32 mask = D - d0 >= 32 ? 0xffffffffu : 0xffffu;
-                __m512i a0 = _mm512_maskz_loadu_epi16(mask, r0 + d0), a1 = _mm512_maskz_loadu_epi16(mask, r1 + d0);
+                const int nd = D - d0 >= 32 ? 32 : 16;
+                const __m512i a0 = kv_bf16(a->v_cache, off[t] + h * sh, d0, nd, D, kv);
+                const __m512i a1 = t + 1 < n ? kv_bf16(a->v_cache, off[t + 1] + h * sh, d0, nd, D, kv) : _mm512_setzero_si512();
                 _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(a0, lo, a1));
-                if (D - d0 >= 32) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(a0, hi, a1));
+                if (nd == 32) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(a0, hi, a1));
             }
         }
 }
 #elif defined(AMX_TILES)
+// Dim d of the cache row at element `row`, as bf16.
+static inline bf16 kv_dim(const void *cache, int64_t row, int d, int D, const int kv) {
+    if (kv == KV_MODEL) return ((const bf16 *)cache)[row + d];
+    const uint8_t *r = (const uint8_t *)cache + row;
+    return f32_to_bf16(fp8_value(r[d], kv == KV_E5M2) * fp8_scale(r, D));
+}
+
 // The same layouts in portable C (the emulated AMX build, on AVX2).
-static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int hb) {
+INLINE void repack_pairs_kv(const Args *a, Packed p, const int64_t *off, int n, int hb, const int kv) {
     const int D = a->head_dim;
-    const bf16 *kc = a->k_cache, *vc = a->v_cache;
     for (int h = 0; h < hb; h++) {
-        int32_t *kt = (int32_t *)p.kt + h * CHUNK * D;
+        bf16 *kt = (bf16 *)((int32_t *)p.kt + h * CHUNK * D);
         bf16 *v = (bf16 *)((int32_t *)p.v + h * CHUNK * D);
         for (int t = 0; t < (n + 15) / 16 * 16; t++) {
             const int64_t at = off[t < n ? t : 0] + h * a->kv_stride_h;  // past n: a row read, zeros written
-            const bf16 *k = kc + at, *vr = vc + at;
-            for (int d = 0; d < D; d += 2) {
-                int32_t pair;
-                memcpy(&pair, k + d, 4);
-                kt[d / 2 * CHUNK + t] = t < n ? pair : 0;
+            for (int d = 0; d < D; d++) {
+                kt[(d / 2 * CHUNK + t) * 2 + d % 2] = t < n ? kv_dim(a->k_cache, at, d, D, kv) : 0;
+                v[(t / 2) * 2 * D + 2 * d + t % 2] = t < n ? kv_dim(a->v_cache, at, d, D, kv) : 0;
             }
-            for (int d = 0; d < D; d++) v[(t / 2) * 2 * D + 2 * d + t % 2] = t < n ? vr[d] : 0;
         }
+    }
+}
+#endif
+#if defined(__AVX512BF16__) || defined(AMX_TILES)
+static void repack_pairs(const Args *a, Packed p, const int64_t *off, int n, int hb) {
+    switch (a->kv_format) {
+        case KV_E4M3: repack_pairs_kv(a, p, off, n, hb, KV_E4M3); return;
+        case KV_E5M2: repack_pairs_kv(a, p, off, n, hb, KV_E5M2); return;
+        default: repack_pairs_kv(a, p, off, n, hb, KV_MODEL); return;
     }
 }
 #else  // never called: the pairs format needs vdpbf16ps or AMX
@@ -803,7 +853,8 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     int64_t kv0, kv1;
     kv_range(a, u, &kv0, &kv1);
     int buf = 0;
-    const int direct = pairs && nrows <= DIRECT_ROWS;
+    // (fp8 rows are converted once a chunk by the repack: in place, each row's would be converted again per row)
+    const int direct = pairs && nrows <= DIRECT_ROWS && a->kv_format == KV_MODEL;
     // a direct unit reads K and V rows in place through its own row offsets, also in a segment packed once
     const int packed_once = u->shared != NULL && !direct;
     if (kv0 < kv1 && !packed_once) {
@@ -1133,6 +1184,33 @@ void flock_cpu_write_kv(const char *k, int64_t k_stride, const char *v, int64_t 
 int32_t flock_cpu_write_kv_op(const int64_t *a) {
     flock_cpu_write_kv((const char *)(intptr_t)a[0], a[1], (const char *)(intptr_t)a[2], a[3], (char *)(intptr_t)a[4],
                        (char *)(intptr_t)a[5], a[6], (const int64_t *)(intptr_t)a[7], a[8], a[9]);
+    return 0;
+}
+
+// The same into fp8 caches (kv_format KV_E4M3 or KV_E5M2): each of a token's `heads` rows of D values (bf16 or
+// fp32; strides in bytes) quantized to a row of D codes and its scale (see kv_fp8.h).
+void flock_cpu_write_kv_fp8(const char *k, int64_t k_stride, const char *v, int64_t v_stride, uint8_t *k_cache,
+                            uint8_t *v_cache, int64_t slot_bytes, const int64_t *slots, int64_t tokens, int32_t heads,
+                            int32_t D, int32_t in_bf16, int32_t kv_format) {
+    const int es = in_bf16 ? 2 : 4, e5m2 = kv_format == KV_E5M2;
+#pragma omp parallel for schedule(static) if (tokens >= 256)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            const int64_t at = slots[t] * slot_bytes + (int64_t)h * (D + 4);
+            if (e5m2) {
+                fp8_row(k_cache + at, k + t * k_stride + (int64_t)h * D * es, D, in_bf16, 1);
+                fp8_row(v_cache + at, v + t * v_stride + (int64_t)h * D * es, D, in_bf16, 1);
+            } else {
+                fp8_row(k_cache + at, k + t * k_stride + (int64_t)h * D * es, D, in_bf16, 0);
+                fp8_row(v_cache + at, v + t * v_stride + (int64_t)h * D * es, D, in_bf16, 0);
+            }
+        }
+}
+
+int32_t flock_cpu_write_kv_fp8_op(const int64_t *a) {
+    flock_cpu_write_kv_fp8((const char *)(intptr_t)a[0], a[1], (const char *)(intptr_t)a[2], a[3],
+                           (uint8_t *)(intptr_t)a[4], (uint8_t *)(intptr_t)a[5], a[6], (const int64_t *)(intptr_t)a[7],
+                           a[8], (int32_t)a[9], (int32_t)a[10], (int32_t)a[11], (int32_t)a[12]);
     return 0;
 }
 
