@@ -3,6 +3,7 @@
     python -m bench.engine_speed --workload shared --vllm-venv V                 # mid, 4 x 16 x (1000 + 100)
     python -m bench.engine_speed --workload unshared                                # mid, 64 x 1100
     python -m bench.engine_speed --workload kv-pressure                             # bench-kv, 1 GiB of KV each
+    python -m bench.engine_speed --workload kv-pressure --kv-cache-dtype fp8        # ... both engines' KV in fp8
     python -m bench.engine_speed --workload kv-sweep --kv-fractions 0.25,0.5        # part of the sweep, then
     python -m bench.engine_speed --workload kv-sweep --kv-fractions 1,2 --plot-only # ... the rest; the plot
     python -m bench.engine_speed --model flock/smollm2 --workload shared         # a built-in or any HF folder
@@ -64,13 +65,13 @@ def flock_result(folder: Path, w: Workload, scheduler: str, args: argparse.Names
                  kv_bytes: int | None = None) -> Result:
     return run_flock(folder, w, f"Flock {scheduler}", warmup_prompts(args.seed, args.prefix + args.distinct),
                      scheduler=scheduler, attention=args.attention, max_num_batched_tokens=args.max_batched_tokens,
-                     kv_cache_memory_bytes=kv_bytes)
+                     kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def vllm_results(folder: Path, w: Workload, python: Path | str, args: argparse.Namespace,
                  kv_bytes: int | None = None) -> list[Result]:
     return vllm.run_batch(folder, [w], True, python, warmup=warmup_prompts(args.seed, args.prefix + args.distinct),
-                          out=args.out, timeout=args.vllm_timeout, kv_bytes=kv_bytes)
+                          out=args.out, timeout=args.vllm_timeout, kv_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype)
 
 
 # -- report ----------------------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def run_workload(name: str, python: Path | str | None, args: argparse.Namespace)
         budgets = [(None, None)]
     print(f"\n## {name}: {folder.name}, {len(w.prompts)} prompts, {w.prompt_tokens:,} prompt tokens, {w.gen} generated "
           f"each; best saving rate {w.bound:.1%}, block-level bound {bound_tokens:,} computed prompt tokens; "
-          f"KV the batch needs at once {need / 2**30:.2f} GiB; Flock attention: "
+          f"KV the batch needs at once {need / 2**30:.2f} GiB (bf16); KV cache {args.kv_cache_dtype}; Flock attention: "
           f"{machine.attention_path(args.attention, folder)}", flush=True)
     report = []
     for fraction, kv in budgets:
@@ -205,6 +206,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gib", type=float, default=1.0, help="KV budget of both engines under kv-pressure")
+    p.add_argument("--kv-cache-dtype", default="auto", help="both engines' KV cache elements: auto, fp8, fp8_e5m2")
     p.add_argument("--kv-fractions", default="0.25,0.5,1,2", help="kv-sweep budgets, fractions of the need")
     p.add_argument("--plot-only", action="store_true", help="kv-sweep: plot the accumulated points, run nothing")
     p.add_argument("--attention", default="auto", help="Flock's attention backend")

@@ -94,7 +94,8 @@ def run_child(child: Path, job: dict, name: str, args) -> dict | str:
 
 
 def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Path | str, *, warmup: list[list[int]],
-              out: Path, timeout: float, kv_bytes: int | None = None, max_model_len: int = 2048) -> list[Result]:
+              out: Path, timeout: float, kv_bytes: int | None = None, max_model_len: int = 2048,
+              kv_cache_dtype: str = "auto") -> list[Result]:
     """The workloads through vLLM in one child process (vLLM fixes prefix caching and its KV budget at
     start-up), its prefix cache reset between them; `python` may be why vLLM is unavailable. `kv_bytes`:
     its KV cache size (default: VLLM_CPU_KVCACHE_SPACE, 4 GiB). Start-up is in extra, not in wall_s."""
@@ -102,12 +103,14 @@ def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Pa
         return [Result(VLLM_ENGINE, caching, error=f"unavailable: {python}") for _ in workloads]
     gen = workloads[0].gen
     try:
-        tag = f"{folder.name}-{'on' if caching else 'off'}" + (f"-kv{kv_bytes}" if kv_bytes else "")
+        tag = (f"{folder.name}-{'on' if caching else 'off'}" + (f"-kv{kv_bytes}" if kv_bytes else "")
+               + (f"-{kv_cache_dtype}" if kv_cache_dtype != "auto" else ""))
         job, result, log = (out / f"vllm-{tag}.{ext}" for ext in ("job.json", "result.json", "log"))
         result.unlink(missing_ok=True)
         job.write_text(json.dumps({
             "model": str(folder), "prefix_caching": caching, "gen": gen, "max_model_len": max_model_len,
-            "kv_cache_memory_bytes": kv_bytes, "warmup": warmup, "workloads": {w.name: w.prompts for w in workloads}}))
+            "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype, "warmup": warmup,
+            "workloads": {w.name: w.prompts for w in workloads}}))
         env = vllm_env()
         if kv_bytes:  # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes
             env.pop("VLLM_CPU_KVCACHE_SPACE")

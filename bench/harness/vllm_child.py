@@ -3,7 +3,7 @@
 usage: python vllm_child.py JOB.json RESULT.json
 
 JOB: {"model", "prefix_caching", "gen", "max_model_len", "kv_cache_memory_bytes" (null: VLLM_CPU_KVCACHE_SPACE),
-"warmup": [[ids]], "workloads": {name: [[ids]]}}
+"kv_cache_dtype" (default auto), "warmup": [[ids]], "workloads": {name: [[ids]]}}
 RESULT: {"vllm_version", "startup_s", "workloads": {name: {"wall_s", "prompt_tokens", "generated_tokens",
 "cached_tokens", "output_token_ids", "metrics"}}}; metrics: vLLM's counters and histogram counts / sums over the
 workload (e.g. "vllm:num_preemptions", "vllm:iteration_tokens_total:count" = engine steps).
@@ -32,6 +32,7 @@ def main(job_path: str, result_path: str) -> None:
         enable_prefix_caching=job["prefix_caching"],
         seed=0,
         disable_log_stats=False,  # keeps the metrics
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
         **({"kv_cache_memory_bytes": job["kv_cache_memory_bytes"]} if job.get("kv_cache_memory_bytes") else {}),
     )
     startup_s = time.perf_counter() - t0
