@@ -50,36 +50,35 @@ def counting(monkeypatch) -> list[int]:
     return runs
 
 
+def assert_the_layers_bits(monkeypatch, model, seed: int, **engine) -> LLM:
+    """Two engines of `model`: the one with the step program (returned) gives the tokens and logprobs of the one
+    without, exactly, on a shared-prefix batch whose decode steps the program runs with a growing row count."""
+    llm, plain = (LLM(str(model), kv_cache_memory_bytes=1 << 22, **engine) for _ in range(2))
+    plain.engine.runner.model.step_program = None  # (a second run of one engine would hit its prefix cache)
+    prompts = shared_prefix_prompts(seed=seed)
+    runs = counting(monkeypatch)
+    with_program = generate(llm, prompts)
+    assert runs and max(runs) > 1
+    assert generate(plain, prompts) == with_program
+    return llm
+
+
 # a float32 mixture's router runs on oneDNN, outside the program (test_where_the_program_cannot_run)
 @pytest.mark.parametrize("case, dtype", [(case, dtype) for case in CASES for dtype in ("float32", "bfloat16")
                                          if "MoE" not in case or dtype == "bfloat16"])
 def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch):
     """Same tokens and logprobs, exactly, with the program and without, on shared-prefix batches whose decode
     steps have cascade segments, merges and a growing row count."""
-    llm, plain = (LLM(str(gguf_models[case]), dtype=dtype, quantization="gguf", kv_cache_memory_bytes=1 << 22)
-                  for _ in range(2))
-    assert llm.engine.runner.model.step_program is not None and "quantized" in llm.engine.runner.paths
+    llm = assert_the_layers_bits(monkeypatch, gguf_models[case], 11, dtype=dtype, quantization="gguf")
+    assert "quantized" in llm.engine.runner.paths
     assert llm.engine.runner.paths["step"] == "decode steps' layers in one C call"
-    plain.engine.runner.model.step_program = None  # (a second run of one engine would hit its prefix cache)
-    prompts = shared_prefix_prompts(seed=11)
-    runs = counting(monkeypatch)
-    with_program = generate(llm, prompts)
-    assert runs and max(runs) > 1
-    assert generate(plain, prompts) == with_program
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_program_writes_and_reads_fp8_caches_as_the_layers_do(gguf_models, kv, dtype, monkeypatch):
     """An fp8 KV cache: the program's quantizing KV write and the kernel over fp8 rows give the layers' bits."""
-    llm, plain = (LLM(str(gguf_models["Q8_0"]), dtype=dtype, quantization="gguf", kv_cache_memory_bytes=1 << 22,
-                      kv_cache_dtype=kv) for _ in range(2))
-    plain.engine.runner.model.step_program = None
-    prompts = shared_prefix_prompts(seed=12)
-    runs = counting(monkeypatch)
-    with_program = generate(llm, prompts)
-    assert runs and max(runs) > 1
-    assert generate(plain, prompts) == with_program
+    assert_the_layers_bits(monkeypatch, gguf_models["Q8_0"], 12, dtype=dtype, quantization="gguf", kv_cache_dtype=kv)
 
 
 def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
@@ -110,14 +109,8 @@ BF16_GEMMS = [p for p in dict.fromkeys([gemm.isa(), "avx512bf16"])
                                   "gemma3", "phi3_partial", "granite"])
 def test_bf16_weights_run_on_the_bf16_gemm_with_the_layers_bits(hf_folders, kind, path, monkeypatch):
     monkeypatch.setattr(gemm, "isa", lambda: path)
-    llm, plain = (LLM(str(hf_folders[kind]), dtype="bfloat16", kv_cache_memory_bytes=1 << 22) for _ in range(2))
-    assert llm.engine.runner.model.step_program is not None and f"({path})" in llm.engine.runner.paths["gemm"]
-    plain.engine.runner.model.step_program = None
-    prompts = shared_prefix_prompts(seed=13)
-    runs = counting(monkeypatch)
-    with_program = generate(llm, prompts)
-    assert runs and max(runs) > 1
-    assert generate(plain, prompts) == with_program
+    llm = assert_the_layers_bits(monkeypatch, hf_folders[kind], 13, dtype="bfloat16")
+    assert f"({path})" in llm.engine.runner.paths["gemm"]
 
 
 def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
