@@ -44,6 +44,7 @@ from bench.harness.offline import (BLOCK, Result, Workload, block_bound_tokens, 
                                    kv_bytes_per_token, run_flock, shared_workload, unshared_workload, warmup_prompts)
 from bench.harness.report import OUT, args_dict, fmt, markdown_table, pyplot, save_figure, write_json
 from flock.engine.runner import resolve_device
+from flock.kv.fp8 import KV_CACHE_DTYPES
 
 MODELS = {"tiny": "flock/bench-tiny", "mid": "flock/bench-mid", "kv": "flock/bench-kv", "qwen3": "flock/bench-qwen3",
           "phi3": "flock/bench-phi3", "gemma2": "flock/bench-gemma2", "gemma3": "flock/bench-gemma3",
@@ -206,7 +207,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gib", type=float, default=1.0, help="KV budget of both engines under kv-pressure")
-    p.add_argument("--kv-cache-dtype", default="auto", help="both engines' KV cache elements: auto, fp8, fp8_e5m2")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="both engines' KV cache elements")
     p.add_argument("--kv-fractions", default="0.25,0.5,1,2", help="kv-sweep budgets, fractions of the need")
     p.add_argument("--plot-only", action="store_true", help="kv-sweep: plot the accumulated points, run nothing")
     p.add_argument("--attention", default="auto", help="Flock's attention backend")
