@@ -30,6 +30,7 @@ from bench.gguf_perplexity import stdlib_text
 from bench.harness import machine, vllm
 from bench.harness.gguf_models import smollm2_folder
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.timing import median_time, timed
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.kv import fp8
@@ -92,9 +93,7 @@ def shape_cells(args, shape: str) -> list[dict]:
         for _ in range(args.repeats):
             for label, (backend, meta, k_cache, v_cache) in runs.items():  # in turn: load falls on all alike
                 flush.add_(1)
-                t = time.perf_counter()
-                backend.forward(q, k, v, k_cache, v_cache, meta)
-                times[label].append(time.perf_counter() - t)
+                times[label].append(timed(lambda: backend.forward(q, k, v, k_cache, v_cache, meta)))
         for label, dtype in DTYPES.items():
             t = statistics.median(times[label])
             b = read_bytes(requests, degree, prefix, tail, new, kv_heads, dtype)
@@ -117,19 +116,9 @@ def write_cells(args) -> list[dict]:
     rows = []
     for label, dtype in DTYPES.items():
         caches = [torch.zeros(tokens * 2 // BS, BS, KV_HEADS, fp8.row_width(DIM, dtype), dtype=dtype) for _ in range(2)]
-        t = statistics.median(timed(lambda: backend._write_kv(k, v, *caches, slots), args.repeats))
+        t = median_time(lambda: backend._write_kv(k, v, *caches, slots), args.repeats)
         rows.append({"cell": f"KV write, {tokens:,} tokens", "kv": label, "ms": t * 1e3})
     return rows
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 # -- quality -------------------------------------------------------------------------------------------------------

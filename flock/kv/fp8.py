@@ -19,12 +19,8 @@ SCALE_BYTES = 4
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The caches' element type: the model's for "auto", else the fp8 format."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in FP8:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return FP8[kv_cache_dtype]
+    """The caches' element type: the model's for "auto", else the fp8 format (EngineConfig checked the name)."""
+    return model_dtype if kv_cache_dtype == "auto" else FP8[kv_cache_dtype]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
