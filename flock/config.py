@@ -6,7 +6,7 @@ from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
-QUANTIZATION = ("auto", "gguf", "none", "q8_0", "q4_0")  # see flock.model.quant
+QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "none", "q8_0", "q4_0")  # flock.model.quant, hf_quant
 
 
 def option(default, help: str, **cli):
@@ -32,11 +32,12 @@ class EngineConfig:
     dtype: str = option("auto", "auto (the model's; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or "
                         "float64 (float16 runs as bfloat16 on CPU)")
     load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")
-    quantization: str = option("auto", "auto: a GGUF file's quantized weights stay in their blocks and run on int8 "
-                               "kernels, but for float64 models, GPUs, and small models on CPUs with AMX (under 1 "
-                               "GiB as bf16: Flock's AMX GEMM runs batches faster); gguf: keep the blocks wherever "
-                               "the kernels run; none: dequantize every weight at load; q8_0 or q4_0: also quantize "
-                               "float weights to that type at load",
+    quantization: str = option("auto", "auto: a GGUF file's quantized weights, or a Hugging Face folder's GPTQ, AWQ "
+                               "or compressed-tensors integers, stay quantized and run on int8 kernels, but for "
+                               "float64 models, GPUs, and small models on CPUs with AMX (under 1 GiB as bf16: "
+                               "Flock's AMX GEMM runs batches faster); gguf, gptq, awq or compressed-tensors: the "
+                               "checkpoint's method, kept wherever the kernels run; none: dequantize every weight at "
+                               "load; q8_0 or q4_0: also quantize float weights to that type at load",
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")

@@ -12,7 +12,7 @@ import torch
 
 from flock import native
 from flock.attention.base import AttentionBackend
-from flock.model import fused_ops, gemm, gguf_table, linear, quant
+from flock.model import fused_ops, gemm, gguf_table, hf_quant, linear, quant
 from flock.model.builtin import BUILTIN_MODELS, WHEEL_MODELS, is_builtin, materialize
 from flock.model.config import ModelConfig
 from flock.model.gguf import (
@@ -134,19 +134,23 @@ def build_model(
     if load_format not in allowed:
         raise ValueError(f"load_format {load_format!r} is not supported for {resolved.tokenizer_path} "
                          f"(auto, {', '.join(allowed)})")
+    scheme = checkpoint_scheme(resolved, load_format, quantization)
     why = quant.unavailable(dtype, device) if quantization != "none" else None
     if why and quantization != "auto":
         raise ValueError(f"quantization={quantization!r}: {why}")
     with torch.device("meta"):
         model = LlamaForCausalLM(resolved.config, backend)
-    if quantization == "auto" and not why and resolved.gguf:
+    quantized = load_format == "gguf" or scheme is not None
+    if quantization == "auto" and not why and quantized:
         why = quant.blocks_lose(dtype, sum(p.numel() for p in model.parameters()) * dtype.itemsize)
-    keep_blocks = load_format == "gguf" and quantization != "none" and not why
-    in_blocks = quantized_layers(model, resolved.gguf) if keep_blocks else {}
+    in_blocks = {}
+    if quantized and quantization != "none" and not why:
+        in_blocks = (quantized_layers(model, resolved.gguf) if load_format == "gguf"
+                     else hf_quant.quantized_layers(model, resolved.folder, scheme))
     for name in in_blocks:  # never allocated as floats
         model.get_submodule(name).weight.data = torch.empty(0, device="meta")
-    if why and resolved.gguf:
-        log.info("%s: the weights are dequantized (%s)", resolved.gguf.path.name, why)
+    if why and quantized:
+        log.info("%s: the weights are dequantized (%s)", resolved.tokenizer_path.name, why)
     model.to(dtype)  # on the meta device: the weights are then allocated once, in their dtype
     allocate(model, device)
     model.finish_init(max_positions, dtype, device)
@@ -156,10 +160,22 @@ def build_model(
         elif load_format == "gguf":
             load_gguf_weights(model, resolved.gguf, in_blocks)
         else:
-            load_safetensors(model, resolved.folder)
+            load_safetensors(model, resolved.folder, scheme, in_blocks)
         if quantization in quant.LOAD_TYPES:
             quantize_float_layers(model, quantization)
     return model.eval()
+
+
+def checkpoint_scheme(resolved: ResolvedModel, load_format: str, quantization: str) -> "hf_quant.Scheme | None":
+    """The packing of a Hugging Face folder's integer weights (None: floats, a GGUF file or random weights); a
+    quantization method named in `quantization` must be the checkpoint's."""
+    config = resolved.config.quantization if load_format == "safetensors" else None
+    scheme = hf_quant.scheme_of(config) if config else None
+    found = "gguf" if load_format == "gguf" else scheme.method if scheme else None
+    if quantization in ("gguf", *hf_quant.METHODS) and quantization != found:
+        raise ValueError(f"quantization={quantization!r}, but {resolved.tokenizer_path} holds "
+                         + (f"{found} weights" if found else "no quantized weights"))
+    return scheme
 
 
 def allocate(model: torch.nn.Module, device: torch.device) -> None:

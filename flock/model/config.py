@@ -83,6 +83,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] | None = None
     local_rope_theta: float | None = None
     torch_dtype: str | None = None
+    quantization: dict | None = None  # quantization_config: the checkpoint's packed integer weights (hf_quant)
     eos_token_id: list[int] = field(default_factory=list)
 
     def layer_window(self, layer: int) -> int | None:
@@ -101,6 +102,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         multimodal = d.get("model_type") in VISION_LANGUAGE_TYPES and "text_config" in d
+        quantization = d.get("quantization_config") or d.get("compression_config")
         image_token_id = d.get("image_token_id", d.get("image_token_index")) if multimodal else None
         if multimodal:
             d = cls._text_config(d)
@@ -160,6 +162,7 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             local_rope_theta=local_theta,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            quantization=quantization,
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 

@@ -339,23 +339,15 @@ def _file_dtype(reader) -> str:
 def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
     """The projections and the embedding whose every part the file stores in a type the int8 kernels take:
     module name -> its GGUF tensor names in row order. `load_gguf_weights` keeps them quantized."""
-    from flock.model.linear import Embedding, Linear
-    from flock.model.loader import hf_tensor_slots
+    from flock.model.loader import hf_tensor_slots, layer_parts
     from flock.model.quant import TYPE_NAMES
 
     slots = hf_tensor_slots(model)
     names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
-    modules = dict(model.named_modules())
-    layer_of = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()
-                if name.endswith(".weight") and isinstance(modules[name.removesuffix(".weight")], (Linear, Embedding))}
     tensors = {names[t.name]: t for t in ckpt.tensors if t.name in names}
-    layers: dict[str, list] = {}
-    for hf_name, slot in slots.items():
-        if id(slot.param) in layer_of:
-            layers.setdefault(layer_of[id(slot.param)], []).append((slot.offset, slot.rows, tensors.get(hf_name)))
-    return {layer: [t.name for _, _, t in sorted(parts, key=lambda part: part[0])] for layer, parts in layers.items()
-            if all(t is not None and int(t.tensor_type) in TYPE_NAMES and t.data.shape[0] == rows
-                   for _, rows, t in parts)}
+    return {layer: [tensors[p].name for p in parts] for layer, parts in layer_parts(model, slots).items()
+            if all(p in tensors and int(tensors[p].tensor_type) in TYPE_NAMES
+                   and tensors[p].data.shape[0] == slots[p].rows for p in parts)}
 
 
 def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str]] | None = None) -> None:

@@ -1,14 +1,19 @@
 """Weights in and out of Hugging Face folders: safetensors (single or sharded) and random ("dummy")."""
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flock.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from flock.model.hf_quant import Scheme
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # a multimodal checkpoint's text decoder, as its layouts name it (older files, transformers 5's, Idefics3's), and the
@@ -40,14 +45,31 @@ def hf_tensor_slots(model: LlamaForCausalLM) -> dict[str, TensorSlot]:
         hf_name = name if name.startswith("lm_head.") else f"model.{name}"
         module_name, _, kind = name.rpartition(".")
         fused = module_name.rsplit(".", 1)[-1]
+        # a weight kept quantized has no float rows: its layer's outputs count
+        rows = getattr(model.get_submodule(module_name), "out_features", None) if kind == "weight" else None
+        rows = rows or param.shape[0]
         if fused not in model.packed_modules or model.config.model_type in FUSED_CHECKPOINTS:
-            slots[_renamed(hf_name, renames)] = TensorSlot(param, 0, param.shape[0])
+            slots[_renamed(hf_name, renames)] = TensorSlot(param, 0, rows)
             continue
         offset = 0
-        for part, rows in zip(model.packed_modules[fused], _fused_rows(model, param, fused)):
+        for part, rows in zip(model.packed_modules[fused], _fused_rows(model, rows, fused)):
             slots[_renamed(hf_name.replace(f".{fused}.", f".{part}."), renames)] = TensorSlot(param, offset, rows)
             offset += rows
     return slots
+
+
+def layer_parts(model: LlamaForCausalLM, slots: dict[str, TensorSlot]) -> dict[str, list[str]]:
+    """Each projection (and embedding) -> the Hugging Face names of its weight's parts, in row order (q, k, v)."""
+    from flock.model.linear import Embedding, Linear
+
+    modules = dict(model.named_modules())
+    layer_of = {id(p): name.removesuffix(".weight") for name, p in model.named_parameters()
+                if name.endswith(".weight") and isinstance(modules[name.removesuffix(".weight")], (Linear, Embedding))}
+    layers: dict[str, list[tuple[int, str]]] = {}
+    for hf_name, slot in slots.items():
+        if id(slot.param) in layer_of:
+            layers.setdefault(layer_of[id(slot.param)], []).append((slot.offset, hf_name))
+    return {layer: [name for _, name in sorted(parts)] for layer, parts in layers.items()}
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
@@ -56,12 +78,12 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def _fused_rows(model: LlamaForCausalLM, param: torch.nn.Parameter, fused: str) -> list[int]:
+def _fused_rows(model: LlamaForCausalLM, rows: int, fused: str) -> list[int]:
     c = model.config
     if fused == "qkv_proj":
         kv = c.num_key_value_heads * c.head_dim
         return [c.num_attention_heads * c.head_dim, kv, kv]
-    return [param.shape[0] // 2] * 2  # gate and up (an expert's, a shared expert's, or the MLP's)
+    return [rows // 2] * 2  # gate and up (an expert's, a shared expert's, or the MLP's)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -72,12 +94,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
+def load_safetensors(model: LlamaForCausalLM, folder: Path, scheme: "Scheme | None" = None,
+                     in_blocks: Collection[str] = ()) -> None:
+    """Load a folder's tensors into `model`; with a quantization `scheme` (flock.model.hf_quant) the packed
+    projections of `in_blocks` stay quantized, the others are dequantized."""
+    from flock.model import hf_quant
+
     files = safetensors_files(folder)
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files (use load_format='dummy' for random weights)")
     slots = hf_tensor_slots(model)
-    loaded = set()
+    loaded, packed, packed_names = set(), {}, scheme.names() if scheme else ()
     for file in files:
         if not file.exists():
             raise FileNotFoundError(f"{folder}: shard {file.name} named in the index is missing")
@@ -87,14 +114,23 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
                 if key is None or key.endswith(IGNORED_SUFFIXES) or (model.config.tie_word_embeddings
                                                                      and key == "lm_head.weight"):
                     continue
-                if key not in slots and model.config.base_model:  # Qwen3Model's
-                    key = f"model.{key}"
+                prefix, _, suffix = key.rpartition(".")
+                if suffix in packed_names and (suffix != "weight" or f.get_slice(name).get_dtype() == "I8"):
+                    packed.setdefault(_slot_name(f"{prefix}.weight", slots, model), {})[suffix] = f.get_tensor(name)
+                    continue
+                key = _slot_name(key, slots, model)
                 slot = slots.get(key)
                 if slot is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
                 copy_into(slot, f.get_tensor(name), name, file.name)
                 loaded.add(key)
+    if scheme:
+        loaded |= hf_quant.load_packed(model, slots, packed, scheme, in_blocks, folder.name)
     missing_tensors(slots, loaded, folder)
+
+
+def _slot_name(key: str, slots: dict[str, TensorSlot], model: LlamaForCausalLM) -> str:
+    return f"model.{key}" if key not in slots and model.config.base_model else key  # Qwen3Model's
 
 
 def text_decoder_name(name: str) -> str | None:

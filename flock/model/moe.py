@@ -77,8 +77,9 @@ def _addresses(gate_ups: list[torch.Tensor], downs: list[torch.Tensor]) -> torch
 
 def quantized(gate_ups: list[QuantWeight], downs: list[QuantWeight], router: Router) -> Experts | None:
     """Quantized experts ([gate | up] and down weights, in expert order), or None where one call cannot take them:
-    a fused weight of two quant types, or experts of different types or layouts."""
-    if not all(quant.fuses_glu(w) and len(d.parts) == 1 for w, d in zip(gate_ups, downs)):
+    a fused weight of two quant types, experts of different types or layouts, or inputs in act-order."""
+    if not all(quant.fuses_glu(w) and len(d.parts) == 1 and w.order is None and d.order is None
+               for w, d in zip(gate_ups, downs)):
         return None
     gu, dn = [w.parts[0] for w in gate_ups], [w.parts[0] for w in downs]
     if any(len({(p.qtype, p.interleaved, p.blocks.shape) for p in parts}) > 1 for parts in (gu, dn)):

@@ -45,8 +45,11 @@ def unavailable(model) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if _mixture(mlp) and mlp.grouped is None:
             return "a mixture's experts are not in one C call (flock.model.moe)"
-        if any(p.qweight is None and p.pairs is None for p in (attn.qkv_proj, attn.o_proj, *_mlp_projections(mlp))):
+        projections = (attn.qkv_proj, attn.o_proj, *_mlp_projections(mlp))
+        if any(p.qweight is None and p.pairs is None for p in projections):
             return "a projection is neither quantized nor packed for Flock's bf16 GEMM"
+        if any(p.qweight is not None and p.qweight.order is not None for p in projections):
+            return "a projection gathers its inputs in act-order"
         if any(p.bias is not None for p in _mlp_projections(mlp)):
             return "an MLP has a bias"
         if not all(m.fused for m in layer.modules() if hasattr(m, "fused")):

@@ -143,9 +143,11 @@ class QuantTensor:
 
 @dataclass
 class QuantWeight:
-    """An [n, k] weight as quantized tensors stacked on rows; adjacent parts of one type are merged."""
+    """An [n, k] weight as quantized tensors stacked on rows; adjacent parts of one type are merged. `order`: the
+    input each column takes, where an act-order checkpoint's columns are sorted by group (flock.model.hf_quant)."""
 
     parts: list[QuantTensor]
+    order: torch.Tensor | None = None
 
     def __post_init__(self):
         merged = [self.parts[0]]
@@ -249,6 +251,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     if x.shape[-1] != weight.k:
         raise ValueError(f"activations of width {x.shape[-1]} for a weight of width {weight.k}")
     rows = x if flat else x.reshape(-1, weight.k)
+    if weight.order is not None:
+        rows = rows.index_select(1, weight.order)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n = weight.n // 2 if glu else weight.n
@@ -295,5 +299,6 @@ def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype =
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The whole [n, k] weight as floats."""
-    return dequantize_rows(weight, torch.arange(weight.n), dtype)
+    """The whole [n, k] weight as floats, its columns in the inputs' order."""
+    values = dequantize_rows(weight, torch.arange(weight.n), dtype)
+    return values if weight.order is None else values[:, torch.argsort(weight.order)]
