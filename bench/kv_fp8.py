@@ -141,10 +141,10 @@ def nll_of(chunks: list[list[int]], entries_of) -> tuple[float, int]:
     return nll, count
 
 
-def flock_perplexity(folder: Path, chunks: list[list[int]], kv: str) -> dict:
+def flock_perplexity(folder: Path, chunks: list[list[int]], kv: str = "auto", **engine) -> dict:
     from flock import LLM, SamplingParams
 
-    llm = LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv)
+    llm = LLM(str(folder), dtype="bfloat16", kv_cache_dtype=kv, **engine)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
                         SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)

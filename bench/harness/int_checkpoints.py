@@ -39,9 +39,10 @@ FORMATS = {
 }
 
 
-def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
+def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0,
+          reference: bool = True) -> dict[str, torch.Tensor]:
     """Write `src` (a float Hugging Face folder) quantized as FORMATS[kind] to `dst`, in one safetensors file;
-    return the float32 weight each quantized projection holds (the reference)."""
+    return the float32 weight each quantized projection holds (the reference; none unless `reference`)."""
     fmt = FORMATS[kind]
     _copy_folder(src, dst)
     tensors, held = _tensors(src), {}
@@ -58,7 +59,8 @@ def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0) 
         group_of = torch.empty(k, dtype=torch.int64)
         group_of[perm] = torch.arange(k) // size  # act-order: the groups take the inputs in a shuffled order
         q, zeros, scales = _round(w, group_of, k // size, fmt)
-        held[name] = (q.float() - zeros[:, group_of].float()) * scales[:, group_of].float()
+        if reference:
+            held[name] = (q.float() - zeros[:, group_of].float()) * scales[:, group_of].float()
         tensors.update({f"{prefix}.{s}": t for s, t in _packed(fmt, q, zeros, scales, group_of).items()})
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())

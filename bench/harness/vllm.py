@@ -86,11 +86,25 @@ def run_child(child: Path, job: dict, name: str, args) -> dict | str:
     result.unlink(missing_ok=True)
     job_file.write_text(json.dumps(job))
     with log.open("w") as f:
-        proc = subprocess.run([python, child, job_file, result], env=vllm_env(), cwd=args.out, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=args.vllm_timeout)
+        code = run_in_group([python, child, job_file, result], args.vllm_timeout, env=vllm_env(), cwd=args.out,
+                            stdout=f, stderr=subprocess.STDOUT)
     if not result.exists():  # (vLLM 0.32's pooling engine may abort at exit, after the result is written)
-        return f"child exited with {proc.returncode}, see {log}"
+        return f"child exited with {code}, see {log}"
     return json.loads(result.read_text())
+
+
+def run_in_group(cmd: list, timeout: float, **popen) -> int:
+    """Run a vLLM child in a process group of its own; its exit code. Whatever the child leaves behind (the engine
+    and worker processes of a child that exits without shutting vLLM down) is killed with it."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        return proc.wait(timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Path | str, *, warmup: list[list[int]],
@@ -115,10 +129,10 @@ def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Pa
         if kv_bytes:  # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes
             env.pop("VLLM_CPU_KVCACHE_SPACE")
         with log.open("w") as f, OthersCPU() as others:  # over the whole child, start-up included
-            proc = subprocess.run([python, CHILD, job, result], env=env, cwd=out, stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=timeout)
-        if proc.returncode or not result.exists():
-            raise RuntimeError(f"child exited with {proc.returncode}, see {log}")
+            code = run_in_group([python, CHILD, job, result], timeout, env=env, cwd=out, stdout=f,
+                                stderr=subprocess.STDOUT)
+        if code or not result.exists():
+            raise RuntimeError(f"child exited with {code}, see {log}")
         data = json.loads(result.read_text())
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         print(f"vLLM unavailable: {e}", flush=True)

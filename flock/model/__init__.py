@@ -251,6 +251,8 @@ def save_model(name: str, out_dir: str | Path, dtype: str = "auto", seed: int = 
     gguf = resolved.gguf
     config = dict(gguf.config) if gguf else json.loads((resolved.folder / "config.json").read_text())
     config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    for key in ("quantization_config", "compression_config"):  # the weights are written dequantized
+        config.pop(key, None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if gguf:
         load_gguf_tokenizer(gguf.path).save_pretrained(out)

@@ -120,6 +120,8 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path, scheme: "Scheme | No
                     continue
                 key = _slot_name(key, slots, model)
                 slot = slots.get(key)
+                if slot is None and scheme and suffix == "bias" and not f.get_tensor(name).any():
+                    continue  # AutoGPTQ writes zero biases for projections that have none
                 if slot is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {model.config.model_type}")
                 copy_into(slot, f.get_tensor(name), name, file.name)

@@ -122,6 +122,18 @@ def test_groups_no_block_holds_run_in_floats(checkpoints):
     assert torch.equal(groups.dequantize()[0], torch.full((32,), -255.0))
 
 
+def test_save_model_writes_the_values_as_floats(checkpoints, tmp_path):
+    from safetensors.torch import load_file
+
+    from flock.model import save_model
+
+    folder, reference = checkpoints("awq")
+    saved = save_model(str(folder), tmp_path / "saved", dtype="float32")
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    got, want = (load_file(str(f / "model.safetensors")) for f in (saved, reference))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+
+
 def test_bad_checkpoints_and_settings(checkpoints, hf_folders, tmp_path):
     folder, _ = checkpoints("gptq")
     with pytest.raises(ValueError, match="quantization='awq', but .* holds gptq weights"):
@@ -141,9 +153,17 @@ def test_bad_checkpoints_and_settings(checkpoints, hf_folders, tmp_path):
             LLM(str(bad))
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(folder / "model.safetensors"))
-    del tensors["model.layers.1.mlp.down_proj.qzeros"]
-    shutil.copytree(folder, tmp_path / "missing")
-    save_file(tensors, str(tmp_path / "missing" / "model.safetensors"))
-    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight: gptq tensor 'qzeros' is missing"):
-        LLM(str(tmp_path / "missing"))
+    tensors, down = load_file(str(folder / "model.safetensors")), "model.layers.1.mlp.down_proj"
+
+    def variant(name: str, changed: dict):
+        shutil.copytree(folder, tmp_path / name)
+        save_file(changed, str(tmp_path / name / "model.safetensors"))
+        return str(tmp_path / name)
+
+    # AutoGPTQ's zero biases of projections that have none are left out; others are not
+    assert quantized(LLM(variant("zero", tensors | {f"{down}.bias": torch.zeros(64)}), dtype="float32",
+                         kv_cache_memory_bytes=1 << 22))
+    with pytest.raises(ValueError, match=f"unexpected tensor '{down}.bias'"):
+        LLM(variant("bias", tensors | {f"{down}.bias": torch.full((64,), 0.5)}))
+    with pytest.raises(ValueError, match=f"{down}.weight: gptq tensor 'qzeros' is missing"):
+        LLM(variant("missing", {n: t for n, t in tensors.items() if n != f"{down}.qzeros"}))
