@@ -6,7 +6,7 @@ from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
-QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "none", "q8_0", "q4_0")  # flock.model.quant, hf_quant
+QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none", "q8_0", "q4_0")  # flock.model.quant, hf_quant
 
 
 def option(default, help: str, **cli):
@@ -35,8 +35,9 @@ class EngineConfig:
     quantization: str = option("auto", "auto: a GGUF file's quantized weights, or a Hugging Face folder's GPTQ, AWQ "
                                "or compressed-tensors integers, stay quantized and run on int8 kernels, but for "
                                "float64 models, GPUs, and small models on CPUs with AMX (under 1 GiB as bf16: "
-                               "Flock's AMX GEMM runs batches faster); gguf, gptq, awq or compressed-tensors: the "
-                               "checkpoint's method, kept wherever the kernels run; none: dequantize every weight at "
+                               "Flock's AMX GEMM runs batches faster); fp8 weights are dequantized at load; gguf, "
+                               "gptq, awq, compressed-tensors or fp8: the checkpoint's method, kept wherever the "
+                               "kernels run; none: dequantize every weight at "
                                "load; q8_0 or q4_0: also quantize float weights to that type at load",
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")

@@ -28,6 +28,7 @@ class Format:
     symmetric: bool = True
     act_order: bool = False
     packed: bool = True  # compressed-tensors: pack-quantized (else int-quantized)
+    fp8: bool = False  # e4m3 weights: by blocks of group_size x group_size (fp8), by row (compressed-tensors)
 
 
 FORMATS = {
@@ -36,6 +37,7 @@ FORMATS = {
     "ct-w4a16": Format("compressed-tensors"), "ct-w4a16-asym": Format("compressed-tensors", symmetric=False),
     "ct-w4a16-act-order": Format("compressed-tensors", act_order=True),
     "ct-w8a8": Format("compressed-tensors", bits=8, packed=False),
+    "fp8-block": Format("fp8", bits=8, fp8=True), "ct-fp8": Format("compressed-tensors", bits=8, fp8=True),
 }
 
 
@@ -53,6 +55,12 @@ def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0,
         w = tensors.pop(name).float()
         prefix = name.removesuffix(".weight")
         n, k = w.shape
+        if fmt.fp8:
+            values, scales, expanded = _fp8(w, group if fmt.method == "fp8" else None)
+            held[name] = values.float() * expanded
+            scale_name = "weight_scale_inv" if fmt.method == "fp8" else "weight_scale"
+            tensors.update({f"{prefix}.weight": values, f"{prefix}.{scale_name}": scales})
+            continue
         size = k if group == -1 else group
         shared = SAME_INPUT.sub(".in_proj", prefix)
         perm = perms.setdefault(shared, torch.from_numpy(gen.permutation(k)) if fmt.act_order else torch.arange(k))
@@ -62,7 +70,8 @@ def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0,
         if reference:
             held[name] = (q.float() - zeros[:, group_of].float()) * scales[:, group_of].float()
         tensors.update({f"{prefix}.{s}": t for s, t in _packed(fmt, q, zeros, scales, group_of).items()})
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {n: t.contiguous() for n, t in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = _config(fmt, group)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
@@ -108,6 +117,20 @@ def _round(w: torch.Tensor, group_of: torch.Tensor, groups: int, fmt: Format):
     return q.clamp(0, top).to(torch.int64), zeros, scales
 
 
+def _fp8(w: torch.Tensor, block: int | None):
+    """e4m3 values, their scales (float32 by block x block, as DeepSeek's and Qwen's fp8 files; bf16 by row, as
+    llm-compressor's), and the scales repeated over the weight."""
+    n, k = w.shape
+    if block:
+        amax = w.abs().view(n // block, block, k // block, block).amax((1, 3))
+        scales = amax / 448
+        expanded = scales.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    else:
+        scales = (w.abs().amax(1, keepdim=True) / 448).bfloat16()
+        expanded = scales.float().expand(n, k)
+    return (w / expanded).to(torch.float8_e4m3fn), scales, expanded
+
+
 def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Values (int64, unsigned) as int32 words along `dim`, the first value in the low bits."""
     per = 32 // bits
@@ -139,6 +162,17 @@ def _packed(fmt: Format, q, zeros, scales, group_of) -> dict[str, torch.Tensor]:
 
 
 def _config(fmt: Format, group: int) -> dict:
+    if fmt.method == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [group, group]}
+    if fmt.fp8:
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "quantization_status": "compressed", "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                          "dynamic": True}}}}
     if fmt.method == "gptq":
         return {"quant_method": "gptq", "bits": fmt.bits, "group_size": group, "desc_act": fmt.act_order,
                 "sym": fmt.symmetric, "checkpoint_format": "gptq"}

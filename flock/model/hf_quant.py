@@ -1,7 +1,7 @@
-"""Hugging Face checkpoints of integer weights: GPTQ, AWQ and compressed-tensors (llm-compressor's pack-quantized
-and int-quantized). Each projection's packed tensors are read as integer groups, w = (q - zero) * scale over g
-inputs of one output row, and kept as the GGUF blocks that hold those values exactly, so that the int8 kernels
-of flock.model.quant run them:
+"""Hugging Face checkpoints of quantized weights: GPTQ, AWQ, compressed-tensors (llm-compressor's pack-quantized,
+int-quantized and float-quantized) and fp8. Each projection's packed integers are read as groups, w = (q - zero) *
+scale over g inputs of one output row, and kept as the GGUF blocks that hold those values exactly, so that the int8
+kernels of flock.model.quant run them:
 
 - a 4-bit group of zero 8 (symmetric GPTQ, compressed-tensors) is Q4_0's d (q - 8);
 - any other 4-bit group (AWQ, asymmetric GPTQ) is Q5_0's d (q5 - 16) with q5 = q - zero + 16 (in 0..31);
@@ -10,7 +10,8 @@ of flock.model.quant run them:
 Blocks of 32 inputs take their group's scale. Act-order checkpoints (GPTQ's desc_act, compressed-tensors'
 actorder) group inputs out of order: their columns are sorted by group once, and the layer gathers its inputs
 in that order (`Groups.order`). A layer whose groups no block holds (a group not a multiple of 32 inputs, 8-bit
-differences outside int8, a scale that is not a float16 value) is dequantized to floats at load.
+differences outside int8, a scale that is not a float16 value) is dequantized to floats at load, as fp8
+checkpoints are (`quant_method` fp8, by blocks as DeepSeek's and Qwen's; compressed-tensors' float-quantized).
 """
 
 import itertools
@@ -25,25 +26,30 @@ from flock.model import quant
 
 log = logging.getLogger("flock")
 
-METHODS = ("gptq", "awq", "compressed-tensors")
+METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0..7 of each word in the order 0, 2, 4, 6, 1, 3, 5, 7
 PACKED = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
           "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")}
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+FP8 = ("weight", "weight_scale", "weight_scale_inv", "input_scale")  # weight: e4m3; an input scale is not used
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """How a checkpoint packs its integers (its config.json's quantization_config)."""
+    """How a checkpoint packs its weights (its config.json's quantization_config)."""
 
     method: str  # one of METHODS
     bits: int
     group_size: int  # inputs per scale; -1: the whole row
     zero_offset: int = 0  # GPTQ's first format stores zero - 1
     packed: bool = True  # compressed-tensors' int-quantized: int8 weights, not packed
+    fp8: bool = False  # e4m3 weights with float scales: dequantized at load (no fp8 GEMM on CPUs)
+    block: tuple[int, int] | None = None  # fp8: rows and inputs of one scale
 
     def names(self) -> tuple[str, ...]:
-        """The suffixes of a quantized projection's tensors (`.weight` too: int-quantized's int8 weights)."""
+        """The suffixes of a quantized projection's tensors (`.weight` too: int8 or fp8 weights)."""
+        if self.fp8:
+            return FP8
         return PACKED[self.method] + (() if self.packed else ("weight",))
 
 
@@ -63,6 +69,11 @@ def scheme_of(config: dict) -> Scheme:
             raise ValueError(f"{bits}-bit AWQ is not supported (4-bit is)")
     elif method == "compressed-tensors":
         scheme = _compressed_tensors(config)
+    elif method == "fp8":
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 weights of format {config['fmt']!r} are not supported (e4m3 are)")
+        block = config.get("weight_block_size")
+        scheme = Scheme("fp8", 8, -1, fp8=True, block=tuple(block) if block else None)
     else:
         raise ValueError(f"quantization method {method or config!r} is not supported ({', '.join(METHODS)} are)")
     if scheme.bits not in (4, 8):
@@ -78,10 +89,13 @@ def _compressed_tensors(config: dict) -> Scheme:
     if len(weights) != 1:
         raise ValueError(f"compressed-tensors with {len(weights)} weight schemes is not supported (one is)")
     spec = json.loads(weights.pop()) or {}
+    group = spec.get("group_size") if spec.get("strategy") == "group" else -1
+    if fmt == "float-quantized" and spec.get("type") == "float" and spec.get("num_bits") == 8:
+        block = spec.get("block_structure") if spec.get("strategy") == "block" else None
+        return Scheme("compressed-tensors", 8, group or -1, fp8=True, block=tuple(block) if block else None)
     if spec.get("type", "int") != "int" or spec.get("strategy") not in ("group", "channel"):
         raise ValueError(f"compressed-tensors weights of type {spec.get('type')!r} and strategy "
-                         f"{spec.get('strategy')!r} are not supported (int, by group or channel, are)")
-    group = spec.get("group_size") if spec["strategy"] == "group" else -1
+                         f"{spec.get('strategy')!r} are not supported (int, by group or channel; 8-bit float)")
     return Scheme("compressed-tensors", spec.get("num_bits", 8), group or -1, packed=fmt == "pack-quantized")
 
 
@@ -174,6 +188,22 @@ def read_groups(tensors: dict[str, torch.Tensor], scheme: Scheme, k: int, where:
     return Groups(q.to(torch.uint8), zeros.to(torch.int16), scales.float(), group, scheme.bits)
 
 
+def fp8_values(tensors: dict[str, torch.Tensor], scheme: Scheme, where: str) -> torch.Tensor:
+    """An fp8 projection's weight as float32: its e4m3 values times their scales, one for the tensor, a row, a
+    group of inputs or a block of rows and inputs (`weight_scale_inv` multiplies too, as its readers apply it)."""
+    scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
+    if "weight" not in tensors or scale is None:
+        raise ValueError(f"{where}: an fp8 weight needs 'weight' and 'weight_scale' (or 'weight_scale_inv')")
+    w, scale = tensors["weight"].float(), scale.float()
+    n, k = w.shape
+    scale = scale.reshape(scale.shape[0], -1) if scale.dim() else scale.view(1, 1)
+    rows, cols = scheme.block or (-(-n // scale.shape[0]), -(-k // scale.shape[1]))
+    expanded = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    if expanded.shape != (n, k):
+        raise ValueError(f"{where}: fp8 scales of shape {tuple(scale.shape)} do not cover a [{n}, {k}] weight")
+    return w * expanded
+
+
 def _group_size(scheme: Scheme, k: int, groups: int) -> int:
     return scheme.group_size if scheme.group_size > 0 else -(-k // groups)
 
@@ -242,6 +272,8 @@ def quantized_layers(model, folder: Path, scheme: Scheme) -> list[str]:
     from flock.model.linear import Linear
     from flock.model.loader import hf_tensor_slots, layer_parts
 
+    if scheme.fp8:
+        return []
     prefixes, modules = packed_prefixes(folder, scheme), dict(model.named_modules())
     fits = scheme.group_size == -1 or scheme.group_size % 32 == 0
     return [layer for layer, parts in layer_parts(model, hf_tensor_slots(model)).items()
@@ -261,6 +293,10 @@ def load_packed(model, slots: dict, packed: dict[str, dict[str, torch.Tensor]], 
         if not mine:
             continue
         loaded.update(mine)
+        if scheme.fp8:
+            for p in mine:
+                copy_into(slots[p], fp8_values(packed.pop(p), scheme, f"{where}: {p}"), p, where)
+            continue
         module = modules[layer]
         groups = {p: read_groups(packed.pop(p), scheme, module.in_features, f"{where}: {p}") for p in mine}
         weight = _weight([groups[p] for p in parts]) if layer in in_blocks else None

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from flock.model.hf_quant import Scheme
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LOW_BITS = ("I8", "F8_E4M3")  # weights a quantization scheme reads (int8, fp8), not float ones
 # a multimodal checkpoint's text decoder, as its layouts name it (older files, transformers 5's, Idefics3's), and the
 # parts of it Flock does not run
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.":
@@ -115,7 +116,7 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path, scheme: "Scheme | No
                                                                      and key == "lm_head.weight"):
                     continue
                 prefix, _, suffix = key.rpartition(".")
-                if suffix in packed_names and (suffix != "weight" or f.get_slice(name).get_dtype() == "I8"):
+                if suffix in packed_names and (suffix != "weight" or f.get_slice(name).get_dtype() in LOW_BITS):
                     packed.setdefault(_slot_name(f"{prefix}.weight", slots, model), {})[suffix] = f.get_tensor(name)
                     continue
                 key = _slot_name(key, slots, model)

@@ -17,7 +17,7 @@ from flock.model.llama import SparseMoE
 from flock.model.loader import hf_tensor_slots, layer_parts
 from tests.engine.test_parity import flock_greedy, hf_greedy, shared_prefix_prompts
 
-FORMATS = list(int_checkpoints.FORMATS)
+FORMATS = [kind for kind, fmt in int_checkpoints.FORMATS.items() if not fmt.fp8]  # integers: kept as blocks
 TYPES = {"gptq": "Q4_0", "gptq-asym": "Q5_0", "gptq-8bit": "Q8_0", "gptq-act-order": "Q4_0", "awq": "Q5_0",
          "ct-w4a16": "Q4_0", "ct-w4a16-asym": "Q5_0", "ct-w4a16-act-order": "Q4_0", "ct-w8a8": "Q8_0"}
 
@@ -75,6 +75,17 @@ def test_dequantized_they_give_transformers_tokens(checkpoints, kind):
     prompts = shared_prefix_prompts(seed=3)
     got, llm = flock_greedy(folder, prompts, quantization="none")
     assert not quantized(llm) and got == hf_greedy(reference, prompts)
+
+
+@pytest.mark.parametrize("kind", ["fp8-block", "ct-fp8"])
+def test_fp8_weights_are_dequantized_to_their_values(checkpoints, kind):
+    """fp8 weights (blocks of 32 x 32 with float32 scales; rows with bf16 ones) run in floats: transformers'
+    tokens on the values they hold, in float64."""
+    folder, reference = checkpoints(kind, "qwen2")
+    prompts = shared_prefix_prompts(seed=8)
+    got, llm = flock_greedy(folder, prompts)
+    assert not quantized(llm) and got == hf_greedy(reference, prompts)
+    assert quantized(LLM(str(folder), quantization="q8_0", dtype="float32", kv_cache_memory_bytes=1 << 22))
 
 
 @pytest.mark.parametrize("kind", ["gptq-asym", "gptq-act-order", "awq", "ct-w8a8"])
