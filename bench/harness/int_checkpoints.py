@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from flock.model.loader import VISION_PREFIXES  # a vision tower stays in floats, as the methods leave it
+
 PROJECTION = re.compile(r"\.((q|k|v|o|qkv|gate|up|down|gate_up)_proj|w[123])\.weight$")
 SAME_INPUT = re.compile(r"\.([qkv]_proj|gate_proj|up_proj|w[13])$")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -51,7 +53,7 @@ def write(src: Path, dst: Path, kind: str, group_size: int = 32, seed: int = 0,
     gen = np.random.default_rng(seed)
     group = group_size if fmt.method != "compressed-tensors" or fmt.packed else -1  # W8A8: one scale per row
     perms = {}  # act-order: projections of one input share its order, as GPTQ's Hessian gives them
-    for name in [n for n in tensors if PROJECTION.search(n)]:
+    for name in [n for n in tensors if PROJECTION.search(n) and not n.startswith(VISION_PREFIXES)]:
         w = tensors.pop(name).float()
         prefix = name.removesuffix(".weight")
         n, k = w.shape

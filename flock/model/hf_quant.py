@@ -142,8 +142,8 @@ class Groups:
         low, high = int(diff.min()), int(diff.max())
         if -16 <= low and high <= 15:
             v = diff + 16
-            bits = ((v >> 4).to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int32)  # Q5_0's fifth bits
-            return _blocks("Q5_0", d, bits[..., None].view(torch.uint8), _nibbles(v))
+            fifth = ((v >> 4).to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int32)  # one bit a value
+            return _blocks("Q5_0", d, fifth[..., None].view(torch.uint8), _nibbles(v))
         if -128 <= low and high <= 127:
             return _blocks("Q8_0", d, diff.to(torch.int8).view(torch.uint8))
         return None
@@ -252,17 +252,18 @@ def _compressed(t: dict, scheme: Scheme, k: int):
 _READERS = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed}
 
 
-def packed_prefixes(folder: Path, scheme: Scheme) -> set[str]:
-    """The tensor-name prefixes of the projections a checkpoint stores packed (`model.layers.0.mlp.up_proj`)."""
+def packed_weights(model, folder: Path, scheme: Scheme, slots: dict) -> set[str]:
+    """The weights (as `slots` names them: `model.layers.0.mlp.up_proj.weight`) a checkpoint stores packed."""
     from safetensors import safe_open
 
-    from flock.model.loader import safetensors_files
+    from flock.model.loader import safetensors_files, slot_name
 
-    marker = "weight_scale" if scheme.method == "compressed-tensors" else "qweight"
+    marker = ".weight_scale" if scheme.method == "compressed-tensors" else ".qweight"
     found = set()
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
-            found |= {name.removesuffix(f".{marker}") for name in f.keys() if name.endswith(f".{marker}")}
+            found |= {slot_name(name.removesuffix(marker) + ".weight", slots, model)
+                      for name in f.keys() if name.endswith(marker)}
     return found
 
 
@@ -274,11 +275,11 @@ def quantized_layers(model, folder: Path, scheme: Scheme) -> list[str]:
 
     if scheme.fp8:
         return []
-    prefixes, modules = packed_prefixes(folder, scheme), dict(model.named_modules())
-    fits = scheme.group_size == -1 or scheme.group_size % 32 == 0
-    return [layer for layer, parts in layer_parts(model, hf_tensor_slots(model)).items()
+    slots, modules = hf_tensor_slots(model), dict(model.named_modules())
+    packed, fits = packed_weights(model, folder, scheme, slots), scheme.group_size == -1 or scheme.group_size % 32 == 0
+    return [layer for layer, parts in layer_parts(model, slots).items()
             if isinstance(modules[layer], Linear) and fits and modules[layer].in_features % 32 == 0
-            and all(p.removesuffix(".weight") in prefixes for p in parts)]
+            and all(p in packed for p in parts)]
 
 
 def load_packed(model, slots: dict, packed: dict[str, dict[str, torch.Tensor]], scheme: Scheme,

@@ -132,6 +132,12 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path, scheme: "Scheme | No
     missing_tensors(slots, loaded, folder)
 
 
+def slot_name(name: str, slots: dict[str, TensorSlot], model: LlamaForCausalLM) -> str | None:
+    """A checkpoint tensor's name as `hf_tensor_slots` keys it (None: not the text decoder's)."""
+    key = text_decoder_name(name) if model.config.multimodal else name
+    return None if key is None else _slot_name(key, slots, model)
+
+
 def _slot_name(key: str, slots: dict[str, TensorSlot], model: LlamaForCausalLM) -> str:
     return f"model.{key}" if key not in slots and model.config.base_model else key  # Qwen3Model's
 

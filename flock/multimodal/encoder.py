@@ -27,6 +27,8 @@ class VisionEncoder:
         # the text decoder shrunk to nothing: transformers builds and loads only the vision side
         text = config.text_config
         text.num_hidden_layers, text.vocab_size, text.pad_token_id = 0, 1, None
+        for key in ("quantization_config", "compression_config"):  # the decoder's (flock.model.hf_quant)
+            config.__dict__.pop(key, None)
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()
         try:

@@ -133,6 +133,27 @@ def test_groups_no_block_holds_run_in_floats(checkpoints):
     assert torch.equal(groups.dequantize()[0], torch.full((32,), -255.0))
 
 
+def test_a_vision_language_checkpoint_keeps_its_decoder_quantized(llava_folder, tmp_path):
+    """LLaVA as AWQ (its vision tower in floats, as AutoAWQ leaves it): the decoder's projections in blocks, and
+    dequantized the same tokens as the float folder of its values, images and all."""
+    from tests.multimodal.models import picture
+
+    held = int_checkpoints.write(llava_folder, tmp_path / "awq", "awq")
+    reference = int_checkpoints.write_reference(llava_folder, tmp_path / "reference", held)
+    prompt = {"prompt": "Compare <image> with <image> please:",
+              "multi_modal_data": {"image": [picture(0), picture(5, (60, 30))]}}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(folder, **config):
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, **config)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids, llm
+
+    got, llm = tokens(tmp_path / "awq", quantization="none")
+    assert got == tokens(reference)[0] and not quantized(llm)
+    _, llm = tokens(tmp_path / "awq")
+    assert llm.engine.runner.model.quantized_types() == {"Q5_0": 8}
+
+
 def test_save_model_writes_the_values_as_floats(checkpoints, tmp_path):
     from safetensors.torch import load_file
 
