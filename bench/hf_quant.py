@@ -2,6 +2,7 @@
 
     python -m bench.hf_quant --vllm-venv V                        # both sections, the default formats
     python -m bench.hf_quant --sections quality --formats gptq,awq --skip-vllm --tokens 4096    # a dry run
+    python -m bench.hf_quant --sections quality --formats fp8-block,ct-fp8 --vllm-venv V      # fp8 checkpoints
 
 The checkpoints are written by bench/harness/int_checkpoints.py (round to nearest, in each method's layout) from a
 float folder, under --out:

@@ -6,7 +6,8 @@ from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
-QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none", "q8_0", "q4_0")  # flock.model.quant, hf_quant
+# flock.model.quant (GGUF blocks), flock.model.hf_quant (GPTQ, AWQ, compressed-tensors, fp8)
+QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none", "q8_0", "q4_0")
 
 
 def option(default, help: str, **cli):
@@ -37,8 +38,8 @@ class EngineConfig:
                                "float64 models, GPUs, and small models on CPUs with AMX (under 1 GiB as bf16: "
                                "Flock's AMX GEMM runs batches faster); fp8 weights are dequantized at load; gguf, "
                                "gptq, awq, compressed-tensors or fp8: the checkpoint's method, kept wherever the "
-                               "kernels run; none: dequantize every weight at "
-                               "load; q8_0 or q4_0: also quantize float weights to that type at load",
+                               "kernels run; none: dequantize every weight at load; q8_0 or q4_0: also quantize "
+                               "float weights to that type at load",
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")

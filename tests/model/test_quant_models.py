@@ -139,7 +139,8 @@ def test_float64_and_bad_settings(gguf_models, hf_folders):
     assert all(m.qweight is None for m in layers(llm).values()) and "quantized" not in llm.engine.runner.paths
     with pytest.raises(ValueError, match="quantization='q8_0': the quantized GEMM takes float32 and bfloat16"):
         LLM(str(hf_folders["llama"]), dtype="float64", quantization="q8_0")
-    with pytest.raises(ValueError, match="quantization must be one of auto, gguf, gptq, awq, compressed-tensors, none, q8_0, q4_0"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, gguf, gptq, awq, compressed-tensors, "
+                                         "fp8, none, q8_0, q4_0, got 'int3'"):
         LLM(str(hf_folders["llama"]), quantization="int3")
 
 
