@@ -21,7 +21,6 @@ Each run prints the CPU, Flock's kernel paths, tables, and writes bench/out/hf_q
 """
 
 import argparse
-import math
 import random
 from pathlib import Path
 
@@ -30,8 +29,7 @@ import torch
 from bench.harness import gguf_models, int_checkpoints, machine, vllm
 from bench.harness.offline import Workload, run_flock, shared_workload, warmup_prompts
 from bench.harness.report import args_dict, markdown_table, write_json
-from bench.kv_fp8 import CHILD as PERPLEXITY_CHILD
-from bench.kv_fp8 import flock_perplexity, nll_of, text_chunks
+from bench.kv_fp8 import flock_perplexity, text_chunks, vllm_perplexity
 
 FLOAT = "float"  # the unquantized folder, beside the formats
 
@@ -57,16 +55,6 @@ def flock_paths(folder: Path, quantization: str = "auto") -> str:
 
 
 # -- quality -------------------------------------------------------------------------------------------------------
-def vllm_perplexity(folder: Path, chunks: list[list[int]], kind: str, args) -> dict:
-    data = vllm.run_child(PERPLEXITY_CHILD, {"model": str(folder), "kv_cache_dtype": "auto", "chunks": chunks},
-                          f"hf_quant-vllm-{kind}", args)
-    if isinstance(data, str):
-        return {"engine": vllm.VLLM_ENGINE, "format": kind, "error": data}
-    nll, count = nll_of(chunks, lambda i, p: data["logprobs"][i][p])
-    return {"engine": f"vLLM {data['vllm_version']}", "format": kind, "ppl": math.exp(nll / count),
-            "wall_s": data["wall_s"]}
-
-
 def quality(args) -> list[dict]:
     base = gguf_models.smollm2_folder()
     chunks = text_chunks(base, args.tokens, args.ctx)
@@ -80,7 +68,7 @@ def quality(args) -> list[dict]:
             rows.append({"engine": engine, "format": kind, "ppl": flock["ppl"], "wall_s": flock["wall_s"],
                          "path": flock_paths(folder, quantization)})
         if not args.skip_vllm:
-            rows.append(vllm_perplexity(folder, chunks, kind, args))
+            rows.append(vllm_perplexity(folder, chunks, "auto", args, f"hf_quant-vllm-{kind}") | {"format": kind})
     for r in rows:
         base_row = next((b for b in rows if b["engine"] == r["engine"].split(",")[0] and b["format"] == FLOAT
                          and "ppl" in b), None)

@@ -155,9 +155,10 @@ def flock_perplexity(folder: Path, chunks: list[list[int]], kv: str = "auto", **
     return {"engine": "Flock", "kv": kv, "ppl": math.exp(nll / count), "scored": count, "wall_s": wall}
 
 
-def vllm_perplexity(folder: Path, chunks: list[list[int]], kv: str, args) -> dict:
+def vllm_perplexity(folder: Path, chunks: list[list[int]], kv: str, args, name: str | None = None) -> dict:
+    """vLLM's perplexity of the chunks (its child's files named `name`, by default after the KV cache dtype)."""
     data = vllm.run_child(CHILD, {"model": str(folder), "kv_cache_dtype": kv, "chunks": chunks},
-                          f"kv_fp8-vllm-{kv}", args)
+                          name or f"kv_fp8-vllm-{kv}", args)
     if isinstance(data, str):
         return {"engine": vllm.VLLM_ENGINE, "kv": kv, "error": data}
     nll, count = nll_of(chunks, lambda i, p: data["logprobs"][i][p])
