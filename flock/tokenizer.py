@@ -25,6 +25,9 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        processor_template = Path(path) / "chat_template.json"  # a vision-language processor's, as vLLM reads it
+        if tokenizer.chat_template is None and processor_template.is_file():
+            tokenizer.chat_template = json.loads(processor_template.read_text()).get("chat_template")
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer

@@ -244,4 +244,20 @@ class ModelRunner:
         layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
                             slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples))
         input_ids = torch.tensor(ids, dtype=torch.long, **to)
-        return input_ids, torch.from_numpy(positions).to(**to), layout, layout.sample_rows.tolist()
+        rope_positions = torch.from_numpy(self._rope_positions(plan, positions, query_start)).to(**to)
+        return input_ids, rope_positions, layout, layout.sample_rows.tolist()
+
+    def _rope_positions(self, plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+        """The rotary positions of the step's tokens: their positions in their sequences, unless an M-RoPE prompt's
+        images set them (then [3, tokens] time, height and width positions where any of the three differ)."""
+        if self.model.config.mrope_section is None:
+            return positions
+        mixed = [(i, req.params.multi_modal) for i, (req, _) in enumerate(plan.scheduled)
+                 if req.params.multi_modal is not None and req.params.multi_modal.rope_positions is not None]
+        if not mixed:
+            return positions
+        out = np.broadcast_to(positions, (3, len(positions))).copy()
+        for i, images in mixed:
+            lo, hi = query_start[i], query_start[i + 1]
+            out[:, lo:hi] = images.rope_rows(positions[lo], positions[lo] + hi - lo)
+        return out[0] if (out == out[0]).all() else out

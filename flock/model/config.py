@@ -23,7 +23,10 @@ GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediat
 # vision-language checkpoints whose text decoder Flock runs -> the text decoder's model type when text_config omits
 # it; images go through transformers' vision tower and projector (flock/multimodal) except where named in
 # TEXT_ONLY_MULTIMODAL
-VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llama", "gemma3": "gemma3_text"}
+VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llama", "gemma3": "gemma3_text",
+                         "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+# text decoders of vision-language checkpoints that are a supported type under another name
+TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 # Gemma 3's image tokens attend to each other both ways, which Flock's causal attention does not run
 TEXT_ONLY_MULTIMODAL = {"gemma3": "Gemma 3's image tokens attend to each other in both directions"}
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
@@ -56,6 +59,9 @@ class ModelConfig:
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
     multimodal: bool = False  # a vision-language checkpoint whose text decoder runs (VISION_LANGUAGE_TYPES)
     image_token_id: int | None = None  # its image placeholder token, whose rows take the vision tower's features
+    # Qwen2-VL's M-RoPE: how many rotary frequencies (of head_dim / 2) turn by a token's time, height and width
+    # positions, in that order (a text token's three are equal: plain RoPE)
+    mrope_section: tuple[int, ...] | None = None
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
     embedding_multiplier: float = 1.0
@@ -101,7 +107,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        multimodal = d.get("model_type") in VISION_LANGUAGE_TYPES and "text_config" in d
+        # Qwen2-VL's checkpoints write the text decoder's fields at the top, beside vision_config
+        multimodal = d.get("model_type") in VISION_LANGUAGE_TYPES and ("text_config" in d or "vision_config" in d)
         quantization = d.get("quantization_config") or d.get("compression_config")
         image_token_id = d.get("image_token_id", d.get("image_token_index")) if multimodal else None
         if multimodal:
@@ -120,6 +127,7 @@ class ModelConfig:
         if model_type == "gemma3_text":  # rope per layer kind: the global layers' (maybe scaled), the local ones'
             rope, local_theta = cls._gemma3_ropes(rope, d)
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        mrope = (scaling or {}).get("mrope_section") or rope.get("mrope_section")
         if scaling is not None:
             scaling = cls._rope_scaling(dict(scaling), d, model_type)
         partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
@@ -154,6 +162,7 @@ class ModelConfig:
             base_model=base_model,
             multimodal=multimodal,
             image_token_id=image_token_id,
+            mrope_section=tuple(mrope) if mrope else None,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             **cls._moe_fields(d, model_type),
@@ -190,8 +199,9 @@ class ModelConfig:
     def _text_config(d: dict) -> dict:
         """A vision-language checkpoint's text decoder as a causal LM config; the stop ids and dtype are the outer
         config's where the text one lacks them."""
-        model_type = d["text_config"].get("model_type") or VISION_LANGUAGE_TYPES[d["model_type"]]
-        text = {**d["text_config"], "model_type": model_type, "architectures": ["ForCausalLM"]}
+        text = d.get("text_config") or {k: v for k, v in d.items() if k not in ("vision_config", "model_type")}
+        model_type = text.get("model_type") or VISION_LANGUAGE_TYPES[d["model_type"]]
+        text = {**text, "model_type": TEXT_DECODER_TYPES.get(model_type, model_type), "architectures": ["ForCausalLM"]}
         for key in ("eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
             if text.get(key) is None and d.get(key) is not None:
                 text[key] = d[key]
@@ -275,6 +285,8 @@ class ModelConfig:
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "su":
             scaling["rope_type"] = "longrope"
+        if scaling["rope_type"] == "mrope":  # Qwen2-VL's older name for its default rope (see mrope_section)
+            scaling["rope_type"] = "default"
         if scaling["rope_type"] == "longrope":
             original = scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"]
             positions = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])

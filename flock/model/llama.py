@@ -13,7 +13,7 @@ from flock.model import fused_ops, moe, program
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
-from flock.model.rope import RotaryEmbedding
+from flock.model.rope import RopeRows, RotaryEmbedding
 
 
 TRIM_BYTES = 256 << 20  # prepack_weights gives the heap's free pages back after each this many bytes released
@@ -93,15 +93,15 @@ class Attention(nn.Module):
         self.backend = backend.for_window(self.window)
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor, meta: AttentionMetadata,
-                rows: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding | RopeRows, positions: torch.Tensor,
+                meta: AttentionMetadata, rows: torch.Tensor | None = None):
         """The output of every token, or of `rows` only (every token's K and V are cached either way)."""
         q, k, v = self.rotated_qkv(self.qkv_proj(x), rope, positions)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta.for_window(self.window))
         out = out.reshape(-1, self.q_size)
         return self.o_proj(out if rows is None else out[rows])
 
-    def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor):
+    def rotated_qkv(self, qkv: torch.Tensor, rope: RotaryEmbedding | RopeRows, positions: torch.Tensor):
         """q and k normalized (Qwen3) and with the rotary embedding applied, and v: [T, heads, head_dim] each."""
         if self.fused:
             if self.qk_norm:
@@ -287,20 +287,24 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states of every token, or of the tokens `out_rows` only: the last layer then runs its
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
         the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: (rows, features) that take
-        the place of those rows' token embeddings (a vision-language model's image placeholders)."""
+        the place of those rows' token embeddings (a vision-language model's image placeholders). `positions`:
+        each token's, or M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
         x, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale != 1.0:  # Granite's, Gemma's
             x = x * self.embedding_scale
         if image_rows is not None:
             x[image_rows[0]] = image_rows[1].to(x.dtype)
-        if out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
+        rows = None
+        if positions.dim() == 2:
+            rows, positions = self.rope.rows(positions), torch.arange(positions.shape[1], device=positions.device)
+        elif out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
         for layer in self.layers[:-1]:
-            x, residual = layer(x, residual, self.rope_of(layer), positions, meta)
+            x, residual = layer(x, residual, rows or self.rope_of(layer), positions, meta)
         if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
             meta = meta.rows_only
-        x, residual = self.layers[-1](x, residual, self.rope_of(self.layers[-1]), positions, meta, out_rows)
+        x, residual = self.layers[-1](x, residual, rows or self.rope_of(self.layers[-1]), positions, meta, out_rows)
         return self.norm(x, residual)[0]
 
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:

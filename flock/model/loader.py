@@ -22,7 +22,7 @@ LOW_BITS = ("I8", "F8_E4M3")  # weights a quantization scheme reads (int8, fp8),
 TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.":
                  "lm_head.", "model.text_model.": "model."}
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                   "model.vision_model.", "model.connector.")
+                   "model.vision_model.", "model.connector.", "visual.", "model.visual.")
 FUSED_CHECKPOINTS = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj fused, as Flock does
 # checkpoint names of a model type that are not Flock's (Mixtral's experts): Flock's -> the checkpoint's
 HF_RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),

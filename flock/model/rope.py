@@ -1,4 +1,5 @@
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -64,11 +65,35 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = on_one_thread(lambda: (emb.cos() * scale, emb.sin() * scale))
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("sin", sin.to(dtype), persistent=False)
+        # M-RoPE: the position (0 time, 1 height, 2 width) that turns each table column, both halves alike
+        if config.mrope_section is not None:
+            kinds = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(config.mrope_section)])
+            self.register_buffer("mrope_kinds", torch.cat((kinds, kinds)), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate_qk(self.cos, self.sin, positions, q, k)
+
+    def rows(self, positions: torch.Tensor) -> "RopeRows":
+        """M-RoPE's tables of one step's tokens, from their [3, tokens] time, height and width positions."""
+        cos, sin = (table[positions].gather(0, self.mrope_kinds.expand(1, *positions.shape[1:], -1))[0]
+                    for table in (self.cos, self.sin))
+        return RopeRows(cos.contiguous(), sin.contiguous())
+
+
+@dataclass
+class RopeRows:
+    """A rotary embedding's cos/sin rows made for one step (M-RoPE's): position i reads row i."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return rotate_qk(self.cos, self.sin, positions, q, k)
+
+
+def rotate_qk(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def on_one_thread(fn):

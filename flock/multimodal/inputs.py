@@ -17,6 +17,9 @@ class ImageInputs:
     positions: np.ndarray
     key: str
     features: torch.Tensor | None = None  # (len(positions), hidden): the decoder's input rows at those positions
+    # M-RoPE's (Qwen2-VL's): the prompt tokens' [3, prompt length] rotary positions, and index + rope_shift after it
+    rope_positions: np.ndarray | None = None
+    rope_shift: int = 0
 
     def cache_ids(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt with each placeholder token replaced by an id drawn from the pixels' hash and its place
@@ -31,3 +34,12 @@ class ImageInputs:
         """The placeholder positions in [start, end) and the slice of `features` that goes there."""
         lo, hi = np.searchsorted(self.positions, [start, end])
         return self.positions[lo:hi], slice(int(lo), int(hi))
+
+    def rope_rows(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE's [3, end - start] positions of the sequence's tokens in [start, end)."""
+        prompt = self.rope_positions
+        out = np.arange(start, end) + self.rope_shift
+        out = np.broadcast_to(out, (3, end - start)).copy()
+        inside = max(0, min(end, prompt.shape[1]) - start)
+        out[:, :inside] = prompt[:, start : start + inside]
+        return out

@@ -11,8 +11,11 @@ import xxhash
 from flock.model.config import TEXT_ONLY_MULTIMODAL, VISION_LANGUAGE_TYPES
 from flock.multimodal.images import load_image
 from flock.multimodal.inputs import ImageInputs
+from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
 
-TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")  # what a processor returns besides the pixels
+# what a processor returns besides the pixels
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")  # M-RoPE models, whose images also set their tokens' rotary positions
 # chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
 IMAGE_PARTS = ("image_url", "image_pil", "image")
 
@@ -20,11 +23,13 @@ IMAGE_PARTS = ("image_url", "image_pil", "image")
 class ImagePrompts:
     """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
 
-    def __init__(self, folder: Path, image_token_id: int):
+    def __init__(self, folder: Path, image_token_id: int, mrope: bool = False):
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+        self.processor = QwenVLProcessor(folder) if mrope else AutoProcessor.from_pretrained(str(folder),
+                                                                                              local_files_only=True)
         self.image_token_id = image_token_id
+        self.mrope = mrope
 
     def encode(self, text: str, images: list, add_special_tokens: bool = True,
                allow_files: bool = True) -> tuple[list[int], ImageInputs]:
@@ -43,7 +48,11 @@ class ImagePrompts:
             digest.update(name.encode())
             digest.update(pixels[name].contiguous().numpy().tobytes())
         positions = np.flatnonzero(np.asarray(ids) == self.image_token_id)
-        return ids, ImageInputs(pixels, positions, digest.hexdigest())
+        images = ImageInputs(pixels, positions, digest.hexdigest())
+        if self.mrope:
+            images.rope_positions, images.rope_shift = mrope_positions(len(ids), positions, pixels["image_grid_thw"],
+                                                                       self.processor.merge_size)
+        return ids, images
 
 
 @functools.cache
@@ -55,7 +64,8 @@ def image_prompts(folder: str) -> ImagePrompts | None:
     d = json.loads(config.read_text())
     if d.get("model_type") not in VISION_LANGUAGE_TYPES or d.get("model_type") in TEXT_ONLY_MULTIMODAL:
         return None
-    return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")))
+    return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")),
+                        d["model_type"] in MROPE_TYPES)
 
 
 def images_refused(folder: str) -> str:

@@ -74,5 +74,64 @@ def make_idefics3(folder, seed: int = 0):
     return folder
 
 
+QWEN_VL_TEMPLATE = IMAGE_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bool = False):
+    """A Qwen2.5-VL (or Qwen2-VL) with M-RoPE sections of 2, 3 and 3 frequencies, patches of 14 merged 2 x 2 and
+    images resized to 4-16 merged patches; `hub_layout`: its config flat and its tensors named as the checkpoints
+    published on the Hub are (the text decoder's fields at the top, `model.layers`, `visual`, the chat template in
+    the processor's chat_template.json)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder, VOCAB)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(special)
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    common = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vision = (dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                   fullatt_block_indexes=[1]) if kind == "qwen2_5_vl" else dict(common, embed_dim=32, mlp_ratio=2,
+                                                                               hidden_size=64))
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB + 8, max_position_embeddings=512, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    config = AutoConfig.for_model(kind, vision_config=vision, text_config=text, vision_start_token_id=start,
+                                  vision_end_token_id=end, image_token_id=image, video_token_id=video)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "language_model" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    processor.save_pretrained(folder)
+    saved = json.loads((folder / "preprocessor_config.json").read_text())
+    saved["image_processor_type"] = "Qwen2VLImageProcessor"  # as published (torchvision's, else PIL's)
+    (folder / "preprocessor_config.json").write_text(json.dumps(saved))
+    if hub_layout:
+        d = json.loads((folder / "config.json").read_text())
+        flat = {k: v for k, v in d.pop("text_config").items() if k not in ("model_type", "rope_parameters")}
+        rope = text["rope_parameters"]
+        flat |= {"rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope[
+            "mrope_section"]}}
+        (folder / "config.json").write_text(json.dumps(d | flat))
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_VL_TEMPLATE}))
+        (folder / "chat_template.jinja").unlink()
+        renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
+        tensors = load_file(folder / "model.safetensors")
+        save_file({next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
+                   for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def picture(seed: int, size=(40, 50)) -> Image.Image:
     return Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype(np.uint8))
