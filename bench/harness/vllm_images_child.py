@@ -2,7 +2,7 @@
 
 usage: python vllm_images_child.py JOB.json RESULT.json
 
-JOB: {"model", "max_model_len", "gen", "rounds": [[[text, image path]] per round]}.
+JOB: {"model", "max_model_len", "gen", "rounds": [[[text, image path]] per round], "image_mark"}.
 RESULT: {"vllm_version", "walls": [s per round], "output_token_ids" (of the last round)}; the prefix cache is
 reset before each round.
 """
@@ -24,7 +24,7 @@ def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=job["max_model_len"], seed=0,
               enable_prefix_caching=True, limit_mm_per_prompt={"image": 1})
-    llm.generate({"prompt": "<image> warm up", "multi_modal_data": {"image": Image.new("RGB", (64, 64))}},
+    llm.generate({"prompt": f"{job['image_mark']} warm up", "multi_modal_data": {"image": Image.new("RGB", (64, 64))}},
                  SamplingParams(max_tokens=2), use_tqdm=False)
     params = SamplingParams(max_tokens=job["gen"], temperature=0, ignore_eos=True)
     walls = []
