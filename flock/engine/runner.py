@@ -13,6 +13,7 @@ from flock.kv import fp8
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.multimodal.encoder import VisionEncoder
+from flock.multimodal.inputs import ImageRows
 from flock.multimodal.processor import image_prompts
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
@@ -146,18 +147,22 @@ class ModelRunner:
                 first += len(d) + 1
         return out
 
-    def _image_rows(self, plan: StepPlan, query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step rows of image placeholder tokens and the image features that replace their embeddings."""
-        rows, features = [], []
+    def _image_rows(self, plan: StepPlan, query_start: np.ndarray) -> ImageRows | None:
+        """The step rows of image placeholder tokens, the image features that replace their embeddings and their
+        DeepStack rows (Qwen3-VL's)."""
+        rows, features, deepstack = [], [], []
         for i, ((req, n), start) in enumerate(zip(plan.scheduled, plan.starts)):
             images = req.params.multi_modal
             if images is not None and start < req.num_prompt_tokens:
                 positions, taken = images.rows_in(start, min(start + n, req.num_prompt_tokens))
                 rows.append(positions - start + query_start[i])
                 features.append(images.features[taken])
+                if images.deepstack is not None:
+                    deepstack.append(images.deepstack[:, taken])
         if not rows or not sum(len(r) for r in rows):
             return None
-        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(features)
+        return ImageRows(torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(features),
+                         torch.cat(deepstack, 1) if deepstack else None)
 
     @staticmethod
     def _prompt_rows(plan: StepPlan, query_start: np.ndarray) -> list[tuple[Request, int, range]]:

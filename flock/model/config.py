@@ -24,9 +24,10 @@ GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediat
 # it; images go through transformers' vision tower and projector (flock/multimodal) except where named in
 # TEXT_ONLY_MULTIMODAL
 VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llama", "gemma3": "gemma3_text",
-                         "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+                         "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 # text decoders of vision-language checkpoints that are a supported type under another name
-TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+QWEN3_VL_MROPE = (24, 20, 20)  # Qwen3VLTextConfig's sections where its rope_parameters name none
 # Gemma 3's image tokens attend to each other both ways, which Flock's causal attention does not run
 TEXT_ONLY_MULTIMODAL = {"gemma3": "Gemma 3's image tokens attend to each other in both directions"}
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
@@ -60,8 +61,10 @@ class ModelConfig:
     multimodal: bool = False  # a vision-language checkpoint whose text decoder runs (VISION_LANGUAGE_TYPES)
     image_token_id: int | None = None  # its image placeholder token, whose rows take the vision tower's features
     # Qwen2-VL's M-RoPE: how many rotary frequencies (of head_dim / 2) turn by a token's time, height and width
-    # positions, in that order (a text token's three are equal: plain RoPE)
+    # positions, in that order (a text token's three are equal: plain RoPE); interleaved (Qwen3-VL's): the
+    # frequencies take the three in turn (t h w t h w ...) until height's and width's counts run out
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
     embedding_multiplier: float = 1.0
@@ -108,7 +111,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         # Qwen2-VL's checkpoints write the text decoder's fields at the top, beside vision_config
-        multimodal = d.get("model_type") in VISION_LANGUAGE_TYPES and ("text_config" in d or "vision_config" in d)
+        outer_type = d.get("model_type")
+        multimodal = outer_type in VISION_LANGUAGE_TYPES and ("text_config" in d or "vision_config" in d)
         quantization = d.get("quantization_config") or d.get("compression_config")
         image_token_id = d.get("image_token_id", d.get("image_token_index")) if multimodal else None
         if multimodal:
@@ -127,7 +131,8 @@ class ModelConfig:
         if model_type == "gemma3_text":  # rope per layer kind: the global layers' (maybe scaled), the local ones'
             rope, local_theta = cls._gemma3_ropes(rope, d)
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        mrope = (scaling or {}).get("mrope_section") or rope.get("mrope_section")
+        mrope = ({**rope, **(scaling or {})}.get("mrope_section")
+                 or (QWEN3_VL_MROPE if multimodal and outer_type == "qwen3_vl" else None))
         if scaling is not None:
             scaling = cls._rope_scaling(dict(scaling), d, model_type)
         partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
@@ -163,6 +168,7 @@ class ModelConfig:
             multimodal=multimodal,
             image_token_id=image_token_id,
             mrope_section=tuple(mrope) if mrope else None,
+            mrope_interleaved=bool(mrope) and outer_type == "qwen3_vl",
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             **cls._moe_fields(d, model_type),

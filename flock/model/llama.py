@@ -14,6 +14,7 @@ from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
 from flock.model.rope import RopeRows, RotaryEmbedding
+from flock.multimodal.inputs import ImageRows
 
 
 TRIM_BYTES = 256 << 20  # prepack_weights gives the heap's free pages back after each this many bytes released
@@ -282,29 +283,35 @@ class LlamaForCausalLM(nn.Module):
         self.embedding_scale = float(torch.tensor(scale, dtype=dtype)) if c.gemma_norms else scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                out_rows: torch.Tensor | None = None,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None, image_rows: ImageRows | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the tokens `out_rows` only: the last layer then runs its
         attention output, MLP and norm for those rows alone (a prefill step samples from a few of its tokens;
-        the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: (rows, features) that take
-        the place of those rows' token embeddings (a vision-language model's image placeholders). `positions`:
-        each token's, or M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
+        the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: a vision-language model's
+        image features, which take the place of their rows' token embeddings. `positions`: each token's, or
+        M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
         x, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale != 1.0:  # Granite's, Gemma's
             x = x * self.embedding_scale
+        deepstack = None
         if image_rows is not None:
-            x[image_rows[0]] = image_rows[1].to(x.dtype)
-        rows = None
+            x[image_rows.rows] = image_rows.features.to(x.dtype)
+            deepstack = image_rows.deepstack
+        rope_rows = None
         if positions.dim() == 2:
-            rows, positions = self.rope.rows(positions), torch.arange(positions.shape[1], device=positions.device)
-        elif out_rows is None and self.step_program is not None and self.step_program.takes(x, meta):
+            rope_rows = self.rope.rows(positions)
+            positions = torch.arange(positions.shape[1], device=positions.device)
+        elif (out_rows is None and deepstack is None and self.step_program is not None
+              and self.step_program.takes(x, meta)):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
-        for layer in self.layers[:-1]:
-            x, residual = layer(x, residual, rows or self.rope_of(layer), positions, meta)
+        for i, layer in enumerate(self.layers[:-1]):
+            x, residual = layer(x, residual, rope_rows or self.rope_of(layer), positions, meta)
+            if deepstack is not None and i < len(deepstack):  # added to the layer's output, on the MLP's share
+                x = x.index_add(0, image_rows.rows, deepstack[i].to(x.dtype))
         if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
             meta = meta.rows_only
-        x, residual = self.layers[-1](x, residual, rows or self.rope_of(self.layers[-1]), positions, meta, out_rows)
+        last = self.layers[-1]
+        x, residual = last(x, residual, rope_rows or self.rope_of(last), positions, meta, out_rows)
         return self.norm(x, residual)[0]
 
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:

@@ -65,9 +65,8 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = on_one_thread(lambda: (emb.cos() * scale, emb.sin() * scale))
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("sin", sin.to(dtype), persistent=False)
-        # M-RoPE: the position (0 time, 1 height, 2 width) that turns each table column, both halves alike
         if config.mrope_section is not None:
-            kinds = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(config.mrope_section)])
+            kinds = mrope_kinds(config.mrope_section, config.mrope_interleaved)
             self.register_buffer("mrope_kinds", torch.cat((kinds, kinds)), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -78,6 +77,16 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = (table[positions].gather(0, self.mrope_kinds.expand(1, *positions.shape[1:], -1))[0]
                     for table in (self.cos, self.sin))
         return RopeRows(cos.contiguous(), sin.contiguous())
+
+
+def mrope_kinds(sections: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """M-RoPE: the position (0 time, 1 height, 2 width) that turns each frequency, as transformers lays them out."""
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+    kinds = torch.zeros(sum(sections), dtype=torch.int64)
+    kinds[1 : 3 * sections[1] : 3] = 1
+    kinds[2 : 3 * sections[2] : 3] = 2
+    return kinds
 
 
 @dataclass

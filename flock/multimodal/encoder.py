@@ -26,6 +26,10 @@ class VisionEncoder:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         # the text decoder shrunk to nothing: transformers builds and loads only the vision side
         text = config.text_config
+        deepstack = getattr(config.vision_config, "deepstack_visual_indexes", ())
+        if len(deepstack) >= text.num_hidden_layers:  # the decoder adds them to the outputs of all but its last
+            raise ValueError(f"{folder}: {len(deepstack)} DeepStack feature layers for a decoder of "
+                             f"{text.num_hidden_layers} layers")
         text.num_hidden_layers, text.vocab_size, text.pad_token_id = 0, 1, None
         for key in ("quantization_config", "compression_config"):  # the decoder's (flock.model.hf_quant)
             config.__dict__.pop(key, None)
@@ -50,26 +54,33 @@ class VisionEncoder:
             pack_linears(self.model, dtype, device)
         self.takes = set(inspect.signature(self.model.get_image_features).parameters)
         self.dtype, self.device = dtype, device
-        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
 
     @torch.inference_mode()
     def encode(self, images: ImageInputs) -> None:
-        """Set `images.features` (from the cache when the same pixels came before); ValueError when the prompt
-        has not one placeholder token for each feature row."""
-        features = self.cache.get(images.key)
-        if features is None:
+        """Set `images.features` and `images.deepstack` (from the cache when the same pixels came before);
+        ValueError when the prompt has not one placeholder token for each feature row."""
+        cached = self.cache.get(images.key)
+        if cached is None:
             pixels = {k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
                       for k, v in images.pixels.items() if k in self.takes}
-            out = self.model.get_image_features(**pixels).pooler_output
-            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in out]).to(self.dtype)
-            self.cache[images.key] = features
+            out = self.model.get_image_features(**pixels)
+            deepstack = getattr(out, "deepstack_features", None)  # Qwen3-VL's, per layer a tuple per image
+            cached = rows(out.pooler_output), None if deepstack is None else torch.stack([rows(d) for d in deepstack])
+            self.cache[images.key] = cached
             while len(self.cache) > CACHED_IMAGES:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(images.key)
+        features = cached[0]
         if len(features) != len(images.positions):
             raise ValueError(f"the prompt has {len(images.positions)} image placeholder tokens for "
                              f"{len(features)} image feature rows (were its placeholders edited?)")
-        images.features = features
+        images.features, images.deepstack = cached
+
+
+def rows(per_image) -> torch.Tensor:
+    """Each image's feature rows, one after the other."""
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in per_image])
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,10 +1,20 @@
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import xxhash
 
 IMAGE_IDS = 1 << 31  # placeholders' prefix-cache ids start here, past every vocabulary
+
+
+class ImageRows(NamedTuple):
+    """A step's image inputs to the decoder: the rows of image placeholder tokens, the features that replace their
+    embeddings, and their DeepStack rows (Qwen3-VL's: (layers, rows, hidden), added to the first layers' outputs)."""
+
+    rows: torch.Tensor
+    features: torch.Tensor
+    deepstack: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -17,6 +27,8 @@ class ImageInputs:
     positions: np.ndarray
     key: str
     features: torch.Tensor | None = None  # (len(positions), hidden): the decoder's input rows at those positions
+    # Qwen3-VL's DeepStack: (layers, len(positions), hidden) rows added to those positions' outputs of its first layers
+    deepstack: torch.Tensor | None = None
     # M-RoPE's (Qwen2-VL's): the prompt tokens' [3, prompt length] rotary positions, and index + rope_shift after it
     rope_positions: np.ndarray | None = None
     rope_shift: int = 0

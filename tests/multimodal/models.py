@@ -78,10 +78,11 @@ QWEN_VL_TEMPLATE = IMAGE_TEMPLATE.replace("<image>\n", "<|vision_start|><|image_
 
 
 def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bool = False):
-    """A Qwen2.5-VL (or Qwen2-VL) with M-RoPE sections of 2, 3 and 3 frequencies, patches of 14 merged 2 x 2 and
-    images resized to 4-16 merged patches; `hub_layout`: its config flat and its tensors named as the checkpoints
-    published on the Hub are (the text decoder's fields at the top, `model.layers`, `visual`, the chat template in
-    the processor's chat_template.json)."""
+    """A Qwen2.5-VL (Qwen2-VL, Qwen3-VL) with M-RoPE sections of 2, 3 and 3 frequencies (Qwen3-VL's interleaved, its
+    decoder a Qwen3 with DeepStack features from 2 vision blocks added to its first 2 layers' outputs), patches of 14
+    (Qwen3-VL: 16) merged 2 x 2 and images resized to 4-16 merged patches; `hub_layout`: its config flat and its
+    tensors named as the Qwen2(.5)-VL checkpoints published on the Hub are (the text decoder's fields at the top,
+    `model.layers`, `visual`, the chat template in the processor's chat_template.json)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -95,14 +96,18 @@ def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bo
     start, end, image, video = tokenizer.convert_tokens_to_ids(special)
     tokenizer.chat_template = QWEN_VL_TEMPLATE
     tokenizer.save_pretrained(folder)
-    common = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-    vision = (dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
-                   fullatt_block_indexes=[1]) if kind == "qwen2_5_vl" else dict(common, embed_dim=32, mlp_ratio=2,
-                                                                               hidden_size=64))
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB + 8, max_position_embeddings=512, bos_token_id=None,
-                eos_token_id=None, pad_token_id=None,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    patch = 16 if kind == "qwen3_vl" else 14
+    common = dict(depth=2, num_heads=4, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
+    vision = {"qwen2_5_vl": dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                                 fullatt_block_indexes=[1]),
+              "qwen2_vl": dict(common, embed_dim=32, mlp_ratio=2, hidden_size=64),
+              "qwen3_vl": dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0, 1])}[kind]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3 if kind == "qwen3_vl" else 2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB + 8,
+                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                rope_parameters=rope | {"mrope_interleaved": True} if kind == "qwen3_vl" else rope)
     config = AutoConfig.for_model(kind, vision_config=vision, text_config=text, vision_start_token_id=start,
                                   vision_end_token_id=end, image_token_id=image, video_token_id=video)
     torch.manual_seed(seed)
@@ -112,7 +117,8 @@ def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bo
             if p.dim() > 1 and "language_model" in name:
                 p.normal_(0, 0.1)
     model.save_pretrained(folder)
-    processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28)
+    unit = 2 * patch  # a merged patch's side in pixels
+    processor = Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=4 * unit * unit, max_pixels=16 * unit * unit)
     processor.save_pretrained(folder)
     saved = json.loads((folder / "preprocessor_config.json").read_text())
     saved["image_processor_type"] = "Qwen2VLImageProcessor"  # as published (torchvision's, else PIL's)
