@@ -9,10 +9,14 @@ The result is the best beam_width of the complete and the live beams.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flock.lora import LoRARequest
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from flock.multimodal import ImageInputs
 
 
 @dataclass
@@ -25,6 +29,7 @@ class BeamSearchParams:
     cache_salt: str | None = None  # the step requests' (SamplingParams')
     priority: int = 0
     lora_request: LoRARequest | None = None  # the step requests' LoRA adapter
+    multi_modal: ImageInputs | None = None  # the prompt's images, which every step request carries
 
     def validate(self, max_tokens_set: bool = True) -> None:
         """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later)."""
@@ -38,7 +43,8 @@ class BeamSearchParams:
 
     def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True,
-                              cache_salt=self.cache_salt, priority=self.priority, lora_request=self.lora_request)
+                              cache_salt=self.cache_salt, priority=self.priority, lora_request=self.lora_request,
+                              multi_modal=self.multi_modal)
 
 
 @dataclass

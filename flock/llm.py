@@ -118,14 +118,16 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (flock/beam_search.py): each prompt's best `params.beam_width` sequences, best
-        first, in input order. All prompts' beams go through the engine together, a token a step."""
+        first, in input order. All prompts' beams go through the engine together, a token a step. A dict prompt
+        may carry `multi_modal_data`, as in `generate`."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params.validate()
-        token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
-        self._check_all(token_ids, [replace(params.step_params(), max_tokens=params.max_tokens)] * len(token_ids))
+        _, token_ids, images = zip(*[self._encode(p, i) for i, p in enumerate(prompts)]) if prompts else ((), (), ())
+        per_prompt = [replace(params, multi_modal=im) for im in images]
+        self._check_all(token_ids, [replace(p.step_params(), max_tokens=params.max_tokens) for p in per_prompt])
         self.engine.reset_stats()
-        searches = [BeamSearch(ids, params, sorted(self.engine.eos_token_ids)) for ids in token_ids]
+        searches = [BeamSearch(ids, p, sorted(self.engine.eos_token_ids)) for ids, p in zip(token_ids, per_prompt)]
         bar = tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=None if use_tqdm else True)
         while live := [s for s in searches if not s.done]:
             requests = [[self.engine.add_request(ids, p) for ids, p in s.requests()] for s in live]

@@ -280,13 +280,11 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
         return None
     clash = next((name for name in _NOT_WITH_BEAMS
                   if not (body.get(name) is None or body[name] is False or body[name] == {"type": "text"})), None)
-    if params.multi_modal is not None:
-        raise APIError("images are not supported with use_beam_search", param="messages")
     if clash or tools is not None:
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
     beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty,
-                            params.cache_salt, params.priority, params.lora_request)
+                            params.cache_salt, params.priority, params.lora_request, params.multi_modal)
     try:
         beam.validate(max_tokens_set=params.max_tokens is not None)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """Images through the server and batch jobs: chat image_url parts (data: URLs), the Responses API's input_image
-parts and SGLang's image_data give LLM.chat's answers, streamed or not; what cannot be read is a 400 naming why,
-and the rest of a batch goes on."""
+parts and SGLang's image_data give LLM.chat's answers, streamed or not, and use_beam_search LLM.beam_search's; what
+cannot be read is a 400 naming why, and the rest of a batch goes on."""
 
 import asyncio
 import base64
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from flock import LLM, SamplingParams
+from flock.beam_search import BeamSearchParams
 from flock.api.batch import JobConfig, run_job
 from flock.api.metrics import Metrics
 from flock.api.server_app import build_app
@@ -45,6 +46,14 @@ def expected(llava_folder):
                      use_tqdm=False)[0].outputs[0].text for seed in range(2)]
 
 
+def expected_prompt(folder) -> str:
+    """The chat template's text of `body`'s message, its image a placeholder."""
+    tokenizer = LLM(str(folder), load_format="dummy").engine.tokenizer
+    return tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                          "text": QUESTION}]}],
+                                         tokenize=False, add_generation_prompt=True)
+
+
 def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
     engine = AsyncEngine(EngineConfig.from_kwargs(str(llava_folder), dtype="float32")).start()
     ctx = ServerContext(engine, Metrics(engine), ["llava"])
@@ -54,24 +63,28 @@ def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://t") as http:
             answers = [await http.post("/v1/chat/completions", json=body(data_url(picture(s)))) for s in range(2)]
             streamed = await http.post("/v1/chat/completions", json=body(data_url(picture(1)), stream=True))
+            beams = await http.post("/v1/chat/completions", json=body(data_url(picture(0)), use_beam_search=True, n=2))
             bad = [await http.post("/v1/chat/completions", json=b) for b in (
                 body("data:image/png;base64,@@@"), body(str(tmp_path / "a.png")), body(f"file://{tmp_path}/a.png"),
-                body(data_url(picture(0)), use_beam_search=True, n=2),
                 {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})]
-            return answers, streamed, bad
+            return answers, streamed, beams, bad
 
     try:
-        answers, streamed, bad = asyncio.run(go())
+        answers, streamed, beams, bad = asyncio.run(go())
     finally:
         engine.shutdown()
     assert [a.json()["choices"][0]["message"]["content"] for a in answers] == expected
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected[1]
+    offline = LLM(str(llava_folder), dtype="float32").beam_search(
+        {"prompt": expected_prompt(llava_folder), "multi_modal_data": {"image": picture(0)}},
+        BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))[0].sequences
+    assert [c["message"]["content"] for c in beams.json()["choices"]] == [b.text for b in offline]
     assert all(b.status_code == 400 for b in bad)
     messages = [b.json()["error"]["message"] for b in bad]
     assert "not valid base64" in messages[0]
     assert "only data: and http(s): URLs" in messages[1] and "only data: and http(s): URLs" in messages[2]
-    assert "beam" in messages[3] and "text and image_url parts" in messages[4]
+    assert "text and image_url parts" in messages[3]
 
 
 def test_a_text_only_model_refuses_images(hf_folders):

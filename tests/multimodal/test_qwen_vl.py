@@ -148,6 +148,36 @@ def test_blocks_are_shared_for_the_same_image(folder):
     assert llm.stats()["cached_prefill_tokens"] >= 6  # the second question read the system prompt and 6 image rows
 
 
+def test_beam_search_with_images_equals_the_same_search_on_transformers(folder):
+    """vLLM's beam search over a prompt with images: each step's beams carry the images (and their positions)."""
+    from transformers import AutoModelForImageTextToText
+
+    from flock.beam_search import BeamSearch, BeamSearchParams
+    from flock.sample.logprobs import TokenLogprobs
+
+    images = [picture(0), picture(5, (60, 30))]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    llm = LLM(str(folder), dtype="float64", block_size=4)
+    got = llm.beam_search({"prompt": TWO_IMAGES, "multi_modal_data": {"image": images}}, params)[0].sequences
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64)
+    prompt, inputs = image_prompts(str(folder)).encode(TWO_IMAGES, images)
+    search = BeamSearch(prompt, params, [])
+    with torch.no_grad():
+        while not search.done:
+            entries = []
+            for tokens, _ in search.requests():
+                ids = torch.tensor([tokens])
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs.pixels,
+                               mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+                top = logits[0, -1].log_softmax(-1).topk(4)
+                entries.append(TokenLogprobs(int(top.indices[0]), float(top.values[0]), 1,
+                                             list(zip(top.indices.tolist(), top.values.tolist()))))
+            search.advance(entries)
+    want = search.result()
+    assert [b.tokens for b in got] == [b.tokens for b in want]
+    assert [b.cum_logprob for b in got] == pytest.approx([b.cum_logprob for b in want], abs=1e-9)
+
+
 def test_images_and_placeholders_must_agree(folder):
     llm = LLM(str(folder), load_format="dummy")
     with pytest.raises(ValueError, match=r"request 0: .*the prompt has 1 image tokens '<\|image_pad\|>' for 2 images"):
