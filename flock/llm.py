@@ -9,7 +9,7 @@ from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
-from flock.multimodal.processor import ImagePrompts, has_images, image_prompts, images_refused, split_images
+from flock.multimodal.processor import IMAGES_REFUSED, ImagePrompts, has_images, image_prompts, split_images
 from flock.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -93,7 +93,7 @@ class LLM:
     def _image_prompts(self) -> ImagePrompts:
         processor = image_prompts(str(self.engine.model_folder))
         if processor is None or self.engine.runner.vision is None:
-            raise ValueError(images_refused(str(self.engine.model_folder)))
+            raise ValueError(IMAGES_REFUSED)
         return processor
 
     def embed(

@@ -71,6 +71,12 @@ class Request:
         lora = self.params.lora_request
         return self.params.cache_salt, None if lora is None else lora.lora_name
 
+    def chunk(self, start: int, n: int) -> int:
+        """The tokens a step computes from `start` when n fit: n, or, where its images attend both ways (Gemma
+        3's), the chunk moved off the middle of an image (see ImageInputs.fit_chunk)."""
+        images = self.params.multi_modal
+        return n if images is None or images.spans is None else images.fit_chunk(start, n)
+
     def cache_ids(self, start: int, end: int) -> list[int]:
         """Its tokens in [start, end) as prefix caching and prefix planning tell them apart: an image placeholder
         stands for its images (equal placeholders of different pixels are different tokens)."""

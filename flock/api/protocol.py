@@ -18,7 +18,7 @@ from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
-from flock.multimodal.processor import has_images, image_prompts, images_refused, split_images
+from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from flock.tokenizer import bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
@@ -496,7 +496,7 @@ def _image_chat(tokenizer, messages: list[dict], options: dict, add_special_toke
     param = f"messages[{next(i for i, m in enumerate(messages) if isinstance(m['content'], list))}].content"
     processor = image_prompts(tokenizer.name_or_path)
     if processor is None:
-        raise APIError(images_refused(tokenizer.name_or_path), param=param)
+        raise APIError(IMAGES_REFUSED, param=param)
     sources, rendered = [], []
     try:
         for m in messages:

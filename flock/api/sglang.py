@@ -17,7 +17,7 @@ from flock.api.logprobs import TokenText
 from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
-from flock.multimodal.processor import image_prompts, images_refused
+from flock.multimodal.processor import IMAGES_REFUSED, image_prompts
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -151,7 +151,7 @@ def _images(body: dict, tokenizer, prompts: list[list[int]]) -> list[ImageInputs
         raise APIError("image_data must hold one entry (an image or a list) per prompt", param="image_data")
     processor = image_prompts(tokenizer.name_or_path)
     if processor is None:
-        raise APIError(images_refused(tokenizer.name_or_path), param="image_data")
+        raise APIError(IMAGES_REFUSED, param="image_data")
     out = []
     for i, (prompt, images) in enumerate(zip(texts, per_prompt)):
         images = images if isinstance(images, list) else [] if images is None else [images]

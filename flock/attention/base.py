@@ -17,6 +17,9 @@ class StepLayout:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     sampled: np.ndarray | None = None  # requests whose last new token the step samples (None: not said)
     sample_counts: np.ndarray | None = None  # of those, how many last new tokens each samples (None: one)
+    # [T] the last position each new token attends to (Gemma 3's image tokens: their image's last; any other
+    # token: its own), its window still starting from its own position; None: causal order
+    attend_ends: np.ndarray | None = None
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -48,7 +51,8 @@ class StepLayout:
         np.cumsum(counts, out=query_start[1:])
         layout = StepLayout(query_start=query_start, seq_lens=np.asarray(self.seq_lens)[sel],
                             block_tables=[self.block_tables[i] for i in sel], block_size=self.block_size,
-                            slot_mapping=self.slot_mapping[torch.from_numpy(rows)])
+                            slot_mapping=self.slot_mapping[torch.from_numpy(rows)],
+                            attend_ends=None if self.attend_ends is None else self.attend_ends[rows])
         return layout, rows
 
 

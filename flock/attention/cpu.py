@@ -51,6 +51,7 @@ class _Args(ctypes.Structure):
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32),
         ("window", ctypes.c_int32), ("softcap", ctypes.c_float), ("kv_format", ctypes.c_int32),
+        ("attend_ends", ctypes.c_void_p),
     ]
 
 
@@ -156,6 +157,7 @@ class CpuMetadata(AttentionMetadata):
     merge_tokens: torch.Tensor  # int32 [M] step index of each merged token
     num_slots: int
     block_size: int
+    attend_ends: torch.Tensor | None = None  # int32 per entry: Segments.attend_ends (None: causal order)
 
 
 def plan_segments(s: Segments, heads_per_kv: int, num_kv_heads: int, threads: int, unit_rows: int, chunk: int):
@@ -224,7 +226,8 @@ class CpuCascadeBackend(TorchCascadeBackend):
         segs, slots, offsets, merged, num_slots = plan_segments(
             s, g, self.num_kv_heads, torch.get_num_threads(), lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk())
         return CpuMetadata(slot_mapping, int32(segs), int32(s.tokens), int32(s.positions), int32(s.tables),
-                           int32(offsets), int32(slots), int32(merged), num_slots, layout.block_size)
+                           int32(offsets), int32(slots), int32(merged), num_slots, layout.block_size,
+                           None if s.attend_ends is None else int32(s.attend_ends))
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, CpuMetadata):
@@ -252,6 +255,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
             meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
             len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
             int(q.dtype == torch.bfloat16), self.sliding_window or 0, self.softcap or 0.0, KV_FORMATS.get(k_cache.dtype, 0),
+            None if meta.attend_ends is None else meta.attend_ends.data_ptr(),
         )
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ class Segments:
     kind: np.ndarray
     tokens: np.ndarray  # step index of every entry
     positions: np.ndarray  # position in its sequence of every entry
+    attend_ends: np.ndarray | None  # the last position each entry attends (StepLayout.attend_ends; None: its own)
     tables: np.ndarray  # block tables of all requests, concatenated
     num_partial: int
     num_groups: int
@@ -100,6 +101,8 @@ def build_segments(layout: StepLayout, heads_per_kv: int, min_prefix_blocks: int
         kind=np.concatenate([np.where(in_group[order], PARTIAL, DIRECT), np.full(len(groups), PREFIX)]),
         tokens=np.concatenate([distinct_tok[:num_partial], distinct_tok]),
         positions=np.concatenate([distinct_pos[:num_partial], distinct_pos]),
+        attend_ends=None if layout.attend_ends is None else layout.attend_ends[np.concatenate(
+            [distinct_tok[:num_partial], distinct_tok])],
         tables=tables,
         num_partial=num_partial,
         num_groups=len(groups),

@@ -49,8 +49,10 @@ class TorchPagedBackend(AttentionBackend):
         if context_start is None:
             context_start = np.zeros(len(layout.seq_lens), dtype=np.int64)
         qlens = layout.query_lens
-        decode_ids = np.flatnonzero(qlens == 1)
-        alone = np.flatnonzero(qlens > 1)
+        alone = qlens > 1
+        if layout.attend_ends is not None:  # a lone image token that attends past its position takes a mask
+            alone |= layout.attend_ends[layout.query_start[:-1]] != layout.seq_lens - 1
+        decode_ids, alone = np.flatnonzero(~alone), np.flatnonzero(alone)
         if len(decode_ids):  # the batched call pads every row to the widest: outliers go alone, as chunks
             width = layout.seq_lens[decode_ids] - context_start[decode_ids]
             wide = width > self.wide_decode * max(float(np.median(width)), layout.block_size)
@@ -80,11 +82,11 @@ class TorchPagedBackend(AttentionBackend):
     def _prefill_chunk(self, layout: StepLayout, i: int, offset: int) -> PrefillChunk:
         start, end = int(layout.query_start[i]), int(layout.query_start[i + 1])
         n, ctx = end - start, int(layout.seq_lens[i])
-        if ctx == n and self.sliding_window is None and self.softcap is None:
+        if ctx == n and self.sliding_window is None and self.softcap is None and layout.attend_ends is None:
             return PrefillChunk(start, end, None, ctx, None)
         q_pos = np.arange(ctx - n, ctx)[:, None]
         k_pos = np.arange(offset, ctx)[None, :]
-        valid = k_pos <= q_pos
+        valid = k_pos <= (q_pos if layout.attend_ends is None else layout.attend_ends[start:end, None])
         if self.sliding_window is not None:
             valid &= k_pos > q_pos - self.sliding_window
         bs = layout.block_size

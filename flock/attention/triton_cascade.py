@@ -78,7 +78,7 @@ class TritonCascadeBackend(TorchCascadeBackend):
     # -- per step --------------------------------------------------------------------------------------------
     def build_metadata(self, layout: StepLayout):
         device = layout.slot_mapping.device
-        if not self.uses_kernel(device):
+        if not self.uses_kernel(device) or layout.attend_ends is not None:  # image tokens: the torch path's masks
             return super().build_metadata(layout)
         bs = layout.block_size
         if bs <= 0 or bs & (bs - 1):

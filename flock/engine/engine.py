@@ -14,7 +14,7 @@ from flock.kv.manager import KVCacheManager
 from flock.lora import LoRARequest, lora_requests
 from flock.model import resolve_model
 from flock.model.config import sampling_defaults
-from flock.multimodal.processor import images_refused
+from flock.multimodal.processor import IMAGES_REFUSED
 from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.dry import breaker_tokens
@@ -132,7 +132,7 @@ class LLMEngine:
     def _encode_images(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """The prompt's image features from the vision encoder (its cache first)."""
         if self.runner.vision is None:
-            raise ValueError(images_refused(str(self.model_folder)))
+            raise ValueError(IMAGES_REFUSED)
         if len(params.truncated(prompt_token_ids, self.max_model_len)) < len(prompt_token_ids):
             raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         images = params.multi_modal

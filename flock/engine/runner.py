@@ -247,10 +247,24 @@ class ModelRunner:
             ids += drafts
         to = dict(device=self.device)
         layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
-                            slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples))
+                            slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples),
+                            attend_ends=self._attend_ends(plan, positions, query_start))
         input_ids = torch.tensor(ids, dtype=torch.long, **to)
         rope_positions = torch.from_numpy(self._rope_positions(plan, positions, query_start)).to(**to)
         return input_ids, rope_positions, layout, layout.sample_rows.tolist()
+
+    def _attend_ends(self, plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray | None:
+        """StepLayout.attend_ends: where the step's image tokens attend to their whole image (Gemma 3's), else
+        None."""
+        if not self.model.config.bidirectional_images:
+            return None
+        ends = positions.copy()
+        for i, (req, _) in enumerate(plan.scheduled):
+            images = req.params.multi_modal
+            if images is not None and images.spans is not None:
+                lo, hi = query_start[i], query_start[i + 1]
+                ends[lo:hi] = images.attend_ends(positions[lo:hi])
+        return None if (ends == positions).all() else ends
 
     def _rope_positions(self, plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray:
         """The rotary positions of the step's tokens: their positions in their sequences, unless an M-RoPE prompt's

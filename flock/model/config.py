@@ -21,15 +21,13 @@ GEMMA3_THETAS = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}
 # vision-language checkpoints whose text decoder Flock runs -> the text decoder's model type when text_config omits
-# it; images go through transformers' vision tower and projector (flock/multimodal) except where named in
-# TEXT_ONLY_MULTIMODAL
+# it; images go through transformers' vision tower and projector (flock/multimodal)
 VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llama", "gemma3": "gemma3_text",
                          "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 # text decoders of vision-language checkpoints that are a supported type under another name
 TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 QWEN3_VL_MROPE = (24, 20, 20)  # Qwen3VLTextConfig's sections where its rope_parameters name none
-# Gemma 3's image tokens attend to each other both ways, which Flock's causal attention does not run
-TEXT_ONLY_MULTIMODAL = {"gemma3": "Gemma 3's image tokens attend to each other in both directions"}
+BIDIRECTIONAL_IMAGES = ("gemma3",)  # whose image tokens attend to all of their image's, before and after them
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                    "min_p", "max_new_tokens")
@@ -65,6 +63,7 @@ class ModelConfig:
     # frequencies take the three in turn (t h w t h w ...) until height's and width's counts run out
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
+    bidirectional_images: bool = False  # Gemma 3's: an image's tokens attend to each other both ways
     # Granite's scales: of the embeddings, of each layer's attention and MLP outputs before the residual add, the
     # logits' divisor, and q k^T's (None: head_dim ** -0.5)
     embedding_multiplier: float = 1.0
@@ -169,6 +168,7 @@ class ModelConfig:
             image_token_id=image_token_id,
             mrope_section=tuple(mrope) if mrope else None,
             mrope_interleaved=bool(mrope) and outer_type == "qwen3_vl",
+            bidirectional_images=multimodal and outer_type in BIDIRECTIONAL_IMAGES,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             **cls._moe_fields(d, model_type),

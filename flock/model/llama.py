@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         if positions.dim() == 2:
             rope_rows = self.rope.rows(positions)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        elif (out_rows is None and deepstack is None and self.step_program is not None
+        elif (out_rows is None and image_rows is None and self.step_program is not None  # images: see their spans
               and self.step_program.takes(x, meta)):
             x, residual = self.step_program.run(x, positions, meta)
             return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too

@@ -32,6 +32,9 @@ class ImageInputs:
     # M-RoPE's (Qwen2-VL's): the prompt tokens' [3, prompt length] rotary positions, and index + rope_shift after it
     rope_positions: np.ndarray | None = None
     rope_shift: int = 0
+    # Gemma 3's: [images, 2] first and end positions of each image, whose tokens attend to each other both ways:
+    # a step never ends inside one (all of its tokens' K and V are there when any of them attends)
+    spans: np.ndarray | None = None
 
     def cache_ids(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt with each placeholder token replaced by an id drawn from the pixels' hash and its place
@@ -55,3 +58,25 @@ class ImageInputs:
         inside = max(0, min(end, prompt.shape[1]) - start)
         out[:, :inside] = prompt[:, start : start + inside]
         return out
+
+    def fit_chunk(self, start: int, n: int) -> int:
+        """The length of a chunk from `start` of about n tokens that ends outside every image: cut before the
+        image it would end inside, or (starting in or at it) stretched to the image's end."""
+        end = start + n
+        inside = self.spans[(self.spans[:, 0] < end) & (end < self.spans[:, 1])]
+        if not len(inside):
+            return n
+        first, stop = inside[0]
+        return int(first - start if first > start else stop - start)
+
+    def prefix_end(self, length: int) -> int:
+        """The longest prefix of at most `length` tokens that ends outside every image."""
+        inside = self.spans[(self.spans[:, 0] < length) & (length < self.spans[:, 1])]
+        return int(inside[0, 0]) if len(inside) else length
+
+    def attend_ends(self, positions: np.ndarray) -> np.ndarray:
+        """The last position each of `positions` attends: its image's last for an image token, else its own."""
+        ends = positions.copy()
+        for first, stop in self.spans.tolist():
+            ends[(positions >= first) & (positions < stop)] = stop - 1
+        return ends

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from flock.model.config import TEXT_ONLY_MULTIMODAL, VISION_LANGUAGE_TYPES
+from flock.model.config import BIDIRECTIONAL_IMAGES, VISION_LANGUAGE_TYPES
 from flock.multimodal.images import load_image
 from flock.multimodal.inputs import ImageInputs
 from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
@@ -16,6 +16,7 @@ from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
 # what a processor returns besides the pixels
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # M-RoPE models, whose images also set their tokens' rotary positions
+IMAGES_REFUSED = "this model takes no images: it is a text-only model"
 # chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
 IMAGE_PARTS = ("image_url", "image_pil", "image")
 
@@ -23,13 +24,13 @@ IMAGE_PARTS = ("image_url", "image_pil", "image")
 class ImagePrompts:
     """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
 
-    def __init__(self, folder: Path, image_token_id: int, mrope: bool = False):
+    def __init__(self, folder: Path, image_token_id: int, mrope: bool = False, bidirectional: bool = False):
         from transformers import AutoProcessor
 
         self.processor = QwenVLProcessor(folder) if mrope else AutoProcessor.from_pretrained(str(folder),
                                                                                               local_files_only=True)
         self.image_token_id = image_token_id
-        self.mrope = mrope
+        self.mrope, self.bidirectional = mrope, bidirectional
 
     def encode(self, text: str, images: list, add_special_tokens: bool = True,
                allow_files: bool = True) -> tuple[list[int], ImageInputs]:
@@ -52,6 +53,8 @@ class ImagePrompts:
         if self.mrope:
             images.rope_positions, images.rope_shift = mrope_positions(len(ids), positions, pixels["image_grid_thw"],
                                                                        self.processor.merge_size)
+        if self.bidirectional:
+            images.spans = placeholder_runs(positions)
         return ids, images
 
 
@@ -62,18 +65,10 @@ def image_prompts(folder: str) -> ImagePrompts | None:
     if not config.is_file():
         return None
     d = json.loads(config.read_text())
-    if d.get("model_type") not in VISION_LANGUAGE_TYPES or d.get("model_type") in TEXT_ONLY_MULTIMODAL:
+    if d.get("model_type") not in VISION_LANGUAGE_TYPES:
         return None
     return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")),
-                        d["model_type"] in MROPE_TYPES)
-
-
-def images_refused(folder: str) -> str:
-    """Why the model in `folder` takes no images."""
-    config = Path(folder) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    why = TEXT_ONLY_MULTIMODAL.get(model_type, "it is a text-only model")
-    return f"this model takes no images: {why}"
+                        d["model_type"] in MROPE_TYPES, d["model_type"] in BIDIRECTIONAL_IMAGES)
 
 
 def split_images(content: list) -> tuple[list[dict], list]:
@@ -98,3 +93,11 @@ def split_images(content: list) -> tuple[list[dict], list]:
 def has_images(messages: list[dict]) -> bool:
     return any(isinstance(m.get("content"), list) and any(
         isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"]) for m in messages)
+
+
+def placeholder_runs(positions: np.ndarray) -> np.ndarray:
+    """[images, 2] first and end (exclusive) positions of each run of consecutive placeholder tokens (an image)."""
+    if not len(positions):
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    return np.array([[run[0], run[-1] + 1] for run in np.split(positions, breaks)], dtype=np.int64)

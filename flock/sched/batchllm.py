@@ -69,21 +69,30 @@ class BatchLLMScheduler(Scheduler):
 
     def _groups(self, requests: list[Request]) -> list[tuple[int, GroupState]]:
         plan = plan_prefixes([r.cache_ids(0, r.num_prompt_tokens) for r in requests])
-        bs = self.kv.block_size
         groups = []
         for g in plan.groups:
             members = [requests[i] for i in g.indices]
             # every member keeps at least one token of its own to compute; members take a prefix that ends
             # inside a block from the prefix cache, which copies that block's start (without it: whole blocks)
             shortest = min(m.num_prompt_tokens for m in members)
-            shared = min(g.prefix_len, shortest - 1) if len(members) > 1 else 0
-            if not self.kv.enable_prefix_caching:
-                shared = shared // bs * bs
+            shared = self._prefix_end(members[0], min(g.prefix_len, shortest - 1) if len(members) > 1 else 0)
             group = GroupState(shared, deque(members), unfinished=len(members))
             groups.append((g.computed_tokens, group))
             for m in members:
                 self.group_of[m.request_id] = group
         return groups
+
+    def _prefix_end(self, first: Request, length: int) -> int:
+        """A group prefix of at most `length` tokens: whole blocks without prefix caching, and never ending inside
+        an image whose tokens attend both ways (its pseudo-request would compute part of it)."""
+        images = first.params.multi_modal
+        while True:
+            end = length if self.kv.enable_prefix_caching else length // self.kv.block_size * self.kv.block_size
+            if images is not None and images.spans is not None:
+                end = images.prefix_end(end)
+            if end == length:
+                return end
+            length = end
 
     # -- the step ----------------------------------------------------------------------------------------------
     def _schedule(self) -> StepPlan:
@@ -140,7 +149,7 @@ class BatchLLMScheduler(Scheduler):
     def _members(self, g: GroupState, plan: StepPlan, budget: int) -> int:
         scheduled = {r.request_id for r, _ in plan.scheduled}
         for req in g.admitted:  # unfinished prefills (chunked, or recomputing after preemption)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if req.request_id in scheduled or n <= 1 and req.num_output_tokens or n == 0:
                 continue
             needed = self.kv.blocks_needed(req.num_computed_tokens + n) - self.kv.num_blocks(req)
@@ -151,8 +160,9 @@ class BatchLLMScheduler(Scheduler):
         while g.waiting and budget > 0:
             req = g.waiting[0]
             cached = self._shared_blocks(g, req)
-            n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
-            needed = self.kv.blocks_needed(self.kv.prefix_tokens(cached) + n) - len(cached)
+            start = self.kv.prefix_tokens(cached)
+            n = req.chunk(start, min(req.num_tokens - start, budget))
+            needed = self.kv.blocks_needed(start + n) - len(cached)
             if not self._fits(plan, needed) or not self.allocate(req, n, cached):
                 break
             if req.num_preemptions == 0:
@@ -169,7 +179,7 @@ class BatchLLMScheduler(Scheduler):
         held = self.kv.num_blocks(p)
         cached = self.kv.cached_prefix(p) if not held else CachedPrefix()  # sharing above this group's level
         computed = p.num_computed_tokens + self.kv.prefix_tokens(cached)
-        n = min(p.num_tokens - computed, budget)
+        n = p.chunk(computed, min(p.num_tokens - computed, budget))
         needed = self.kv.blocks_needed(computed + n) - held - len(cached)
         if n > 0 and self._fits(plan, needed) and self.allocate(p, n, cached):
             plan.scheduled.append((p, n))

@@ -20,7 +20,8 @@ class FCFSScheduler(Scheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self.with_drafts(req, min(req.num_tokens - req.num_computed_tokens, budget), budget)
+            start = req.num_computed_tokens
+            n = self.with_drafts(req, req.chunk(start, min(req.num_tokens - start, budget)), budget)
             while not self.allocate(req, n):
                 victim = self.victim(self.running[i:])  # not one already planned in this step
                 self.running.remove(victim)
@@ -64,7 +65,8 @@ class FCFSScheduler(Scheduler):
         then)."""
         if cached is None:
             cached = self.kv.cached_prefix(req)
-        n = min(req.num_tokens - self.kv.prefix_tokens(cached), budget)
+        start = self.kv.prefix_tokens(cached)
+        n = req.chunk(start, min(req.num_tokens - start, budget))
         if not self.allocate(req, n, cached):
             return None
         if req.num_preemptions == 0:

@@ -1,6 +1,7 @@
 """Random-weight vision-language models saved with their processors: a LLaVA (CLIP vision tower, MLP projector,
-Llama text decoder; a chat template that places images) and an Idefics3 (SigLIP-style tower, pixel-shuffle
-connector, images split into tiles); and test images."""
+Llama text decoder; a chat template that places images), an Idefics3 (SigLIP-style tower, pixel-shuffle connector,
+images split into tiles), Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE) and a Gemma 3 (images attended both ways); and
+test images."""
 
 import numpy as np
 import torch
@@ -136,6 +137,41 @@ def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bo
         tensors = load_file(folder / "model.safetensors")
         save_file({next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
                    for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+GEMMA3_TEMPLATE = IMAGE_TEMPLATE.replace("<image>\n", "<start_of_image>")
+
+
+def make_gemma3(folder, seed: int = 0):
+    """A Gemma 3 with images of 16 tokens (32 pixels, 4 x 4 patches of 8) that attend to each other both ways, and
+    a sliding window of 8 on every other layer, shorter than an image."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
+    from transformers import Gemma3Processor
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder, VOCAB)
+    marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=marks)
+    boi, image, eoi = tokenizer.convert_tokens_to_ids(list(marks.values()))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=VOCAB + 8, max_position_embeddings=512,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None)
+    config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16, boi_token_index=boi,
+                          eoi_token_index=eoi, image_token_index=image)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "language_model" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=16,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
     return folder
 
 

@@ -82,6 +82,8 @@ typedef struct {
     int32_t window;                                 // a causal row at position p sees (p - window, p] (0: all)
     float softcap;                                  // scaled scores x become softcap tanh(x / softcap) (0: none)
     int32_t kv_format;                              // the caches' elements: KV_MODEL (q's dtype) or fp8 rows
+    // per entry, the last position a causal row sees (Gemma 3's image tokens: their image's last); NULL: its own
+    const int32_t *attend_ends;
 } Args;
 
 // ------------------------------------------------------------------------------------------------ vectors
@@ -694,6 +696,9 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
         }
 }
 
+// The last position a causal entry sees.
+static inline int32_t last_seen(const Args *a, int32_t e) { return a->attend_ends ? a->attend_ends[e] : a->positions[e]; }
+
 // The KV positions unit u attends: its segment's range, causally cut after its last row's position (and, with a
 // sliding window, before the chunk where its first row's window starts: chunks stay on the segment's grid, which
 // a segment's chunks packed once for all its units are laid out on).
@@ -703,7 +708,7 @@ static void kv_range(const Args *a, const Unit *u, int64_t *kv0, int64_t *kv1) {
     *kv0 = seg[SEG_KV_START];
     *kv1 = seg[SEG_KV_END];
     if (seg[SEG_CAUSAL]) {
-        const int64_t last = (int64_t)a->positions[seg[SEG_BEGIN] + (u->row0 + u->nrows - 1) / G] + 1;
+        const int64_t last = (int64_t)last_seen(a, seg[SEG_BEGIN] + (u->row0 + u->nrows - 1) / G) + 1;
         *kv1 = last < *kv1 ? last : *kv1;
         const int64_t first = (int64_t)a->positions[seg[SEG_BEGIN] + u->row0 / G] - a->window + 1;
         if (a->window > 0 && first > *kv0) *kv0 += (first - *kv0) / CHUNK * CHUNK;
@@ -835,7 +840,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     for (int r = 0; r < nrows; r++) {
         const int row = u->row0 + r;
         const int32_t e = seg[SEG_BEGIN] + row / G;
-        w->limit[r] = seg[SEG_CAUSAL] ? a->positions[e] : INT32_MAX;
+        w->limit[r] = seg[SEG_CAUSAL] ? last_seen(a, e) : INT32_MAX;
         w->first[r] = seg[SEG_CAUSAL] && a->window > 0 ? a->positions[e] - a->window + 1 : 0;
         for (int h = 0; h < u->hb; h++) {
             const int64_t src = (int64_t)a->tokens[e] * a->q_stride_t + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h;
