@@ -17,6 +17,18 @@ IMAGE_TEMPLATE = (
 )
 
 
+def save_random(build, config, folder, seed: int, decoder: str) -> None:
+    """`build(config)` with random weights, its decoder's (the parameters named with `decoder`) larger than the
+    default init so that logits are far from ties, saved to `folder`."""
+    torch.manual_seed(seed)
+    model = build(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and decoder in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+
+
 def make_llava(folder, seed: int = 0):
     from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
@@ -33,13 +45,7 @@ def make_llava(folder, seed: int = 0):
     config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          vision_feature_select_strategy="default")
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "language_model" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder)
+    save_random(LlavaForConditionalGeneration, config, folder, seed, "language_model")
     images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=7, num_additional_image_tokens=1,
                    vision_feature_select_strategy="default", chat_template=IMAGE_TEMPLATE).save_pretrained(folder)
@@ -62,13 +68,7 @@ def make_idefics3(folder, seed: int = 0):
                        num_key_value_heads=2, vocab_size=VOCAB + 64, max_position_embeddings=1024, pad_token_id=2)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "text_model" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder)
+    save_random(Idefics3ForConditionalGeneration, config, folder, seed, "text_model")
     images = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
                                     do_image_splitting=True)
     Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4).save_pretrained(folder)
@@ -111,13 +111,7 @@ def make_qwen_vl(folder, kind: str = "qwen2_5_vl", seed: int = 0, hub_layout: bo
                 rope_parameters=rope | {"mrope_interleaved": True} if kind == "qwen3_vl" else rope)
     config = AutoConfig.for_model(kind, vision_config=vision, text_config=text, vision_start_token_id=start,
                                   vision_end_token_id=end, image_token_id=image, video_token_id=video)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "language_model" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder)
+    save_random(AutoModelForImageTextToText.from_config, config, folder, seed, "language_model")
     unit = 2 * patch  # a merged patch's side in pixels
     processor = Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=4 * unit * unit, max_pixels=16 * unit * unit)
     processor.save_pretrained(folder)
@@ -162,13 +156,7 @@ def make_gemma3(folder, seed: int = 0):
                 eos_token_id=None, pad_token_id=None)
     config = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16, boi_token_index=boi,
                           eoi_token_index=eoi, image_token_index=image)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "language_model" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder)
+    save_random(Gemma3ForConditionalGeneration, config, folder, seed, "language_model")
     images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=16,
                     chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
