@@ -12,8 +12,8 @@ from flock.engine.heap import keep_freed_memory, release_freed_memory
 from flock.kv import fp8
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
+from flock.model.llama import ImageRows
 from flock.multimodal.encoder import VisionEncoder
-from flock.multimodal.inputs import ImageRows
 from flock.multimodal.processor import image_prompts
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs

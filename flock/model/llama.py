@@ -2,6 +2,7 @@
 
 from collections import Counter
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -14,7 +15,6 @@ from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
 from flock.model.rope import RopeRows, RotaryEmbedding
-from flock.multimodal.inputs import ImageRows
 
 
 TRIM_BYTES = 256 << 20  # prepack_weights gives the heap's free pages back after each this many bytes released
@@ -201,6 +201,15 @@ class SparseMoE(nn.Module):
         ys = torch.cat([self.experts[expert](run) for expert, run in zip(experts.tolist(), runs)])
         # added to each token in expert order (index_add_ runs through its rows in order)
         return torch.zeros_like(x).index_add_(0, tokens, (ys * weights.flatten()[order, None]).to(x.dtype))
+
+
+class ImageRows(NamedTuple):
+    """A step's image inputs: the rows of image placeholder tokens, the features that replace their embeddings,
+    and their DeepStack rows (Qwen3-VL's: (layers, rows, hidden), added to the first layers' outputs)."""
+
+    rows: torch.Tensor
+    features: torch.Tensor
+    deepstack: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):

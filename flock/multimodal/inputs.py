@@ -1,20 +1,10 @@
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import xxhash
 
 IMAGE_IDS = 1 << 31  # placeholders' prefix-cache ids start here, past every vocabulary
-
-
-class ImageRows(NamedTuple):
-    """A step's image inputs to the decoder: the rows of image placeholder tokens, the features that replace their
-    embeddings, and their DeepStack rows (Qwen3-VL's: (layers, rows, hidden), added to the first layers' outputs)."""
-
-    rows: torch.Tensor
-    features: torch.Tensor
-    deepstack: torch.Tensor | None = None
 
 
 @dataclass(eq=False)

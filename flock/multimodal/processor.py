@@ -16,7 +16,9 @@ from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
 # what a processor returns besides the pixels
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # whose images also set their tokens' rotary positions
-IMAGES_REFUSED = "this model takes no images: it is a text-only model"
+IMAGES_REFUSED = ("this model takes no images: it is a text-only model (or a folder without its image processor's "
+                  "preprocessor_config.json)")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # without them a folder runs text alone
 # chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
 IMAGE_PARTS = ("image_url", "image_pil", "image")
 
@@ -65,7 +67,8 @@ def image_prompts(folder: str) -> ImagePrompts | None:
     if not config.is_file():
         return None
     d = json.loads(config.read_text())
-    if d.get("model_type") not in VISION_LANGUAGE_TYPES:
+    if d.get("model_type") not in VISION_LANGUAGE_TYPES or not any(
+            (Path(folder) / name).is_file() for name in PROCESSOR_FILES):
         return None
     return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")),
                         d["model_type"] in MROPE_TYPES, d["model_type"] in BIDIRECTIONAL_IMAGES)

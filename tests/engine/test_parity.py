@@ -107,7 +107,8 @@ def test_longrope_factors_follow_max_model_len(hf_folders, references, attention
 def test_gemma3_multimodal_checkpoint_runs_its_text_decoder(hf_folders, tmp_path, layout):
     """A Gemma3ForConditionalGeneration folder (a nested text_config, the decoder's tensors under its language
     model, a vision tower and projector beside them; named as the Hub's files or as transformers' modules):
-    Flock runs the text decoder, and its greedy tokens are the multimodal model's on text prompts."""
+    Flock runs the text decoder, and its greedy tokens are the multimodal model's on text prompts; without the
+    image processor's files it takes no images."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -136,6 +137,8 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_decoder(hf_folders, tmp_path
     got, llm = flock_greedy(tmp_path, prompts, dtype="float32")
     assert got == expected
     assert llm.engine.model_config.multimodal and llm.engine.model_config.model_type == "gemma3_text"
+    with pytest.raises(ValueError, match="without its image processor"):  # no processor files: text alone
+        llm.generate({"prompt": "a <start_of_image>", "multi_modal_data": {"image": "data:,"}})
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
