@@ -90,6 +90,17 @@ def test_greedy_tokens_equal_transformers(folder, reference, engine):
     assert_same(answers(llm.generate(prompt, PARAMS, use_tqdm=False)), [two], 2e-3)
 
 
+def test_group_prefixes_stop_before_an_image(folder):
+    """Questions of one image that part right after it, in blocks of 16 without prefix caching: BatchLLM's group
+    prefix of whole blocks would end inside the image, so it stops before it."""
+    texts = [f"Look: <start_of_image>{q}" for q in ("A", "B", "C")]
+    want = transformers_greedy(folder, [(t, [picture(2)], True) for t in texts])
+    llm = LLM(str(folder), dtype="float32", scheduler="batchllm", enable_prefix_caching=False, block_size=16)
+    got = llm.generate([{"prompt": t, "multi_modal_data": {"image": picture(2)}} for t in texts], PARAMS,
+                       use_tqdm=False)
+    assert_same(answers(got), want, 2e-3)
+
+
 def test_float64_and_bfloat16(folder, reference):
     text = "A long run of words before the picture, so that the window slides: <start_of_image> and after it"
     images = [picture(7)]
