@@ -1,5 +1,5 @@
-"""Qwen2-VL's and Qwen2.5-VL's image prompts: each image token expanded to the rows its merged patches give, and
-M-RoPE's time, height and width positions of every prompt token."""
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image prompts: each image token expanded to the rows its merged patches
+give, and M-RoPE's time, height and width positions of every prompt token."""
 
 from pathlib import Path
 
