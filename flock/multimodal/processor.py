@@ -8,14 +8,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from flock.model.config import BIDIRECTIONAL_IMAGES, VISION_LANGUAGE_TYPES
+from flock.model.config import VISION_LANGUAGE_TYPES, ModelConfig
 from flock.multimodal.images import load_image
 from flock.multimodal.inputs import ImageInputs
 from flock.multimodal.qwen_vl import QwenVLProcessor, mrope_positions
 
 # what a processor returns besides the pixels
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # whose images also set their tokens' rotary positions
 IMAGES_REFUSED = ("this model takes no images: it is a text-only model (or a folder without its image processor's "
                   "preprocessor_config.json)")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # without them a folder runs text alone
@@ -26,13 +25,14 @@ IMAGE_PARTS = ("image_url", "image_pil", "image")
 class ImagePrompts:
     """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
 
-    def __init__(self, folder: Path, image_token_id: int, mrope: bool = False, bidirectional: bool = False):
+    def __init__(self, folder: Path, config: ModelConfig):
         from transformers import AutoProcessor
 
-        self.processor = QwenVLProcessor(folder) if mrope else AutoProcessor.from_pretrained(str(folder),
-                                                                                              local_files_only=True)
-        self.image_token_id = image_token_id
-        self.mrope, self.bidirectional = mrope, bidirectional
+        self.mrope = config.mrope_section is not None  # its images also set their tokens' rotary positions
+        self.bidirectional = config.bidirectional_images
+        self.processor = QwenVLProcessor(folder) if self.mrope else AutoProcessor.from_pretrained(
+            str(folder), local_files_only=True)
+        self.image_token_id = config.image_token_id
 
     def encode(self, text: str, images: list, add_special_tokens: bool = True,
                allow_files: bool = True) -> tuple[list[int], ImageInputs]:
@@ -70,8 +70,7 @@ def image_prompts(folder: str) -> ImagePrompts | None:
     if d.get("model_type") not in VISION_LANGUAGE_TYPES or not any(
             (Path(folder) / name).is_file() for name in PROCESSOR_FILES):
         return None
-    return ImagePrompts(Path(folder), d.get("image_token_id", d.get("image_token_index")),
-                        d["model_type"] in MROPE_TYPES, d["model_type"] in BIDIRECTIONAL_IMAGES)
+    return ImagePrompts(Path(folder), ModelConfig.from_dict(d))
 
 
 def split_images(content: list) -> tuple[list[dict], list]:
