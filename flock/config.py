@@ -30,6 +30,10 @@ class EngineConfig:
     model: str = option("flock/tiny", "built-in model (flock/smollm2, a real chat model; flock/tiny, random weights), "
                         "a local Hugging Face folder, or a GGUF file (or a folder holding one)")
     tokenizer: str | None = option(None, "tokenizer folder or GGUF file (default: the model's)")
+    hf_overrides: dict | None = option(
+        None, "keys that replace the model's config.json ones, as vLLM's JSON, e.g. a causal LM reranker as a "
+        "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     dtype: str = option("auto", "auto (the model's; float32 on a CPU without AVX512-BF16 or AMX), float32, bfloat16 or "
                         "float64 (float16 runs as bfloat16 on CPU)")
     load_format: str = option("auto", "auto, safetensors, gguf, or dummy (random weights)")

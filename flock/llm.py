@@ -11,6 +11,8 @@ from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, ImagePrompts, has_images, image_prompts, split_images
 from flock.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -18,7 +20,7 @@ from flock.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from flock.pooling_params import PoolingParams, pair_scores
+from flock.pooling_params import PoolingParams, cross_encoder_prompt, pair_scores
 from flock.request import Request
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import chat_text, encode_chat
@@ -104,16 +106,34 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt (see PoolingParams), in input order, as vLLM's `LLM.embed`. A string is
         tokenized with the tokenizer's special tokens (an embedding model's end-of-text token included)."""
+        requests = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)
+        return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
+                                       r.is_finished, r.num_cached_tokens) for r in requests]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities of every prompt, in input order, as vLLM's `LLM.classify`
+        (logits when `pooling_params.use_activation` is False)."""
+        params = replace(pooling_params or PoolingParams(), task="classify")
+        requests = self._pool(prompts, params, use_tqdm)
+        return [ClassificationRequestOutput(str(r.request_id), r.prompt_token_ids, ClassificationOutput(r.embedding),
+                                            r.is_finished, r.num_cached_tokens) for r in requests]
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams, use_tqdm: bool) -> list[Request]:
+        """The finished pooling requests of `prompts` (text: tokenized with the tokenizer's special tokens, an
+        embedding model's end-of-text token included)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = pooling_params or PoolingParams()
         token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
         self._check_all(token_ids, [params] * len(token_ids))
         self.engine.reset_stats()
         requests = [self.engine.add_request(ids, params) for ids in token_ids]
         self._run(requests, use_tqdm)
-        return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
-                                       r.is_finished, r.num_cached_tokens) for r in requests]
+        return requests
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -151,18 +171,35 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for an embedding model: each pair's cosine similarity of embeddings (`pair_scores`);
-        one prompt in `data_1` is scored against every one in `data_2`, else they pair up in order."""
+        """vLLM's `LLM.score`: each pair's score; one prompt in `data_1` is scored against every one in `data_2`,
+        else they pair up in order. A sequence classifier of one label (a cross-encoder, a reranker) scores each
+        pair's joint prompt (`cross_encoder_prompt`, texts only); an embedding model gives the cosine similarity
+        of the two embeddings (`pair_scores`)."""
         left, right = ([d] if isinstance(d, (str, dict)) or (d and isinstance(d[0], int)) else list(d)
                        for d in (data_1, data_2))
         if not right or len(left) not in (1, len(right)):
             raise ValueError(f"data_1 must hold one prompt or as many as data_2 ({len(left)} vs {len(right)})")
+        if self.engine.tasks.num_labels:
+            return self._cross_encode(left * (len(right) if len(left) == 1 else 1), right, pooling_params, use_tqdm)
         embedded = self.embed(left + right, pooling_params, use_tqdm)
         vectors = [e.outputs.embedding for e in embedded]
         scores = pair_scores(vectors[: len(left)], vectors[len(left):])
         firsts = embedded[: len(left)] * (len(right) if len(left) == 1 else 1)
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
                                      ScoringOutput(s)) for a, b, s in zip(firsts, embedded[len(left):], scores)]
+
+    def _cross_encode(self, left: list, right: list, pooling_params: PoolingParams | None, use_tqdm: bool
+                      ) -> list[ScoringRequestOutput]:
+        tasks = self.engine.tasks
+        if tasks.num_labels != 1:
+            raise ValueError(f"{tasks.name} classifies into {tasks.num_labels} classes: scores need a classifier "
+                             "of one label (a cross-encoder)")
+        if not all(isinstance(t, str) for t in left + right):
+            raise ValueError("a cross-encoder scores pairs of texts (strings)")
+        prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, tasks.use_sep_token) for a, b in zip(left, right)]
+        classified = self.classify(prompts, pooling_params, use_tqdm)
+        return [ScoringRequestOutput(c.request_id, c.prompt_token_ids, ScoringOutput(c.outputs.probs[0]))
+                for c in classified]
 
     def chat(
         self,

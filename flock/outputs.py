@@ -40,7 +40,7 @@ class ScoringRequestOutput:
     """The score of one pair, as vLLM's `LLM.score` returns it."""
 
     request_id: str
-    prompt_token_ids: list[int]  # the pair's: the first text's, then the second's
+    prompt_token_ids: list[int]  # the pair's: the first text's, then the second's (a cross-encoder's: its prompt)
     outputs: ScoringOutput
     finished: bool = True
 
@@ -52,5 +52,21 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class (logits when the request turned the activation off)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A sequence classifier's answer for one prompt, as vLLM's `LLM.classify` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
     finished: bool = True
     num_cached_tokens: int = 0

@@ -6,24 +6,65 @@ import torch.nn.functional as F
 from flock.sampling_params import SamplingParams
 
 
+TASKS = ("embed", "classify")
+
+
+@dataclass(frozen=True)
+class ModelTasks:
+    """What a loaded model serves, to refuse other requests by name: generation (a causal LM), embeddings (a
+    causal LM or a base model), or classification and cross-encoder scores (a sequence classifier, nothing
+    else)."""
+
+    name: str
+    hidden_size: int
+    generates: bool = True  # has an LM head (a base model has none)
+    num_labels: int = 0  # a sequence classifier's classes
+    labels: tuple[str, ...] = ()
+    use_sep_token: bool = True  # see ModelConfig.use_sep_token
+
+    def refusal(self, task: str) -> str | None:
+        """Why the model does not serve `task` ("generate", "embed" or "classify"), or None."""
+        if self.num_labels:
+            return None if task == "classify" else (
+                f"{self.name} is a sequence classifier: it classifies (LLM.classify, /classify) and scores pairs "
+                "(LLM.score, /score, /rerank), it does not " + ("generate" if task == "generate" else "embed"))
+        if task == "classify":
+            return (f"{self.name} is not a sequence classifier (its architectures name no ForSequenceClassification; "
+                    "a causal LM reranker takes hf_overrides with classifier_from_token)")
+        if task == "generate" and not self.generates:
+            return f"{self.name} is a base model without an LM head: it embeds (LLM.embed, /v1/embeddings), " \
+                   "it does not generate"
+        return None
+
+
 @dataclass
 class PoolingParams:
-    """How an embedding request turns its prompt into a vector, as vLLM's `PoolingParams` for a decoder model's
-    embeddings (Qwen3-Embedding, e5-mistral): the final hidden state of the prompt's last token (it has seen the
-    whole prompt, so a shared prefix's KV serves every prompt that starts with it), its first `dimensions` values
-    (a Matryoshka model's shorter embeddings), L2-normalized unless `normalize` is False."""
+    """How a pooling request turns its prompt into a vector, as vLLM's `PoolingParams` for a decoder model: from
+    the final hidden state of the prompt's last token (it has seen the whole prompt, so a shared prefix's KV
+    serves every prompt that starts with it). Task "embed" (Qwen3-Embedding, e5-mistral): its first `dimensions`
+    values (a Matryoshka model's shorter embeddings), L2-normalized unless `normalize` is False. Task "classify"
+    (a sequence classifier): the class probabilities, or the raw logits when `use_activation` is False."""
 
     dimensions: int | None = None
     normalize: bool = True
     truncate_prompt_tokens: int | None = None  # as SamplingParams': keep this many prompt tokens (-1: the limit)
+    task: str = "embed"
+    use_activation: bool = True
 
-    def validate(self, hidden_size: int) -> None:
+    def validate(self, model: ModelTasks) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if why := model.refusal(self.task):
+            raise ValueError(why)
         d = self.dimensions
-        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= hidden_size):
-            raise ValueError(f"dimensions must be an integer in [1, {hidden_size}] (the model's hidden size), "
+        if d is not None and self.task != "embed":
+            raise ValueError("dimensions is an embedding's, not a classification's")
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= model.hidden_size):
+            raise ValueError(f"dimensions must be an integer in [1, {model.hidden_size}] (the model's hidden size), "
                              f"got {d!r}")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     def as_sampling(self) -> SamplingParams:
         """The engine request that computes the prompt (and samples nothing: the runner pools its last row)."""
@@ -40,3 +81,12 @@ def pair_scores(left: list[list[float]], right: list[list[float]]) -> list[float
     the left is scored against every one on the right, else they pair up in order."""
     a, b = (F.normalize(torch.tensor(v, dtype=torch.float64), dim=1) for v in (left, right))
     return (b @ a[0] if len(a) == 1 else (a * b).sum(1)).tolist()
+
+
+def cross_encoder_prompt(tokenizer, first: str, second: str, use_sep_token: bool = True) -> list[int]:
+    """The token ids of a pair a sequence classifier scores, as vLLM builds them: the tokenizer's pair encoding
+    (its separators between the texts), or, for a causal LM made a reranker (use_sep_token False), the two texts
+    joined and encoded as one."""
+    if use_sep_token:
+        return tokenizer(first, text_pair=second)["input_ids"]
+    return tokenizer(first + second)["input_ids"]

@@ -22,14 +22,15 @@ from tqdm import tqdm
 from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
-from flock.api.embeddings import EmbeddingRequest, parse_embeddings
+from flock.api.classify import ClassifyRequest
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
+from flock.api.pooling import KINDS as POOLING_KINDS, PoolingRequest, pooling_request
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
                                 make_choice, new_id, parse_request, reasoning_usage, refuse_adapter_embeddings,
                                 response_body, with_defaults)
 from flock.api.responses import ResponsesRequest, parse_responses, renamed
-from flock.api.scores import ScoreRequest, parse_scores
+from flock.api.scores import ScoreRequest
 from flock.beam_search import BeamSearch
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
@@ -40,7 +41,6 @@ SummaryRows = Callable[[], list[tuple[str, str]]]
 SHOWN_ERRORS = 5  # on stderr; all of them are in the error file
 SHOWN_ANSWERS = 8  # lines spread over the input whose answers the summary shows
 ANSWER_WIDTH = 100
-POOLING_KINDS = ("embedding", "score", "rerank")  # lines whose inputs are embedded, not generated from
 
 
 @dataclass
@@ -147,7 +147,7 @@ class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    request: GenerationRequest | EmbeddingRequest | ScoreRequest | ResponsesRequest
+    request: GenerationRequest | PoolingRequest | ResponsesRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
     searches: list[BeamSearch] | None = None  # a use_beam_search line's, one per prompt
@@ -228,8 +228,7 @@ class BatchJob:
     def _submit_embeddings(self, line: BatchLine) -> None:
         try:
             refuse_adapter_embeddings(line.body, self.loras)
-            parsed = parse_embeddings(line.body, self.engine.tokenizer) if line.kind == "embedding" else \
-                parse_scores(line.kind, line.body, self.engine.tokenizer)
+            parsed = pooling_request(line.kind, line.body, self.engine.tokenizer, self.engine.tasks)
             for ids in parsed.prompts:
                 self.engine.check_request(ids, parsed.params)
         except APIError as e:
@@ -239,7 +238,7 @@ class BatchJob:
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 
-    def _add(self, line: BatchLine, parsed: GenerationRequest | EmbeddingRequest | ScoreRequest | ResponsesRequest,
+    def _add(self, line: BatchLine, parsed: GenerationRequest | PoolingRequest | ResponsesRequest,
              requests: list) -> None:
         pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
@@ -330,6 +329,8 @@ class BatchJob:
         if line.searches is not None:
             first = body["choices"][0]
             return first["text"] if "text" in first else first["message"]["content"]
+        if isinstance(line.request, ClassifyRequest):
+            return "labels " + ", ".join(x["label"] for x in body["data"])
         first = line.finished[0].embedding
         return line.texts[0] if first is None else f"[an embedding of {len(first)} values]"
 
@@ -338,7 +339,7 @@ class BatchJob:
         gen, model = line.request, self.engine.config.model
         if isinstance(gen, (GenerationRequest, ResponsesRequest)):
             model = self._model_of(gen if isinstance(gen, GenerationRequest) else gen.gen)
-        if isinstance(gen, (EmbeddingRequest, ScoreRequest)):
+        if isinstance(gen, PoolingRequest):
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
             return body["id"], body

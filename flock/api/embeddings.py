@@ -36,19 +36,24 @@ class EmbeddingRequest:
 
 def parse_embeddings(body, tokenizer) -> EmbeddingRequest:
     """A request body, checked (APIError names the bad field)."""
+    prompts = pooled_prompts(body, tokenizer, FIELDS)
+    return EmbeddingRequest(prompts, _params(body), _encoding(body))
+
+
+def pooled_prompts(body, tokenizer, fields: set[str]) -> list[list[int]]:
+    """The token ids of a pooling body's `input` (texts with special tokens: an embedding model's end-of-text
+    token), or of its chat's `messages` through the chat template; APIError names a field not in `fields`."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     chat = "messages" in body
     if chat and "input" in body:
         raise APIError("a body has a chat's messages or an input, not both", param="input")
-    unknown = sorted(set(body) - FIELDS - (CHAT_FIELDS if chat else set()))
+    unknown = sorted(set(body) - fields - (CHAT_FIELDS if chat else set()))
     if unknown:
         raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
     if chat:
-        ids = chat_token_ids({"add_generation_prompt": False} | body, tokenizer)  # vLLM's default for embeddings
-        return EmbeddingRequest([ids], _params(body), _encoding(body))
-    _, ids = prompt_list(body, "input", tokenizer)  # with special tokens: an embedding model's end-of-text token
-    return EmbeddingRequest(ids, _params(body), _encoding(body))
+        return [chat_token_ids({"add_generation_prompt": False} | body, tokenizer)]  # vLLM's default for pooling
+    return prompt_list(body, "input", tokenizer)[1]
 
 
 def _params(body: dict) -> PoolingParams:

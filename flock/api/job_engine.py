@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from flock.config import EngineConfig
 from flock.engine.stats import RunStats
-from flock.pooling_params import PoolingParams
+from flock.pooling_params import ModelTasks, PoolingParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ class FinishedRequest(Protocol):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    embedding: list[float] | None  # of an embedding request
+    embedding: list[float] | None  # of a pooling request: its embedding or class probabilities
 
 
 class JobEngine(Protocol):
@@ -41,6 +41,7 @@ class JobEngine(Protocol):
     tokenizer: Any
     max_model_len: int
     sampling_defaults: dict  # the fields a line leaves unset take these (the model's generation config)
+    tasks: ModelTasks  # what the model serves
     eos_token_ids: set[int]  # what ends a generation (a beam search's beams)
     stats: RunStats  # of the job since `reset_stats`
 

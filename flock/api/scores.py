@@ -1,6 +1,7 @@
 """vLLM's score and rerank APIs (`/score`, `/v1/score`; `/rerank`, `/v1/rerank`, `/v2/rerank`, Jina's and
-Cohere's shape) for an embedding model, as vLLM serves them for one (a bi-encoder): each text is embedded
-alone and a pair's score is the cosine similarity of its two embeddings.
+Cohere's shape), as vLLM serves them: for an embedding model (a bi-encoder) each text is embedded alone and a
+pair's score is the cosine similarity of its two embeddings; for a sequence classifier of one label (a
+cross-encoder, a reranker) each pair is one prompt (`cross_encoder_prompt`) and its score the classifier's.
 
 Score: `text_1` and `text_2` (or `queries` and `documents`/`items`, or `data_1` and `data_2`), each a string or a
 list; one text on the left is scored against every text on the right, else they pair up in order. Rerank: a
@@ -11,10 +12,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flock.api.protocol import APIError, typed_field
-from flock.pooling_params import PoolingParams, pair_scores
+from flock.pooling_params import ModelTasks, PoolingParams, cross_encoder_prompt, pair_scores
 
 _PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 _COMMON = {"model", "truncate_prompt_tokens", "user"}
@@ -27,10 +28,11 @@ class ScoreRequest:
     kind: str  # "score" | "rerank"
     left: list[str]  # the queries (one for rerank)
     right: list[str]  # the documents
-    prompts: list[list[int]]  # token ids: left's, then right's
+    prompts: list[list[int]]  # token ids: left's, then right's (a cross-encoder's: each pair's)
     params: PoolingParams
     top_n: int = 0  # rerank: how many results (0: all)
     return_documents: bool = True
+    cross: bool = False  # a cross-encoder's: one prompt, and one score, per pair
 
     @staticmethod
     def rejected(e: ValueError) -> APIError:
@@ -52,11 +54,14 @@ class ScoreRequest:
                 "results": results[: self.top_n or None]}
 
     def scores(self, vectors: list[list[float]]) -> list[float]:
+        if self.cross:
+            return [v[0] for v in vectors]
         return pair_scores(vectors[: len(self.left)], vectors[len(self.left):])
 
 
-def parse_scores(kind: str, body, tokenizer) -> ScoreRequest:
-    """A /score (kind "score") or /rerank (kind "rerank") body, checked (APIError names the bad field)."""
+def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) -> ScoreRequest:
+    """A /score (kind "score") or /rerank (kind "rerank") body, checked (APIError names the bad field); `model`:
+    what the model serves (a classifier scores pairs as a cross-encoder)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - (SCORE_FIELDS if kind == "score" else RERANK_FIELDS))
@@ -78,6 +83,13 @@ def parse_scores(kind: str, body, tokenizer) -> ScoreRequest:
             raise APIError(f"top_n must be at least 0, got {top_n}", param="top_n")
         documents = typed_field(body, "return_documents", bool, True)
     params = PoolingParams(truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
+    if model is not None and model.num_labels:
+        if model.num_labels != 1:
+            raise APIError(f"{model.name} classifies into {model.num_labels} classes: scores need a classifier of "
+                           "one label (a cross-encoder); use /classify", param="model")
+        pairs = zip(left * len(right) if len(left) == 1 else left, right)
+        prompts = [cross_encoder_prompt(tokenizer, a, b, model.use_sep_token) for a, b in pairs]
+        return ScoreRequest(kind, left, right, prompts, replace(params, task="classify"), top_n, documents, True)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
     return ScoreRequest(kind, left, right, prompts, params, top_n, documents)
 

@@ -37,7 +37,8 @@ from flock.sampling_params import SamplingParams
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                 "/v1/score", "/v1/rerank", "/generate", "/completion", "/completions", "/infill"}
+                 "/v1/score", "/v1/rerank", "/v1/classify", "/classify", "/generate", "/completion", "/completions",
+                 "/infill"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -96,6 +97,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/v2/rerank", dependencies=auth)
     async def rerank_(raw: Request):
         return await embed(raw, ctx, "rerank")
+
+    @app.post("/classify", dependencies=auth)  # vLLM's (SGLang's under /v1)
+    async def classify_(raw: Request):
+        return await embed(raw, ctx, "classify")
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_(raw: Request):
@@ -223,6 +228,10 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     @router.post("/rerank")
     async def rerank(raw: Request):
         return await embed(raw, ctx, "rerank")
+
+    @router.post("/classify")
+    async def classify(raw: Request):
+        return await embed(raw, ctx, "classify")
 
     return router
 

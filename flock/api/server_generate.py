@@ -18,10 +18,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from flock.api import embeddings, llama_cpp, scores
+from flock.api import llama_cpp
 from flock.api.answer_stream import AnswerStream
 from flock.api.infill import parse_infill
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
+from flock.api.pooling import pooling_request
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
     APIError,
@@ -175,12 +176,12 @@ def _llama_cpp_object(req: llama_cpp.Completion, i: int, part: "ChoiceParts", ct
 
 
 async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
-    """POST /v1/embeddings (flock/api/embeddings.py), or the score / rerank APIs (kind "score" / "rerank",
-    flock/api/scores.py): the texts embedded, the response made of their embeddings."""
+    """POST /v1/embeddings (flock/api/embeddings.py), the score / rerank APIs (kind "score" / "rerank",
+    flock/api/scores.py) or /classify (kind "classify", flock/api/classify.py): the prompts pooled, the response
+    made of their vectors (embeddings, or a classifier's probabilities)."""
     body = check_model(await json_body(raw), ctx)
     refuse_adapter_embeddings(body, ctx.loras)
-    req = embeddings.parse_embeddings(body, ctx.engine.tokenizer) if kind == "embedding" else \
-        scores.parse_scores(kind, body, ctx.engine.tokenizer)
+    req = pooling_request(kind, body, ctx.engine.tokenizer, ctx.engine.tasks)
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)
     parts = await _collect(streams, raw, ctx)
     prompt_tokens = sum(p.last.num_prompt_tokens for p in parts)

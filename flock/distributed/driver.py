@@ -114,6 +114,7 @@ class ClusterEngine(JobEngine):
         self.tokenizer = self.info.tokenizer
         self.max_model_len = self.info.max_model_len
         self.sampling_defaults = self.info.sampling_defaults
+        self.tasks = self.info.tasks
         self.eos_token_ids = set(self.info.stop_token_ids)
         self.reset_stats()
 

@@ -23,7 +23,7 @@ from flock.engine.loop import run
 from flock.engine.stats import RunStats
 from flock.sample.grammar import GrammarCompiler
 from flock.sample.logprobs import TokenLogprobs
-from flock.pooling_params import PoolingParams
+from flock.pooling_params import ModelTasks, PoolingParams
 from flock.sampling_params import SamplingParams
 
 
@@ -63,12 +63,11 @@ class EngineInfo:
     threads: int
     stop_token_ids: list[int] = field(default_factory=list)
     any_whitespace: bool = False  # JSON outputs' default
-    hidden_size: int = 0
-    base_model: str | None = None  # the model, when it cannot generate
+    tasks: ModelTasks | None = None  # what the model serves
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation config
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
-        params = engine_params(params, self.hidden_size, self.base_model)
+        params = engine_params(params, self.tasks)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
@@ -101,7 +100,7 @@ class EngineWorker:
         e = self.engine
         return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
                           torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace,
-                          e.model_config.hidden_size, e.base_model, e.sampling_defaults)
+                          e.tasks, e.sampling_defaults)
 
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""

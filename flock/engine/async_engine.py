@@ -144,6 +144,7 @@ class AsyncEngine:
         self.tokenizer = None  # the asyncio side's own copy: tokenizers are not shared across threads
         self.max_model_len = 0
         self.sampling_defaults: dict = {}  # the model's generation config (LLMEngine.sampling_defaults)
+        self.tasks = None  # what the model serves (LLMEngine.tasks)
         self.eos_token_ids: list[int] = []
         self._engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -241,6 +242,7 @@ class AsyncEngine:
             self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path, self.config.chat_template)
             self.max_model_len = self._engine.max_model_len
             self.sampling_defaults = self._engine.sampling_defaults
+            self.tasks = self._engine.tasks
             self.eos_token_ids = sorted(self._engine.eos_token_ids)
             backend = self._engine.runner.backend
             self._attention = backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")

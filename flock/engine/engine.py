@@ -12,10 +12,10 @@ from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
 from flock.lora import LoRARequest, lora_requests
-from flock.model import resolve_model
+from flock.model import classifier_token_ids, resolve_model
 from flock.model.config import sampling_defaults
 from flock.multimodal.processor import IMAGES_REFUSED
-from flock.pooling_params import PoolingParams
+from flock.pooling_params import ModelTasks, PoolingParams
 from flock.request import Request
 from flock.sample.dry import breaker_tokens
 from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
@@ -52,16 +52,14 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def engine_params(params: SamplingParams | PoolingParams, hidden_size: int, base_model: str | None
-                  ) -> SamplingParams:
-    """The sampling params a request runs with: an embedding's own (its pooling checked against the model's
-    hidden size), a generation's as given (ValueError if the model is a base model, named, that cannot generate)."""
+def engine_params(params: SamplingParams | PoolingParams, model: ModelTasks) -> SamplingParams:
+    """The sampling params a request runs with: a pooling request's own (checked against what the model serves),
+    a generation's as given (ValueError if the model does not generate)."""
     if isinstance(params, PoolingParams):
-        params.validate(hidden_size)
+        params.validate(model)
         return params.as_sampling()
-    if base_model is not None:
-        raise ValueError(f"{base_model} is a base model without an LM head: it embeds (LLM.embed, /v1/embeddings), "
-                         "it does not generate")
+    if why := model.refusal("generate"):
+        raise ValueError(why)
     return params
 
 
@@ -70,7 +68,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        resolved = resolve_model(config.model)
+        resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
         max_len = config.max_model_len or resolved.config.max_position_embeddings
@@ -79,13 +77,16 @@ class LLMEngine:
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids)
+        classifier_ids = classifier_token_ids(self.tokenizer, resolved.config) if resolved.config.classifier_tokens \
+            else ()
+        self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         if max_len > self.kv.capacity_tokens:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
-        self.base_model = config.model if resolved.config.base_model else None  # named when it is asked to generate
+        c = resolved.config
+        self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         spec = config.speculative()
@@ -119,7 +120,7 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
-        params = engine_params(params, self.model_config.hidden_size, self.base_model)
+        params = engine_params(params, self.tasks)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
         check_priority(params, self.config.scheduler)
         if params.lora_request is not None:

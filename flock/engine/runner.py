@@ -15,6 +15,7 @@ from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
 from flock.model.llama import ImageRows
 from flock.multimodal.encoder import VisionEncoder
 from flock.multimodal.processor import image_prompts
+from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.sampler import Sampler, SamplingRow
@@ -59,7 +60,7 @@ class ModelRunner:
     """Turns a step plan into tensors (once per step), runs the model, samples the finished contexts."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), classifier_ids: Iterable[int] = ()):
         c = resolved.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, c, self.device)
@@ -70,7 +71,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention, c, self.device, self.dtype, self.kv_dtype)
         self.model = build_model(
             resolved, self.backend, config.load_format, self.dtype, self.device, max_model_len, config.seed,
-            config.quantization,
+            config.quantization, list(classifier_ids),
         )
         # adapters' updates go on the projections before the GEMMs pack their weights (see LoRAModel)
         self.lora = LoRAModel(self.model, config.max_lora_rank, self.dtype, self.device) if config.enable_lora else None
@@ -133,7 +134,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, out_rows, image_rows)
         at = {row: i for i, row in enumerate(rows)}
         out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))
-        out.embeddings = [pooling.pool(hidden[at[row]]) for pooling, row in pooled]
+        out.embeddings = [self._pool(pooling, hidden[at[row]]) for pooling, row in pooled]
         if sample_rows:
             gather = prompt_rows or pooled
             logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if gather else hidden)
@@ -226,6 +227,12 @@ class ModelRunner:
             for cache in (attn.k_cache, attn.v_cache):
                 rows = cache.view(torch.uint8 if fp8.is_fp8(cache.dtype) else cache.dtype).view(-1, *cache.shape[2:])
                 rows.index_copy_(0, dst, rows.index_select(0, src))
+
+    def _pool(self, pooling: PoolingParams, hidden: torch.Tensor) -> list[float]:
+        """An embedding request's vector, or a classification's class probabilities, of its last hidden state."""
+        if pooling.task == "classify":
+            return self.model.classify(hidden, pooling.use_activation).tolist()
+        return pooling.pool(hidden)
 
     def _prepare(self, plan: StepPlan):
         """Token ids, positions, the attention layout and the rows to sample, with numpy over the whole step

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,14 +89,15 @@ def load_gguf_tokenizer(gguf_file: Path):
     return tokenizer
 
 
-def resolve_model(name: str) -> ResolvedModel:
+def resolve_model(name: str, hf_overrides: dict | None = None) -> ResolvedModel:
+    """The model `name` finds; `hf_overrides` replace its config's keys (EngineConfig.hf_overrides)."""
     path = locate_model(name)
     if is_builtin(name):
-        return ResolvedModel(path, ModelConfig.from_folder(path), True)
+        return ResolvedModel(path, ModelConfig.from_folder(path, hf_overrides), True)
     if path.is_file():
         ckpt = read_gguf(path)
-        return ResolvedModel(path.parent, ModelConfig.from_dict(ckpt.config), False, ckpt)
-    return ResolvedModel(path, ModelConfig.from_folder(path), False)
+        return ResolvedModel(path.parent, ModelConfig.from_dict({**ckpt.config, **(hf_overrides or {})}), False, ckpt)
+    return ResolvedModel(path, ModelConfig.from_folder(path, hf_overrides), False)
 
 
 FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # a CPU without either runs bf16 matmuls slower than float32
@@ -126,8 +128,10 @@ def build_model(
     max_positions: int,
     seed: int,
     quantization: str = "none",
+    classifier_ids: Sequence[int] = (),
 ) -> LlamaForCausalLM:
-    """The model with its weights; `quantization` as EngineConfig.quantization says."""
+    """The model with its weights; `quantization` as EngineConfig.quantization says; a causal LM made a
+    classifier takes its score rows from the LM head's rows of `classifier_ids` (see classifier_token_ids)."""
     if load_format == "auto":
         load_format = "dummy" if resolved.builtin else "gguf" if resolved.gguf else "safetensors"
     allowed = ("dummy", "gguf" if resolved.gguf else "safetensors")
@@ -161,9 +165,20 @@ def build_model(
             load_gguf_weights(model, resolved.gguf, in_blocks)
         else:
             load_safetensors(model, resolved.folder, scheme, in_blocks)
+        if resolved.config.classifier_tokens:
+            model.score_from_tokens(list(classifier_ids))
         if quantization in quant.LOAD_TYPES:
             quantize_float_layers(model, quantization)
     return model.eval()
+
+
+def classifier_token_ids(tokenizer, config: ModelConfig) -> list[int]:
+    """The vocabulary ids of a causal LM classifier's tokens (ModelConfig.classifier_tokens), as vLLM finds them."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in config.classifier_tokens]
+    for token, i in zip(config.classifier_tokens, ids):
+        if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"classifier_from_token {token!r} is not a token of the vocabulary")
+    return ids
 
 
 def checkpoint_scheme(resolved: ResolvedModel, load_format: str, quantization: str) -> "hf_quant.Scheme | None":

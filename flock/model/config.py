@@ -28,6 +28,12 @@ VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llam
 TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 QWEN3_VL_MROPE = (24, 20, 20)  # Qwen3VLTextConfig's sections where its rope_parameters name none
 BIDIRECTIONAL_IMAGES = ("gemma3",)  # whose image tokens attend to all of their image's, before and after them
+# a sequence classifier's activation (see ModelConfig.num_labels), as vLLM chooses it from transformers'
+# problem_type, or from a cross-encoder's sentence-transformers activation (torch.nn modules)
+PROBLEM_ACTIVATIONS = {"regression": "identity", "single_label_classification": "softmax",
+                       "multi_label_classification": "sigmoid"}
+MODULE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax"}
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
 # the generation_config.json fields vLLM turns into requests' default sampling (max_new_tokens as max_tokens)
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
                    "min_p", "max_new_tokens")
@@ -56,6 +62,17 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k before the rotary embedding
     base_model: bool = False  # the decoder without an LM head (architectures "Qwen3Model", ...): embeddings only
+    # a sequence classifier (architectures "*ForSequenceClassification"): its last token's final hidden state
+    # times a `score` matrix gives num_labels logits, turned into probabilities by classifier_activation
+    # ("softmax", "sigmoid" or "identity"); classifier_tokens: a causal LM made one (vLLM's hf_overrides
+    # classifier_from_token), its score rows taken from the LM head's rows of these tokens, by classifier_method
+    # "from_2_way_softmax" (one row: the second token's minus the first's) or "no_post_processing" (the rows)
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
+    classifier_activation: str = "softmax"
+    classifier_tokens: tuple[str, ...] = ()
+    classifier_method: str | None = None
+    use_sep_token: bool = True  # a cross-encoder's pair as the tokenizer encodes pairs (False: the texts joined)
     multimodal: bool = False  # a vision-language checkpoint whose text decoder runs (VISION_LANGUAGE_TYPES)
     image_token_id: int | None = None  # its image placeholder token, whose rows take the vision tower's features
     # Qwen2-VL's M-RoPE: how many rotary frequencies (of head_dim / 2) turn by a token's time, height and width
@@ -142,6 +159,7 @@ class ModelConfig:
         window, sliding_layers = cls._sliding_window(d, model_type)
         architecture = (d.get("architectures") or ["ForCausalLM"])[0]
         base_model = architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
+        classifier = cls._classifier(d, architecture)
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -158,7 +176,8 @@ class ModelConfig:
             rope_layers=cls._rope_layers(d, model_type),
             max_position_embeddings=d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type]),
             # a head-less model's unused head; Gemma ties unless told not to
-            tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model,
+            tie_word_embeddings=d.get("tie_word_embeddings", model_type in GEMMA_TYPES) or base_model
+            or bool(classifier.get("num_labels") and not classifier.get("classifier_tokens")),
             # Qwen2 (and its MoE): qkv bias always
             attention_bias=model_type in ("qwen2", "qwen2_moe") or d.get("attention_bias", False),
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and d.get("attention_bias", False),
@@ -169,6 +188,7 @@ class ModelConfig:
             mrope_section=tuple(mrope) if mrope else None,
             mrope_interleaved=bool(mrope) and outer_type == "qwen3_vl",
             bidirectional_images=multimodal and outer_type in BIDIRECTIONAL_IMAGES,
+            **classifier,
             **cls._granite_scales(d, model_type),
             **cls._gemma_fields(d, model_type),
             **cls._moe_fields(d, model_type),
@@ -190,6 +210,48 @@ class ModelConfig:
                 "residual_multiplier": d.get("residual_multiplier", 1.0),
                 "logits_scaling": d.get("logits_scaling", 1.0),
                 "attention_scale": d.get("attention_multiplier", 1.0)}
+
+    @staticmethod
+    def _classifier(d: dict, architecture: str) -> dict:
+        """A sequence classifier's fields, as vLLM reads them (none for other architectures): the labels from
+        id2label (else num_labels, transformers' default 2), the activation from problem_type or the
+        sentence-transformers activation, else sigmoid for one label and softmax for more."""
+        if not architecture.endswith("ForSequenceClassification"):
+            return {}
+        tokens = tuple(d.get("classifier_from_token") or ())
+        method = d.get("method") or ("from_2_way_softmax" if d.get("is_original_qwen3_reranker") else None)
+        if tokens and method not in CLASSIFIER_METHODS:
+            raise ValueError(f"classifier_from_token needs method {' or '.join(CLASSIFIER_METHODS)} (or "
+                             f"is_original_qwen3_reranker), got {method!r}")
+        if method == "from_2_way_softmax" and len(tokens) != 2:
+            raise ValueError(f"method from_2_way_softmax takes two classifier_from_token, got {list(tokens)}")
+        if tokens:
+            num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
+        else:
+            id2label = d.get("id2label") or {}
+            num_labels = len(id2label) or d.get("num_labels", 2)
+        id2label = {int(k): v for k, v in (d.get("id2label") or {}).items()}
+        labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
+        return {"num_labels": num_labels, "labels": labels, "classifier_tokens": tokens,
+                "classifier_method": method if tokens else None,
+                "classifier_activation": ModelConfig._classifier_activation(d, num_labels),
+                "use_sep_token": d.get("use_sep_token", not tokens)}
+
+    @staticmethod
+    def _classifier_activation(d: dict, num_labels: int) -> str:
+        problem = d.get("problem_type")
+        if problem in PROBLEM_ACTIVATIONS:
+            return PROBLEM_ACTIVATIONS[problem] if problem != "single_label_classification" or num_labels > 1 \
+                else "sigmoid"
+        function = (d.get("sentence_transformers") or {}).get("activation_fn") \
+            or d.get("sbert_ce_default_activation_function")
+        if function is not None:
+            name = function.rsplit(".", 1)[-1]
+            if name not in MODULE_ACTIVATIONS:
+                raise ValueError(f"classifier activation {function!r} is not supported (Flock runs "
+                                 f"{', '.join(MODULE_ACTIVATIONS)})")
+            return MODULE_ACTIVATIONS[name] if name != "Softmax" or num_labels > 1 else "sigmoid"
+        return "sigmoid" if num_labels < 2 else "softmax"
 
     @staticmethod
     def _rope_layers(d: dict, model_type: str) -> tuple[bool, ...] | None:
@@ -332,11 +394,11 @@ class ModelConfig:
         return window, None if all(sliding) else sliding
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "ModelConfig":
+    def from_folder(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":
         config_file = Path(path) / "config.json"
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
-        config = cls.from_dict(json.loads(config_file.read_text()))
+        config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
         generation = Path(path) / "generation_config.json"
         if generation.exists():  # transformers' generate (and vLLM) also stop at generation_config's eos ids
             eos = json.loads(generation.read_text()).get("eos_token_id")

@@ -272,6 +272,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = rms_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.num_labels and not config.classifier_tokens:  # a classifier's head, from its checkpoint
+            self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -335,6 +337,28 @@ class LlamaForCausalLM(nn.Module):
         if cap := self.config.final_logit_softcapping:  # Gemma 2's
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def classify(self, hidden: torch.Tensor, activate: bool = True) -> torch.Tensor:
+        """A sequence classifier's class logits of final hidden states (float32; a float64 model's float64),
+        through its activation when `activate` (ModelConfig.classifier_activation)."""
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logits = F.linear(hidden.to(dtype), self.score.weight.to(dtype))
+        kind = self.config.classifier_activation if activate else "identity"
+        return logits.softmax(-1) if kind == "softmax" else logits.sigmoid() if kind == "sigmoid" else logits
+
+    def score_from_tokens(self, token_ids: list[int]) -> None:
+        """A causal LM as a classifier (ModelConfig.classifier_tokens): its score rows from the LM head's rows of
+        `token_ids`, in float32 at least; from_2_way_softmax's one row is the second's minus the first's (the sigmoid of
+        its logit is the second token's softmax probability against the first)."""
+        if self.lm_head.qweight is not None:
+            raise ValueError("classifier_from_token needs the LM head in floats (this one is quantized: load it "
+                             "with quantization='none')")
+        rows = self.lm_head.weight.detach()[token_ids]
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        if self.config.classifier_method == "from_2_way_softmax":
+            rows = rows[1:] - rows[:1]
+        self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        self.score.weight.data.copy_(rows)
 
     def use_step_program(self) -> str | None:
         """Run the decoder layers of the steps a StepProgram takes as one C call; returns why they cannot

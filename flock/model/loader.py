@@ -43,7 +43,7 @@ def hf_tensor_slots(model: LlamaForCausalLM) -> dict[str, TensorSlot]:
     slots = {}
     renames = HF_RENAMES.get(model.config.model_type, ())
     for name, param in model.named_parameters(remove_duplicate=True):
-        hf_name = name if name.startswith("lm_head.") else f"model.{name}"
+        hf_name = name if name.startswith(("lm_head.", "score.")) else f"model.{name}"
         module_name, _, kind = name.rpartition(".")
         fused = module_name.rsplit(".", 1)[-1]
         # a weight kept quantized has no float rows: its layer's outputs count
