@@ -196,7 +196,7 @@ class LLM:
                              "of one label (a cross-encoder)")
         if not all(isinstance(t, str) for t in left + right):
             raise ValueError("a cross-encoder scores pairs of texts (strings)")
-        prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, tasks.use_sep_token) for a, b in zip(left, right)]
+        prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, tasks) for a, b in zip(left, right)]
         classified = self.classify(prompts, pooling_params, use_tqdm)
         return [ScoringRequestOutput(c.request_id, c.prompt_token_ids, ScoringOutput(c.outputs.probs[0]))
                 for c in classified]

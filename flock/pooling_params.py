@@ -21,6 +21,7 @@ class ModelTasks:
     num_labels: int = 0  # a sequence classifier's classes
     labels: tuple[str, ...] = ()
     use_sep_token: bool = True  # see ModelConfig.use_sep_token
+    score_template: str | None = None  # a cross-encoder's pair prompt (cross_encoder_prompt), given as --chat-template
 
     def refusal(self, task: str) -> str | None:
         """Why the model does not serve `task` ("generate", "embed" or "classify"), or None."""
@@ -83,10 +84,17 @@ def pair_scores(left: list[list[float]], right: list[list[float]]) -> list[float
     return (b @ a[0] if len(a) == 1 else (a * b).sum(1)).tolist()
 
 
-def cross_encoder_prompt(tokenizer, first: str, second: str, use_sep_token: bool = True) -> list[int]:
-    """The token ids of a pair a sequence classifier scores, as vLLM builds them: the tokenizer's pair encoding
-    (its separators between the texts), or, for a causal LM made a reranker (use_sep_token False), the two texts
-    joined and encoded as one."""
-    if use_sep_token:
+def cross_encoder_prompt(tokenizer, first: str, second: str, model: ModelTasks,
+                         template_kwargs: dict | None = None) -> list[int]:
+    """The token ids of a pair a sequence classifier scores, as vLLM builds them: with a score template (a chat
+    template given explicitly, e.g. examples/qwen3_reranker.jinja) the pair as a "query" and a "document" turn
+    through it (`template_kwargs` its variables); else the tokenizer's pair encoding (its separators between the
+    texts), or, for a causal LM made a reranker (use_sep_token False), the two texts joined and encoded as one."""
+    if model.score_template is not None:
+        turns = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+        text = tokenizer.apply_chat_template(turns, chat_template=model.score_template, tokenize=False,
+                                             **(template_kwargs or {}))
+        return tokenizer(text)["input_ids"]
+    if model.use_sep_token:
         return tokenizer(first, text_pair=second)["input_ids"]
     return tokenizer(first + second)["input_ids"]

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from flock.api.embeddings import pooled_prompts, rejected
+from flock.api import embeddings
 from flock.api.protocol import APIError, typed_field
 from flock.pooling_params import PoolingParams
 
@@ -21,7 +21,7 @@ class ClassifyRequest:
 
     @staticmethod
     def rejected(e: ValueError) -> APIError:
-        return rejected(e)
+        return embeddings.rejected(e)
 
     def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
         data = [{"index": i, "label": self.labels[max(range(len(v)), key=v.__getitem__)], "probs": v,
@@ -33,7 +33,7 @@ class ClassifyRequest:
 
 def parse_classify(body, tokenizer, labels: tuple[str, ...]) -> ClassifyRequest:
     """A request body, checked (APIError names the bad field)."""
-    prompts = pooled_prompts(body, tokenizer, FIELDS)
+    prompts = embeddings.pooled_prompts(body, tokenizer, FIELDS)
     params = PoolingParams(task="classify", use_activation=typed_field(body, "use_activation", bool, True),
                            truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
     return ClassifyRequest(prompts, params, labels)

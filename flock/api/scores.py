@@ -18,7 +18,7 @@ from flock.api.protocol import APIError, typed_field
 from flock.pooling_params import ModelTasks, PoolingParams, cross_encoder_prompt, pair_scores
 
 _PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
-_COMMON = {"model", "truncate_prompt_tokens", "user"}
+_COMMON = {"model", "truncate_prompt_tokens", "user", "chat_template_kwargs"}
 SCORE_FIELDS = _COMMON | {name for pair in _PAIRS for name in pair}
 RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
 
@@ -83,12 +83,16 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
             raise APIError(f"top_n must be at least 0, got {top_n}", param="top_n")
         documents = typed_field(body, "return_documents", bool, True)
     params = PoolingParams(truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
+    kwargs = typed_field(body, "chat_template_kwargs", dict, None)
+    if kwargs is not None and (model is None or model.score_template is None):
+        raise APIError("chat_template_kwargs fills a cross-encoder's score template (serve it with --chat-template)",
+                       param="chat_template_kwargs")
     if model is not None and model.num_labels:
         if model.num_labels != 1:
             raise APIError(f"{model.name} classifies into {model.num_labels} classes: scores need a classifier of "
                            "one label (a cross-encoder); use /classify", param="model")
         pairs = zip(left * len(right) if len(left) == 1 else left, right)
-        prompts = [cross_encoder_prompt(tokenizer, a, b, model.use_sep_token) for a, b in pairs]
+        prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs) for a, b in pairs]
         return ScoreRequest(kind, left, right, prompts, replace(params, task="classify"), top_n, documents, True)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
     return ScoreRequest(kind, left, right, prompts, params, top_n, documents)

@@ -96,6 +96,32 @@ def test_causal_lm_reranker_scores_its_two_tokens(qwen3_causal, scheduler):
                                reference_logits(qwen3_causal, prompts)[:, ids], rtol=0, atol=1e-12)
 
 
+def test_score_template_lays_out_qwen3_rerankers_prompt(qwen3_causal):
+    """--chat-template on a cross-encoder (vLLM's score template): each pair through the template as a "query"
+    and a "document" turn; examples/qwen3_reranker.jinja gives Qwen3-Reranker's published prompt."""
+    from pathlib import Path
+
+    from flock.api.scores import parse_scores
+
+    template = Path(__file__).parents[2] / "examples" / "qwen3_reranker.jinja"
+    llm = LLM(str(qwen3_causal), dtype="float64", hf_overrides=RERANKER, chat_template=str(template))
+    tok = llm.get_tokenizer()
+    head = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+            'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: {}\n'
+            '<Query>: {}\n')
+    tail = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    default = "Given a web search query, retrieve relevant passages that answer the query"
+    prompts = [tok(head.format(default, QUERY) + f"<Document>: {d}" + tail)["input_ids"] for d in DOCS]
+    ids = tok.convert_tokens_to_ids(RERANK_TOKENS)
+    expected = reference_logits(qwen3_causal, prompts)[:, ids].softmax(-1)[:, 1].tolist()
+    scores = llm.score(QUERY, DOCS, use_tqdm=False)
+    assert [s.prompt_token_ids for s in scores] == prompts
+    assert [s.outputs.score for s in scores] == pytest.approx(expected, abs=1e-12)
+    body = {"query": QUERY, "documents": DOCS[:1], "chat_template_kwargs": {"instruction": "Find the pool"}}
+    rerank = parse_scores("rerank", body, tok, llm.engine.tasks)
+    assert rerank.prompts == [tok(head.format("Find the pool", QUERY) + f"<Document>: {DOCS[0]}" + tail)["input_ids"]]
+
+
 def test_what_a_model_does_not_serve_is_refused_by_name(qwen3_labels, qwen3_causal):
     classifier = LLM(str(qwen3_labels), dtype="float32")
     with pytest.raises(ValueError, match="is a sequence classifier: it classifies .* it does not generate"):
@@ -116,3 +142,26 @@ def test_what_a_model_does_not_serve_is_refused_by_name(qwen3_labels, qwen3_caus
     with pytest.raises(ValueError, match="classifier_from_token needs method"):
         LLM(str(qwen3_causal), hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
                                              "classifier_from_token": RERANK_TOKENS})
+
+
+@pytest.mark.parametrize("extra, labels, activation", [
+    ({"id2label": {"0": "neg", "1": "pos"}}, ("neg", "pos"), "softmax"),
+    ({"num_labels": 1}, ("LABEL_0",), "sigmoid"),
+    ({"id2label": {"0": "a", "1": "b"}, "problem_type": "multi_label_classification"}, ("a", "b"), "sigmoid"),
+    ({"num_labels": 1, "problem_type": "regression"}, ("LABEL_0",), "identity"),
+    ({"num_labels": 1, "sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}},
+     ("LABEL_0",), "identity"),
+    ({"num_labels": 3, "sbert_ce_default_activation_function": "torch.nn.modules.activation.Sigmoid"},
+     ("LABEL_0", "LABEL_1", "LABEL_2"), "sigmoid"),
+    ({}, ("LABEL_0", "LABEL_1"), "softmax"),  # transformers' default: two labels
+])
+def test_labels_and_activation_as_vllm_reads_them(extra, labels, activation):
+    from flock.model.config import ModelConfig
+    from tests.conftest import HF_CONFIGS, VOCAB
+
+    c = ModelConfig.from_dict(HF_CONFIGS["llama"] | {"vocab_size": VOCAB,
+                                                    "architectures": ["LlamaForSequenceClassification"]} | extra)
+    assert (c.labels, c.classifier_activation, c.tie_word_embeddings) == (labels, activation, True)
+    with pytest.raises(ValueError, match="activation 'torch.nn.modules.activation.Tanh' is not supported"):
+        ModelConfig.from_dict(HF_CONFIGS["llama"] | {"vocab_size": VOCAB, "architectures": [
+            "LlamaForSequenceClassification"], "sbert_ce_default_activation_function": "torch.nn.modules.activation.Tanh"})
