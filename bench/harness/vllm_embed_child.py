@@ -1,9 +1,11 @@
-"""vLLM side of bench/embeddings.py; runs under the vLLM virtual environment's python.
+"""vLLM side of bench/embeddings.py and bench/rerank.py; runs under the vLLM virtual environment's python.
 
 usage: python vllm_embed_child.py JOB.json RESULT.json
 
-JOB: {"model", "prefix_caching", "max_model_len", "warmup": [[ids]], "prompts": [[ids]]}
-RESULT: {"vllm_version", "startup_s", "wall_s", "cached_tokens", "embeddings": [[floats]]}
+JOB: {"model", "prefix_caching", "max_model_len", "warmup": [[ids]], "prompts": [[ids]], optional "task" ("embed",
+the default, or "classify"), "hf_overrides" and "block_size"}
+RESULT: {"vllm_version", "startup_s", "wall_s", "cached_tokens", "embeddings": [[floats]]} (a classification's
+probabilities as its "embeddings")
 """
 
 import json
@@ -23,11 +25,14 @@ def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], runner="pooling", dtype="bfloat16", max_model_len=job["max_model_len"],
-              enable_prefix_caching=job["prefix_caching"], seed=0)
+              enable_prefix_caching=job["prefix_caching"], seed=0, hf_overrides=job.get("hf_overrides"),
+              **({"block_size": job["block_size"]} if job.get("block_size") else {}))
     startup_s = time.perf_counter() - t0
+    classify = job.get("task") == "classify"
 
     def embed(prompts):
-        return llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+        run = llm.classify if classify else llm.embed
+        return run([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
 
     embed(job["warmup"])
     llm.reset_prefix_cache()
@@ -36,7 +41,7 @@ def main(job_path: str, result_path: str) -> None:
     wall = time.perf_counter() - t
     result = {"vllm_version": vllm.__version__, "startup_s": startup_s, "wall_s": wall,
               "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs),
-              "embeddings": [list(o.outputs.embedding) for o in outs]}
+              "embeddings": [list(o.outputs.probs if classify else o.outputs.embedding) for o in outs]}
     open(result_path, "w").write(json.dumps(result))
 
 
