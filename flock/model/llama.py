@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flock import native
 from flock.attention.base import AttentionBackend, AttentionMetadata
-from flock.model import fused_ops, moe, program
+from flock.model import fused_ops, moe, program, quant
 from flock.model.config import ModelConfig
 from flock.model.linear import Embedding, Linear
 from flock.model.quant import QuantWeight
@@ -348,12 +348,11 @@ class LlamaForCausalLM(nn.Module):
 
     def score_from_tokens(self, token_ids: list[int]) -> None:
         """A causal LM as a classifier (ModelConfig.classifier_tokens): its score rows from the LM head's rows of
-        `token_ids`, in float32 at least; from_2_way_softmax's one row is the second's minus the first's (the sigmoid of
-        its logit is the second token's softmax probability against the first)."""
-        if self.lm_head.qweight is not None:
-            raise ValueError("classifier_from_token needs the LM head in floats (this one is quantized: load it "
-                             "with quantization='none')")
-        rows = self.lm_head.weight.detach()[token_ids]
+        `token_ids` (a quantized head's dequantized), in float32 at least; from_2_way_softmax's one row is the
+        second's minus the first's (the sigmoid of its logit is the second token's softmax probability against the
+        first)."""
+        head, ids = self.lm_head, torch.tensor(token_ids)
+        rows = head.weight.detach()[ids] if head.qweight is None else quant.dequantize_rows(head.qweight, ids)
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
         if self.config.classifier_method == "from_2_way_softmax":
             rows = rows[1:] - rows[:1]

@@ -122,6 +122,22 @@ def test_score_template_lays_out_qwen3_rerankers_prompt(qwen3_causal):
     assert rerank.prompts == [tok(head.format("Find the pool", QUERY) + f"<Document>: {DOCS[0]}" + tail)["input_ids"]]
 
 
+def test_a_quantized_gguf_reranker_takes_its_rows_from_the_blocks(qwen3_causal, tmp_path):
+    """A llama.cpp Qwen3-Reranker file (a causal LM, its head in Q8_0 blocks) with the same overrides: the score
+    row is the dequantized head's, and the scores follow the float run of the same file."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.model.gguf_files import write_gguf
+
+    path = write_gguf(qwen3_causal, tmp_path / "reranker.gguf", Q.Q8_0)
+    kept, floats = (LLM(str(path), hf_overrides=RERANKER, quantization=q, dtype="float32") for q in ("auto", "none"))
+    assert kept.engine.runner.model.lm_head.qweight is not None
+    torch.testing.assert_close(kept.engine.runner.model.score.weight, floats.engine.runner.model.score.weight,
+                               rtol=0, atol=0)
+    got, want = ([s.outputs.score for s in llm.score(QUERY, DOCS, use_tqdm=False)] for llm in (kept, floats))
+    assert got == pytest.approx(want, abs=2e-2)
+
+
 def test_what_a_model_does_not_serve_is_refused_by_name(qwen3_labels, qwen3_causal):
     classifier = LLM(str(qwen3_labels), dtype="float32")
     with pytest.raises(ValueError, match="is a sequence classifier: it classifies .* it does not generate"):
