@@ -212,7 +212,8 @@ class ModelRunner:
                                 positions[-1:])
         finally:
             self.model.layers = layers
-        self.model.compute_logits(hidden)
+        if self.model.lm_head is not None:  # (a classifier's own head is freed)
+            self.model.compute_logits(hidden)
 
     def _copy_kv(self, plan: StepPlan) -> None:
         """The cached first tokens of a block that admitted requests take instead of computing them: their KV

@@ -358,6 +358,8 @@ class LlamaForCausalLM(nn.Module):
             rows = rows[1:] - rows[:1]
         self.score = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         self.score.weight.data.copy_(rows)
+        if not self.config.tie_word_embeddings:  # a classifier never computes logits: its own head is freed
+            self.lm_head = None
 
     def use_step_program(self) -> str | None:
         """Run the decoder layers of the steps a StepProgram takes as one C call; returns why they cannot

@@ -79,21 +79,33 @@ def test_cross_encoder_scores_pairs_as_transformers(llama_cross_encoder):
 def test_causal_lm_reranker_scores_its_two_tokens(qwen3_causal, scheduler):
     """Qwen3-Reranker's recipe: the softmax probability of the second token against the first at the last
     position of query + document (joined, no separator), computed once per query's shared prefix."""
-    llm = LLM(str(qwen3_causal), dtype="float64", hf_overrides=RERANKER, scheduler=scheduler, block_size=4)
+    check_reranker(qwen3_causal, RERANKER, scheduler)
+
+
+def test_an_untied_reranker_frees_its_head(tmp_path):
+    folder = save(tmp_path / "llama-lm", "llama", seed=3, causal=True)
+    llm = check_reranker(folder, RERANKER | {"architectures": ["LlamaForSequenceClassification"],
+                                             "method": "from_2_way_softmax"}, "fcfs")
+    assert llm.engine.runner.model.lm_head is None
+
+
+def check_reranker(folder, overrides: dict, scheduler: str) -> LLM:
+    llm = LLM(str(folder), dtype="float64", hf_overrides=overrides, scheduler=scheduler, block_size=4)
     tok = llm.get_tokenizer()
     prompts = [tok(QUERY + d)["input_ids"] for d in DOCS]
     ids = tok.convert_tokens_to_ids(RERANK_TOKENS)
-    expected = reference_logits(qwen3_causal, prompts)[:, ids].softmax(-1)[:, 1].tolist()
+    expected = reference_logits(folder, prompts)[:, ids].softmax(-1)[:, 1].tolist()
     scores = llm.score(QUERY, DOCS, use_tqdm=False)
     assert [s.outputs.score for s in scores] == pytest.approx(expected, abs=1e-12)
     assert [s.prompt_token_ids for s in scores] == prompts
     assert llm.stats()["saving_rate"] > 0.2
-    rows = LLM(str(qwen3_causal), dtype="float64",
-               hf_overrides=RERANKER | {"method": "no_post_processing", "is_original_qwen3_reranker": False})
+    rows = LLM(str(folder), dtype="float64", hf_overrides=overrides | {"method": "no_post_processing",
+                                                                        "is_original_qwen3_reranker": False})
     got = rows.classify([{"prompt_token_ids": p} for p in prompts], PoolingParams(use_activation=False),
                         use_tqdm=False)
     torch.testing.assert_close(torch.tensor([g.outputs.probs for g in got], dtype=torch.float64),
-                               reference_logits(qwen3_causal, prompts)[:, ids], rtol=0, atol=1e-12)
+                               reference_logits(folder, prompts)[:, ids], rtol=0, atol=1e-12)
+    return llm
 
 
 def test_score_template_lays_out_qwen3_rerankers_prompt(qwen3_causal):
