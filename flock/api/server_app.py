@@ -32,6 +32,7 @@ from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
 from flock.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from flock.lora import LoRARequest
+from flock.pooling_params import PoolingParams
 from flock.sampling_params import SamplingParams
 
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
@@ -290,17 +291,21 @@ def _health(ctx: ServerContext) -> JSONResponse:
 
 
 async def _health_generate(ctx: ServerContext) -> JSONResponse:
-    """SGLang's: one token generated through the engine (its steps run, not only its thread), else a 503 saying
-    why: a dead engine, a full queue, an error, or no token within HEALTH_GENERATE_SECONDS."""
+    """SGLang's: one token generated through the engine (its steps run, not only its thread; a model that does not
+    generate pools it), else a 503 saying why: a dead engine, a full queue, an error, or no token within
+    HEALTH_GENERATE_SECONDS."""
+    tasks = ctx.engine.tasks
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True) if tasks.refusal("generate") is None \
+        else PoolingParams(task="classify" if tasks.num_labels else "embed")
     try:
-        stream = ctx.engine.add_request([0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        stream = ctx.engine.add_request([0], params)
     except (EngineDead, QueueFull) as e:
         return JSONResponse({"status": "error", "error": str(e)}, status_code=503)
 
     async def one_token() -> str | None:
         why = None
         async for out in stream:
-            why = out.error or (None if out.num_output_tokens else out.finish_reason)
+            why = out.error or (None if out.num_output_tokens or out.embedding is not None else out.finish_reason)
         return why
 
     try:

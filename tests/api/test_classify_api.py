@@ -48,6 +48,7 @@ def test_server_classifies_and_cross_encodes_as_the_offline_llm(server, reranker
     order = sorted(range(3), key=lambda i: -scores[i])[:2]
     assert [(r["index"], r["relevance_score"]) for r in body["results"]] == \
         [(i, pytest.approx(scores[i], abs=1e-5)) for i in order]
+    assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200  # the model pools its token
     raw = post("/classify", {"input": QUERY + DOCS[0], "use_activation": False}).json()["data"][0]["probs"]
     assert raw[0] == pytest.approx(math.log(scores[0] / (1 - scores[0])), abs=1e-4)  # the logit
     for path, body, param, why in [
