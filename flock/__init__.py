@@ -3,11 +3,18 @@
 from flock.beam_search import BeamSearchParams
 from flock.llm import LLM
 from flock.lora import LoRARequest
-from flock.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from flock.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from flock.pooling_params import PoolingParams
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "TokenLogprobs", "LoRARequest"]
+           "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
+           "TokenLogprobs", "LoRARequest"]
 __version__ = "0.1.0"
