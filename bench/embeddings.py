@@ -15,6 +15,7 @@ bench/out/embeddings.json.
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,21 +65,28 @@ def run_vllm(folder: Path, prompts: list[list[int]], args) -> dict:
 
 def report(results: list[dict], prompts: list[list[int]]) -> str:
     tokens = sum(map(len, prompts))
+
+    def cosine(r: dict, ref: dict) -> str:
+        a, b = (torch.tensor(x["embeddings"], dtype=torch.float64) for x in (r, ref))
+        sims = torch.nn.functional.cosine_similarity(a, b, dim=1)
+        return f"mean {sims.mean():.4f}, min {sims.min():.4f}"
+
+    return versus_vllm(results, ("input tok/s", lambda r: f"{tokens / r['wall_s']:,.0f}"), ("cosine", cosine))
+
+
+def versus_vllm(results: list[dict], rate: tuple[str, Callable], closeness: tuple[str, Callable]) -> str:
+    """Each engine's wall s, `rate` (its column and value of a result), speed and computed prompt tokens, and
+    `closeness` to the first vLLM result (its column and value of a result and vLLM's)."""
     ref = next((r for r in results if r["engine"].startswith("vLLM") and "error" not in r), None)
     rows = []
     for r in results:
         if "error" in r:
             rows.append([r["engine"], r["error"], "", "", "", ""])
             continue
-        cosine = ""
-        if ref is not None and r is not ref:
-            a, b = (torch.tensor(x["embeddings"], dtype=torch.float64) for x in (r, ref))
-            sims = torch.nn.functional.cosine_similarity(a, b, dim=1)
-            cosine = f"mean {sims.mean():.4f}, min {sims.min():.4f}"
+        close = closeness[1](r, ref) if ref is not None and r is not ref else ""
         speed = f"{ref['wall_s'] / r['wall_s']:.2f}x" if ref else "-"
-        rows.append([r["engine"], f"{r['wall_s']:.2f}", f"{tokens / r['wall_s']:,.0f}", speed, f"{r['computed']:,}",
-                     cosine])
-    head = ["engine", "wall s", "input tok/s", "speed vs vLLM", "computed prompt tok", "cosine vs vLLM"]
+        rows.append([r["engine"], f"{r['wall_s']:.2f}", rate[1](r), speed, f"{r['computed']:,}", close])
+    head = ["engine", "wall s", rate[0], "speed vs vLLM", "computed prompt tok", f"{closeness[0]} vs vLLM"]
     return markdown_table(head, rows)
 
 

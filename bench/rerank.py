@@ -21,10 +21,10 @@ import random
 import time
 from pathlib import Path
 
-from bench.embeddings import CHILD, MODELS
+from bench.embeddings import CHILD, MODELS, versus_vllm
 from bench.harness import machine, vllm
 from bench.harness.offline import hf_folder, random_tokens
-from bench.harness.report import args_dict, markdown_table, write_json
+from bench.harness.report import args_dict, write_json
 
 # two tokens of the bench models' vocabulary stand for Qwen3-Reranker's "no" and "yes"
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "part"],
@@ -86,18 +86,8 @@ def agreement(a: list[float], b: list[float], docs: int) -> str:
 
 
 def report(results: list[dict], prompts: list[list[int]], args) -> str:
-    ref = next((r for r in results if r["engine"].startswith("vLLM") and "error" not in r), None)
-    rows = []
-    for r in results:
-        if "error" in r:
-            rows.append([r["engine"], r["error"], "", "", "", ""])
-            continue
-        close = agreement(r["scores"], ref["scores"], args.docs) if ref is not None and r is not ref else ""
-        speed = f"{ref['wall_s'] / r['wall_s']:.2f}x" if ref else "-"
-        rows.append([r["engine"], f"{r['wall_s']:.2f}", f"{len(prompts) / r['wall_s']:,.1f}", speed,
-                     f"{r['computed']:,}", close])
-    head = ["engine", "wall s", "pairs/s", "speed vs vLLM", "computed prompt tok", "scores vs vLLM"]
-    return markdown_table(head, rows)
+    return versus_vllm(results, ("pairs/s", lambda r: f"{len(prompts) / r['wall_s']:,.1f}"),
+                       ("scores", lambda r, ref: agreement(r["scores"], ref["scores"], args.docs)))
 
 
 def main() -> None:
