@@ -17,10 +17,12 @@ def option(default, help: str, **cli):
 
 # vLLM engine keywords whose value Flock always runs with (accepted with that value, refused with another), and
 # those no value of which changes what Flock does (it runs no model code from a folder, logs no stats, scales each
-# fp8 KV row by its own values)
+# fp8 KV row by its own values, and serves what the model's architecture says: generation, embeddings, or
+# classification, whatever runner, task or conversion is named)
 VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
                       "enable_chunked_prefill": True, "tokenizer_mode": "auto"}
-VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras", "calculate_kv_scales"}
+VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras", "calculate_kv_scales",
+                  "runner", "convert", "task"}
 
 
 @dataclass

@@ -66,6 +66,9 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--trust-remote-code", action="store_true", help="accepted: Flock runs its own model code only")
     v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
                    help="accepted: Flock logs requests only with --access-log")
+    v.add_argument("--runner", "--convert", "--task", help="accepted: the model's architecture decides what it serves "
+                   "(generation and embeddings; a *ForSequenceClassification, or --hf-overrides classifier_from_token: "
+                   "classification, score, rerank)")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
     v.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, help="as --log-level")
     v.add_argument("--max-loras", "--max-cpu-loras", type=int,

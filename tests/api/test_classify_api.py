@@ -29,7 +29,7 @@ def reranker(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(reranker):
     with ServerProcess("--model", str(reranker), "--served-model-name", "rr", "--dtype", "float32",
-                       "--hf-overrides", json.dumps(RERANKER), env={"OMP_NUM_THREADS": "1"}) as s:
+                       "--hf-overrides", json.dumps(RERANKER), "--runner", "pooling", env={"OMP_NUM_THREADS": "1"}) as s:
         yield s
 
 

@@ -90,7 +90,8 @@ def test_an_untied_reranker_frees_its_head(tmp_path):
 
 
 def check_reranker(folder, overrides: dict, scheduler: str) -> LLM:
-    llm = LLM(str(folder), dtype="float64", hf_overrides=overrides, scheduler=scheduler, block_size=4)
+    llm = LLM(str(folder), dtype="float64", hf_overrides=overrides, scheduler=scheduler, block_size=4,
+              runner="pooling")  # vLLM's keyword, accepted
     tok = llm.get_tokenizer()
     prompts = [tok(QUERY + d)["input_ids"] for d in DOCS]
     ids = tok.convert_tokens_to_ids(RERANK_TOKENS)
