@@ -83,14 +83,17 @@ class LLM:
         try:
             if not isinstance(data, dict) or data.keys() != {"image"}:
                 raise ValueError(f"multi_modal_data takes {{'image': images}} only, got {data!r:.80}")
-            images = data["image"]
-            if not isinstance(prompt.get("prompt"), str):
-                raise ValueError("images need a text 'prompt' marking where each goes")
-            ids, inputs = self._image_prompts().encode(prompt["prompt"], images if isinstance(images, list)
-                                                       else [images])
+            images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if isinstance(text, str):
+                ids, inputs = self._image_prompts().encode(text, images)
+            elif isinstance(token_ids, list) and token_ids and all(isinstance(t, int) for t in token_ids):
+                ids, inputs = self._image_prompts().encode_ids(token_ids, images)
+            else:
+                raise ValueError("images need a text 'prompt' or 'prompt_token_ids' marking where each goes")
         except ValueError as e:
             raise ValueError(f"request {index}: {e}") from None
-        return prompt["prompt"], ids, inputs
+        return text, ids, inputs
 
     def _image_prompts(self) -> ImagePrompts:
         processor = image_prompts(str(self.engine.model_folder))

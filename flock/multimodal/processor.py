@@ -34,6 +34,17 @@ class ImagePrompts:
             str(folder), local_files_only=True)
         self.image_token_id = config.image_token_id
 
+    def encode_ids(self, ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """vLLM's token prompt with images: `ids` hold each image's marker as the text prompt's tokens would (the
+        chat template's, or the processor's image token); they are processed as the text they decode to, which
+        must encode back to them (else ValueError: send the text)."""
+        tokenizer = self.processor.tokenizer
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if tokenizer.encode(text, add_special_tokens=False) != list(ids):
+            raise ValueError("prompt_token_ids with images must be the tokens of their text (these do not encode "
+                             "back from it); send the text 'prompt'")
+        return self.encode(text, images, add_special_tokens=False)
+
     def encode(self, text: str, images: list, add_special_tokens: bool = True,
                allow_files: bool = True) -> tuple[list[int], ImageInputs]:
         """Token ids and images of a prompt whose text marks each image where the processor expects it (its

@@ -90,6 +90,13 @@ def test_greedy_tokens_equal_transformers(folder, reference, engine):
     assert_same(answers(llm.generate(prompt, PARAMS, use_tqdm=False)), [two], 2e-3)
 
 
+def test_token_id_prompts_with_images_equal_transformers(folder, reference):
+    llm = LLM(str(folder), dtype="float32")
+    prompt = {"prompt_token_ids": llm.get_tokenizer()(TWO_IMAGES)["input_ids"],
+              "multi_modal_data": {"image": [picture(0), picture(5, (60, 30))]}}
+    assert_same(answers(llm.generate(prompt, PARAMS, use_tqdm=False)), [reference[1]], 2e-3)
+
+
 def test_group_prefixes_stop_before_an_image(folder):
     """Questions of one image that part right after it, in blocks of 16 without prefix caching: BatchLLM's group
     prefix of whole blocks would end inside the image, so it stops before it."""

@@ -67,6 +67,20 @@ def test_greedy_tokens_equal_transformers(llava_folder, reference, engine):
     assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == two
 
 
+def test_token_id_prompts_take_images_as_their_text(llava_folder, reference):
+    """vLLM's token prompt with multi_modal_data: the ids of the text prompt answer as the text; ids that are not
+    their text's tokens are refused by name."""
+    llm = LLM(str(llava_folder), dtype="float32")
+    tok = llm.get_tokenizer()
+    images = {"image": [picture(0), picture(5, (60, 30))]}
+    ids = tok("Compare <image> with <image> please:")["input_ids"]
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": images}, PARAMS, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference[1]
+    split = tok.convert_tokens_to_ids(list("the")) + ids  # "t", "h", "e" where the text is one token
+    with pytest.raises(ValueError, match="request 0: prompt_token_ids with images must be the tokens of their text"):
+        llm.generate({"prompt_token_ids": split, "multi_modal_data": images}, PARAMS, use_tqdm=False)
+
+
 @pytest.mark.parametrize("scheduler", ["fcfs", "batchllm"])
 def test_idefics3_tiles_equal_transformers(idefics3_folder, scheduler):
     """Idefics3 (SmolVLM's family): each image split into tiles plus a global view, a pixel-shuffle connector."""

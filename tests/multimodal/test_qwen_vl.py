@@ -84,6 +84,13 @@ def test_greedy_tokens_equal_transformers(folder, reference, engine):
     assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == two
 
 
+def test_token_id_prompts_with_images_equal_transformers(folder, reference):
+    llm = LLM(str(folder), dtype="float32")
+    prompt = {"prompt_token_ids": llm.get_tokenizer()(TWO_IMAGES)["input_ids"],
+              "multi_modal_data": {"image": [picture(0), picture(5, (60, 30))]}}
+    assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == reference[1]
+
+
 def test_float64_and_text_alone_equal_transformers(folder):
     """In float64; and a prompt without images, whose three positions are its tokens' (plain RoPE)."""
     images = [picture(3, (90, 60)), picture(4)]
