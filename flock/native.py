@@ -59,6 +59,18 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
+def cpu_vendor_family() -> tuple[str, int]:
+    """/proc/cpuinfo's vendor_id and cpu family ("AuthenticAMD", 26 for Zen 5); ("", 0) where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", 0
+    fields = {key.strip(): value.strip() for key, _, value in (ln.partition(":") for ln in text.splitlines()[:16])}
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
+
+
+@functools.cache
 def cpu_model() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -82,6 +82,20 @@ def test_long_contexts_groups_and_fresh_prefills(monkeypatch, isa, dtype, heads,
 
 
 @pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", [0, 2], ids=["repacked", "in-place"])
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)], ids=["one-row", "two-rows"])
+@pytest.mark.parametrize("shape", list(SHAPES), indirect=True)
+def test_decode_units_read_in_place_or_repacked(monkeypatch, isa, rows, heads, kv_heads, shape):
+    """Units of one or two rows (decodes with one or two query heads a KV head) read bf16 K and V rows in place
+    where `direct_rows` lets them (the vdpbf16ps builds), else repacked: the same attention either way, whatever
+    this CPU's own choice."""
+    monkeypatch.setattr(cpu, "direct_rows", lambda: rows)
+    layout, inputs, expected = case("long", heads, kv_heads, torch.bfloat16, *shape)
+    out, _ = run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs)
+    check(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", ["bs16-d64"], indirect=True)
 def test_a_packed_once_segment_whose_last_unit_is_one_token(monkeypatch, isa, dtype, shape):

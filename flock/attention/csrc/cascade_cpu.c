@@ -25,7 +25,8 @@
 //   bf16 : QK^T: A = Q rows as dim pairs, B = K^T [dim pair][position] (each lane a pair: vdpbf16ps);
 //          PV  : A = P rows rounded to bf16, pairs of positions, B = V [position pair][dim] (pairs interleaved).
 // With vdpbf16ps, units of at most DIRECT_ROWS rows (decode when few query heads share a KV head) skip the
-// repack and read K and V rows in place (direct_head): the repack would be most of their time.
+// repack and read K and V rows in place (direct_head): the repack would be most of their time (the caller's
+// direct_rows says where: not on CPUs that repack faster).
 //   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
 //               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
 //               tiles for blocks of 16 rows (amx_scores, amx_values); units of at most DIRECT_ROWS rows go
@@ -84,6 +85,7 @@ typedef struct {
     int32_t kv_format;                              // the caches' elements: KV_MODEL (q's dtype) or fp8 rows
     // per entry, the last position a causal row sees (Gemma 3's image tokens: their image's last); NULL: its own
     const int32_t *attend_ends;
+    int32_t direct_rows;  // units of at most this many rows (and DIRECT_ROWS) read K and V in place (0: none)
 } Args;
 
 // ------------------------------------------------------------------------------------------------ vectors
@@ -861,7 +863,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     kv_range(a, u, &kv0, &kv1);
     int buf = 0;
     // (fp8 rows are converted once a chunk by the repack: in place, each row's would be converted again per row)
-    const int direct = pairs && nrows <= DIRECT_ROWS && a->kv_format == KV_MODEL;
+    const int direct = pairs && nrows <= DIRECT_ROWS && nrows <= a->direct_rows && a->kv_format == KV_MODEL;
     // a direct unit reads K and V rows in place through its own row offsets, also in a segment packed once
     const int packed_once = u->shared != NULL && !direct;
     if (kv0 < kv1 && !packed_once) {
