@@ -92,7 +92,10 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
             raise APIError(f"{model.name} classifies into {model.num_labels} classes: scores need a classifier of "
                            "one label (a cross-encoder); use /classify", param="model")
         pairs = zip(left * len(right) if len(left) == 1 else left, right)
-        prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs) for a, b in pairs]
+        try:
+            prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs) for a, b in pairs]
+        except Exception as e:  # the score template's own errors (jinja2's kinds)
+            raise APIError(f"the score template failed on this pair: {e}", param="chat_template_kwargs") from None
         return ScoreRequest(kind, left, right, prompts, replace(params, task="classify"), top_n, documents, True)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
     return ScoreRequest(kind, left, right, prompts, params, top_n, documents)

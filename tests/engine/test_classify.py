@@ -114,6 +114,7 @@ def test_score_template_lays_out_qwen3_rerankers_prompt(qwen3_causal):
     and a "document" turn; examples/qwen3_reranker.jinja gives Qwen3-Reranker's published prompt."""
     from pathlib import Path
 
+    from flock.api.protocol import APIError
     from flock.api.scores import parse_scores
 
     template = Path(__file__).parents[2] / "examples" / "qwen3_reranker.jinja"
@@ -133,6 +134,11 @@ def test_score_template_lays_out_qwen3_rerankers_prompt(qwen3_causal):
     body = {"query": QUERY, "documents": DOCS[:1], "chat_template_kwargs": {"instruction": "Find the pool"}}
     rerank = parse_scores("rerank", body, tok, llm.engine.tasks)
     assert rerank.prompts == [tok(head.format("Find the pool", QUERY) + f"<Document>: {DOCS[0]}" + tail)["input_ids"]]
+    strict = LLM(str(qwen3_causal), hf_overrides=RERANKER, load_format="dummy",
+                 chat_template="{{ raise_exception('no instruction') if instruction is undefined }}")
+    with pytest.raises(APIError, match="the score template failed on this pair: no instruction") as e:
+        parse_scores("score", {"text_1": "q", "text_2": "d"}, tok, strict.engine.tasks)
+    assert e.value.param == "chat_template_kwargs"
 
 
 def test_a_quantized_gguf_reranker_takes_its_rows_from_the_blocks(qwen3_causal, tmp_path):
