@@ -22,7 +22,7 @@ from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
 from flock.spec import NgramProposer, drafts_worth, updated_rate
-from flock.tokenizer import load_tokenizer, read_chat_template
+from flock.tokenizer import load_tokenizer
 
 log = logging.getLogger("flock")
 
@@ -86,7 +86,7 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         c = resolved.config
-        template = read_chat_template(config.chat_template) if config.chat_template and c.num_labels else None
+        template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
                                 template)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)

@@ -225,12 +225,11 @@ class ModelConfig:
                              f"is_original_qwen3_reranker), got {method!r}")
         if method == "from_2_way_softmax" and len(tokens) != 2:
             raise ValueError(f"method from_2_way_softmax takes two classifier_from_token, got {list(tokens)}")
+        id2label = {int(k): v for k, v in (d.get("id2label") or {}).items()}
         if tokens:
             num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
         else:
-            id2label = d.get("id2label") or {}
             num_labels = len(id2label) or d.get("num_labels", 2)
-        id2label = {int(k): v for k, v in (d.get("id2label") or {}).items()}
         labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
         return {"num_labels": num_labels, "labels": labels, "classifier_tokens": tokens,
                 "classifier_method": method if tokens else None,
