@@ -76,8 +76,9 @@ class EngineConfig:
 
     speculative_config: dict | None = option(
         None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4}': drafts from prompt lookup, verified in each request's next step (greedy "
-        "outputs unchanged)")
+        "\"prompt_lookup_max\": 4}' (drafts from prompt lookup) or '{\"method\": \"draft_model\", \"model\": "
+        "PATH, \"num_speculative_tokens\": 4}' (a small model of the same vocabulary drafting greedily), verified in "
+        "each request's next step (outputs distributed as without drafts; greedy ones unchanged)")
 
     enable_lora: bool = option(False, "serve LoRA adapters saved by PEFT (LoRARequest; the API's model names of "
                                "--lora-modules); dense MLPs then run their activation after the gate_up GEMM")
@@ -117,7 +118,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION)}, got {self.quantization!r}")
-        self.speculative()
+        spec = self.speculative()
+        if spec is not None and spec.quantization not in (None, *QUANTIZATION):
+            raise ValueError(f"speculative_config.quantization must be one of {', '.join(QUANTIZATION)}, got "
+                             f"{spec.quantization!r}")
         if self.lora_modules:
             self.enable_lora = True
             lora_requests(self.lora_modules)

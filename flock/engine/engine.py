@@ -8,6 +8,7 @@ import torch
 
 from flock.config import EngineConfig
 from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
+from flock.engine.draft_model import DraftModelProposer
 from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.manager import KVCacheManager
@@ -91,8 +92,7 @@ class LLMEngine:
                                 template)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
-        spec = config.speculative()
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = self._proposer(config, max_len)
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self.lora_requests = lora_requests(config.lora_modules or [])  # the adapters the API knows by name
         for request in self.lora_requests.values():
@@ -104,6 +104,13 @@ class LLMEngine:
         # full passes, which otherwise traverse it all, ~2% of a long run (as vLLM and SGLang do)
         gc.collect()
         gc.freeze()
+
+    def _proposer(self, config: EngineConfig, max_len: int) -> NgramProposer | DraftModelProposer | None:
+        spec = config.speculative()
+        if spec is None or spec.method == "ngram":
+            return None if spec is None else NgramProposer(spec)
+        return DraftModelProposer(config, spec, self.runner.dtype, max_len, self.runner.num_blocks,
+                                  self.model_config.vocab_size)
 
     @staticmethod
     def _sampling_defaults(source: str, resolved) -> dict:
@@ -194,6 +201,9 @@ class LLMEngine:
         if self.has_unfinished():
             return False
         self.kv.pool.reset_cache()
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release()
+            self.proposer.kv.pool.reset_cache()
         return True
 
     def abort(self, req: Request) -> None:
@@ -219,7 +229,7 @@ class LLMEngine:
         ones get their token (its logprobs, and its grammar advances), and those that stop finish."""
         for req, first, entries in out.prompt_logprobs:
             req.prompt_logprobs[first : first + len(entries)] = entries
-        finished = []
+        finished, drafting = [], []
         sampled, pooled, mirostat = iter(zip(out.tokens, out.logprobs)), iter(out.embeddings), iter(out.mirostat_mu)
         now = time.monotonic()
         for (req, n), samples, drafts in zip(plan.scheduled, plan.samples, plan.drafts):
@@ -247,7 +257,10 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 finished.append(req)
             elif self.proposer is not None:
-                req.draft_token_ids = self._propose(req)
+                drafting.append(req)
+        if drafting or finished and self.proposer is not None:  # (a draft model's sequences of finished ones go)
+            for req, drafts in zip(drafting, self._propose(drafting)):
+                req.draft_token_ids = drafts
         return finished
 
     def _append(self, req: Request, tokens: list[int], logprobs: list) -> bool:
@@ -263,18 +276,20 @@ class LLMEngine:
                 return True
         return False
 
-    def _propose(self, req: Request) -> list[int]:
-        """Drafts to verify in the request's next step, no more than its length caps leave room for beside the
+    def _propose(self, reqs: list[Request]) -> list[list[int]]:
+        """Drafts to verify in each request's next step, no more than its length caps leave room for beside the
         token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
         Mirostat, whose bound moves with each token."""
+        limits = [0 if req.params.mirostat else min(self._room(req) - 1, drafts_worth(req.draft_rate, self.proposer.k))
+                  for req in reqs]
+        proposals = self.proposer.propose(reqs, limits)
+        return [drafts if req.grammar is None or req.grammar.is_terminated() else
+                drafts_in_grammar(req.grammar, drafts, limit) for req, drafts, limit in zip(reqs, proposals, limits)]
+
+    def _room(self, req: Request) -> int:
+        """Tokens the request may still get before a length cap."""
         left = self.max_model_len - req.num_tokens
-        if req.params.max_tokens is not None:
-            left = min(left, req.params.max_tokens - req.num_output_tokens)
-        limit = min(left - 1, drafts_worth(req.draft_rate, self.proposer.k))
-        drafts = self.proposer.propose(req.token_ids, limit) if not req.params.mirostat else []
-        if req.grammar is None or req.grammar.is_terminated():
-            return drafts
-        return drafts_in_grammar(req.grammar, drafts, limit)
+        return left if req.params.max_tokens is None else min(left, req.params.max_tokens - req.num_output_tokens)
 
     def _check_stop(self, req: Request) -> bool:
         token, p = req.token_ids[-1], req.params

@@ -1,38 +1,53 @@
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+NGRAM_NAMES = ("ngram", "[ngram]")
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+# each method's own keys beside num_speculative_tokens (vLLM's names)
+METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+               "draft_model": {"model", "quantization", "draft_tensor_parallel_size"}}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` for its `ngram` method: up to `num_speculative_tokens` drafts a step, the tokens
-    that followed the last earlier occurrence of the context's longest suffix of `prompt_lookup_min` to
-    `prompt_lookup_max` tokens."""
+    """vLLM's `speculative_config`: up to `num_speculative_tokens` drafts a step, from prompt lookup (`ngram`: the
+    tokens that followed the last earlier occurrence of the context's longest suffix of `prompt_lookup_min` to
+    `prompt_lookup_max` tokens) or from a small model of the same vocabulary (`draft_model`: `model`, a built-in
+    name, a Hugging Face folder or a GGUF file, loaded with its own `quantization`)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP
     prompt_lookup_min: int = DEFAULT_LOOKUP
     method: str = "ngram"
+    model: str | None = None
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, spec: dict) -> "SpeculativeConfig":
-        """From vLLM's dict (`method`, or `model: "ngram"` as vLLM's older form); ValueError naming a bad key."""
+        """From vLLM's dict (`method`; or only `model`: "ngram" as vLLM's older form, else a draft model's path);
+        ValueError naming a bad key."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
         spec = dict(spec)
-        method, model = spec.pop("method", None), spec.pop("model", None)
-        method = "ngram" if (method or model) in ("ngram", "[ngram]") else method or model
+        method, model = spec.pop("method", None), spec.get("model")
+        if method is None:
+            method = "ngram" if model is None or model in NGRAM_NAMES else "draft_model"
+        if method == "ngram":
+            spec.pop("model", None)
         if method not in METHODS:
             raise ValueError(f"speculative_config.method={method!r} is not supported: Flock drafts with 'ngram' (prompt "
-                             "lookup); draft models, EAGLE and MTP heads are not run")
-        known = {f.name for f in fields(cls)} - {"method"}
+                             "lookup) or 'draft_model' (a small model of the same vocabulary); EAGLE and MTP heads "
+                             "are not run")
+        known = {"num_speculative_tokens"} | METHOD_KEYS[method]
         unknown = sorted(set(spec) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known | {'method'})}")
+            raise ValueError(f"speculative_config: unknown key(s) {unknown} for method {method!r}; known: "
+                             f"{sorted(known | {'method'})}")
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}")
+        if method == "draft_model":
+            return cls._draft_model(k, spec)
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         lo, hi = lo or hi or DEFAULT_LOOKUP, hi or lo or DEFAULT_LOOKUP
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -41,3 +56,16 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         return cls(k, hi, lo, method)
+
+    @classmethod
+    def _draft_model(cls, k: int, spec: dict) -> "SpeculativeConfig":
+        model, quantization = spec.get("model"), spec.get("quantization")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config.model must name the draft model (a built-in name, a Hugging Face "
+                             f"folder or a GGUF file), got {model!r}")
+        if spec.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1: the draft runs in the engine's "
+                             "process")
+        if quantization is not None and not isinstance(quantization, str):
+            raise ValueError(f"speculative_config.quantization must be a string, got {quantization!r}")
+        return cls(k, method="draft_model", model=model, quantization=quantization)

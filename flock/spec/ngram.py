@@ -1,5 +1,6 @@
 import numpy as np
 
+from flock.request import Request
 from flock.spec.config import SpeculativeConfig
 
 
@@ -14,7 +15,11 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """At most `limits[i]` drafts to follow each request's tokens."""
+        return [self.lookup(req.token_ids, limit) for req, limit in zip(requests, limits)]
+
+    def lookup(self, token_ids: list[int], limit: int) -> list[int]:
         """At most min(num_speculative_tokens, limit) drafts to follow `token_ids`."""
         k = min(self.k, limit)
         if k <= 0 or len(token_ids) <= self.min_n:

@@ -9,28 +9,28 @@ def proposer(k=3, lo=1, hi=3) -> NgramProposer:
 
 def test_longest_suffix_wins_over_a_later_shorter_one():
     # suffix (1, 2, 3): its 3-gram occurs once, at the start; "3" alone occurs later, before 9
-    assert proposer().propose([1, 2, 3, 4, 5, 3, 9, 1, 2, 3], 10) == [4, 5, 3]
+    assert proposer().lookup([1, 2, 3, 4, 5, 3, 9, 1, 2, 3], 10) == [4, 5, 3]
 
 
 def test_last_occurrence_of_the_longest_match():
-    assert proposer().propose([7, 8, 1, 7, 8, 2, 7, 8], 10) == [2, 7, 8]
+    assert proposer().lookup([7, 8, 1, 7, 8, 2, 7, 8], 10) == [2, 7, 8]
 
 
 def test_drafts_stop_at_the_context_end_and_at_the_limits():
-    assert proposer().propose([5, 6, 5], 10) == [6, 5]
-    assert proposer(k=4).propose([1, 2, 3, 1, 2, 3, 1, 2, 3], 2) == [1, 2]
-    assert proposer().propose([1, 2, 1], 0) == []
+    assert proposer().lookup([5, 6, 5], 10) == [6, 5]
+    assert proposer(k=4).lookup([1, 2, 3, 1, 2, 3, 1, 2, 3], 2) == [1, 2]
+    assert proposer().lookup([1, 2, 1], 0) == []
 
 
 def test_no_match_or_too_short():
-    assert proposer().propose([1, 2, 3, 4], 10) == []
-    assert proposer(lo=2).propose([1, 2, 3, 1, 4, 1], 10) == []
-    assert proposer(lo=2).propose([1, 2, 3, 1, 2], 10) == [3, 1, 2]
-    assert proposer().propose([1], 10) == []
+    assert proposer().lookup([1, 2, 3, 4], 10) == []
+    assert proposer(lo=2).lookup([1, 2, 3, 1, 4, 1], 10) == []
+    assert proposer(lo=2).lookup([1, 2, 3, 1, 2], 10) == [3, 1, 2]
+    assert proposer().lookup([1], 10) == []
 
 
 def test_overlapping_repeats():
-    assert proposer(k=4, hi=5).propose([9, 9, 9, 9], 10) == [9]
+    assert proposer(k=4, hi=5).lookup([9, 9, 9, 9], 10) == [9]
 
 
 @pytest.mark.parametrize("tokens, drafts, n", [([1, 2, 3, 4], [1, 2, 3], 3), ([1, 5, 3, 4], [1, 2, 3], 1),
