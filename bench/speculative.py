@@ -1,7 +1,11 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): Flock and vLLM (CPU build), each with and without
-the same `speculative_config`, on SmolLM2-135M-Instruct, the same chat-templated token ids, greedy.
+"""Speculative decoding: Flock and vLLM (CPU build), each with and without the same `speculative_config`, the same
+chat-templated token ids, greedy. `--method ngram` (prompt lookup) runs SmolLM2-135M-Instruct; `--method
+draft_model` runs a target 1 + `--copies` times SmolLM2's depth (bench/harness/deep_target.py: SmolLM2's layers,
+each followed by copies whose outputs are scaled by `--scale`, so its answers follow SmolLM2's often, not always)
+with SmolLM2 itself as the draft.
 
     python -m bench.speculative --vllm-venv /root/V
+    python -m bench.speculative --method draft_model --vllm-venv /root/V
     python -m bench.speculative --docs 2 --gen 32 --skip-vllm      # a dry run
 
 Workloads (real text: standard-library reference documents, bench/harness/documents.py):
@@ -13,14 +17,16 @@ Workloads (real text: standard-library reference documents, bench/harness/docume
 Each runs as one batch (offline) and one request after another (online, a single stream: where a CPU has
 compute to spare for the drafts). Printed: the CPU and kernel paths, wall s, generated tokens/s, the speed-up
 drafts give each engine, Flock / vLLM, the acceptance, and whether outputs with drafts equal those without.
-Results: bench/out/speculative.json.
+Results: bench/out/speculative-METHOD.json.
 """
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from bench.harness import machine, vllm
+from bench.harness.deep_target import deep_target
 from bench.harness.documents import documents
 from bench.harness.offline import hf_folder
 from bench.harness.report import args_dict, markdown_table, write_json
@@ -120,24 +126,32 @@ def main() -> None:
     p.add_argument("--modes", default="batch,single", type=lambda s: s.split(","))
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"), help="prompt_lookup_min/max")
+    p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    p.add_argument("--copies", type=int, default=4, help="draft_model: the target's copies of each SmolLM2 layer")
+    p.add_argument("--scale", type=float, default=0.05, help="draft_model: the copies' output scale")
     p.add_argument("--max-model-len", type=int, default=2048)
     vllm.add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(machine.header("speculative"), flush=True)
-    folder = hf_folder("flock/smollm2", args.out)
+    folder = small = hf_folder("flock/smollm2", args.out)
     from transformers import AutoTokenizer
 
     loads = workloads(AutoTokenizer.from_pretrained(folder), args.docs)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
             "prompt_lookup_max": args.lookup[1]}
+    if args.method == "draft_model":
+        folder = deep_target(small, args.out / f"smollm2-deep-{args.copies}-{args.scale}", args.copies, args.scale)
+        spec = {"method": "draft_model", "model": str(small), "num_speculative_tokens": args.k}
+        print(f"# target: SmolLM2 with {args.copies} copies of each layer (outputs x {args.scale}), "
+              f"{json.loads((folder / 'config.json').read_text())['num_hidden_layers']} layers; draft: SmolLM2", flush=True)
     print(f"# {spec}; {args.docs} prompts a workload, {args.gen} tokens each, prompts of "
           f"{min(map(len, loads['copy']))}-{max(map(len, loads['copy']))} tokens (copy)", flush=True)
     results = {"Flock": {c: run_flock(folder, loads, s, args) for c, s in (("plain", None), ("spec", spec))}}
     if not args.skip_vllm:
         results["vLLM"] = {c: run_vllm(folder, loads, s, args) for c, s in (("plain", None), ("spec", spec))}
     print(table(results, args), flush=True)
-    write_json(args.out / "speculative.json", {"args": args_dict(args), "cpu": machine.cpu_line(), "spec": spec,
+    write_json(args.out / f"speculative-{args.method}.json", {"args": args_dict(args), "cpu": machine.cpu_line(), "spec": spec,
                                               "results": results})
 
 

@@ -1,3 +1,4 @@
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -10,6 +11,9 @@ from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.model import resolve_model
 from flock.request import Request
 from flock.spec import SpeculativeConfig
+
+log = logging.getLogger("flock")
+ALL_ROWS = 256  # a pass of at most this many rows finishes them all in the last layer (flock.model.program's bound)
 
 
 class DraftSequence:
@@ -67,6 +71,9 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model={spec.model!r} does not generate (it has no LM head)")
         self.runner = ModelRunner(draft, resolved, max_model_len)
         self.vocab_size = min(vocab_size, resolved.config.vocab_size)  # drafts stay in the target's vocabulary
+        if resolved.config.vocab_size != vocab_size:
+            log.warning("the draft model's vocabulary has %d entries, the target's %d: its drafts are read as the "
+                        "target's token ids (the same tokenizer is assumed)", resolved.config.vocab_size, vocab_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.k = spec.num_speculative_tokens
         self.budget = config.max_num_batched_tokens
@@ -146,12 +153,19 @@ class DraftModelProposer:
         layout = StepLayout(query_start=query_start, seq_lens=np.array(starts) + counts, block_tables=tables,
                             block_size=bs, slot_mapping=torch.from_numpy(slots).to(device),
                             sampled=np.arange(len(seqs)))
-        last = query_start[1:] - 1
-        out_rows = None if len(last) == len(positions) else torch.from_numpy(last).to(device)
+        last = torch.from_numpy(query_start[1:] - 1).to(device)
+        # a short pass runs every row through the last layer: the step program then takes it (one C call)
+        out_rows = None if len(positions) <= ALL_ROWS else last
         model = self.runner.model
         hidden = model(torch.tensor(sum(ids, []), dtype=torch.long, device=device),
                        torch.from_numpy(positions).to(device), self.runner.backend.build_metadata(layout), out_rows)
+        hidden = hidden if out_rows is not None or len(last) == len(positions) else hidden[last]
         return model.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()
+
+    def reset_cache(self) -> None:
+        """Forget the draft's cached prefixes (with the target's: no request is running)."""
+        self.release()
+        self.kv.pool.reset_cache()
 
     def release(self, active: set[Request] = frozenset()) -> None:
         """Free the blocks of finished requests, and, when the pool runs short, of those not drafting now (a

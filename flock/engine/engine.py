@@ -92,6 +92,7 @@ class LLMEngine:
                                 template)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
+        self.speculative = config.speculative()
         self.proposer = self._proposer(config, max_len)
         self.stats = RunStats(num_kv_blocks=self.runner.num_blocks)
         self.lora_requests = lora_requests(config.lora_modules or [])  # the adapters the API knows by name
@@ -106,9 +107,11 @@ class LLMEngine:
         gc.freeze()
 
     def _proposer(self, config: EngineConfig, max_len: int) -> NgramProposer | DraftModelProposer | None:
-        spec = config.speculative()
-        if spec is None or spec.method == "ngram":
-            return None if spec is None else NgramProposer(spec)
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
         return DraftModelProposer(config, spec, self.runner.dtype, max_len, self.runner.num_blocks,
                                   self.model_config.vocab_size)
 
@@ -202,8 +205,7 @@ class LLMEngine:
             return False
         self.kv.pool.reset_cache()
         if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.release()
-            self.proposer.kv.pool.reset_cache()
+            self.proposer.reset_cache()
         return True
 
     def abort(self, req: Request) -> None:
@@ -280,7 +282,8 @@ class LLMEngine:
         """Drafts to verify in each request's next step, no more than its length caps leave room for beside the
         token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
         Mirostat, whose bound moves with each token."""
-        limits = [0 if req.params.mirostat else min(self._room(req) - 1, drafts_worth(req.draft_rate, self.proposer.k))
+        k = self.speculative.drafts_for(len(reqs))
+        limits = [0 if req.params.mirostat or not k else min(self._room(req) - 1, drafts_worth(req.draft_rate, k))
                   for req in reqs]
         proposals = self.proposer.propose(reqs, limits)
         return [drafts if req.grammar is None or req.grammar.is_terminated() else

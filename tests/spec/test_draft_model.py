@@ -105,7 +105,9 @@ def test_the_draft_reads_a_shared_prefix_once(hf_folders, near_draft):
     def draft_reads(**config):
         outs, llm = run(hf_folders["llama"], prompts, block_size=8, max_num_seqs=1,
                         speculative_config=draft_spec(near_draft), **config)
-        return [o.outputs[0].token_ids for o in outs], llm.engine.proposer.computed_tokens
+        reads = llm.engine.proposer.computed_tokens
+        assert llm.reset_prefix_cache() and not llm.engine.proposer.kv.pool.cached
+        return [o.outputs[0].token_ids for o in outs], reads
 
     shared, fewer = draft_reads()
     alone, more = draft_reads(enable_prefix_caching=False)

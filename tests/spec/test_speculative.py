@@ -253,3 +253,26 @@ def test_cpu_kernel_with_drafts_in_mixed_steps(hf_folders, kind):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.stats()["accepted_draft_tokens"] > 0 and llm.engine.runner.backend.name.startswith("cpu")
     assert_no_leak(llm)
+
+
+def test_drafts_per_batch_size(hf_folders, reference):
+    """vLLM's num_speculative_tokens_per_batch_size: no drafts while 7 requests decode together, drafts for one
+    alone; the tokens are transformers' either way."""
+    prompts, expected = reference("llama")
+    spec = SPEC | {"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 3, 1], [5, 6, 0]]}
+    outs, llm = run(hf_folders["llama"], prompts, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["draft_tokens"] == 0
+    outs, llm = run(hf_folders["llama"], prompts[:1], speculative_config=spec)
+    assert outs[0].outputs[0].token_ids == expected[0] and llm.stats()["draft_tokens"] > 0
+    config = EngineConfig.from_kwargs("flock/tiny", speculative_config=spec).speculative()
+    assert [config.drafts_for(n) for n in (1, 2, 3, 4, 5, 7, 100)] == [3, 1, 1, 1, 0, 0, 0]  # gaps and tail carry
+
+
+@pytest.mark.parametrize("schedule, why", [
+    ([], "non-empty list"), ([[1, 2]], "3 integers"), ([[2, 4, 1]], "must start at batch size 1"),
+    ([[1, 4, 1], [3, 8, 0]], "overlap"), ([[1, 4, -1]], "drafts >= 0"), ([[3, 1, 1]], "range_start <= range_end")])
+def test_drafts_per_batch_size_is_checked(schedule, why):
+    with pytest.raises(ValueError, match=f"num_speculative_tokens_per_batch_size.*{why}"):
+        EngineConfig.from_kwargs("flock/tiny", speculative_config=SPEC | {
+            "num_speculative_tokens_per_batch_size": schedule})
