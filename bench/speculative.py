@@ -143,16 +143,17 @@ def main() -> None:
     if args.method == "draft_model":
         folder = deep_target(small, args.out / f"smollm2-deep-{args.copies}-{args.scale}", args.copies, args.scale)
         spec = {"method": "draft_model", "model": str(small), "num_speculative_tokens": args.k}
-        print(f"# target: SmolLM2 with {args.copies} copies of each layer (outputs x {args.scale}), "
-              f"{json.loads((folder / 'config.json').read_text())['num_hidden_layers']} layers; draft: SmolLM2", flush=True)
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        print(f"# target: SmolLM2 with {args.copies} copies of each layer (MLP outputs x {args.scale}), {layers} "
+              "layers; draft: SmolLM2", flush=True)
     print(f"# {spec}; {args.docs} prompts a workload, {args.gen} tokens each, prompts of "
           f"{min(map(len, loads['copy']))}-{max(map(len, loads['copy']))} tokens (copy)", flush=True)
     results = {"Flock": {c: run_flock(folder, loads, s, args) for c, s in (("plain", None), ("spec", spec))}}
     if not args.skip_vllm:
         results["vLLM"] = {c: run_vllm(folder, loads, s, args) for c, s in (("plain", None), ("spec", spec))}
     print(table(results, args), flush=True)
-    write_json(args.out / f"speculative-{args.method}.json", {"args": args_dict(args), "cpu": machine.cpu_line(), "spec": spec,
-                                              "results": results})
+    write_json(args.out / f"speculative-{args.method}.json", {"args": args_dict(args), "cpu": machine.cpu_line(),
+                                                              "spec": spec, "results": results})
 
 
 if __name__ == "__main__":

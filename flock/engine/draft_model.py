@@ -45,10 +45,9 @@ class DraftSequence:
 
     def settle(self) -> None:
         """The drafts the target confirmed become computed tokens (their KV is the draft's already)."""
-        ids, start = self.request.token_ids, self.num_computed_tokens
-        confirmed = 0
-        # (the token sampled after them is never computed here yet)
-        while confirmed < len(self.fed) and start + confirmed < len(ids) - 1 and ids[start + confirmed] == self.fed[confirmed]:
+        fed, ids, start = self.fed, self.request.token_ids, self.num_computed_tokens
+        confirmed = 0  # (the token sampled after them is not computed here yet)
+        while confirmed < min(len(fed), len(ids) - 1 - start) and ids[start + confirmed] == fed[confirmed]:
             confirmed += 1
         self.num_computed_tokens += confirmed
         self.fed = []
@@ -128,8 +127,6 @@ class DraftModelProposer:
                 drafts[i].append(token)
         for j in range(1, max(m for *_, m in chunks)):
             going = [(i, seq) for i, seq, _, m in chunks if m > j]
-            if not going:
-                break
             tokens = self._forward([seq for _, seq in going], [seq.num_computed_tokens + j - 1 for _, seq in going],
                                    [[drafts[i][-1]] for i, _ in going])
             for (i, _), token in zip(going, tokens):

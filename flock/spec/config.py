@@ -46,9 +46,9 @@ class SpeculativeConfig:
         if method == "ngram":
             spec.pop("model", None)
         if method not in METHODS:
-            raise ValueError(f"speculative_config.method={method!r} is not supported: Flock drafts with 'ngram' (prompt "
-                             "lookup) or 'draft_model' (a small model of the same vocabulary); EAGLE and MTP heads "
-                             "are not run")
+            raise ValueError(f"speculative_config.method={method!r} is not supported: Flock drafts with 'ngram' "
+                             "(prompt lookup) or 'draft_model' (a small model of the same vocabulary); EAGLE and MTP "
+                             "heads are not run")
         known = {"num_speculative_tokens", SCHEDULE_KEY} | METHOD_KEYS[method]
         unknown = sorted(set(spec) - known)
         if unknown:
