@@ -12,9 +12,9 @@ from flock.outputs import (
 )
 from flock.pooling_params import PoolingParams
 from flock.sample.logprobs import TokenLogprobs
-from flock.sampling_params import SamplingParams, StructuredOutputsParams
+from flock.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
            "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
-           "TokenLogprobs", "LoRARequest"]
+           "TokenLogprobs", "LoRARequest", "RepetitionDetectionParams"]
 __version__ = "0.1.0"

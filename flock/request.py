@@ -39,6 +39,7 @@ class Request:
         self.draft_rate = 1.0  # running chance that its next draft holds (flock.spec.updated_rate)
         self.mirostat_mu = 2 * params.mirostat_tau if params.mirostat else None  # Mirostat's running bound
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
+        self.thinking = None  # the ThinkingState of a request with a thinking_token_budget, advanced likewise
         self.detokenizer = None  # the engine's IncrementalText of its output, for stop strings and streams
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None  # per output token
         # per prompt token (the first has none); filled as the prompt is computed
@@ -98,6 +99,11 @@ class Request:
             hashes += chained_hashes(self.cache_ids(done * block_size, num_blocks * block_size), block_size,
                                      hashes[-1] if hashes else self.root_hash)
         return hashes
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token its next one must be (a spent thinking budget's end of thinking), or None."""
+        return None if self.thinking is None else self.thinking.forced
 
     @property
     def is_finished(self) -> bool:

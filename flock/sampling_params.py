@@ -54,6 +54,37 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class RepetitionDetectionParams:
+    """vLLM's: an output that ends with a pattern of `min_pattern_size` (0: 1) to `max_pattern_size` tokens
+    repeated `min_count` times in a row stops there, finish_reason "repetition" (max_pattern_size 0: off)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def validate(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+            raise ValueError(f"repetition_detection's fields must be integers, got {self!r}")
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            raise ValueError("repetition_detection needs 0 <= min_pattern_size <= max_pattern_size (both 0: off), "
+                             f"got {self.min_pattern_size} and {self.max_pattern_size}")
+        if self.max_pattern_size and self.min_count < 2:
+            raise ValueError(f"repetition_detection.min_count must be >= 2, got {self.min_count}")
+
+    def found(self, tokens: list[int]) -> bool:
+        """Whether `tokens` end with such a repeated pattern."""
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > len(tokens):
+                return False
+            tail = tokens[-span:]
+            if tail == tail[size:] + tail[-size:]:  # every size-th token repeats: the pattern, min_count times
+                return True
+        return False
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens, as in vLLM. temperature 0 is greedy; a seed makes a request reproducible. Penalties,
     logit_bias and min_tokens adjust the logits first, greedy rows included (flock/sample/penalties.py)."""
@@ -124,10 +155,20 @@ class SamplingParams:
     # parts, not set by hand); its prefix-cache blocks are found only by requests with the same images
     multi_modal: ImageInputs | None = field(default=None, repr=False)
     priority: int = 0  # vLLM's: with the priority scheduler, lower values go first (others need 0)
+    # vLLM's: a reasoning model's thinking (after its <think> token) ends by force after this many tokens (None or
+    # -1: no limit; flock/sample/thinking.py)
+    thinking_token_budget: int | None = None
+    repetition_detection: RepetitionDetectionParams | None = None  # (or a dict of its fields)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
     dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers
 
     def __post_init__(self):
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
+        if isinstance(self.repetition_detection, dict):  # unknown keys stay for validate() to name
+            fields = RepetitionDetectionParams.__dataclass_fields__
+            if set(self.repetition_detection) <= set(fields):
+                self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -272,6 +313,14 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise ValueError(f"thinking_token_budget must be an integer >= 0, or -1 for no limit, got {budget!r}")
+        if self.repetition_detection is not None:
+            if not isinstance(self.repetition_detection, RepetitionDetectionParams):
+                raise ValueError("repetition_detection must be an object of max_pattern_size, min_pattern_size and "
+                                 f"min_count, got {self.repetition_detection!r}")
+            self.repetition_detection.validate()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")

@@ -101,13 +101,13 @@ HF_CONFIGS = {
 }
 
 
-def make_hf_model(kind: str, folder, seed: int = 0, **save_kwargs):
+def make_hf_model(kind: str, folder, seed: int = 0, vocab: int = VOCAB, **save_kwargs):
     """A random-weight transformers model saved as a Hugging Face folder with the built-in tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(HF_CONFIGS[kind])
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None,
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, bos_token_id=None, eos_token_id=None,
                                   pad_token_id=None, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -118,7 +118,7 @@ def make_hf_model(kind: str, folder, seed: int = 0, **save_kwargs):
             else:  # norms and biases
                 p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(folder, **save_kwargs)
-    write_tokenizer(folder, VOCAB)
+    write_tokenizer(folder, vocab)
     return folder
 
 

@@ -123,7 +123,7 @@ class _Tracked:
         """The event after `sent` output tokens were reported (None: no tokens in it)."""
         r = self.req
         out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
-        out.stop_reason = r.stop_text if finish_reason == "stop" else None
+        out.stop_reason = r.stop_text if finish_reason in ("stop", "repetition") else None
         out.embedding = r.embedding
         if sent is not None:
             out.token_ids = r.output_token_ids[sent:]

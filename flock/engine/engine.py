@@ -20,12 +20,14 @@ from flock.pooling_params import ModelTasks, PoolingParams
 from flock.request import Request
 from flock.sample.dry import breaker_tokens
 from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
+from flock.sample.thinking import THINK_TOKENS, ThinkingState, ThinkMarkers
 from flock.sampling_params import SamplingParams
 from flock.sched import StepPlan, make_scheduler
 from flock.spec import NgramProposer, drafts_worth, updated_rate
 from flock.tokenizer import load_tokenizer
 
 log = logging.getLogger("flock")
+REPETITION_STOP = "repetition_detected"  # vLLM's stop_reason of an output that repetition_detection ended
 
 
 def check_priority(params: SamplingParams, scheduler: str) -> None:
@@ -75,6 +77,7 @@ class LLMEngine:
         max_len = config.max_model_len or resolved.config.max_position_embeddings
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
         self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
+        self.think_markers = ThinkMarkers.of(self.tokenizer)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -135,6 +138,9 @@ class LLMEngine:
         params = engine_params(params, self.tasks)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
         check_priority(params, self.config.scheduler)
+        if params.thinking_token_budget is not None and self.think_markers is None:
+            raise ValueError(f"thinking_token_budget needs a model whose tokenizer has {' and '.join(THINK_TOKENS)} "
+                             "tokens (its thinking's bounds); this one has none")
         if params.lora_request is not None:
             self.load_lora(params.lora_request)
         if params.structured_outputs is not None:
@@ -171,6 +177,8 @@ class LLMEngine:
         self._next_id += 1
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
+        if params.thinking_token_budget is not None:
+            req.thinking = ThinkingState.of_prompt(prompt_token_ids, self.think_markers, params.thinking_token_budget)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         self.scheduler.add(req)
@@ -273,6 +281,8 @@ class LLMEngine:
                 req.logprobs.append(entry)
             if req.grammar is not None and not req.grammar.is_terminated():
                 req.grammar.accept_token(token)
+            if req.thinking is not None:
+                req.thinking = req.thinking.after([token])
             self.stats.generated_tokens += 1
             if self._check_stop(req):
                 return True
@@ -310,6 +320,8 @@ class LLMEngine:
             req.finish_reason = "length"
         elif req.num_tokens >= self.max_model_len:
             req.finish_reason = "length"
+        elif stoppable and p.repetition_detection is not None and p.repetition_detection.found(req.output_token_ids):
+            req.finish_reason, req.stop_text = "repetition", REPETITION_STOP
         return req.finish_reason is not None
 
     def _find_stop_string(self, req: Request) -> bool:
@@ -347,7 +359,7 @@ class LLMEngine:
         if req.finish_reason == "stop" and not isinstance(req.stop_text, str) and not keep:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        if isinstance(req.stop_text, str):
+        if isinstance(req.stop_text, str) and req.finish_reason == "stop":
             at = text.find(req.stop_text, self._stop_search_start(req, req.stop_text))
             text = text[: at + len(req.stop_text) if keep else at]
         return text

@@ -2,7 +2,8 @@
 
 In vLLM's order, before temperature, top-k and top-p (and before a greedy row's argmax):
 0. allowed_token_ids: every other token goes to -inf; bad_words: a word's last token goes to -inf when the output
-   ends with the word's other tokens;
+   ends with the word's other tokens; a row whose thinking has spent its thinking_token_budget keeps only the
+   end-of-thinking token (`forced_token`);
 1. min_tokens: the EOS ids and the row's stop_token_ids go to -inf while the output is shorter than min_tokens
    (unless they are all the row has left: a grammar that can only end ends);
 2. logit_bias: each listed token's bias is added to its logit;
@@ -34,11 +35,15 @@ class TokenHistory(Protocol):
     @property
     def output_token_ids(self) -> list[int]: ...
 
+    @property
+    def forced_token(self) -> int | None: ...
+
 
 def adjusts(p: SamplingParams, history: TokenHistory) -> bool:
     """Whether this row's logits change in this step."""
     return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
-            or p.dry or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens))
+            or p.dry or (p.min_tokens > 0 and len(history.output_token_ids) < p.min_tokens)
+            or history.forced_token is not None)
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory],
@@ -48,7 +53,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
     # the common batch asks for nothing: one cheap look at each row's params (no call) settles it
     rows = [i for i, p in enumerate(params) if p.min_tokens or p.logit_bias or p.presence_penalty
             or p.frequency_penalty or p.repetition_penalty != 1.0 or p.allowed_token_ids is not None
-            or p.bad_words_token_ids or p.dry_multiplier]
+            or p.bad_words_token_ids or p.dry_multiplier or p.thinking_token_budget is not None]
     rows = [i for i in rows if adjusts(params[i], histories[i])]
     if not rows:
         return logits
@@ -63,6 +68,7 @@ def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Se
            eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
     """Every row of `logits` adjusted by its own params and tokens, in place; returns it."""
     _allowed(logits, params)
+    _forced(logits, histories)
     _bad_words(logits, params, histories)
     _min_tokens(logits, params, histories, set(eos_token_ids))
     _logit_bias(logits, params)
@@ -89,6 +95,13 @@ def _allowed(logits: torch.Tensor, params) -> None:
             kept = logits[i, keep]
             logits[i] = float("-inf")
             logits[i, keep] = kept
+
+
+def _forced(logits: torch.Tensor, histories) -> None:
+    for i, h in enumerate(histories):
+        if (token := h.forced_token) is not None:
+            logits[i] = float("-inf")
+            logits[i, token] = 0.0
 
 
 def _bad_words(logits: torch.Tensor, params, histories) -> None:

@@ -39,6 +39,11 @@ class DraftRow:
     def output_token_ids(self) -> list[int]:
         return self.request.output_token_ids + self.drafts if self.drafts else self.request.output_token_ids
 
+    @property
+    def forced_token(self) -> int | None:
+        thinking = self.request.thinking
+        return None if thinking is None else thinking.after(self.drafts).forced
+
 
 def accepted(tokens: list[int], drafts: list[int]) -> int:
     """How many leading drafts the tokens sampled at their rows confirm. A draft is a single token, so sampling the

@@ -20,6 +20,7 @@ EOS = 1  # flock/tiny's </s>
 class Tokens:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    forced_token: int | None = None
 
 
 def reference(row: torch.Tensor, p: SamplingParams, tokens: Tokens, eos: set[int]) -> torch.Tensor:

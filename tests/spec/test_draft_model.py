@@ -52,8 +52,8 @@ def assert_draft_pool_free(llm: LLM) -> None:
     assert pool.num_free == pool.num_blocks and not llm.engine.proposer.sequences
 
 
-@pytest.mark.parametrize("attention", ["torch", "torch-cascade", "cpu"])
-@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+@pytest.mark.parametrize("scheduler, attention", [(s, "torch") for s in sorted(SCHEDULERS)]
+                         + [("fcfs", "torch-cascade"), ("batchllm", "cpu")])
 def test_greedy_with_a_draft_model_matches_transformers(hf_folders, near_draft, expected, scheduler, attention):
     prompts, want = expected
     outs, llm = run(hf_folders["llama"], prompts, scheduler=scheduler, attention=attention, block_size=8,
