@@ -144,13 +144,13 @@ def test_structured_outputs_and_stops_with_a_draft():
     from flock import StructuredOutputsParams
 
     prompts = ["ab ab ab ab", "alpha beta alpha", "one two three"]
-    spec = draft_spec("flock/tiny")
+    plain = LLM("flock/tiny", dtype="float32")
+    llm = LLM("flock/tiny", dtype="float32", speculative_config=draft_spec("flock/tiny"))
     for params in (SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(
                        regex="(ab ){5}x")),
                    SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
                    SamplingParams(temperature=0, max_tokens=30, stop=[" the"])):
-        base = LLM("flock/tiny", dtype="float32").generate(prompts, params)
-        llm = LLM("flock/tiny", dtype="float32", speculative_config=spec)
+        base = plain.generate(prompts, params)
         outs = llm.generate(prompts, params)
         assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs] == \
                [(o.outputs[0].text, o.outputs[0].finish_reason) for o in base]
