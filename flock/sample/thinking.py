@@ -17,9 +17,10 @@ class ThinkMarkers:
     @classmethod
     def of(cls, tokenizer) -> "ThinkMarkers | None":
         """The tokenizer's `<think>` and `</think>` tokens, where each is one token of its vocabulary."""
-        vocab = tokenizer.get_vocab()
-        ids = [vocab.get(t) for t in THINK_TOKENS]
-        return None if None in ids else cls(*ids)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in THINK_TOKENS]  # (an unknown one: None or unk's id)
+        if any(i is None or tokenizer.convert_ids_to_tokens(i) != t for i, t in zip(ids, THINK_TOKENS)):
+            return None
+        return cls(*ids)
 
 
 @dataclass(frozen=True)
