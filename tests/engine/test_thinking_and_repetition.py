@@ -42,11 +42,13 @@ def generate(llm: LLM, prompts: list[list[int]], **params):
 PROMPTS = [[11, 12, 13, THINK], [21, 22, THINK, 23, 24], [31, 32, 33, 34, 35]]
 
 
-@pytest.mark.parametrize("spec", [None, SPEC])
+@pytest.mark.parametrize("drafts", [None, "ngram", "self"])
 @pytest.mark.parametrize("budget", [0, 1, 4])
-def test_thinking_ends_by_force_after_its_budget(thinker, hf_model, budget, spec):
+def test_thinking_ends_by_force_after_its_budget(thinker, hf_model, budget, drafts):
     """A prompt that opens thinking: `budget` free tokens, then </think>, then what transformers continues with;
-    a prompt that does not think is untouched. With n-gram drafts too (rows after drafts count them)."""
+    a prompt that does not think is untouched. With drafts too: the rows after drafts count them (the model as its
+    own draft proposes past the budget every time)."""
+    spec = {"ngram": SPEC, "self": {"model": str(thinker), "num_speculative_tokens": 3}}.get(drafts)
     llm = LLM(str(thinker), dtype="float64", speculative_config=spec)
     free = [o.token_ids for o in generate(llm, PROMPTS)]
     outs = generate(llm, PROMPTS, thinking_token_budget=budget)
