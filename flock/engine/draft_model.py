@@ -9,11 +9,11 @@ from flock.config import EngineConfig
 from flock.engine.runner import ModelRunner
 from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.model import resolve_model
+from flock.model.program import MAX_ROWS
 from flock.request import Request
 from flock.spec import SpeculativeConfig
 
 log = logging.getLogger("flock")
-ALL_ROWS = 256  # a pass of at most this many rows finishes them all in the last layer (flock.model.program's bound)
 
 
 class DraftSequence:
@@ -152,7 +152,7 @@ class DraftModelProposer:
                             sampled=np.arange(len(seqs)))
         last = torch.from_numpy(query_start[1:] - 1).to(device)
         # a short pass runs every row through the last layer: the step program then takes it (one C call)
-        out_rows = None if len(positions) <= ALL_ROWS else last
+        out_rows = None if len(positions) <= MAX_ROWS else last
         model = self.runner.model
         hidden = model(torch.tensor(sum(ids, []), dtype=torch.long, device=device),
                        torch.from_numpy(positions).to(device), self.runner.backend.build_metadata(layout), out_rows)

@@ -212,7 +212,7 @@ class LLMEngine:
         if self.has_unfinished():
             return False
         self.kv.pool.reset_cache()
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             self.proposer.reset_cache()
         return True
 

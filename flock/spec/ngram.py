@@ -15,6 +15,9 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
+    def reset_cache(self) -> None:
+        """Nothing to forget: drafts come from each request's own tokens."""
+
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most `limits[i]` drafts to follow each request's tokens."""
         return [self.lookup(req.token_ids, limit) for req, limit in zip(requests, limits)]
