@@ -7,6 +7,7 @@ from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.label_scores import LabelQuery
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, ImagePrompts, has_images, image_prompts, split_images
@@ -190,6 +191,25 @@ class LLM:
         firsts = embedded[: len(left)] * (len(right) if len(left) == 1 else 1)
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
                                      ScoringOutput(s)) for a, b, s in zip(firsts, embedded[len(left):], scores)]
+
+    def generative_score(
+        self,
+        query: str | list[int],
+        items: Sequence[str] | Sequence[list[int]],
+        label_token_ids: list[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """SGLang's `Engine.score` (named apart from vLLM's `LLM.score`): for each item joined to the query
+        (after it, or before it with `item_first`; texts joined as text), the probability of each label token as
+        the next token, over the whole vocabulary or, with `apply_softmax`, over the labels alone. The items
+        share the query as a prefix, so its KV is computed once (flock/label_scores.py)."""
+        scoring = LabelQuery(query, items, label_token_ids, apply_softmax, item_first)
+        scoring.validate(self.engine.vocab_size)
+        prompts = [{"prompt_token_ids": ids} for ids in scoring.prompts(self.engine.tokenizer)]
+        outputs = self.generate(prompts, scoring.params(), use_tqdm=use_tqdm)
+        return [scoring.probabilities(out.outputs[0].logprobs[0].top) for out in outputs]
 
     def _cross_encode(self, left: list, right: list, pooling_params: PoolingParams | None, use_tqdm: bool
                       ) -> list[ScoringRequestOutput]:

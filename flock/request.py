@@ -41,7 +41,7 @@ class Request:
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
         self.thinking = None  # the ThinkingState of a request with a thinking_token_budget, advanced likewise
         self.detokenizer = None  # the engine's IncrementalText of its output, for stop strings and streams
-        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None  # per output token
+        self.logprobs: list[TokenLogprobs] | None = [] if params.wants_logprobs else None  # per output token
         # per prompt token (the first has none); filled as the prompt is computed
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)

@@ -6,6 +6,7 @@ from flock.multimodal.inputs import ImageInputs
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
+MAX_LOGPROB_TOKEN_IDS = 128  # tokens in logprob_token_ids at most, as vLLM's
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
 
 
@@ -144,6 +145,9 @@ class SamplingParams:
     # (after a grammar's mask, before penalties and temperature, as vLLM's default); None: none
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # a prompt with these is computed whole: it never reads the prefix cache
+    # vLLM's: the logprobs of exactly these tokens at each output position, in place of the `logprobs` most likely
+    # alternatives (scoring labels: "Yes"/"No"); set alone, it asks for logprobs by itself
+    logprob_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: the request's prefix-cache blocks are found only by requests with the same salt (tenants that must
     # not learn each other's prompts from cache hits); it changes no output
@@ -186,6 +190,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.logprob_token_ids is not None
 
     @property
     def truncates(self) -> bool:
@@ -250,7 +258,7 @@ class SamplingParams:
         self.bad_words_token_ids = out or None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the bad field (logit_bias ids are checked against vocab_size when given)."""
+        """Raise ValueError naming the bad field (token ids are checked against vocab_size when given)."""
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -313,6 +321,7 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self._validate_logprob_token_ids(vocab_size)
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise ValueError(f"thinking_token_budget must be an integer >= 0, or -1 for no limit, got {budget!r}")
@@ -325,6 +334,17 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
             self.structured_outputs.validate()
+
+    def _validate_logprob_token_ids(self, vocab_size: int | None) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, got {ids!r}")
+        outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if outside:
+            raise ValueError(f"logprob_token_ids {outside!r} are outside the vocabulary [0, {vocab_size})")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

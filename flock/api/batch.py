@@ -23,6 +23,7 @@ from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
 from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
 from flock.api.classify import ClassifyRequest
+from flock.api.generative_scores import LabelScoreRequest, parse_label_scores
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
 from flock.api.pooling import KINDS as POOLING_KINDS, PoolingRequest, pooling_request
@@ -142,12 +143,15 @@ def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
     return done, {r["error"]["line"] for r in errors if isinstance(r.get("error"), dict) and "line" in r["error"]}
 
 
+LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | LabelScoreRequest
+
+
 @dataclass
 class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
     custom_id: str
-    request: GenerationRequest | PoolingRequest | ResponsesRequest
+    request: LineRequest
     finished: list[FinishedRequest | None]
     texts: list[str]
     searches: list[BeamSearch] | None = None  # a use_beam_search line's, one per prompt
@@ -188,8 +192,10 @@ class BatchJob:
         self.errors.sync()
 
     def _submit(self, line: BatchLine) -> None:
+        if line.kind == "generative_score" or (line.kind == "score" and "label_token_ids" in line.body):
+            return self._submit_prompts(line, self._parse_label_scores)
         if line.kind in POOLING_KINDS:
-            return self._submit_embeddings(line)
+            return self._submit_prompts(line, self._parse_pooling)
         rename = renamed if line.kind == "response" else lambda e: e
         try:  # a line's fields, else the CLI flags, else the model's generation config, else the API's defaults
             parsed = gen = self._parse(line)
@@ -225,10 +231,22 @@ class BatchJob:
         return parse_request(line.kind, with_defaults(self.flags | line.body, defaults), self.engine.tokenizer,
                              default_max, cfg.tool_parser, cfg.reasoning_parser)
 
-    def _submit_embeddings(self, line: BatchLine) -> None:
+    def _parse_pooling(self, line: BatchLine) -> PoolingRequest:
+        refuse_adapter_embeddings(line.body, self.loras)
+        return pooling_request(line.kind, line.body, self.engine.tokenizer, self.engine.tasks)
+
+    def _parse_label_scores(self, line: BatchLine) -> LabelScoreRequest:
+        kind = "vllm" if line.kind == "generative_score" else "sglang"
+        parsed = parse_label_scores(kind, line.body, self.engine.tokenizer, self.engine.vocab_size,
+                                    self.engine.max_model_len)
+        parsed.params.lora_request = self.loras.get(line.body.get("model"))
+        return parsed
+
+    def _submit_prompts(self, line: BatchLine, parse: Callable[[BatchLine], PoolingRequest | LabelScoreRequest]
+                        ) -> None:
+        """A line whose prompts all run with the same params (pooling, label scores)."""
         try:
-            refuse_adapter_embeddings(line.body, self.loras)
-            parsed = pooling_request(line.kind, line.body, self.engine.tokenizer, self.engine.tasks)
+            parsed = parse(line)
             for ids in parsed.prompts:
                 self.engine.check_request(ids, parsed.params)
         except APIError as e:
@@ -238,8 +256,7 @@ class BatchJob:
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 
-    def _add(self, line: BatchLine, parsed: GenerationRequest | PoolingRequest | ResponsesRequest,
-             requests: list) -> None:
+    def _add(self, line: BatchLine, parsed: LineRequest, requests: list) -> None:
         pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
         for i, (ids, params) in enumerate(requests):
@@ -323,9 +340,12 @@ class BatchJob:
     @staticmethod
     def _answer(line: PendingLine, body: dict) -> str:
         """What the summary shows of a line's answer."""
-        if isinstance(line.request, ScoreRequest):
+        if isinstance(line.request, ScoreRequest) or (isinstance(line.request, LabelScoreRequest)
+                                                      and "data" in body):
             return "scores " + ", ".join(f"{x.get('score', x.get('relevance_score')):.3f}"
                                          for x in body.get("data", body.get("results")))
+        if isinstance(line.request, LabelScoreRequest):
+            return "scores " + "; ".join(", ".join(f"{p:.3f}" for p in item) for item in body["scores"])
         if line.searches is not None:
             first = body["choices"][0]
             return first["text"] if "text" in first else first["message"]["content"]
@@ -343,6 +363,10 @@ class BatchJob:
             tokens = sum(r.num_prompt_tokens for r in line.finished)
             body = gen.body(model, [r.embedding for r in line.finished], tokens)
             return body["id"], body
+        if isinstance(gen, LabelScoreRequest):
+            tokens = sum(r.num_prompt_tokens for r in line.finished)
+            body = gen.body(model, [r.logprobs[0].top for r in line.finished], tokens)
+            return gen.id, body
         if line.searches is not None:
             request_id = new_id(gen.kind)
             choices, usage_ = gen.beam_choices(line.searches, self.engine.tokenizer)

@@ -40,6 +40,7 @@ class JobEngine(Protocol):
     config: EngineConfig
     tokenizer: Any
     max_model_len: int
+    vocab_size: int  # the model's (its logits' width)
     sampling_defaults: dict  # the fields a line leaves unset take these (the model's generation config)
     tasks: ModelTasks  # what the model serves
     eos_token_ids: set[int]  # what ends a generation (a beam search's beams)

@@ -31,7 +31,7 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
                     "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt", "priority",
-                    "thinking_token_budget", "repetition_detection", *LLAMA_CPP_SAMPLING}
+                    "thinking_token_budget", "repetition_detection", "logprob_token_ids", *LLAMA_CPP_SAMPLING}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
@@ -43,8 +43,8 @@ _NEUTRAL_FIELDS = {"modalities": ["text"], "guided_whitespace_pattern": None}
 # it named is xgrammar's here, whatever it says
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # what beam search does not combine with (vLLM's: it returns texts and scores)
-_NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "response_format",
-                   "structured_outputs")
+_NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "logprob_token_ids",
+                   "response_format", "structured_outputs")
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
     "use_beam_search", "length_penalty", "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
     *GUIDED_FIELDS,
@@ -190,6 +190,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     if kind == "chat":
         params.multi_modal = images
     params.logprobs = _logprobs(body, kind)
+    params.logprob_token_ids = _logprob_token_ids(body, params.logprobs, echo_only)
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
     if echo and kind == "completion" and params.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
@@ -310,6 +311,17 @@ def _logprobs(body: dict, kind: str) -> int | None:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         return None
     return top or 0
+
+
+def _logprob_token_ids(body: dict, logprobs: int | None, echo_only: bool) -> list[int] | None:
+    """vLLM's: the tokens whose logprobs each output token lists; it needs logprobs asked (chat's true)."""
+    ids = _int_list(body, "logprob_token_ids") or None
+    if ids is not None and logprobs is None:
+        raise APIError("logprob_token_ids needs logprobs to be set", param="logprob_token_ids")
+    if ids is not None and echo_only:
+        raise APIError("logprob_token_ids needs generated tokens (echo with max_tokens 0 has none)",
+                       param="logprob_token_ids")
+    return ids
 
 
 def _bounded(body: dict, name: str) -> int | None:

@@ -27,6 +27,8 @@ from flock.api.server_generate import (
     generate_native,
     json_body,
     respond,
+    score,
+    score_labels,
 )
 from flock.api.sglang import model_info
 from flock.api.tokenize import detokenize, tokenize
@@ -39,7 +41,7 @@ HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within 
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
                  "/v1/score", "/v1/rerank", "/v1/classify", "/classify", "/generate", "/completion", "/completions",
-                 "/infill"}
+                 "/infill", "/generative_scoring"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -92,7 +94,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/score", dependencies=auth)  # vLLM's unversioned paths, and /v2/rerank (Cohere's)
     async def score_(raw: Request):
-        return await embed(raw, ctx, "score")
+        return await score(raw, ctx)
+
+    @app.post("/generative_scoring", dependencies=auth)
+    async def generative_scoring(raw: Request):
+        return await score_labels(raw, ctx)
 
     @app.post("/rerank", dependencies=auth)
     @app.post("/v2/rerank", dependencies=auth)
@@ -223,8 +229,8 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
         return await embed(raw, ctx)
 
     @router.post("/score")
-    async def score(raw: Request):
-        return await embed(raw, ctx, "score")
+    async def score_v1(raw: Request):
+        return await score(raw, ctx)
 
     @router.post("/rerank")
     async def rerank(raw: Request):

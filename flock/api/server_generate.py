@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from flock.api import llama_cpp
 from flock.api.answer_stream import AnswerStream
+from flock.api.generative_scores import parse_label_scores
 from flock.api.infill import parse_infill
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.pooling import pooling_request
@@ -175,11 +176,32 @@ def _llama_cpp_object(req: llama_cpp.Completion, i: int, part: "ChoiceParts", ct
                                        ctx.model_names[0], ctx.engine.tokenizer, ctx.token_text, timings)
 
 
-async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding"):
+async def score(raw: Request, ctx: ServerContext):
+    """POST /v1/score: SGLang's label scoring when the body has label_token_ids, else vLLM's pair scores."""
+    body = await json_body(raw)
+    if isinstance(body, dict) and "label_token_ids" in body:
+        return await score_labels(raw, ctx, "sglang", body)
+    return await embed(raw, ctx, "score", body)
+
+
+async def score_labels(raw: Request, ctx: ServerContext, kind: str = "vllm", body=None):
+    """POST /generative_scoring (kind "vllm") or SGLang's /v1/score (kind "sglang", flock/api/generative_scores.py):
+    one token after each item, the labels' probabilities from its logprobs."""
+    body = check_model(await json_body(raw) if body is None else body, ctx)
+    engine = ctx.engine
+    req = parse_label_scores(kind, body, engine.tokenizer, engine.vocab_size, engine.max_model_len)
+    req.params.lora_request = ctx.loras.get(body.get("model"))
+    streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)
+    parts = await _collect(streams, raw, ctx)
+    tops = [p.logprobs[0].top for p in parts]
+    return JSONResponse(req.body(reported_model(body.get("model"), ctx), tops, sum(map(len, req.prompts))))
+
+
+async def embed(raw: Request, ctx: ServerContext, kind: str = "embedding", body=None):
     """POST /v1/embeddings (flock/api/embeddings.py), the score / rerank APIs (kind "score" / "rerank",
     flock/api/scores.py) or /classify (kind "classify", flock/api/classify.py): the prompts pooled, the response
     made of their vectors (embeddings, or a classifier's probabilities)."""
-    body = check_model(await json_body(raw), ctx)
+    body = check_model(await json_body(raw) if body is None else body, ctx)
     refuse_adapter_embeddings(body, ctx.loras)
     req = pooling_request(kind, body, ctx.engine.tokenizer, ctx.engine.tasks)
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)

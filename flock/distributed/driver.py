@@ -113,6 +113,7 @@ class ClusterEngine(JobEngine):
         self.info: EngineInfo = self.slots[0].info
         self.tokenizer = self.info.tokenizer
         self.max_model_len = self.info.max_model_len
+        self.vocab_size = self.info.vocab_size
         self.sampling_defaults = self.info.sampling_defaults
         self.tasks = self.info.tasks
         self.eos_token_ids = set(self.info.stop_token_ids)

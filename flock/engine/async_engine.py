@@ -143,6 +143,7 @@ class AsyncEngine:
         self.state = EngineState()
         self.tokenizer = None  # the asyncio side's own copy: tokenizers are not shared across threads
         self.max_model_len = 0
+        self.vocab_size = 0  # the model's (its logits' width)
         self.sampling_defaults: dict = {}  # the model's generation config (LLMEngine.sampling_defaults)
         self.tasks = None  # what the model serves (LLMEngine.tasks)
         self.eos_token_ids: list[int] = []
@@ -241,6 +242,7 @@ class AsyncEngine:
             self._engine.stats.trace_steps = False  # a server runs for ever
             self.tokenizer = load_tokenizer(self._engine.tokenizer.name_or_path, self.config.chat_template)
             self.max_model_len = self._engine.max_model_len
+            self.vocab_size = self._engine.vocab_size
             self.sampling_defaults = self._engine.sampling_defaults
             self.tasks = self._engine.tasks
             self.eos_token_ids = sorted(self._engine.eos_token_ids)

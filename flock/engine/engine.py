@@ -90,6 +90,7 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         c = resolved.config
+        self.vocab_size = c.vocab_size
         template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
                                 template)

@@ -22,12 +22,17 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
 
 
-def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int],
+                   listed: list[list[int] | None] | None = None) -> list[TokenLogprobs]:
     """One entry per row of `logprobs` (log-softmaxed), for the row's `chosen` token with its `num_top[i]`
-    alternatives."""
+    alternatives, or the tokens `listed[i]` in their order where that is not None."""
     chosen = chosen.to(logprobs.device, torch.long)
     picked = logprobs.gather(1, chosen[:, None])[:, 0]
     ranks = (logprobs > picked[:, None]).sum(-1) + 1
     top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
     rows = zip(chosen.tolist(), picked.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
-    return [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]
+    out = [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]
+    for entry, row, ids in zip(out, logprobs, listed or []):
+        if ids is not None:
+            entry.top = list(zip(ids, row[ids].tolist()))
+    return out

@@ -68,13 +68,14 @@ class Sampler:
         those logits, then penalties and the draw (`__call__`)."""
         if masks is not None:
             self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
-        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        asking = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
         raw = log_softmax(logits[asking]) if asking else None
         mus = [r.mirostat_mu for r in rows]
         tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if asking:
-            entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs for i in asking])
+            entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs or 0 for i in asking],
+                                     [rows[i].params.logprob_token_ids for i in asking])
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
         return Sampled(tokens, logprobs, mus)

@@ -335,6 +335,30 @@ def test_score_and_rerank_lines(engine, tmp_path):
     assert (error["custom_id"], error["error"]["param"]) == ("bad", "documents")
 
 
+def test_label_score_lines(engine, tmp_path):
+    """/generative_scoring lines (vLLM's body) and /v1/score lines with label_token_ids (SGLang's): the offline
+    LLM.generative_score's probabilities; an item too long for the model is an error record naming items."""
+    from flock import LLM
+
+    query, items, labels = "Is the sky blue? Answer:", [" yes", " no", " maybe"], [5, 6]
+    lines = [batch("v", {"query": query, "items": items, "label_token_ids": labels}, "/generative_scoring"),
+             batch("s", {"query": query, "items": items, "label_token_ids": labels}, "/v1/score"),
+             batch("long", {"query": "word " * MAX_LEN, "items": ["a"], "label_token_ids": [1]}, "/v1/score")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    offline = LLM(engine.config.model, max_model_len=MAX_LEN, attention="torch", block_size=8, num_kv_blocks=64)
+    expected = offline.generative_score(query, items, labels, use_tqdm=False)
+    assert got["s"]["scores"] == [pytest.approx(e, rel=1e-3) for e in expected]
+    tok = engine.tokenizer  # vLLM's way: token ids joined, the labels softmaxed, the first one's the score
+    joined = offline.generative_score(tok.encode(query), [tok.encode(i, add_special_tokens=False) for i in items],
+                                      labels, apply_softmax=True, use_tqdm=False)
+    assert [d["score"] for d in got["v"]["data"]] == pytest.approx([p[0] for p in joined], rel=1e-3)
+    (error,) = records(tmp_path / "out.errors.jsonl")
+    assert (error["custom_id"], error["error"]["param"]) == ("long", "items")
+
+
 def test_beam_search_lines(engine, tmp_path):
     """use_beam_search lines (vLLM's run-batch takes them): each step's requests go through the job's engine beside
     the other lines'; the record's choices are the offline LLM.beam_search's beams, best first."""

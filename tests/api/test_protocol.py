@@ -272,3 +272,19 @@ def test_return_tokens_as_token_ids(tok):
                                   "return_tokens_as_token_ids": True}, tok)
     shaped = make_choice(chat, 0, "y", "stop", [9], [entry], None, TokenText(tok)).logprobs["content"][0]
     assert shaped["token"] == "token_id:9" and shaped["top_logprobs"][1]["token"] == "token_id:4"
+
+
+def test_logprob_token_ids_need_logprobs(tok):
+    """vLLM's: chat needs logprobs true, completions a logprobs count; not with beams or an echo of max_tokens 0."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprob_token_ids": [5, 9]}
+    assert parse_request("chat", chat | {"logprobs": True}, tok).params.logprob_token_ids == [5, 9]
+    assert parse_request("completion", {"prompt": "a", "logprobs": 0, "logprob_token_ids": [3]},
+                         tok).params.logprob_token_ids == [3]
+    for kind, body in [("chat", chat), ("completion", {"prompt": "a", "logprob_token_ids": [3]}),
+                       ("completion", {"prompt": "a", "use_beam_search": True, "logprob_token_ids": [3]}),
+                       ("completion", {"prompt": "a", "logprobs": 1, "echo": True, "max_tokens": 0,
+                                       "logprob_token_ids": [3]}),
+                       ("chat", chat | {"logprobs": True, "logprob_token_ids": [1, "2"]})]:
+        with pytest.raises(APIError) as e:
+            parse_request(kind, body, tok)
+        assert e.value.param == "logprob_token_ids", body

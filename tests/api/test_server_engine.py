@@ -3,6 +3,7 @@ also through the app with httpx's ASGI transport."""
 
 import asyncio
 import json
+import math
 import time
 
 import httpx
@@ -185,3 +186,40 @@ def test_response_ids_the_client_gives(engine):
             return plain, header, (await http.post("/v1/chat/completions", json=chat)).json()["id"]
 
     assert asyncio.run(go()) == ("cmpl-from-body", "cmpl-hdr", "chatcmpl-c1")
+
+
+def test_generative_scoring_vllm_and_sglang_shapes(engine):
+    """vLLM's /generative_scoring (the first label's probability among the labels) and SGLang's /v1/score with
+    label_token_ids (every label's probability over the vocabulary) agree with each other and with the label
+    logprobs /v1/completions lists; bad bodies are refused by field, and /v1/score without labels stays vLLM's
+    (pair scores)."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+    query, items, labels = list(range(40, 70)), [[5], [6, 7], [8, 9, 10]], [11, 12, 13]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body = {"query": query, "items": items, "label_token_ids": labels}
+            vllm = (await http.post("/generative_scoring", json=body | {"request_id": "r"})).json()
+            sglang = (await http.post("/v1/score", json=body | {"model": "m"})).json()
+            listed = (await http.post("/v1/completions", json={"prompt": query + items[1], "max_tokens": 1,
+                                                              "logprobs": 1, "logprob_token_ids": labels})).json()
+            bad = [(await http.post(path, json=sent)).json()["error"]["param"] for path, sent in [
+                ("/generative_scoring", body | {"label_token_ids": [10**6]}), ("/v1/score", body | {"items": []}),
+                ("/generative_scoring", body | {"top_k": 3}), ("/v1/score", body | {"items": [query * 200]}),
+                ("/v1/completions", {"prompt": "x", "logprob_token_ids": [1]})]]
+            pairs = await http.post("/v1/score", json={"text_1": "a", "text_2": "b"})
+            return vllm, sglang, listed, bad, pairs
+
+    vllm, sglang, listed, bad, pairs = asyncio.run(go())
+    assert vllm["id"] == "generative-scoring-r" and [d["index"] for d in vllm["data"]] == [0, 1, 2]
+    assert vllm["usage"]["prompt_tokens"] == 3 * 30 + 6 and vllm["usage"]["completion_tokens"] == 3
+    assert sglang["object"] == "scoring" and sglang["model"] == "m" and len(sglang["scores"]) == 3
+    for d, s in zip(vllm["data"], sglang["scores"]):
+        assert len(s) == 3 and 0 < sum(s) < 1
+        assert d["score"] == pytest.approx(s[0] / sum(s), rel=2e-2)
+    top = listed["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert len(top) in (3, 4)  # the labels, and the chosen token unless it is one
+    texts = [engine.tokenizer.decode([t]) for t in labels]
+    assert [math.exp(top[t]) for t in texts] == pytest.approx(sglang["scores"][1], rel=2e-2)
+    assert bad == ["label_token_ids", "items", "top_k", "items", "logprob_token_ids"]
+    assert pairs.status_code == 200 and -1 <= pairs.json()["data"][0]["score"] <= 1  # cosine of the embeddings
