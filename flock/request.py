@@ -88,8 +88,9 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """False for a request whose prompt logprobs need every prompt token's logits computed."""
-        return self.params.prompt_logprobs is None
+        """False for a request whose prompt logprobs need every prompt token's logits computed, or that asks to
+        compute its prompt whole."""
+        return self.params.prompt_logprobs is None and not self.params.skip_reading_prefix_cache
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks of `block_size` tokens (each computed once: the

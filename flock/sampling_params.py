@@ -128,6 +128,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # vLLM's (offline): False leaves the output text empty, the token ids alone
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token) that ended the output
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already in the output
@@ -148,6 +149,11 @@ class SamplingParams:
     # vLLM's: the logprobs of exactly these tokens at each output position, in place of the `logprobs` most likely
     # alternatives (scoring labels: "Yes"/"No"); set alone, it asks for logprobs by itself
     logprob_token_ids: list[int] | None = None
+    # vLLM's: True computes the whole prompt, never reading the prefix cache (its blocks still enter it for later
+    # requests); prompt_logprobs imply it
+    skip_reading_prefix_cache: bool | None = None
+    stream_interval: int | None = None  # vLLM's: stream every this many tokens (the first and last at once), at least
+    # the server's --stream-interval
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: the request's prefix-cache blocks are found only by requests with the same salt (tenants that must
     # not learn each other's prompts from cache hits); it changes no output
@@ -322,6 +328,14 @@ class SamplingParams:
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         self._validate_logprob_token_ids(vocab_size)
+        for name in ("detokenize", "skip_reading_prefix_cache"):
+            if getattr(self, name) not in ((True, False) if name == "detokenize" else (None, True, False)):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (the text they are found in)")
+        interval = self.stream_interval
+        if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
+            raise ValueError(f"stream_interval must be a positive integer, got {interval!r}")
         budget = self.thinking_token_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
             raise ValueError(f"thinking_token_budget must be an integer >= 0, or -1 for no limit, got {budget!r}")

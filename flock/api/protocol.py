@@ -31,7 +31,8 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "allowed_token_ids",
                     "bad_words", "truncate_prompt_tokens", "truncation_side", "cache_salt", "priority",
-                    "thinking_token_budget", "repetition_detection", "logprob_token_ids", *LLAMA_CPP_SAMPLING}
+                    "thinking_token_budget", "repetition_detection", "logprob_token_ids", "stream_interval",
+                    *LLAMA_CPP_SAMPLING}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
 # prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
@@ -574,6 +575,7 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
         priority=typed_field(body, "priority", int, 0),
         thinking_token_budget=typed_field(body, "thinking_token_budget", int, None),
         repetition_detection=typed_field(body, "repetition_detection", dict, None),
+        stream_interval=typed_field(body, "stream_interval", int, None),
     )
     for name in LLAMA_CPP_SAMPLING:
         if body.get(name) is not None:

@@ -42,6 +42,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
+    p.add_argument("--stream-interval", type=_positive, default=1,
+                   help="output tokens per streamed event (the first and the last sent at once), as vLLM's; a "
+                        "request's stream_interval may raise it")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for GET and previous_response_id, the latest first (0: none)")
     add_parser_arguments(p)
@@ -108,7 +111,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         parser = tool_parser(args)
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
-        engine = AsyncEngine(config, max_waiting=args.max_waiting).start()
+        engine = AsyncEngine(config, max_waiting=args.max_waiting, stream_interval=args.stream_interval).start()
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,11 +31,11 @@ _PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
           "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
           "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
           "repetition_penalty": "repetition_penalty", "skip_special_tokens": "skip_special_tokens",
-          "no_stop_trim": "include_stop_str_in_output", "logit_bias": "logit_bias", "sampling_seed": "seed", "n": "n"}
+          "no_stop_trim": "include_stop_str_in_output", "logit_bias": "logit_bias", "sampling_seed": "seed", "n": "n",
+          "stream_interval": "stream_interval"}
 _GRAMMARS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar", "structural_tag": "structural_tag"}
-# besides: max_new_tokens, temperature, top_k; the last three change nothing here (custom_params only when null)
-_ACCEPTED = {"max_new_tokens", "temperature", "top_k", "spaces_between_special_tokens", "stream_interval",
-             "custom_params"}
+# besides: max_new_tokens, temperature, top_k; the last two change nothing here (custom_params only when null)
+_ACCEPTED = {"max_new_tokens", "temperature", "top_k", "spaces_between_special_tokens", "custom_params"}
 
 
 @dataclass

@@ -135,11 +135,12 @@ class _Tracked:
 class AsyncEngine:
     """`LLMEngine` behind a thread: `add_request` from asyncio, iterate the returned stream, abort it."""
 
-    def __init__(self, config: EngineConfig, max_waiting: int = 1024):
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be positive, got {max_waiting}")
+    def __init__(self, config: EngineConfig, max_waiting: int = 1024, stream_interval: int = 1):
+        if max_waiting < 1 or stream_interval < 1:
+            raise ValueError(f"max_waiting and stream_interval must be positive, got {max_waiting}, {stream_interval}")
         self.config = config
         self.max_waiting = max_waiting
+        self.stream_interval = stream_interval  # output tokens per stream event (the first and last sent at once)
         self.state = EngineState()
         self.tokenizer = None  # the asyncio side's own copy: tokenizers are not shared across threads
         self.max_model_len = 0
@@ -312,7 +313,7 @@ class AsyncEngine:
         outputs = []
         for key, t in list(self._tracked.items()):
             req = t.req
-            if req.num_output_tokens == t.num_sent and not req.is_finished:
+            if not req.is_finished and not self._due(req.num_output_tokens - t.num_sent, t.num_sent, req.params):
                 continue
             sent, t.num_sent = t.num_sent, req.num_output_tokens
             text = t.text.delta(self._engine.running_text(req), req.is_finished)
@@ -320,6 +321,10 @@ class AsyncEngine:
             if req.is_finished:
                 del self._tracked[key]
         self._send(outputs)
+
+    def _due(self, new_tokens: int, sent: int, params) -> bool:
+        """Whether a running request's new tokens make an event: the first at once, then every stream interval."""
+        return new_tokens > 0 and (sent == 0 or new_tokens >= max(self.stream_interval, params.stream_interval or 1))
 
     def _fail_step(self, error: str) -> None:
         """After a failed step the requests it touched are in an unknown state: abort them all. If none was

@@ -357,6 +357,8 @@ class LLMEngine:
         """Output text, as vLLM gives it: without the stop string or the EOS / stop token that ended the request
         (unless `include_stop_str_in_output`)."""
         ids, keep = req.output_token_ids, req.params.include_stop_str_in_output
+        if not req.params.detokenize:
+            return ""
         if req.finish_reason == "stop" and not isinstance(req.stop_text, str) and not keep:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)

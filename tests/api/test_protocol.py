@@ -288,3 +288,11 @@ def test_logprob_token_ids_need_logprobs(tok):
         with pytest.raises(APIError) as e:
             parse_request(kind, body, tok)
         assert e.value.param == "logprob_token_ids", body
+
+
+def test_stream_interval(tok):
+    assert parse_request("completion", {"prompt": "a", "stream_interval": 4}, tok).params.stream_interval == 4
+    for bad in (0, "2", 1.5):
+        with pytest.raises(APIError) as e:
+            parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "stream_interval": bad}, tok)
+        assert e.value.param == "stream_interval"
