@@ -36,6 +36,7 @@ class Request:
         self.generator = None  # torch.Generator of a seeded request
         self.prefix_only = prefix_only  # a scheduler's pseudo-request for a shared prefix: computes KV, never samples
         self.draft_token_ids: list[int] = []  # proposed to follow its tokens, verified in its next step
+        self.draft_probs: list | None = None  # the draft model's distribution each draft was sampled from, if so
         self.draft_rate = 1.0  # running chance that its next draft holds (flock.spec.updated_rate)
         self.mirostat_mu = 2 * params.mirostat_tau if params.mirostat else None  # Mirostat's running bound
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token

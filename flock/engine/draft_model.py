@@ -11,9 +11,11 @@ from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.model import resolve_model
 from flock.model.program import MAX_ROWS
 from flock.request import Request
+from flock.sample.sampler import distribution, draw
 from flock.spec import SpeculativeConfig
 
 log = logging.getLogger("flock")
+DRAFT_SEED = 0x9E3779B97F4A7C15  # a request's seed, scrambled: its drafts' own random stream
 
 
 class DraftSequence:
@@ -24,6 +26,8 @@ class DraftSequence:
         self.request = request
         self.num_computed_tokens = 0
         self.fed: list[int] = []
+        seed = request.params.seed  # a seeded request's drafts are drawn the same in any batch
+        self.generator = None if seed is None else torch.Generator().manual_seed((seed * DRAFT_SEED + 1) % 2**64)
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +62,9 @@ class DraftModelProposer:
     decoding request, on its own paged KV cache (as many tokens as the target's, with its own prefix cache, so a
     shared prefix is computed once here too). A round is one pass over every request's tokens the draft has not
     computed (the target's last token and the drafts it confirmed; a new request's prompt, in chunks of the token
-    budget), then one pass per further draft."""
+    budget), then one pass per further draft. With `draft_sample_method` "probabilistic", a sampled request's
+    drafts are drawn from the draft's distribution under the request's temperature and truncations, kept for
+    verification (`draft_probs`)."""
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, dtype: torch.dtype, max_model_len: int,
                  num_blocks: int, vocab_size: int):
@@ -77,6 +83,9 @@ class DraftModelProposer:
         self.k = spec.num_speculative_tokens
         self.budget = config.max_num_batched_tokens
         self.sequences: dict[Request, DraftSequence] = {}
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
+        self.generator = torch.Generator().manual_seed(config.seed + 1)  # of unseeded requests' drafts
+        self.probs: dict[Request, list[torch.Tensor]] = {}  # this round's sampled drafts' distributions
         self.computed_tokens = 0  # tokens the draft model has run (prompts' cached blocks are not)
 
     @torch.inference_mode()
@@ -84,6 +93,7 @@ class DraftModelProposer:
         """At most `limits[i]` drafts to follow each request's tokens (none for a request whose prompt the draft
         is still reading, or whose blocks its pool cannot hold)."""
         self.release({r for r, n in zip(requests, limits) if n > 0})
+        self.probs = {}
         chunks: list[tuple[int, DraftSequence, int, int]] = []  # (index, sequence, new tokens, drafts)
         budget = self.budget
         for i, (req, limit) in enumerate(zip(requests, limits)):
@@ -96,6 +106,10 @@ class DraftModelProposer:
         if chunks:
             self._run(chunks, drafts)
         return drafts
+
+    def draft_probs(self, req: Request) -> list[torch.Tensor] | None:
+        """The distributions the request's latest drafts were sampled from (None: argmax drafts)."""
+        return self.probs.get(req)
 
     def _admit(self, req: Request, limit: int, budget: int) -> tuple[DraftSequence, int, int] | None:
         """The request's sequence with slots for its uncomputed tokens (up to the budget) and the drafts to feed
@@ -124,19 +138,26 @@ class DraftModelProposer:
         for (i, seq, n, m), token in zip(chunks, tokens):
             seq.num_computed_tokens += n
             if m:
-                drafts[i].append(token)
+                self._add(drafts[i], seq, token)
         for j in range(1, max(m for *_, m in chunks)):
             going = [(i, seq) for i, seq, _, m in chunks if m > j]
             tokens = self._forward([seq for _, seq in going], [seq.num_computed_tokens + j - 1 for _, seq in going],
                                    [[drafts[i][-1]] for i, _ in going])
-            for (i, _), token in zip(going, tokens):
-                drafts[i].append(token)
+            for (i, seq), token in zip(going, tokens):
+                self._add(drafts[i], seq, token)
         for i, seq, _, _ in chunks:
             seq.fed = drafts[i][:-1]
         self.kv.end_step()
 
-    def _forward(self, seqs: list[DraftSequence], starts: list[int], ids: list[list[int]]) -> list[int]:
-        """One pass of the draft model over each sequence's tokens from its start; each one's greedy next token."""
+    def _add(self, drafts: list[int], seq: DraftSequence, token: tuple[int, torch.Tensor | None]) -> None:
+        drafts.append(token[0])
+        if token[1] is not None:
+            self.probs.setdefault(seq.request, []).append(token[1])
+
+    def _forward(self, seqs: list[DraftSequence], starts: list[int], ids: list[list[int]]
+                 ) -> list[tuple[int, torch.Tensor | None]]:
+        """One pass of the draft model over each sequence's tokens from its start; each one's next token (and the
+        distribution it was drawn from, or None: the argmax)."""
         bs = self.kv.block_size
         counts = np.array([len(t) for t in ids], dtype=np.int64)
         query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -157,7 +178,21 @@ class DraftModelProposer:
         hidden = model(torch.tensor(sum(ids, []), dtype=torch.long, device=device),
                        torch.from_numpy(positions).to(device), self.runner.backend.build_metadata(layout), out_rows)
         hidden = hidden if out_rows is not None or len(last) == len(positions) else hidden[last]
-        return model.compute_logits(hidden)[:, : self.vocab_size].argmax(-1).tolist()
+        return self._pick(seqs, model.compute_logits(hidden)[:, : self.vocab_size])
+
+    def _pick(self, seqs: list[DraftSequence], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Each row's draft: the argmax, or for a sampled request when drafting is probabilistic, a draw from its
+        distribution under the request's temperature and truncations."""
+        tokens, probs = logits.argmax(-1), [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if self.probabilistic and not s.request.params.greedy]
+        if rows:
+            q = distribution(logits[rows], [seqs[i].request.params for i in rows])
+            u = torch.stack([torch.rand((), dtype=torch.float64, generator=seqs[i].generator or self.generator)
+                             for i in rows])
+            tokens[rows] = draw(q, u)
+            for i, row in zip(rows, q):
+                probs[i] = row
+        return list(zip(tokens.tolist(), probs))
 
     def reset_cache(self) -> None:
         """Forget the draft's cached prefixes (with the target's: no request is running)."""

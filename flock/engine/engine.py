@@ -270,8 +270,8 @@ class LLMEngine:
             elif self.proposer is not None:
                 drafting.append(req)
         if drafting or finished and self.proposer is not None:  # (a draft model's sequences of finished ones go)
-            for req, drafts in zip(drafting, self._propose(drafting)):
-                req.draft_token_ids = drafts
+            for req, (drafts, probs) in zip(drafting, self._propose(drafting)):
+                req.draft_token_ids, req.draft_probs = drafts, probs
         return finished
 
     def _append(self, req: Request, tokens: list[int], logprobs: list) -> bool:
@@ -289,16 +289,22 @@ class LLMEngine:
                 return True
         return False
 
-    def _propose(self, reqs: list[Request]) -> list[list[int]]:
+    def _propose(self, reqs: list[Request]) -> list[tuple[list[int], list | None]]:
         """Drafts to verify in each request's next step, no more than its length caps leave room for beside the
         token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
-        Mirostat, whose bound moves with each token."""
+        Mirostat, whose bound moves with each token. With each, the distributions the drafts were sampled from
+        (the draft model's, probabilistic drafting; None: verified as one token each)."""
         k = self.speculative.drafts_for(len(reqs))
         limits = [0 if req.params.mirostat or not k else min(self._room(req) - 1, drafts_worth(req.draft_rate, k))
                   for req in reqs]
-        proposals = self.proposer.propose(reqs, limits)
-        return [drafts if req.grammar is None or req.grammar.is_terminated() else
-                drafts_in_grammar(req.grammar, drafts, limit) for req, drafts, limit in zip(reqs, proposals, limits)]
+        out = []
+        for req, drafts, limit in zip(reqs, self.proposer.propose(reqs, limits), limits):
+            kept = drafts if req.grammar is None or req.grammar.is_terminated() else \
+                drafts_in_grammar(req.grammar, drafts, limit)
+            probs = self.proposer.draft_probs(req)
+            same = next((i for i, (a, b) in enumerate(zip(kept, drafts)) if a != b), min(len(kept), len(drafts)))
+            out.append((kept, None if probs is None else probs[:same]))  # a forced token is no sample of the draft's
+        return out
 
     def _room(self, req: Request) -> int:
         """Tokens the request may still get before a length cap."""

@@ -20,7 +20,7 @@ from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.sampler import Sampler, SamplingRow
 from flock.sched.base import StepPlan
-from flock.spec import DraftRow, accepted
+from flock.spec import DraftRow, accepted, proposals
 
 DEFAULT_KV_BYTES = 1 << 30
 WARM_UP_TOKENS = 2048  # at most: a model's start-up pays about one full step for it
@@ -45,7 +45,7 @@ def draft_rows(finishing: list[tuple[Request, int, list[int]]]) -> tuple[list[Sa
     a request's own row at its last verified token, then a row after each draft."""
     rows, indices = [], []
     for req, last, drafts in finishing:
-        rows += [DraftRow(req, drafts[:j]) for j in range(len(drafts) + 1)]
+        rows += [DraftRow(req, drafts[:j], p) for j, p in enumerate(proposals(req, drafts))]
         indices += range(last - len(drafts), last + 1)
     return rows, indices
 

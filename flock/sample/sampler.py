@@ -39,6 +39,9 @@ class SamplingRow(TokenHistory, Protocol):
     grammar: object | None  # an xgrammar matcher
     drafts: list[int]  # speculative tokens before this row, counted in its output (read by the grammar masks)
     mirostat_mu: float | None  # a Mirostat request's running bound
+    # the draft this row verifies and the draft model's distribution it was drawn from (None: a greedy or
+    # prompt-lookup draft, verified by sampling the row as it is)
+    proposal: tuple[int, torch.Tensor] | None
 
 
 @dataclass
@@ -71,7 +74,8 @@ class Sampler:
         asking = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
         raw = log_softmax(logits[asking]) if asking else None
         mus = [r.mirostat_mu for r in rows]
-        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus)
+        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus,
+                      [getattr(r, "proposal", None) for r in rows])
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if asking:
             entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs or 0 for i in asking],
@@ -81,18 +85,25 @@ class Sampler:
         return Sampled(tokens, logprobs, mus)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 histories: Sequence[TokenHistory] | None = None, mirostat_mu: list | None = None) -> torch.Tensor:
+                 histories: Sequence[TokenHistory] | None = None, mirostat_mu: list | None = None,
+                 proposals: list | None = None) -> torch.Tensor:
         """One token per row; `histories` (each row's prompt and output tokens, e.g. its Request) are read by the
         rows with penalties, a logit_bias or min_tokens, whose logits are adjusted in place; `mirostat_mu`, the
-        Mirostat rows' bounds (None: 2 tau, their start), is updated in place."""
+        Mirostat rows' bounds (None: 2 tau, their start), is updated in place; a sampled row with a proposal
+        (SamplingRow.proposal) keeps its draft or replaces it (`_verify`)."""
         if histories is not None:
             logits = apply_penalties(logits, params, histories, self.eos_token_ids)
-        rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
+        sampled = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
+        verified = [i for i in sampled if proposals is not None and proposals[i] is not None]
+        rows = [i for i in sampled if proposals is None or proposals[i] is None]
         if len(rows) == len(params):
             return self._sample(logits, params, generators)
         tokens = greedy(logits)
         if rows:
             tokens[rows] = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        if verified:
+            tokens[verified] = self._verify(logits[verified], [params[i] for i in verified],
+                                            [generators[i] for i in verified], [proposals[i] for i in verified])
         for i in (i for i, p in enumerate(params) if not p.greedy and p.mirostat):
             p, mu = params[i], mirostat_mu[i] if mirostat_mu is not None else None
             u = self._uniforms([generators[i]])[0]
@@ -106,24 +117,32 @@ class Sampler:
         vocab = logits.shape[-1]
         plain = all((p.top_k <= 0 or p.top_k >= vocab) and not p.truncates and p.dynatemp_range <= 0 for p in params)
         if plain and _fused(logits):
-            # temperature alone: the fused kernel draws as _draw does, from the logits as they are (~7x faster)
+            # temperature alone: the fused kernel draws as draw does, from the logits as they are (~7x faster)
             temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
             tokens = fused_ops.sample(logits, temps, u)
             if bool((tokens >= 0).all()):
                 return tokens
             # a row with a NaN or no finite logit: PyTorch's softmax decides, as before
-        logits = logits.float()
-        xtc = self._xtc_rows(params, generators)
-        late = [i for i, p in enumerate(params) if p.temperature_last]
-        if not late:
-            logits = _truncated(logits, params, xtc)
-        else:  # llama.cpp's order on those rows
-            early, out = [i for i, p in enumerate(params) if not p.temperature_last], torch.empty_like(logits)
-            for rows in (early, late):
-                if rows:
-                    out[rows] = _truncated(logits[rows], [params[i] for i in rows], [xtc[i] for i in rows])
-            logits = out
-        return self._draw(logits.softmax(dim=-1), u.to(logits.device))
+        probs = distribution(logits, params, self._xtc_rows(params, generators))
+        return draw(probs, u.to(probs.device))
+
+    def _verify(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
+                proposals: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Speculative sampling's rejection rule: each row's draft x, drawn from the draft model's distribution q,
+        is kept with chance min(1, p(x) / q(x)) under the row's own distribution p; else the token is drawn from
+        max(0, p - q), normalized. Either way the token is distributed as p."""
+        u = self._uniforms(generators)
+        p = distribution(logits, params, self._xtc_rows(params, generators))
+        drafts = torch.tensor([x for x, _ in proposals], device=p.device)
+        q = torch.zeros_like(p)
+        for i, (_, row) in enumerate(proposals):
+            q[i, : len(row)] = row  # a draft vocabulary narrower than the target's has nothing past its end
+        keep = u.to(p.device) * q.gather(1, drafts[:, None])[:, 0] < p.gather(1, drafts[:, None])[:, 0]
+        residual = (p - q).clamp_min(0)
+        spent = residual.sum(-1) <= 0  # p and q alike (to rounding): p itself
+        residual[spent] = p[spent]
+        return torch.where(keep, drafts, draw(residual, self._uniforms(generators).to(p.device)))
+
 
     def _xtc_rows(self, params: list[SamplingParams], generators: list) -> list[bool]:
         """The rows whose XTC applies this step: each row with XTC draws its own chance (from its generator, after
@@ -148,21 +167,38 @@ class Sampler:
                 u[i] = torch.rand((), dtype=torch.float64, generator=g)
         return u
 
-    @staticmethod
-    def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """Inverse transform sampling: the token where each row's cumulative probability first exceeds u
-        times its total, found among chunk sums, then inside one chunk (one pass over the probabilities, no
-        vocabulary-sized cumsum or noise). A token of probability 0 is never drawn."""
-        n, vocab = probs.shape
-        chunks = (F.pad(probs, (0, -vocab % CHUNK)) if vocab % CHUNK else probs).view(n, -1, CHUNK)
-        mass = chunks.sum(-1).double()
-        ends = mass.cumsum(-1)
-        target = (u * ends[:, -1])[:, None]
-        c = torch.minimum(torch.searchsorted(ends, target, right=True)[:, 0], _last_positive(mass))
-        before = torch.where(c > 0, ends.gather(1, (c - 1).clamp_min(0)[:, None])[:, 0], 0.0)
-        inside = chunks[torch.arange(n, device=probs.device), c].double()
-        k = torch.searchsorted(inside.cumsum(-1), (target[:, 0] - before)[:, None], right=True)[:, 0]
-        return c * CHUNK + torch.minimum(k, _last_positive(inside))  # the minimum guards against rounding
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse transform sampling: the token where each row's cumulative probability first exceeds u
+    times its total, found among chunk sums, then inside one chunk (one pass over the probabilities, no
+    vocabulary-sized cumsum or noise). A token of probability 0 is never drawn."""
+    n, vocab = probs.shape
+    chunks = (F.pad(probs, (0, -vocab % CHUNK)) if vocab % CHUNK else probs).view(n, -1, CHUNK)
+    mass = chunks.sum(-1).double()
+    ends = mass.cumsum(-1)
+    target = (u * ends[:, -1])[:, None]
+    c = torch.minimum(torch.searchsorted(ends, target, right=True)[:, 0], _last_positive(mass))
+    before = torch.where(c > 0, ends.gather(1, (c - 1).clamp_min(0)[:, None])[:, 0], 0.0)
+    inside = chunks[torch.arange(n, device=probs.device), c].double()
+    k = torch.searchsorted(inside.cumsum(-1), (target[:, 0] - before)[:, None], right=True)[:, 0]
+    return c * CHUNK + torch.minimum(k, _last_positive(inside))  # the minimum guards against rounding
+
+
+def distribution(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: list[bool] | None = None
+                 ) -> torch.Tensor:
+    """Each row's distribution to draw from, in float32: its temperature and truncations (XTC on `xtc_rows`, the
+    rows whose chance came up)."""
+    logits, xtc = logits.float(), xtc_rows or [False] * len(params)
+    late = [i for i, p in enumerate(params) if p.temperature_last]
+    if not late:
+        logits = _truncated(logits, params, xtc)
+    else:  # llama.cpp's order on those rows
+        early, out = [i for i, p in enumerate(params) if not p.temperature_last], torch.empty_like(logits)
+        for rows in (early, late):
+            if rows:
+                out[rows] = _truncated(logits[rows], [params[i] for i in rows], [xtc[i] for i in rows])
+        logits = out
+    return logits.softmax(dim=-1)
 
 
 def _truncated(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: list[bool]) -> torch.Tensor:

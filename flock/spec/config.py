@@ -5,7 +5,8 @@ NGRAM_NAMES = ("ngram", "[ngram]")
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 # each method's own keys beside num_speculative_tokens (vLLM's names)
 METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"},
-               "draft_model": {"model", "quantization", "draft_tensor_parallel_size"}}
+               "draft_model": {"model", "quantization", "draft_tensor_parallel_size", "draft_sample_method"}}
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
 
@@ -16,7 +17,9 @@ class SpeculativeConfig:
     `prompt_lookup_max` tokens) or from a small model of the same vocabulary (`draft_model`: `model`, a built-in
     name, a Hugging Face folder or a GGUF file, loaded with its own `quantization`). `per_batch_size`: vLLM's
     `num_speculative_tokens_per_batch_size`, inclusive batch-size ranges (start, end, drafts) from 1 up, sorted,
-    apart; a batch size past a range takes that range's drafts until the next one starts."""
+    apart; a batch size past a range takes that range's drafts until the next one starts. `draft_sample_method`
+    (a draft model's): "greedy" drafts the argmax, "probabilistic" samples a sampled request's drafts from the
+    draft's own distribution, which verification then weighs against the target's (flock/sample/sampler.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP
@@ -25,6 +28,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    draft_sample_method: str = "greedy"
 
     def drafts_for(self, batch_size: int) -> int:
         """Drafts a request may get in a step of `batch_size` requests."""
@@ -80,7 +84,11 @@ class SpeculativeConfig:
                              "process")
         if quantization is not None and not isinstance(quantization, str):
             raise ValueError(f"speculative_config.quantization must be a string, got {quantization!r}")
-        return cls(k, method="draft_model", model=model, quantization=quantization)
+        sample = spec.get("draft_sample_method", "greedy")
+        if sample not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"speculative_config.draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}"
+                             f", got {sample!r}")
+        return cls(k, method="draft_model", model=model, quantization=quantization, draft_sample_method=sample)
 
 
 def _schedule(entries) -> tuple[tuple[int, int, int], ...] | None:

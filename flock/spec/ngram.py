@@ -18,6 +18,9 @@ class NgramProposer:
     def reset_cache(self) -> None:
         """Nothing to forget: drafts come from each request's own tokens."""
 
+    def draft_probs(self, req: Request) -> None:
+        """None: a looked-up draft is one token, verified as such."""
+
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         """At most `limits[i]` drafts to follow each request's tokens."""
         return [self.lookup(req.token_ids, limit) for req, limit in zip(requests, limits)]

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+import torch
+
 RATE_WEIGHT = 0.3  # of a step's outcome in a request's running acceptance rate
 MIN_WORTH = 0.3  # a draft is proposed while the chance that it and the drafts before it hold is at least this
 
@@ -14,6 +16,7 @@ class DraftRow:
 
     request: Request
     drafts: list[int]
+    proposal: tuple[int, torch.Tensor] | None = None  # the draft this row verifies, sampled from this distribution
 
     @property
     def params(self):
@@ -43,6 +46,13 @@ class DraftRow:
     def forced_token(self) -> int | None:
         thinking = self.request.thinking
         return None if thinking is None else thinking.after(self.drafts).forced
+
+
+def proposals(req: Request, drafts: list[int]) -> list[tuple[int, torch.Tensor] | None]:
+    """Each of a request's rows' proposal (SamplingRow.proposal): its next draft with the draft model's
+    distribution where that draft was sampled from one (none for the row after the last draft)."""
+    probs = req.draft_probs or []
+    return [(d, probs[j]) if j < len(probs) else None for j, d in enumerate(drafts)] + [None]
 
 
 def accepted(tokens: list[int], drafts: list[int]) -> int:

@@ -227,14 +227,14 @@ def test_argmax_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_draws_what_the_pytorch_sampler_draws(dtype):
-    from flock.sample.sampler import Sampler
+    from flock.sample.sampler import draw
 
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(64, 1000, generator=g) * 4).to(dtype)
     x[3, 500:] = float("-inf")  # weight 0: never drawn, whatever u
     temps = torch.linspace(0.3, 2.0, 64)
     u = torch.rand(64, dtype=torch.float64, generator=g)
-    expected = Sampler._draw((x.float() / temps[:, None]).softmax(-1), u)
+    expected = draw((x.float() / temps[:, None]).softmax(-1), u)
     assert torch.equal(fused_ops.sample(x, temps, u), expected)
     edge = torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64)  # the ends of the cumulative sum
     assert fused_ops.sample(x[[3, 3]], temps[[3, 3]], edge).tolist()[0] == 0

@@ -184,3 +184,51 @@ def test_a_draft_that_does_not_generate_is_refused(hf_folders, tmp_path):
     (folder / "config.json").write_text(json.dumps(config | {"architectures": ["LlamaModel"]}))
     with pytest.raises(ValueError, match="does not generate"):
         LLM(str(hf_folders["llama"]), speculative_config=draft_spec(folder))
+
+
+def test_verifying_sampled_drafts_draws_from_the_targets_distribution():
+    """Speculative sampling's rule (Sampler._verify): whatever distribution q the drafts come from, the kept or
+    redrawn tokens follow the row's own p (top-k truncated here), and drafts are kept with chance sum min(p, q)."""
+    from flock.sample.sampler import Sampler, distribution
+
+    gen = torch.Generator().manual_seed(11)
+    logits, n = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0]), 40_000
+    params = SamplingParams(temperature=0.9, top_k=5)
+    p = distribution(logits[None], [params])[0]
+    for q in (torch.tensor([0.05, 0.05, 0.3, 0.3, 0.2, 0.1]), p):
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+        tokens = Sampler(seed=3)(logits.repeat(n, 1), [params] * n, [None] * n,
+                                 proposals=[(int(d), q) for d in drafts])
+        freq = torch.bincount(tokens, minlength=6).double() / n
+        assert freq.tolist() == pytest.approx(p.tolist(), abs=0.012)
+        assert float((tokens == drafts).double().mean()) == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.012)
+
+
+def test_probabilistic_drafts_of_the_target_itself_are_all_kept(hf_folders, expected):
+    """The target as its own draft, sampling: drawn from the same distribution, every draft holds (q = p), where
+    argmax drafts hold only when the draw picks them; a seeded request draws the same alone or batched."""
+    prompts, _ = expected
+    params = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True, seed=5)
+    accepted = {}
+    for method in ("greedy", "probabilistic"):
+        spec = draft_spec(hf_folders["llama"], k=3, draft_sample_method=method)
+        outs, llm = run(hf_folders["llama"], prompts, params, speculative_config=spec)
+        stats = llm.stats()
+        accepted[method] = stats["accepted_draft_tokens"] / stats["draft_tokens"]
+        assert_draft_pool_free(llm)
+    assert accepted["probabilistic"] == 1.0 and accepted["greedy"] < 0.9
+    alone, _ = run(hf_folders["llama"], prompts[2:3], params, speculative_config=spec)
+    assert alone[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_probabilistic_drafts_with_a_near_draft_keep_seeded_outputs_in_any_batch(hf_folders, near_draft, expected):
+    prompts, _ = expected
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, ignore_eos=True, seed=3)
+    spec = draft_spec(near_draft, draft_sample_method="probabilistic")
+    together, llm = run(hf_folders["llama"], prompts, params, dtype="float32", speculative_config=spec)
+    alone, _ = run(hf_folders["llama"], prompts[1:2], params, dtype="float32", speculative_config=spec)
+    assert together[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    stats = llm.stats()
+    assert 0 < stats["accepted_draft_tokens"] <= stats["draft_tokens"]
+    with pytest.raises(ValueError, match="draft_sample_method must be one of greedy, probabilistic"):
+        EngineConfig.from_kwargs("flock/tiny", speculative_config=draft_spec("flock/tiny", draft_sample_method="x"))

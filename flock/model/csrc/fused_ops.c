@@ -270,7 +270,7 @@ DEFINE_FIRST_MAX(bf16, bf16, bf16_load)
 DEFINE_FIRST_MAX(f32, float, f32_load)
 
 // Draw one token of row x from softmax(x / temperature) by inverse transform sampling with the uniform u, as
-// flock.sample.Sampler._draw does in PyTorch: the weights e^(x/t - max) summed by chunks of SAMPLE_CHUNK, the
+// flock.sample.sampler.draw does in PyTorch: the weights e^(x/t - max) summed by chunks of SAMPLE_CHUNK, the
 // chunk where the running sum first exceeds u times the total, then the token inside it (never one of weight
 // 0). Returns -1 for a row it cannot draw from (a NaN, or no finite maximum): the caller decides then.
 #define SAMPLE_CHUNK 256
