@@ -1,5 +1,5 @@
 """Speculative decoding: Flock and vLLM (CPU build), each with and without the same `speculative_config`, the same
-chat-templated token ids, greedy. `--method ngram` (prompt lookup) runs SmolLM2-135M-Instruct; `--method
+chat-templated token ids, greedy (or sampled at `--temperature`, seeded). `--method ngram` (prompt lookup) runs SmolLM2-135M-Instruct; `--method
 draft_model` runs a target 1 + `--copies` times SmolLM2's depth (bench/harness/deep_target.py: SmolLM2's layers,
 each followed by copies whose outputs are scaled by `--scale`, so its answers follow SmolLM2's often, not always)
 with SmolLM2 itself as the draft.
@@ -7,6 +7,7 @@ with SmolLM2 itself as the draft.
     python -m bench.speculative --vllm-venv /root/V
     python -m bench.speculative --method draft_model --vllm-venv /root/V
     python -m bench.speculative --docs 2 --gen 32 --skip-vllm      # a dry run
+    python -m bench.speculative --method draft_model --temperature 0.8 --draft-sample-method probabilistic
 
 Workloads (real text: standard-library reference documents, bench/harness/documents.py):
 - copy: "Repeat the following text exactly" + a document (the answer copies it: drafts hold);
@@ -66,7 +67,8 @@ def run_flock(folder: Path, loads: dict, spec: dict | None, args) -> dict:
     runs = {}
     for name, prompts in loads.items():
         schema = SCHEMAS.get(name)  # a structured answer ends with its grammar
-        params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=schema is None, structured_outputs=
+        params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.gen,
+                                ignore_eos=schema is None, structured_outputs=
                                 None if schema is None else StructuredOutputsParams(json=schema))
         for mode in args.modes:
             llm.reset_prefix_cache()
@@ -86,6 +88,7 @@ def run_flock(folder: Path, loads: dict, spec: dict | None, args) -> dict:
 
 def run_vllm(folder: Path, loads: dict, spec: dict | None, args) -> dict:
     job = {"model": str(folder), "max_model_len": args.max_model_len, "speculative_config": spec, "gen": args.gen,
+           "temperature": args.temperature, "seed": args.seed,
            "modes": args.modes, "warmup": loads["chat"][:2], "workloads": loads, "schemas": SCHEMAS}
     data = vllm.run_child(CHILD, job, f"speculative-vllm-{'spec' if spec else 'plain'}", args)
     if isinstance(data, str):
@@ -108,7 +111,7 @@ def table(results: dict, args) -> str:
                 continue
             tokens = sum(map(len, spec["output_token_ids"]))
             rate = spec["accepted"] / spec["drafts"] if spec["drafts"] else 0.0
-            same = "yes" if spec["output_token_ids"] == plain["output_token_ids"] else "NO"
+            same = "-" if args.temperature else "yes" if spec["output_token_ids"] == plain["output_token_ids"] else "NO"
             row += [f"{plain['wall_s']:.2f} / {spec['wall_s']:.2f}", f"{tokens / spec['wall_s']:.0f}",
                     f"{plain['wall_s'] / spec['wall_s']:.2f}x", f"{rate:.2f}, {same}"]
         flock, peer = (results.get(e, {}).get("spec", {}).get("runs", {}).get(key) for e in ("Flock", "vLLM"))
@@ -130,6 +133,10 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=4, help="draft_model: the target's copies of each SmolLM2 layer")
     p.add_argument("--scale", type=float, default=0.05, help="draft_model: the copies' output scale")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled runs: outputs with drafts differ")
+    p.add_argument("--seed", type=int, default=1, help="every request's seed when sampled")
+    p.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default="greedy",
+                   help="draft_model: how drafts of sampled requests are drawn")
     vllm.add_arguments(p)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +149,8 @@ def main() -> None:
             "prompt_lookup_max": args.lookup[1]}
     if args.method == "draft_model":
         folder = deep_target(small, args.out / f"smollm2-deep-{args.copies}-{args.scale}", args.copies, args.scale)
-        spec = {"method": "draft_model", "model": str(small), "num_speculative_tokens": args.k}
+        spec = {"method": "draft_model", "model": str(small), "num_speculative_tokens": args.k,
+                "draft_sample_method": args.draft_sample_method}
         layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
         print(f"# target: SmolLM2 with {args.copies} copies of each layer (MLP outputs x {args.scale}), {layers} "
               "layers; draft: SmolLM2", flush=True)
@@ -152,7 +160,8 @@ def main() -> None:
     if not args.skip_vllm:
         results["vLLM"] = {c: run_vllm(folder, loads, s, args) for c, s in (("plain", None), ("spec", spec))}
     print(table(results, args), flush=True)
-    write_json(args.out / f"speculative-{args.method}.json", {"args": args_dict(args), "cpu": machine.cpu_line(),
+    name = args.method + (f"-t{args.temperature:g}-{args.draft_sample_method}" if args.temperature else "")
+    write_json(args.out / f"speculative-{name}.json", {"args": args_dict(args), "cpu": machine.cpu_line(),
                                                               "spec": spec, "results": results})
 
 

@@ -20,6 +20,7 @@ from flock.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    id_logprobs,
 )
 from flock.pooling_params import PoolingParams, cross_encoder_prompt, pair_scores
 from flock.request import Request
@@ -341,5 +342,7 @@ class LLM:
             outputs=completions,
             finished=all(req.is_finished for req in samples),
             num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            prompt_token_id_logprobs=None if first.prompt_ids is None else
+            id_logprobs(first.prompt_logprobs, first.params.prompt_logprob_start or 0),
         )

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+import numpy as np
+
 from flock.sample.logprobs import TokenLogprobs
 
 
@@ -23,6 +25,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first), when asked
+    # of SamplingParams.prompt_logprob_token_ids: [rows, most ids in a row], row i the logprobs of its ids as
+    # predictions of prompt token prompt_logprob_start + i + 1 (-inf in padding), float32
+    prompt_token_id_logprobs: np.ndarray | None = None
+
+
+def id_logprobs(entries: list[TokenLogprobs | None], start: int) -> np.ndarray:
+    """RequestOutput.prompt_token_id_logprobs from a prompt's entries (each one's `top`: its row's listed ids)."""
+    rows = [[lp for _, lp in e.top] for e in entries[start + 1 :]]
+    out = np.full((len(rows), max(map(len, rows), default=0)), -np.inf, dtype=np.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 @dataclass

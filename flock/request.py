@@ -45,7 +45,8 @@ class Request:
         self.logprobs: list[TokenLogprobs] | None = [] if params.wants_logprobs else None  # per output token
         # per prompt token (the first has none); filled as the prompt is computed
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
-            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+            [None] * len(self.prompt_token_ids) if params.wants_prompt_logprobs else None)
+        self.prompt_ids = params.prompt_rows_ids(len(self.prompt_token_ids))  # per prompt position: ids to score
         self.pooling = None  # PoolingParams of an embedding request: its last prompt row is pooled, not sampled
         self.embedding: list[float] | None = None  # then set when its prompt is computed
         self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
@@ -91,7 +92,7 @@ class Request:
     def reads_prefix_cache(self) -> bool:
         """False for a request whose prompt logprobs need every prompt token's logits computed, or that asks to
         compute its prompt whole."""
-        return self.params.prompt_logprobs is None and not self.params.skip_reading_prefix_cache
+        return not self.params.wants_prompt_logprobs and not self.params.skip_reading_prefix_cache
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full blocks of `block_size` tokens (each computed once: the

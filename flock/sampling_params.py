@@ -149,6 +149,11 @@ class SamplingParams:
     # vLLM's: the logprobs of exactly these tokens at each output position, in place of the `logprobs` most likely
     # alternatives (scoring labels: "Yes"/"No"); set alone, it asks for logprobs by itself
     logprob_token_ids: list[int] | None = None
+    # vLLM's: for each prompt row from prompt_logprob_start (default 0), the logprobs of its own token ids as
+    # predictions of the next prompt token (-1: padding, -inf); in RequestOutput.prompt_token_id_logprobs. Prompt
+    # position p's row is p - 1 - start: prompt length - 1 - start rows in all
+    prompt_logprob_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    prompt_logprob_start: int | None = None
     # vLLM's: True computes the whole prompt, never reading the prefix cache (its blocks still enter it for later
     # requests); prompt_logprobs imply it
     skip_reading_prefix_cache: bool | None = None
@@ -200,6 +205,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt's logits are computed (so it never reads the prefix cache)."""
+        return self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
 
     @property
     def truncates(self) -> bool:
@@ -328,6 +338,7 @@ class SamplingParams:
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         self._validate_logprob_token_ids(vocab_size)
+        self._validate_prompt_logprob_token_ids(vocab_size)
         for name in ("detokenize", "skip_reading_prefix_cache"):
             if getattr(self, name) not in ((True, False) if name == "detokenize" else (None, True, False)):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -359,6 +370,34 @@ class SamplingParams:
         outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if outside:
             raise ValueError(f"logprob_token_ids {outside!r} are outside the vocabulary [0, {vocab_size})")
+
+    def _validate_prompt_logprob_token_ids(self, vocab_size: int | None) -> None:
+        rows, start = self.prompt_logprob_token_ids, self.prompt_logprob_start
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+            raise ValueError(f"prompt_logprob_start must be an integer >= 0, got {start!r}")
+        if rows is None:
+            if start is not None:
+                raise ValueError("prompt_logprob_start needs prompt_logprob_token_ids")
+            return
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprob_token_ids and prompt_logprobs cannot both be set (the listed tokens "
+                             "take the alternatives' place)")
+        top = vocab_size if vocab_size is not None else math.inf
+        if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) <= MAX_LOGPROB_TOKEN_IDS and all(
+                isinstance(t, int) and not isinstance(t, bool) and -1 <= t < top for t in r) for r in rows):
+            raise ValueError(f"prompt_logprob_token_ids must be a list of rows of at most {MAX_LOGPROB_TOKEN_IDS} "
+                             f"token ids each (-1: padding) in the vocabulary [0, {vocab_size})")
+
+    def prompt_rows_ids(self, prompt_len: int) -> list[list[int] | None] | None:
+        """prompt_logprob_token_ids by prompt position (None: no ids); ValueError if the rows do not fit."""
+        rows = self.prompt_logprob_token_ids
+        if rows is None:
+            return None
+        start = self.prompt_logprob_start or 0
+        if len(rows) != max(prompt_len - 1 - start, 0):
+            raise ValueError(f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has "
+                             f"{max(prompt_len - 1 - start, 0)} scored rows (prompt length - 1 - prompt_logprob_start)")
+        return [None] * (start + 1) + list(rows)
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias

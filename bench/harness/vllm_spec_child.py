@@ -2,7 +2,8 @@
 
 usage: python vllm_spec_child.py JOB.json RESULT.json
 
-JOB: {"model", "max_model_len", "speculative_config" (null: none), "gen", "modes": ["batch", "single"],
+JOB: {"model", "max_model_len", "speculative_config" (null: none), "gen", "temperature", "seed",
+"modes": ["batch", "single"],
 "warmup": [[ids]], "workloads": {name: [[ids]]}, "schemas": {name: JSON schema of its answers}}
 RESULT: {"vllm_version", "startup_s", "runs": {"NAME/MODE": {"wall_s", "output_token_ids", "metrics"}}}: "batch"
 sends a workload's prompts in one generate call, "single" one prompt after the other; metrics: vLLM's counters
@@ -33,7 +34,8 @@ def main(job_path: str, result_path: str) -> None:
 
     def generate(prompts: list[list[int]], gen: int, schema: dict | None = None):
         structured = None if schema is None else StructuredOutputsParams(json=schema)
-        params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=schema is None, structured_outputs=structured)
+        params = SamplingParams(max_tokens=gen, temperature=job.get("temperature", 0), seed=job.get("seed"),
+                                ignore_eos=schema is None, structured_outputs=structured)
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     def metrics() -> dict[str, float]:

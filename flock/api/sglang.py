@@ -26,7 +26,7 @@ GREEDY_BELOW = 1e-6  # a temperature under this samples greedily, as SGLang's
 # SGLang's fields for what Flock does not run: refused unless left at their defaults; other unknown fields are
 # ignored, as SGLang ignores them
 UNSUPPORTED = {"input_embeds", "video_data", "audio_data", "return_hidden_states",
-               "custom_logit_processor", "token_ids_logprob", "session_params"}
+               "custom_logit_processor", "session_params"}
 _PLAIN = {"min_new_tokens": "min_tokens", "stop": "stop",
           "stop_token_ids": "stop_token_ids", "top_p": "top_p", "min_p": "min_p", "ignore_eos": "ignore_eos",
           "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
@@ -49,6 +49,7 @@ class NativeRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1  # the first prompt position with logprobs; -1: the last one only
     top_logprobs_num: int = 0
+    token_ids_logprob: bool = False  # the listed tokens' logprobs at each position, in place of the top ones
     return_text_in_logprobs: bool = False
     prefill_only: list[bool] = field(default_factory=list)  # per request: max_new_tokens 0, its one token dropped
 
@@ -83,20 +84,39 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None)
     if not isinstance(logprob, bool) or not is_int(start) or start < -1 or not is_int(top) or not 0 <= top <= 20:
         raise APIError("return_logprob must be a bool, logprob_start_len an integer >= -1 and top_logprobs_num an "
                        "integer in [0, 20]", param="return_logprob")
-    for p, ids in zip(params, prompts):
+    listed = _token_ids_logprob(body.get("token_ids_logprob"), len(prompts), logprob, top)
+    for p, ids, wanted in zip(params, prompts, listed):
         if logprob:
-            p.logprobs = top
+            p.logprobs, p.logprob_token_ids = top, wanted
             if start >= len(ids):
                 raise APIError(f"logprob_start_len ({start}) must be less than the prompt's {len(ids)} tokens",
                                param="logprob_start_len")
-            if 0 <= start < len(ids) - 1:
+            if 0 <= start < len(ids) - 1 and wanted is None:
                 p.prompt_logprobs = top
+            elif 0 <= start < len(ids) - 1:
+                p.prompt_logprob_token_ids, p.prompt_logprob_start = [wanted] * (len(ids) - 1 - start), start
     if len(prompts) * params[0].n > MAX_CHOICES:
         raise APIError(f"n times the number of prompts must be at most {MAX_CHOICES}", param="sampling_params")
     requests = [(ids, s) for ids, p in zip(prompts, params) for s in p.samples()]
     prefill = [flag for flag, p in zip(prefill, params) for _ in range(p.n)]
     return NativeRequest(single and len(requests) == 1, requests, _rids(body.get("rid"), len(prompts), len(requests)),
-                         flag(body, "stream"), logprob, start, top, flag(body, "return_text_in_logprobs"), prefill)
+                         flag(body, "stream"), logprob, start, top, listed[0] is not None,
+                         flag(body, "return_text_in_logprobs"), prefill)
+
+
+def _token_ids_logprob(value, num_prompts: int, logprob: bool, top: int) -> list[list[int] | None]:
+    """SGLang's token_ids_logprob per prompt (one list for all, or one each; None: not asked)."""
+    if value is None:
+        return [None] * num_prompts
+    lists = value if isinstance(value, list) and value and isinstance(value[0], list) else [value] * num_prompts
+    if (len(lists) != num_prompts or not all(
+            isinstance(ids, list) and ids and all(is_int(t) and t >= 0 for t in ids) for ids in lists)):
+        raise APIError("token_ids_logprob must be a non-empty list of token ids, or one per prompt",
+                       param="token_ids_logprob")
+    if not logprob or top:
+        raise APIError("token_ids_logprob needs return_logprob, and takes the place of top_logprobs_num",
+                       param="token_ids_logprob")
+    return lists
 
 
 def _lora_names(lora_path, num_prompts: int) -> list[str | None]:
@@ -250,10 +270,11 @@ def _logprobs(req: NativeRequest, prompt_ids: list[int], entries: list[TokenLogp
     out = {"input_token_logprobs": [[None if i == 0 or e is None else e.logprob, t, text(t)]
                                     for i, (t, e) in enumerate(prompt)],
            "output_token_logprobs": [[e.logprob, e.token_id, text(e.token_id)] for e in entries]}
-    if req.top_logprobs_num:
-        out["input_top_logprobs"] = [None if i == 0 or e is None else [[lp, t, text(t)] for t, lp in e.top]
-                                     for i, (_, e) in enumerate(prompt)]
-        out["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in e.top] for e in entries]
+    if req.top_logprobs_num or req.token_ids_logprob:
+        kind = "token_ids" if req.token_ids_logprob else "top"
+        out[f"input_{kind}_logprobs"] = [None if i == 0 or e is None else [[lp, t, text(t)] for t, lp in e.top]
+                                         for i, (_, e) in enumerate(prompt)]
+        out[f"output_{kind}_logprobs"] = [[[lp, t, text(t)] for t, lp in e.top] for e in entries]
     return out
 
 

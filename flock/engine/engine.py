@@ -47,6 +47,7 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         raise ValueError("prompt is empty")
     if n > max_model_len:
         raise ValueError(f"prompt has {n} tokens, more than max_model_len={max_model_len}")
+    params.prompt_rows_ids(n)
     ids = np.asarray(prompt_token_ids)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size)) if ids.dtype.kind in "iu" and ids.ndim == 1 else None
     if bad is None or len(bad):

@@ -188,8 +188,9 @@ class ModelRunner:
             for lo in range(0, len(rows), LOGPROB_ROWS):
                 chunk = [at[r] for r in rows[lo : lo + LOGPROB_ROWS]]
                 logprobs = log_softmax(self.model.compute_logits(hidden[chunk]))
+                listed = req.prompt_ids and req.prompt_ids[first + lo : first + lo + len(chunk)]
                 entries += token_logprobs(logprobs, targets[lo : lo + len(chunk)],
-                                          [req.params.prompt_logprobs] * len(chunk))
+                                          [req.params.prompt_logprobs or 0] * len(chunk), listed)
             out.append((req, first, entries))
         return out
 

@@ -34,5 +34,7 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
     out = [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]
     for entry, row, ids in zip(out, logprobs, listed or []):
         if ids is not None:
-            entry.top = list(zip(ids, row[ids].tolist()))
+            at = torch.tensor(ids, dtype=torch.long, device=row.device)
+            values = torch.where(at >= 0, row[at.clamp_min(0)], -torch.inf)  # -1: a padding entry
+            entry.top = list(zip(ids, values.tolist()))
     return out

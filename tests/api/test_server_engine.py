@@ -223,3 +223,31 @@ def test_generative_scoring_vllm_and_sglang_shapes(engine):
     assert [math.exp(top[t]) for t in texts] == pytest.approx(sglang["scores"][1], rel=2e-2)
     assert bad == ["label_token_ids", "items", "top_k", "items", "logprob_token_ids"]
     assert pairs.status_code == 200 and -1 <= pairs.json()["data"][0]["score"] <= 1  # cosine of the embeddings
+
+
+def test_sglang_token_ids_logprob(engine):
+    """SGLang's token_ids_logprob on /generate: the listed tokens' logprobs at each input position from
+    logprob_start_len and at each output token, as [logprob, id, text] triples; a listed token that is the
+    prompt's own there has the prompt token's logprob."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+    prompt, listed = list(range(40, 70)), [45, 60]
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body = {"input_ids": prompt, "sampling_params": greedy, "return_logprob": True, "logprob_start_len": 0}
+            ids = (await http.post("/generate", json=body | {"token_ids_logprob": listed})).json()["meta_info"]
+            own = (await http.post("/generate", json=body)).json()["meta_info"]
+            bad = [(await http.post("/generate", json=body | change)).json()["error"]["param"] for change in
+                   ({"token_ids_logprob": listed, "top_logprobs_num": 2}, {"token_ids_logprob": [1, "x"]},
+                    {"token_ids_logprob": listed, "return_logprob": False})]
+            return ids, own, bad
+
+    ids, own, bad = asyncio.run(go())
+    inputs, outputs = ids["input_token_ids_logprobs"], ids["output_token_ids_logprobs"]
+    assert len(inputs) == len(prompt) and inputs[0] is None and len(outputs) == 3
+    assert all([t for _, t, _ in row] == listed for row in inputs[1:] + outputs)
+    for position, token in ((5, 45), (20, 60)):
+        assert inputs[position][listed.index(token)][0] == pytest.approx(own["input_token_logprobs"][position][0],
+                                                                         abs=2e-2)
+    assert bad == ["token_ids_logprob"] * 3

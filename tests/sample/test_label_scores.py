@@ -118,3 +118,26 @@ def test_probabilities_over_labels():
     assert q.probabilities([(1, -math.inf)] * 3) == pytest.approx([1 / 3] * 3)  # all masked: no preference
     q.apply_softmax = False
     assert q.probabilities([(1, math.log(0.5)), (2, -math.inf)]) == pytest.approx([0.5, 0.0])
+
+
+def test_prompt_logprob_token_ids_equal_transformers(hf_folders, reference):
+    """vLLM's prompt_logprob_token_ids: each prompt row from prompt_logprob_start scores its own ids (padding -1:
+    -inf) as predictions of the next prompt token; the prompt never reads the prefix cache for it."""
+    llm = LLM(str(hf_folders["llama"]), dtype="float64", block_size=4, max_num_batched_tokens=8)
+    prompt, start = [(13 * i + 5) % 8000 for i in range(21)], 6
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)  # cached now
+    rows = [[(37 * i) % 8192, -1, 100 + i][: 1 + i % 3] for i in range(len(prompt) - 1 - start)]
+    params = SamplingParams(max_tokens=1, prompt_logprob_token_ids=rows, prompt_logprob_start=start)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    ref = reference(prompt)
+    got = out.prompt_token_id_logprobs
+    assert got.shape == (len(rows), 3) and out.prompt_logprobs is None and out.num_cached_tokens == 0
+    for i, row in enumerate(rows):
+        want = [ref[start + i, t].item() if t >= 0 else -math.inf for t in row] + [-math.inf] * (3 - len(row))
+        assert got[i].tolist() == pytest.approx(want, rel=1e-6)
+    for bad, why in [(dict(prompt_logprob_token_ids=rows[1:], prompt_logprob_start=start), "rows"),
+                     (dict(prompt_logprob_token_ids=rows, prompt_logprob_start=start, prompt_logprobs=1), "both"),
+                     (dict(prompt_logprob_start=2), "needs prompt_logprob_token_ids"),
+                     (dict(prompt_logprob_token_ids=[[8192]] * 20), "vocabulary")]:
+        with pytest.raises(ValueError, match=why):
+            llm.generate({"prompt_token_ids": prompt}, SamplingParams(**bad), use_tqdm=False)
