@@ -7,6 +7,7 @@ from flock.outputs import (
     ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingRequestOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringRequestOutput,
 )
@@ -16,5 +17,5 @@ from flock.sampling_params import RepetitionDetectionParams, SamplingParams, Str
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
            "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationRequestOutput",
-           "TokenLogprobs", "LoRARequest", "RepetitionDetectionParams"]
+           "PoolingRequestOutput", "TokenLogprobs", "LoRARequest", "RepetitionDetectionParams"]
 __version__ = "0.1.0"

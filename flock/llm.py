@@ -1,6 +1,7 @@
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
 from tqdm import tqdm
 
 from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -18,11 +19,13 @@ from flock.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
     id_logprobs,
 )
-from flock.pooling_params import PoolingParams, cross_encoder_prompt, pair_scores
+from flock.pooling_params import TASKS, PoolingParams, cross_encoder_prompt, pair_scores
 from flock.request import Request
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import chat_text, encode_chat
@@ -127,6 +130,23 @@ class LLM:
         requests = self._pool(prompts, params, use_tqdm)
         return [ClassificationRequestOutput(str(r.request_id), r.prompt_token_ids, ClassificationOutput(r.embedding),
                                             r.is_finished, r.num_cached_tokens) for r in requests]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: each prompt's vector for `pooling_task` "embed" (as `embed`) or "classify" (as
+        `classify`), as a tensor in `out.outputs.data`. Token-level tasks are not run."""
+        if pooling_task not in TASKS:
+            raise ValueError(f"pooling_task must be one of {', '.join(TASKS)} (a prompt's last token pooled), got "
+                             f"{pooling_task!r}; token_embed and token_classify are not run")
+        requests = self._pool(prompts, replace(pooling_params or PoolingParams(), task=pooling_task), use_tqdm)
+        dtype = torch.promote_types(self.engine.runner.dtype, torch.float32)  # the vectors' own precision
+        return [PoolingRequestOutput(str(r.request_id), PoolingOutput(torch.tensor(r.embedding, dtype=dtype)),
+                                     r.prompt_token_ids, r.num_cached_tokens, r.is_finished) for r in requests]
 
     def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams, use_tqdm: bool) -> list[Request]:
         """The finished pooling requests of `prompts` (text: tokenized with the tokenizer's special tokens, an

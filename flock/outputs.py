@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from flock.sample.logprobs import TokenLogprobs
 
@@ -68,6 +69,22 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # an embedding, or a classifier's class probabilities
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled vector, as vLLM's `LLM.encode` returns it."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The input of a batch job: OpenAI Batch lines or plain prompt lines, from JSONL or gzipped JSONL.
 
 A Batch line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" |
-"/v1/responses" | "/v1/embeddings" | "/v1/score" | "/v1/rerank" | "/v1/classify" | "/generative_scoring",
-"body"}` (a /v1/score body with label_token_ids is SGLang's label scoring).
+"/v1/responses" | "/v1/embeddings" | "/v1/score" | "/v1/rerank" | "/v1/classify" | "/pooling" |
+"/generative_scoring", "body"}` (a /v1/score body with label_token_ids is SGLang's label scoring).
 A plain line is the body itself with `prompt`, `prompt_token_ids` or `messages` (plus any sampling fields);
 its custom_id is `line-N` unless it carries one. Bodies are checked later by `flock.api.protocol`.
 """
@@ -19,7 +19,7 @@ from flock.api.protocol import lone_surrogate
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "response",
         "/v1/embeddings": "embedding", "/v1/score": "score", "/v1/rerank": "rerank", "/v1/classify": "classify",
-        "/generative_scoring": "generative_score"}
+        "/generative_scoring": "generative_score", "/pooling": "pooling"}
 BATCH_FIELDS = {"custom_id", "method", "url", "body"}
 
 
@@ -27,7 +27,7 @@ BATCH_FIELDS = {"custom_id", "method", "url", "body"}
 class BatchLine:
     number: int  # 1-based line number in the input
     custom_id: str
-    kind: str  # "completion" | "chat" | "response" | "embedding" | "score" | "rerank" | "classify" | "generative_score"
+    kind: str  # "completion", "chat", "response", one of flock.api.pooling.KINDS, or "generative_score"
     body: dict
 
 

@@ -41,7 +41,7 @@ HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within 
 # requests counted by status
 COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
                  "/v1/score", "/v1/rerank", "/v1/classify", "/classify", "/generate", "/completion", "/completions",
-                 "/infill", "/generative_scoring"}
+                 "/infill", "/generative_scoring", "/pooling"}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -95,6 +95,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/score", dependencies=auth)  # vLLM's unversioned paths, and /v2/rerank (Cohere's)
     async def score_(raw: Request):
         return await score(raw, ctx)
+
+    @app.post("/pooling", dependencies=auth)
+    async def pooling(raw: Request):
+        return await embed(raw, ctx, "pooling")
 
     @app.post("/generative_scoring", dependencies=auth)
     async def generative_scoring(raw: Request):

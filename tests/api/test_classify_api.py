@@ -48,6 +48,9 @@ def test_server_classifies_and_cross_encodes_as_the_offline_llm(server, reranker
     order = sorted(range(3), key=lambda i: -scores[i])[:2]
     assert [(r["index"], r["relevance_score"]) for r in body["results"]] == \
         [(i, pytest.approx(scores[i], abs=1e-5)) for i in order]
+    pooled = post("/pooling", {"model": "rr", "input": [QUERY + d for d in DOCS]}).json()  # vLLM's: classify here
+    assert [d["data"][0] for d in pooled["data"]] == pytest.approx(scores, abs=1e-5)
+    assert {d["object"] for d in pooled["data"]} == {"pooling"} and pooled["id"].startswith("pool-")
     assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200  # the model pools its token
     raw = post("/classify", {"input": QUERY + DOCS[0], "use_activation": False}).json()["data"][0]["probs"]
     assert raw[0] == pytest.approx(math.log(scores[0] / (1 - scores[0])), abs=1e-4)  # the logit
@@ -56,7 +59,9 @@ def test_server_classifies_and_cross_encodes_as_the_offline_llm(server, reranker
             ("/v1/embeddings", {"input": "hi"}, "input", "it does not embed"),
             ("/classify", {"input": "hi", "dimensions": 4}, "dimensions", "unknown"),
             ("/classify", {"input": ""}, "input", "empty"),
-            ("/classify", {"input": "hi", "use_activation": "no"}, "use_activation", "must be a bool")]:
+            ("/classify", {"input": "hi", "use_activation": "no"}, "use_activation", "must be a bool"),
+            ("/pooling", {"input": "hi", "task": "token_classify"}, "task", "not supported"),
+            ("/pooling", {"input": "hi", "task": "embed"}, "input", "it does not embed")]:
         bad = post(path, {"model": "rr"} | body)
         assert bad.status_code == 400 and why in bad.json()["error"]["message"], (path, bad.json())
         assert param is None or bad.json()["error"]["param"] == param

@@ -251,3 +251,18 @@ def test_sglang_token_ids_logprob(engine):
         assert inputs[position][listed.index(token)][0] == pytest.approx(own["input_token_logprobs"][position][0],
                                                                          abs=2e-2)
     assert bad == ["token_ids_logprob"] * 3
+
+
+def test_pooling_answers_the_models_embeddings(engine):
+    """vLLM's /pooling: a causal LM's default task embeds; each vector as `data`, as /v1/embeddings gives it."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            pooled = (await http.post("/pooling", json={"input": ["a b c", "d e"]})).json()
+            embedded = (await http.post("/v1/embeddings", json={"input": ["a b c", "d e"]})).json()
+            return pooled, embedded
+
+    pooled, embedded = asyncio.run(go())
+    assert [d["data"] for d in pooled["data"]] == [pytest.approx(d["embedding"], abs=1e-6) for d in embedded["data"]]
+    assert pooled["usage"] == embedded["usage"] and pooled["object"] == "list"
