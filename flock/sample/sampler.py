@@ -39,8 +39,8 @@ class SamplingRow(TokenHistory, Protocol):
     grammar: object | None  # an xgrammar matcher
     drafts: list[int]  # speculative tokens before this row, counted in its output (read by the grammar masks)
     mirostat_mu: float | None  # a Mirostat request's running bound
-    # the draft this row verifies and the draft model's distribution it was drawn from (None: a greedy or
-    # prompt-lookup draft, verified by sampling the row as it is)
+    # a DraftRow's: the draft this row verifies and the draft model's distribution it was drawn from (None, or no
+    # such attribute: the row is sampled as it is)
     proposal: tuple[int, torch.Tensor] | None
 
 

@@ -12,21 +12,9 @@ from flock.label_scores import LabelQuery
 from flock.sample.logprobs import token_logprobs
 
 from tests.engine.test_parity import shared_prefix_prompts
+from tests.sample.test_logprobs import reference  # noqa: F401 (a fixture: transformers' log-softmax in float64)
 
 LABELS = [17, 5, 4000, 17]  # a label may repeat; the order is the caller's
-
-
-@pytest.fixture(scope="module")
-def reference(hf_folders):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_folders["llama"], dtype=torch.float64).eval()
-
-    def log_probs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
-
-    return log_probs
 
 
 def test_listed_tokens_in_their_order():
