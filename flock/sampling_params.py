@@ -180,6 +180,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.thinking_token_budget == -1:
             self.thinking_token_budget = None
+        if hasattr(self.prompt_logprob_token_ids, "tolist"):  # vLLM's type: an integer array [rows, ids]
+            self.prompt_logprob_token_ids = self.prompt_logprob_token_ids.tolist()
         if isinstance(self.repetition_detection, dict):  # unknown keys stay for validate() to name
             fields = RepetitionDetectionParams.__dataclass_fields__
             if set(self.repetition_detection) <= set(fields):

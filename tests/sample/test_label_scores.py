@@ -4,6 +4,7 @@ does in float64, under every scheduler, whatever the items share."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,6 +124,10 @@ def test_prompt_logprob_token_ids_equal_transformers(hf_folders, reference):
     for i, row in enumerate(rows):
         want = [ref[start + i, t].item() if t >= 0 else -math.inf for t in row] + [-math.inf] * (3 - len(row))
         assert got[i].tolist() == pytest.approx(want, rel=1e-6)
+    padded = np.array([row + [-1] * (3 - len(row)) for row in rows])  # vLLM's type: an array of [rows, ids]
+    as_array = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=1, prompt_logprob_token_ids=padded, prompt_logprob_start=start), use_tqdm=False)[0]
+    np.testing.assert_array_equal(as_array.prompt_token_id_logprobs, got)
     for bad, why in [(dict(prompt_logprob_token_ids=rows[1:], prompt_logprob_start=start), "rows"),
                      (dict(prompt_logprob_token_ids=rows, prompt_logprob_start=start, prompt_logprobs=1), "both"),
                      (dict(prompt_logprob_start=2), "needs prompt_logprob_token_ids"),
