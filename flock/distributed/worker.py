@@ -98,7 +98,7 @@ class EngineWorker:
 
     def info(self) -> EngineInfo:
         e = self.engine
-        return EngineInfo(e.tokenizer, e.max_model_len, e.model_config.vocab_size, os.getpid(), socket.gethostname(),
+        return EngineInfo(e.tokenizer, e.max_model_len, e.vocab_size, os.getpid(), socket.gethostname(),
                           torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace,
                           e.tasks, e.sampling_defaults)
 

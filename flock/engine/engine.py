@@ -91,7 +91,6 @@ class LLMEngine:
             max_len = self.kv.capacity_tokens
         self.max_model_len = max_len
         c = resolved.config
-        self.vocab_size = c.vocab_size
         template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
                                 template)
@@ -118,7 +117,7 @@ class LLMEngine:
         if spec.method == "ngram":
             return NgramProposer(spec)
         return DraftModelProposer(config, spec, self.runner.dtype, max_len, self.runner.num_blocks,
-                                  self.model_config.vocab_size)
+                                  self.vocab_size)
 
     @staticmethod
     def _sampling_defaults(source: str, resolved) -> dict:
@@ -134,11 +133,16 @@ class LLMEngine:
                         "--generation-config vllm turns this off)", defaults, folder)
         return defaults
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's (its logits' width)."""
+        return self.model_config.vocab_size
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
         params = engine_params(params, self.tasks)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         check_priority(params, self.config.scheduler)
         if params.thinking_token_budget is not None and self.think_markers is None:
             raise ValueError(f"thinking_token_budget needs a model whose tokenizer has {' and '.join(THINK_TOKENS)} "
