@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -129,6 +130,19 @@ def cpu_unless_named():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner, "resolve_device", lambda name: torch.device("cpu" if name == "auto" else name))
         yield
+
+
+@pytest.fixture(scope="session")
+def thinker(tmp_path_factory):
+    """A random Llama of two more tokens, its tokenizer's two reserved ones (ids VOCAB, VOCAB + 1) renamed <think>
+    and </think>."""
+    folder = make_hf_model("llama", tmp_path_factory.mktemp("thinker"), vocab=VOCAB + 2)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    names = {VOCAB: "<think>", VOCAB + 1: "</think>"}
+    for added in tok["added_tokens"]:
+        added["content"] = names.get(added["id"], added["content"])
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ from flock.api.classify import ClassifyRequest
 from flock.api.generative_scores import LabelScoreRequest, parse_label_scores
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
 from flock.api.logprobs import TokenText
+from flock.api.messages import MessagesRequest, parse_messages
+from flock.api.messages import renamed as messages_renamed
 from flock.api.pooling import KINDS as POOLING_KINDS, PoolingRequest, pooling_request
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
                                 make_choice, new_id, parse_request, reasoning_usage, refuse_adapter_embeddings,
@@ -143,7 +145,7 @@ def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
     return done, {r["error"]["line"] for r in errors if isinstance(r.get("error"), dict) and "line" in r["error"]}
 
 
-LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | LabelScoreRequest
+LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | MessagesRequest | LabelScoreRequest
 
 
 @dataclass
@@ -196,10 +198,10 @@ class BatchJob:
             return self._submit_prompts(line, self._parse_label_scores)
         if line.kind in POOLING_KINDS:
             return self._submit_prompts(line, self._parse_pooling)
-        rename = renamed if line.kind == "response" else lambda e: e
+        rename = {"response": renamed, "message": messages_renamed}.get(line.kind, lambda e: e)
         try:  # a line's fields, else the CLI flags, else the model's generation config, else the API's defaults
             parsed = gen = self._parse(line)
-            if isinstance(parsed, ResponsesRequest):
+            if isinstance(parsed, (ResponsesRequest, MessagesRequest)):
                 gen = parsed.gen
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
@@ -217,8 +219,11 @@ class BatchJob:
             raise LineError(line.number, error.message, line.custom_id, param=error.param) from None
         self._add(line, parsed, gen.engine_requests())
 
-    def _parse(self, line: BatchLine) -> GenerationRequest | ResponsesRequest:
+    def _parse(self, line: BatchLine) -> GenerationRequest | ResponsesRequest | MessagesRequest:
         defaults, cfg = self.engine.sampling_defaults, self.cfg
+        if line.kind == "message":
+            return parse_messages(line.body, self.engine.tokenizer, cfg.tool_parser, cfg.reasoning_parser,
+                                  defaults | self.flags)
         if line.kind == "response":
             if line.body.get("previous_response_id") is not None:
                 raise APIError("previous_response_id needs a stored response; a batch job stores none",
@@ -357,7 +362,7 @@ class BatchJob:
     def _response(self, line: PendingLine) -> tuple[str, dict]:
         """(request id, response body) of a line whose requests have all finished."""
         gen, model = line.request, self.engine.config.model
-        if isinstance(gen, (GenerationRequest, ResponsesRequest)):
+        if isinstance(gen, (GenerationRequest, ResponsesRequest, MessagesRequest)):
             model = self._model_of(gen if isinstance(gen, GenerationRequest) else gen.gen)
         if isinstance(gen, PoolingRequest):
             tokens = sum(r.num_prompt_tokens for r in line.finished)
@@ -371,15 +376,17 @@ class BatchJob:
             request_id = new_id(gen.kind)
             choices, usage_ = gen.beam_choices(line.searches, self.engine.tokenizer)
             return request_id, response_body(gen.kind, request_id, model, choices, usage_)
-        responses = gen if isinstance(gen, ResponsesRequest) else None
-        gen = responses.gen if responses else gen
+        wrapper = gen if isinstance(gen, (ResponsesRequest, MessagesRequest)) else None
+        gen = wrapper.gen if wrapper else gen
         choices = [make_choice(gen, i, text, r.finish_reason, r.output_token_ids, r.logprobs, r.prompt_logprobs,
                                self.token_text, r.stop_text)
                    for i, (text, r) in enumerate(zip(line.texts, line.finished))]
-        if responses:
-            final = line.finished[0]
-            body = responses.whole(model, choices[0], final, final.output_token_ids, self.engine.tokenizer)
-            return responses.id, body
+        final = line.finished[0]
+        if isinstance(wrapper, ResponsesRequest):
+            body = wrapper.whole(model, choices[0], final, final.output_token_ids, self.engine.tokenizer)
+            return wrapper.id, body
+        if isinstance(wrapper, MessagesRequest):
+            return wrapper.id, wrapper.message(model, choices[0], final)
         request_id = new_id(gen.kind)
         return request_id, response_body(gen.kind, request_id, model, choices,
                                          choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))

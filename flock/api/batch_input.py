@@ -1,7 +1,7 @@
 """The input of a batch job: OpenAI Batch lines or plain prompt lines, from JSONL or gzipped JSONL.
 
 A Batch line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" |
-"/v1/responses" | "/v1/embeddings" | "/v1/score" | "/v1/rerank" | "/v1/classify" | "/pooling" |
+"/v1/responses" | "/v1/messages" | "/v1/embeddings" | "/v1/score" | "/v1/rerank" | "/v1/classify" | "/pooling" |
 "/generative_scoring", "body"}` (a /v1/score body with label_token_ids is SGLang's label scoring).
 A plain line is the body itself with `prompt`, `prompt_token_ids` or `messages` (plus any sampling fields);
 its custom_id is `line-N` unless it carries one. Bodies are checked later by `flock.api.protocol`.
@@ -18,6 +18,7 @@ from typing import BinaryIO
 from flock.api.protocol import lone_surrogate
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "response",
+        "/v1/messages": "message",
         "/v1/embeddings": "embedding", "/v1/score": "score", "/v1/rerank": "rerank", "/v1/classify": "classify",
         "/generative_scoring": "generative_score", "/pooling": "pooling"}
 BATCH_FIELDS = {"custom_id", "method", "url", "body"}
@@ -27,7 +28,7 @@ BATCH_FIELDS = {"custom_id", "method", "url", "body"}
 class BatchLine:
     number: int  # 1-based line number in the input
     custom_id: str
-    kind: str  # "completion", "chat", "response", one of flock.api.pooling.KINDS, or "generative_score"
+    kind: str  # "completion", "chat", "response", "message", one of flock.api.pooling.KINDS, or "generative_score"
     body: dict
 
 

@@ -17,10 +17,13 @@ from starlette.exceptions import HTTPException
 import flock
 from flock.api.metrics import StatusCounter
 from flock.api import llama_cpp
+from flock.api.messages import error_body as anthropic_error
 from flock.api.protocol import APIError, chat_token_ids
 from flock.api.server_generate import (
     ServerContext,
+    answer_messages,
     check_model,
+    count_message_tokens,
     embed,
     generate,
     generate_llama_cpp,
@@ -39,7 +42,8 @@ from flock.sampling_params import SamplingParams
 
 HEALTH_GENERATE_SECONDS = 20.0  # /health_generate's one token must come within this
 # requests counted by status
-COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                 "/v1/embeddings",
                  "/v1/score", "/v1/rerank", "/v1/classify", "/classify", "/generate", "/completion", "/completions",
                  "/infill", "/generative_scoring", "/pooling"}
 
@@ -210,6 +214,14 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     async def responses(raw: Request):
         return await respond(raw, ctx)
 
+    @router.post("/messages")  # Anthropic's, its errors in Anthropic's shape
+    async def messages(raw: Request):
+        return await answer_messages(raw, ctx)
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(raw: Request):
+        return count_message_tokens(await json_body(raw), ctx)
+
     @router.get("/responses/{response_id}")
     async def stored_response(response_id: str):
         return _stored(ctx, response_id)
@@ -255,13 +267,14 @@ def _stored(ctx: ServerContext, response_id: str) -> dict:
 
 
 def _auth(api_key: str):
+    """The API key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
     expected = f"Bearer {api_key}".encode()
 
     async def check(raw: Request) -> None:
-        given = raw.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
-                           code="invalid_api_key")
+        bearer = hmac.compare_digest(raw.headers.get("authorization", "").encode(), expected)
+        if not bearer and not hmac.compare_digest(raw.headers.get("x-api-key", "").encode(), api_key.encode()):
+            raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                           status=401, code="invalid_api_key")
 
     return check
 
@@ -330,7 +343,8 @@ async def _health_generate(ctx: ServerContext) -> JSONResponse:
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
     headers = {"retry-after": "1"} if e.status == 429 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    body = anthropic_error(e) if request.url.path.startswith("/v1/messages") else e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -339,7 +353,7 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     # Starlette re-raises after sending this, so uvicorn logs the traceback
-    return JSONResponse(APIError("internal server error", status=500, type="server_error").body(), status_code=500)
+    return await _api_error(request, APIError("internal server error", status=500, type="server_error"))
 
 
 class DrainingServer(uvicorn.Server):

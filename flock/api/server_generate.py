@@ -24,6 +24,8 @@ from flock.api.generative_scores import parse_label_scores
 from flock.api.infill import parse_infill
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
 from flock.api.pooling import pooling_request
+from flock.api.messages import MessageEvents, MessagesRequest, parse_messages
+from flock.api.messages import renamed as messages_renamed
 from flock.api.metrics import Metrics
 from flock.api.protocol import (
     APIError,
@@ -263,6 +265,54 @@ async def _response_events(req: ResponsesRequest, streams: list[RequestStream], 
                     yield _named_sse(event)
                 if out.error or out.finished:
                     ctx.responses.put(req, sent[-1]["response"])
+                    break
+    finally:
+        _close(streams, ctx.metrics)
+
+
+async def answer_messages(raw: Request, ctx: ServerContext):
+    """POST /v1/messages (flock/api/messages.py)."""
+    body = check_model(await json_body(raw), ctx)
+    req = parse_messages(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser,
+                         ctx.engine.sampling_defaults)
+    gen, model = req.gen, reported_model(body.get("model"), ctx)
+    gen.use_lora(ctx.loras.get(body.get("model")))
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)))
+    given = raw.headers.get("x-request-id") or gen.request_id
+    if given:
+        req.id = given if given.startswith("msg_") else "msg_" + given
+    if gen.stream:
+        return _SSEResponse(_message_events(req, model, streams, ctx), media_type="text/event-stream")
+    p = (await _collect(streams, raw, ctx))[0]
+    choice = make_choice(gen, 0, "".join(p.texts), p.last.finish_reason, p.token_ids, None, None, ctx.token_text,
+                         p.last.stop_reason)
+    return JSONResponse(req.message(model, choice, p.last))
+
+
+def count_message_tokens(body, ctx: ServerContext) -> dict:
+    """POST /v1/messages/count_tokens: the prompt tokens a Messages body would run with."""
+    req = parse_messages(check_model(body, ctx), ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser,
+                         count_only=True)
+    return {"input_tokens": len(req.gen.prompts[0])}
+
+
+async def _message_events(req: MessagesRequest, model: str, streams: list[RequestStream], ctx: ServerContext
+                          ) -> AsyncIterator[str]:
+    events, answer = MessageEvents(req, model), AnswerStream(req.gen, ctx.engine.tokenizer)
+    try:
+        async with aclosing(_merged(streams, ctx.metrics)) as outs:
+            async for _, out in outs:
+                if out.error:
+                    sent = events.failed(out.error)
+                else:
+                    reasoning, content, calls, finish_reason = answer.split(out)
+                    sent = events.add(out, reasoning, content)
+                    if out.finished:
+                        choice = Choice("", finish_reason, stop_reason=out.stop_reason, tool_calls=calls or None)
+                        sent += events.finish(choice, out)
+                for event in sent:
+                    yield _named_sse(event)
+                if out.error or out.finished:
                     break
     finally:
         _close(streams, ctx.metrics)
@@ -538,5 +588,5 @@ def _sse(obj: dict) -> str:
 
 
 def _named_sse(event: dict) -> str:
-    """A Responses stream event, named by its type as OpenAI sends them."""
+    """A Responses or Messages stream event, named by its type as OpenAI and Anthropic send them."""
     return f"event: {event['type']}\n" + _sse(event)

@@ -5,6 +5,7 @@ import asyncio
 import json
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -430,6 +431,71 @@ def test_responses_tool_calls_and_structured_text(client):
     fmt = client.responses.create(model=MODEL, input="A city?", max_output_tokens=60, temperature=0,
                                   text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
     assert json.loads(fmt.output_text)["city"] in ("Paris", "Rome")
+
+
+def test_messages_equal_chat_completions(server, client):
+    """POST /v1/messages, through the anthropic client (its x-api-key header), answers as /v1/chat/completions does
+    for the same conversation, whole or streamed; usage splits the prompt into computed and cached tokens; a stop
+    sequence says which; count_tokens counts the prompt; errors come in Anthropic's shape."""
+    anth = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+    user = [{"role": "user", "content": "Why page the cache?"}]
+    chat = client.chat.completions.create(messages=[{"role": "system", "content": SYSTEM}] + user, model=MODEL,
+                                          max_tokens=16, **GREEDY)
+    text = chat.choices[0].message.content
+    kw = dict(model=MODEL, system=SYSTEM, messages=user, extra_body={"temperature": 0, "ignore_eos": True})
+    m = anth.messages.create(max_tokens=16, **kw)
+    assert m.id.startswith("msg_") and m.content[0].text == text and m.stop_reason == "max_tokens"
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert m.usage.cache_read_input_tokens > 0 and m.usage.output_tokens == 16
+    with anth.messages.stream(max_tokens=16, **kw) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-1] == "message_stop"
+    assert [b.text for b in streamed.content] == [text] and streamed.stop_reason == "max_tokens"
+    assert streamed.usage == m.usage
+    stop = text[5:8]
+    stopped = anth.messages.create(max_tokens=16, stop_sequences=[stop], **kw)
+    assert (stopped.content[0].text, stopped.stop_reason, stopped.stop_sequence) == \
+        (text[: text.find(stop)], "stop_sequence", stop)
+    assert anth.messages.count_tokens(model=MODEL, system=SYSTEM, messages=user).input_tokens == \
+        chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anth.messages.create(max_tokens=16, model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}}]}])
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "PDF" in e.value.body["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "messages": user}, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(max_tokens=1, **kw)
+
+
+def test_messages_tool_use_and_structured_output(server):
+    """A forced tool comes back as a tool_use block (whole and streamed alike) that a tool_result answers;
+    output_config.format constrains the text as response_format does."""
+    anth = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+    weather = {"name": "get_weather", "input_schema": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
+    user = {"role": "user", "content": "Weather in Paris?"}
+    kw = dict(model=MODEL, max_tokens=100, messages=[user], tools=[weather], extra_body={"temperature": 0},
+              tool_choice={"type": "tool", "name": "get_weather"})
+    m = anth.messages.create(**kw)
+    call = m.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather" and call.input["city"] in ("Paris", "Rome")
+    assert m.stop_reason == "tool_use"
+    with anth.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(call.name, call.input)]
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]}
+    after = anth.messages.create(model=MODEL, max_tokens=4, tools=[weather],
+                                 messages=[user, {"role": "assistant", "content": m.content}, result])
+    assert after.usage.input_tokens + after.usage.cache_read_input_tokens > \
+        m.usage.input_tokens + m.usage.cache_read_input_tokens
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = anth.messages.create(model=MODEL, max_tokens=60, messages=[user], extra_body={"temperature": 0},
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(fmt.content[0].text)["city"] in ("Paris", "Rome")
 
 
 def test_cache_salt_as_vllm(client):

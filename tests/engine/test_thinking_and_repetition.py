@@ -1,28 +1,14 @@
 """vLLM's thinking_token_budget (a reasoning model's thinking ended by force once it has used its budget) and
 repetition_detection (an output that ends in a repeated pattern stops, finish_reason "repetition")."""
 
-import json
-
 import pytest
 
 from flock import LLM, RepetitionDetectionParams, SamplingParams
-from tests.conftest import VOCAB, make_hf_model
+from tests.conftest import VOCAB
 from tests.engine.test_parity import model_greedy
 from tests.spec.test_speculative import SPEC
 
 THINK, END = VOCAB, VOCAB + 1  # the ids the thinking model's tokenizer gives <think> and </think>
-
-
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    """A random Llama of two more tokens, its tokenizer's two reserved ones renamed <think> and </think>."""
-    folder = make_hf_model("llama", tmp_path_factory.mktemp("thinker"), vocab=VOCAB + 2)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    names = {THINK: "<think>", END: "</think>"}
-    for added in tok["added_tokens"]:
-        added["content"] = names.get(added["id"], added["content"])
-    (folder / "tokenizer.json").write_text(json.dumps(tok))
-    return folder
 
 
 @pytest.fixture(scope="module")
