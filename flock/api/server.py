@@ -3,8 +3,8 @@
     flock serve --model flock/tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-waiting N] ...
     flock serve MODEL --max-model-len 4096 --enable-prefix-caching ...   # a `vllm serve` command line
 
-Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /v1/responses,
-/v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /v1/responses, Anthropic's
+/v1/messages and /v1/messages/count_tokens, /v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
 /health, /metrics, and SGLang's /generate, /get_model_info, /health_generate and /v1/score with label_token_ids.
 """
 
@@ -39,7 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 endpoints")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
     p.add_argument("--stream-interval", type=_positive, default=1,

@@ -162,17 +162,22 @@ def build_app(ctx: ServerContext) -> FastAPI:
 def _v1_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(prefix="/v1")
     created = int(time.time())
+    created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
 
     def model_card(name: str) -> dict:
-        """vLLM's card: a LoRA adapter's root is its folder and its parent the base model."""
+        """vLLM's card (a LoRA adapter's root is its folder and its parent the base model), with the fields of
+        Anthropic's model object too."""
         lora = ctx.loras.get(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "flock",
                 "root": lora.lora_path if lora else ctx.engine.config.model,
-                "parent": ctx.model_names[0] if lora else None, "max_model_len": ctx.engine.max_model_len}
+                "parent": ctx.model_names[0] if lora else None, "max_model_len": ctx.engine.max_model_len,
+                "type": "model", "display_name": name, "created_at": created_at}
 
     @router.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in [*ctx.model_names, *ctx.loras]]}
+        names = [*ctx.model_names, *ctx.loras]
+        return {"object": "list", "data": [model_card(name) for name in names], "has_more": False,
+                "first_id": names[0], "last_id": names[-1]}
 
     @router.get("/models/{name:path}")  # OpenAI's retrieve (names may hold slashes: "org/model")
     async def model(name: str):

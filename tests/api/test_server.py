@@ -468,6 +468,7 @@ def test_messages_equal_chat_completions(server, client):
     assert "max_tokens" in r.json()["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(max_tokens=1, **kw)
+    assert [(m.id, m.type) for m in anth.models.list()] == [(MODEL, "model")]
 
 
 def test_messages_tool_use_and_structured_output(server):
