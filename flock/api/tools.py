@@ -11,8 +11,11 @@ optional text), "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {..
 `<|python_tag|>`), "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
 ...]`, ids of 9 letters and digits as Mistral's template wants them) and "pythonic" (Llama 3.2 with its pythonic
 template, Llama 4, ToolACE: the whole answer a Python list of calls with literal keyword arguments,
-`[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not). The content is the
-text before the first call, without the whitespace that ends it (a pythonic answer is calls or content, whole).
+`[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not) and "qwen3_coder"
+(Qwen3-Coder, Qwen3.5: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n
+</tool_call>`, each value raw text read as its parameter's schema type; forced calls constrained by xgrammar's own
+structural tag of the format). The content is the text before the first call, without the whitespace that ends it
+(a pythonic answer is calls or content, whole).
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from dataclasses import dataclass
 from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
 _MISTRAL_START = "[TOOL_CALLS]"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
 _STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START],
-           "pythonic": ["[", _PYTHON_START]}
+           "pythonic": ["[", _PYTHON_START], "qwen3_coder": [_HERMES_START]}
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # a format's call as (begin, end) around the arguments, in the forms a model writes it; the separator of calls
 _CALL_FORMS = {"hermes": ([('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"),
@@ -70,6 +75,8 @@ class ToolCalling:
             return self._mistral_constraint()
         if self.parser == "pythonic":
             return self._pythonic_constraint()
+        if self.parser == "qwen3_coder":
+            return self._xgrammar_constraint("qwen_3_coder")
         forms, separator = _CALL_FORMS[self.parser]
         tags = [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
                  "content": {"type": "json_schema", "json_schema": f.get("parameters") or _EMPTY_PARAMETERS,
@@ -105,11 +112,24 @@ class ToolCalling:
             rules += _pythonic_call(f"call{i}", f["name"], f.get("parameters") or {})
         return StructuredOutputsParams(grammar="\n".join(rules + _PYTHON_LITERALS))
 
+    def _xgrammar_constraint(self, model: str) -> StructuredOutputsParams:
+        """Calls and nothing else, one when not parallel or named, each as xgrammar's structural tag of the model
+        family writes it (the thinking before them is Flock's to allow)."""
+        import xgrammar
+
+        tools = [t for t in self.tools if not self.named or t["function"]["name"] == self.choice]
+        tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice="required", reasoning="disabled",
+                                                max_whitespace_cnt=1)
+        calls = {"type": "tags_with_separator", "tags": [t.model_dump() for t in tag.format.tags], "separator": "\n",
+                 "at_least_one": True, "stop_after_first": self.named or not self.parallel}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
+
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
         not parse, there are none and the whole text is the content. Without parallel calls only the first
         counts."""
-        parse = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic}
+        parse = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic,
+                 "qwen3_coder": lambda text: _qwen3_coder(text, self.tools)}
         content, calls = parse[self.parser](text)
         if not calls:
             return text, []
@@ -199,6 +219,46 @@ def _pythonic(text: str) -> tuple[str, list[tuple[str, object]]]:
     except (SyntaxError, ValueError, TypeError):
         return text, []
     return "", calls
+
+
+def _qwen3_coder(text: str, tools: list[dict]) -> tuple[str, list[tuple[str, object]]]:
+    """Qwen's XML calls: each `<function=NAME>`'s `<parameter=KEY>` values, read by their schema types (vLLM's
+    qwen3_coder parser); a call left open at the end (max_tokens) counts as far as it goes."""
+    if _HERMES_START not in text:
+        return text, []
+    schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+               for t in tools}
+    calls = []
+    for name, body in _XML_CALL.findall(text):
+        name, properties = name.strip(), schemas.get(name.strip(), {})
+        calls.append((name, {key.strip(): _xml_value(value, properties.get(key.strip()))
+                             for key, value in _XML_PARAMETER.findall(body)}))
+    if not calls:
+        return text, []
+    return text[: text.index(_HERMES_START)], calls
+
+
+def _xml_value(raw: str, schema: dict | None):
+    """A parameter's value: its text without the newline on either side, as its schema's type (a string as it is;
+    numbers, booleans, null, objects and arrays read as JSON, then as Python literals; text when neither reads)."""
+    value = raw.removeprefix("\n").removesuffix("\n")
+    kind = (schema or {}).get("type")
+    if schema and "enum" in schema and value.strip() in schema["enum"]:
+        return value.strip()
+    if kind == "string":
+        return value
+    if value.strip().lower() == "null":
+        return None
+    if kind == "boolean" and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    for read in (json.loads, ast.literal_eval):
+        try:
+            parsed = read(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        if kind is None or not isinstance(parsed, str):
+            return parsed
+    return value
 
 
 def _pythonic_call(rule: str, name: str, schema: dict) -> list[str]:
@@ -304,7 +364,8 @@ def add_parser_arguments(p) -> None:
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
                         "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3; pythonic: Llama 3.2's pythonic "
-                        "template, Llama 4): tool_choice auto, required and named functions work")
+                        "template, Llama 4; qwen3_coder: Qwen3-Coder, Qwen3.5): tool_choice auto, required and named "
+                        "functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),

@@ -223,3 +223,63 @@ def test_forced_pythonic_calls_follow_the_format(tok):
     single = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": "required",
                                     "parallel_tool_calls": False}, tok, None, "pythonic")
     assert not grammars.matcher(single.params.structured_outputs).accept_string("[now(), now()]")
+
+
+FILE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                                     "mode": {"type": "integer"}, "options": {"type": "object"}},
+    "required": ["path", "content"]}}}
+
+
+def qwen3_coder(choice="auto") -> ToolCalling:
+    return ToolCalling("qwen3_coder", [WEATHER, NOW, FILE], choice)
+
+
+def xml_call(name: str, **values: str) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_calls_as_vllm_parses_them():
+    """Qwen's XML calls after optional text, each value read as its parameter's schema type (a string raw, markup
+    and newlines in it kept); no function in a call: no calls."""
+    text = "I'll check.\n" + xml_call("get_weather", city="Rome", celsius="true") + "\n" + xml_call("now")
+    assert calls(qwen3_coder().extract(text)) == ("I'll check.", [("get_weather", {"city": "Rome", "celsius": True}),
+                                                                  ("now", {})])
+    html = xml_call("write_file", path="index.html", content="<div>\n  42\n</div>", mode="420",
+                    options='{"overwrite": true}')
+    assert calls(qwen3_coder().extract(html)) == (None, [("write_file", {
+        "path": "index.html", "content": "<div>\n  42\n</div>", "mode": 420, "options": {"overwrite": True}})])
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"  # max_tokens ran out
+    assert calls(qwen3_coder().extract(cut)) == (None, [("get_weather", {"city": "Par"})])
+    for text in ("No call.", "<tool_call>\n</tool_call>"):
+        assert qwen3_coder().extract(text) == (text, [])
+    stream = ToolCallStream(qwen3_coder())
+    assert stream.content("Sure. <tool") == "Sure." and stream.content("_call>\n<function=now>") == ""
+
+
+def test_forced_qwen3_coder_calls_follow_the_format(tok):
+    from flock import LLM
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    weather = xml_call("get_weather", city="Paris", celsius="false")
+    llm = LLM("flock/tiny", max_model_len=512)
+    rome = xml_call("get_weather", city="Rome", celsius="true")
+    for choice, answer in [("required", rome + "\n" + weather), (named, weather)]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice,
+                                     "max_tokens": 120, "temperature": 0}, tok, None, "qwen3_coder")
+        spec = gen.params.structured_outputs
+        assert grammars.matcher(spec).accept_string(answer) and calls(gen.tools.extract(answer))[1]
+        for wrong in ("Sure.", xml_call("other"), xml_call("get_weather", city="Oslo", celsius="true"),
+                      xml_call("get_weather", city="Rome", celsius="maybe")):
+            assert not grammars.matcher(spec).accept_string(wrong)
+        text = llm.generate([{"prompt_token_ids": gen.prompts[0]}], gen.params, use_tqdm=False)[0].outputs[0].text
+        found = calls(gen.tools.extract(text))[1]  # the random model's answer, held to the format
+        assert found and all(name in ("get_weather", "now") for name, _ in found)
+        assert all(args["city"] in ("Paris", "Rome") and isinstance(args["celsius"], bool)
+                   for name, args in found if name == "get_weather")
+    single = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": "required",
+                                    "parallel_tool_calls": False}, tok, None, "qwen3_coder")
+    assert not grammars.matcher(single.params.structured_outputs).accept_string(rome + "\n" + weather)
