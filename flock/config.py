@@ -59,6 +59,13 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "the KV cache's elements: auto (the model's dtype), or fp8 (= fp8_e4m3) or "
                                  "fp8_e5m2: a row of fp8 codes and a scale per token and KV head, about half the "
                                  "bytes", choices=KV_CACHE_DTYPES)
+    kv_cache_disk_dir: str | None = option(
+        None, "a folder that keeps full KV blocks beyond memory, a tier below the prefix cache (as SGLang's "
+        "hierarchical cache and LMCache's local disk do): prefixes evicted from memory are read back instead of "
+        "computed, and a later run of the same model (its files, dtype and KV layout) finds the blocks an earlier "
+        "one wrote")
+    kv_cache_disk_bytes: int = option(16 << 30, "the disk tier's size in bytes (16 GiB): the least recently used "
+                                      "blocks beyond it are deleted")
     scheduler: str = option("fcfs", "the scheduling policy")
     feather_policy: str = option("static", "batching policy of the feather scheduler")
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
@@ -127,5 +134,7 @@ class EngineConfig:
             lora_requests(self.lora_modules)
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        if self.kv_cache_disk_bytes < 0:
+            raise ValueError(f"kv_cache_disk_bytes must be at least 0, got {self.kv_cache_disk_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

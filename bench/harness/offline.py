@@ -129,7 +129,7 @@ def hf_folder(model: str, out: Path, dtype: str = "bfloat16") -> Path:
 # -- Flock -----------------------------------------------------------------------------------------------------
 STATS = ("wall_seconds", "schedule_seconds", "model_seconds", "steps", "preemptions", "peak_kv_blocks",
          "num_kv_blocks", "computed_prefill_tokens", "cached_prefill_tokens", "mean_tokens_per_step",
-         "mean_requests_per_step")
+         "mean_requests_per_step", "disk_read_blocks", "disk_saved_blocks")
 
 
 def run_flock(folder: Path, w: Workload, label: str, warmup: list[list[int]], *, scheduler: str = "fcfs",

@@ -416,6 +416,8 @@ class BatchJob:
             ("steps (mean / max tokens per step)",
              f"{s['steps']} ({s['mean_tokens_per_step']:.1f} / {s['max_tokens_per_step']})"),
             ("preemptions", f"{s['preemptions']}"),
+            *([("KV blocks read from / written to disk", f"{s['disk_read_blocks']} / {s['disk_saved_blocks']}")]
+              if s["disk_read_blocks"] or s["disk_saved_blocks"] else []),
             *([("drafts: confirmed / verified (tokens a drafting step)",
                 f"{s['accepted_draft_tokens']} / {s['draft_tokens']} ({s['mean_acceptance_length']:.2f})")]
               if s["draft_tokens"] else []),

@@ -11,6 +11,7 @@ from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
 from flock.engine.draft_model import DraftModelProposer
 from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
+from flock.kv.disk_store import DiskKVStore, fingerprint
 from flock.kv.manager import KVCacheManager
 from flock.lora import LoRARequest, lora_requests
 from flock.model import classifier_token_ids, resolve_model
@@ -85,7 +86,8 @@ class LLMEngine:
         classifier_ids = classifier_token_ids(self.tokenizer, resolved.config) if resolved.config.classifier_tokens \
             else ()
         self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        disk = self._disk_store(config, resolved) if config.kv_cache_disk_dir else None
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, disk)
         if max_len > self.kv.capacity_tokens:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
             max_len = self.kv.capacity_tokens
@@ -109,6 +111,20 @@ class LLMEngine:
         # full passes, which otherwise traverse it all, ~2% of a long run (as vLLM and SGLang do)
         gc.collect()
         gc.freeze()
+
+    def _disk_store(self, config: EngineConfig, resolved) -> DiskKVStore:
+        """The prefix cache's disk tier: a folder of its own for the model's files, dtypes and KV layout (a block
+        another run wrote is read only where it would have computed the same bits)."""
+        runner = self.runner
+        files = [Path(resolved.gguf.path)] if resolved.gguf is not None else \
+            sorted(p for p in Path(resolved.folder).iterdir() if p.is_file())
+        identity = {"files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+                    "hf_overrides": config.hf_overrides, "load_format": config.load_format, "seed": config.seed,
+                    "quantization": config.quantization, "ops": config.ops, "backend": type(runner.backend).__name__,
+                    "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "block_size": config.block_size,
+                    "block_bytes": runner.kv_bytes_per_block}
+        return DiskKVStore(Path(config.kv_cache_disk_dir) / fingerprint(identity), config.kv_cache_disk_bytes,
+                           config.block_size, runner.kv_bytes_per_block)
 
     def _proposer(self, config: EngineConfig, max_len: int) -> NgramProposer | DraftModelProposer | None:
         spec = self.speculative
@@ -235,6 +251,9 @@ class LLMEngine:
             raise RuntimeError("the scheduler planned nothing while requests are pending (deadlock)")
         out = self.runner.run(plan)
         self.kv.end_step()
+        if out.kv_saved:
+            self.kv.save(out.kv_saved)
+            self.stats.disk_saved_blocks += len(out.kv_saved)
         t2 = time.perf_counter()
         self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
         self.scheduler.observe(plan, t2 - t1)

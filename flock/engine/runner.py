@@ -38,6 +38,8 @@ class StepOutput:
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs]]] = field(default_factory=list)
     embeddings: list[list[float]] = field(default_factory=list)  # of each embedding request, in plan order
     mirostat_mu: list[float | None] = field(default_factory=list)  # per sampling request: its bound after the step
+    kv_saved: list[tuple[int, tuple[int, ...], np.ndarray]] = field(default_factory=list)  # the plan's kv_saves:
+    # (hash, tokens, KV bytes)
 
 
 def draft_rows(finishing: list[tuple[Request, int, list[int]]]) -> tuple[list[SamplingRow], list[int]]:
@@ -117,6 +119,7 @@ class ModelRunner:
             layout.sampled = None  # the last layer finishes more rows than the sampled ones
         elif any(drafts):
             layout.sample_counts = np.array([len(d) + 1 for d in drafts])  # a row after each draft too
+        self._load_kv(plan)
         self._copy_kv(plan)
         meta = self.backend.build_metadata(layout)
         # embedding requests' last rows are pooled, not sampled
@@ -146,6 +149,7 @@ class ModelRunner:
                 out.logprobs.append(sampled.logprobs[first : first + n])
                 out.mirostat_mu.append(sampled.mirostat_mu[first])
                 first += len(d) + 1
+        out.kv_saved = self._saved_kv(plan)
         return out
 
     def _image_rows(self, plan: StepPlan, query_start: np.ndarray) -> ImageRows | None:
@@ -229,6 +233,32 @@ class ModelRunner:
             for cache in (attn.k_cache, attn.v_cache):
                 rows = cache.view(torch.uint8 if fp8.is_fp8(cache.dtype) else cache.dtype).view(-1, *cache.shape[2:])
                 rows.index_copy_(0, dst, rows.index_select(0, src))
+
+    def _kv_bytes(self) -> list[torch.Tensor]:
+        """Every layer's K and V cache as bytes, a row per block: a block's KV, as the disk tier keeps it, is its
+        rows in this order."""
+        return [c.view(torch.uint8).view(self.num_blocks, -1)
+                for attn in self.model.attention_layers() for c in (attn.k_cache, attn.v_cache)]
+
+    def _load_kv(self, plan: StepPlan) -> None:
+        """Blocks read from the disk tier, written into every layer before the step (and its copies) runs."""
+        if not plan.kv_loads:
+            return
+        blocks = torch.tensor([b for b, _ in plan.kv_loads], device=self.device)
+        data = torch.from_numpy(np.stack([d for _, d in plan.kv_loads])).to(self.device)
+        at = 0
+        for rows in self._kv_bytes():
+            rows[blocks] = data[:, at : at + rows.shape[1]]
+            at += rows.shape[1]
+
+    def _saved_kv(self, plan: StepPlan) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
+        """The KV bytes of the full blocks the step computed that the disk tier keeps (copies: the blocks may be
+        reused later)."""
+        if not plan.kv_saves:
+            return []
+        blocks = torch.tensor([b for b, _, _ in plan.kv_saves], device=self.device)
+        data = torch.cat([rows[blocks] for rows in self._kv_bytes()], dim=1).cpu().numpy()
+        return [(h, tokens, data[i]) for i, (_, h, tokens) in enumerate(plan.kv_saves)]
 
     def _pool(self, pooling: PoolingParams, hidden: torch.Tensor) -> list[float]:
         """An embedding request's vector, or a classification's class probabilities, of its last hidden state."""

@@ -17,6 +17,8 @@ class RunStats:
     computed_prefill_tokens: int = 0
     cached_prefill_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     copied_prefill_tokens: int = 0  # prompt tokens of a partly shared block taken by copying its KV (admissions)
+    disk_read_blocks: int = 0  # KV blocks read from the prefix cache's disk tier instead of computed
+    disk_saved_blocks: int = 0  # computed KV blocks handed to it
     computed_decode_tokens: int = 0  # tokens past the prompt, recomputation after preemption included
     generated_tokens: int = 0
     num_drafts: int = 0  # sampled steps of requests that verified drafts (vLLM's spec_decode counters)
@@ -74,6 +76,7 @@ class RunStats:
         if self.trace_steps:
             self.tokens_per_step.append(plan.num_tokens)
         self.copied_prefill_tokens += plan.num_copied_tokens
+        self.disk_read_blocks += len(plan.kv_loads)
         for (req, n), start in zip(plan.scheduled, plan.starts):
             prompt = req.num_prompt_tokens
             in_prompt = max(0, min(start + n, prompt) - start)
@@ -104,6 +107,8 @@ class RunStats:
             "computed_prefill_tokens": self.computed_prefill_tokens,
             "cached_prefill_tokens": self.cached_prefill_tokens,
             "copied_prefill_tokens": self.copied_prefill_tokens,
+            "disk_read_blocks": self.disk_read_blocks,
+            "disk_saved_blocks": self.disk_saved_blocks,
             "saving_rate": self.saving_rate,
             "computed_decode_tokens": self.computed_decode_tokens,
             "generated_tokens": self.generated_tokens,

@@ -96,13 +96,14 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """Record a full, computed block in the prefix cache (the first copy of a hash wins)."""
+    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> bool:
+        """Record a full, computed block in the prefix cache (the first copy of a hash wins: False for others)."""
         if self.block_hash[block] is not None or block_hash in self.cached:
-            return
+            return False
         self.block_hash[block] = block_hash
         self.block_tokens[block] = tokens
         self.cached[block_hash] = block
+        return True
 
     def set_tail(self, block: int, parent: int, tokens: tuple[int, ...]) -> None:
         """List `block`, whose first len(tokens) tokens (after the prefix hashed as `parent`) have KV, as a donor."""

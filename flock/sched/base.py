@@ -3,6 +3,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flock.config import EngineConfig
 from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.request import Request, RequestStatus
@@ -12,7 +14,8 @@ from flock.request import Request, RequestStatus
 class StepPlan:
     """A step's decisions, the one value the runner and the engine read: each scheduled request advances by
     its number of new tokens from `starts` (its computed tokens), over its block table; `kv_copies` are cached
-    block starts copied before the step; `samples` marks the requests whose whole context the step computes,
+    block starts copied before the step, `kv_loads` blocks read from the disk tier to fill before it, `kv_saves`
+    the full blocks it computes that the disk tier keeps once it has run; `samples` marks the requests whose whole context the step computes,
     which get a new token; `drafts` are the speculative tokens each request's new tokens end with (verified by
     the step's samples). The scheduler fills the lists after `scheduled` (`Scheduler.schedule`)."""
 
@@ -21,6 +24,8 @@ class StepPlan:
     starts: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (source block, own block, tokens)
+    kv_loads: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (own block, its KV bytes)
+    kv_saves: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # (own block, hash, tokens)
     samples: list[bool] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
 
@@ -80,6 +85,8 @@ class Scheduler:
             copy = kv.take_copy(req)
             if copy is not None:
                 plan.kv_copies.append(copy)
+            plan.kv_saves += kv.take_saves(req)
+        plan.kv_loads = kv.take_loads()
         return plan
 
     def _schedule(self) -> StepPlan:
