@@ -113,8 +113,10 @@ class DiskKVStore:
                     self.index[block_hash] = None
                 self.blocks_written += 1
                 self._trim()
-            except OSError as e:
-                log.warning("warning: a KV block was not written to %s: %s", self.folder, e)
+            except OSError as e:  # a full disk: said once, the blocks are then lost as the cache's are
+                if not self.blocks_dropped:
+                    log.warning("warning: KV blocks are not written to %s: %s", self.folder, e)
+                self.blocks_dropped += 1
             finally:
                 with self.lock:
                     self.pending.pop(block_hash, None)
