@@ -223,9 +223,9 @@ def chat_token_ids(body: dict, tokenizer) -> list[int]:
 def _tool_constraint(tools: ToolCalling, params: SamplingParams, structured_param: str | None,
                      body: dict) -> str | None:
     """Constrain a forced tool call (required or named) to its format, in place of a response_format (as vLLM);
-    the field that asked for it, if any. Hermes', Qwen's and Mistral's tags may be special tokens: they stay in the text
+    the field that asked for it, if any. Hermes', Qwen's, Mistral's and Granite's tags may be special tokens: they stay in the text
     unless the body says otherwise (as vLLM)."""
-    if tools.parser in ("hermes", "mistral", "qwen3_coder") and body.get("skip_special_tokens") is None:
+    if tools.parser in ("hermes", "mistral", "qwen3_coder", "granite") and body.get("skip_special_tokens") is None:
         params.skip_special_tokens = False
     spec = tools.constraint()
     if spec is None:

@@ -9,13 +9,15 @@ answer into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM
 Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
 optional text), "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
 `<|python_tag|>`), "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
-...]`, ids of 9 letters and digits as Mistral's template wants them) and "pythonic" (Llama 3.2 with its pythonic
+...]`, ids of 9 letters and digits as Mistral's template wants them), "pythonic" (Llama 3.2 with its pythonic
 template, Llama 4, ToolACE: the whole answer a Python list of calls with literal keyword arguments,
-`[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not) and "qwen3_coder"
+`[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not), "qwen3_coder"
 (Qwen3-Coder, Qwen3.5: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n
 </tool_call>`, each value raw text read as its parameter's schema type; forced calls constrained by xgrammar's own
-structural tag of the format). The content is the text before the first call, without the whitespace that ends it
-(a pythonic answer is calls or content, whole).
+structural tag of the format), "granite" (Granite 3.x: the whole answer a JSON list of calls, after
+`<|tool_call|>` or `<tool_call>` or not) and "phi4_mini_json" (Phi-4-mini: `functools[{"name": ...,
+"arguments": {...}}, ...]`). The content is the text before the first call, without the whitespace that ends it
+(a pythonic or granite answer is calls or content, whole).
 """
 
 from __future__ import annotations
@@ -31,14 +33,19 @@ from dataclasses import dataclass
 from flock.api.reasoning import REASONING_PARSERS, held_back
 from flock.sampling_params import StructuredOutputsParams
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
 _MISTRAL_START = "[TOOL_CALLS]"
+_GRANITE_STARTS = ("<|tool_call|>", "<tool_call>")
+# formats whose calls are a JSON list after a marker: the markers, and what a forced answer writes before the list
+_JSON_LISTS = {"mistral": ((_MISTRAL_START,), _MISTRAL_START + " "),
+               "granite": (_GRANITE_STARTS, _GRANITE_STARTS[0]), "phi4_mini_json": (("functools",), "functools")}
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
+# where a call may start after content (a pythonic or granite answer is calls or content, whole)
 _STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START],
-           "pythonic": ["[", _PYTHON_START], "qwen3_coder": [_HERMES_START]}
+           "qwen3_coder": [_HERMES_START], "phi4_mini_json": ["functools"]}
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -71,8 +78,8 @@ class ToolCalling:
         """The grammar of a forced answer (required or named): calls and nothing else; none for auto."""
         if self.choice == "auto":
             return None
-        if self.parser == "mistral":
-            return self._mistral_constraint()
+        if self.parser in _JSON_LISTS:
+            return self._json_list_constraint()
         if self.parser == "pythonic":
             return self._pythonic_constraint()
         if self.parser == "qwen3_coder":
@@ -87,15 +94,15 @@ class ToolCalling:
                  "stop_after_first": self.named or not self.parallel}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
 
-    def _mistral_constraint(self) -> StructuredOutputsParams:
-        """[TOOL_CALLS] and a JSON array of calls ({"name", "arguments"}), one when not parallel or named."""
+    def _json_list_constraint(self) -> StructuredOutputsParams:
+        """The format's marker and a JSON array of calls ({"name", "arguments"}), one when not parallel or named."""
         calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
                   "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or _EMPTY_PARAMETERS}}
                  for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.named or not self.parallel:
             array["maxItems"] = 1
-        answer = {"type": "sequence", "elements": [{"type": "const_string", "value": _MISTRAL_START + " "},
+        answer = {"type": "sequence", "elements": [{"type": "const_string", "value": _JSON_LISTS[self.parser][1]},
                                                    {"type": "json_schema", "json_schema": array,
                                                     "max_whitespace_cnt": 1}]}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": answer}))
@@ -128,9 +135,12 @@ class ToolCalling:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
         not parse, there are none and the whole text is the content. Without parallel calls only the first
         counts."""
-        parse = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral, "pythonic": _pythonic,
-                 "qwen3_coder": lambda text: _qwen3_coder(text, self.tools)}
-        content, calls = parse[self.parser](text)
+        if self.parser in _JSON_LISTS:
+            content, calls = _json_list(text, self.parser)
+        else:
+            parse = {"hermes": _hermes, "llama3_json": _llama3_json, "pythonic": _pythonic,
+                     "qwen3_coder": lambda text: _qwen3_coder(text, self.tools)}
+            content, calls = parse[self.parser](text)
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
@@ -147,9 +157,10 @@ class ToolCalling:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
         if self.choice != "auto":
             return 0
-        if self.parser == "pythonic":  # calls are the whole answer: it streams unless it starts as a list
+        if self.parser in ("pythonic", "granite"):  # calls are the whole answer: it streams unless it starts as one
             head = text.lstrip()
-            return 0 if not head or head[0] == "[" or _PYTHON_START.startswith(head[:len(_PYTHON_START)]) \
+            markers = (_PYTHON_START,) if self.parser == "pythonic" else _GRANITE_STARTS
+            return 0 if not head or head[0] == "[" or any(m.startswith(head[: len(m)]) for m in markers) \
                 else len(text)
         starts = _STARTS[self.parser]
         found = [at for at in (text.find(s) for s in starts) if at >= 0]
@@ -187,11 +198,22 @@ def _llama3_json(text: str) -> tuple[str, list[tuple[str, object]]]:
     return text[: text.find("{")].replace(_LLAMA_TAG, ""), calls
 
 
-def _mistral(text: str) -> tuple[str, list[tuple[str, object]]]:
-    """The JSON after [TOOL_CALLS]: a list of calls (or one call) with "name" and "arguments"."""
-    if _MISTRAL_START not in text:
-        return text, []
-    content, _, rest = text.partition(_MISTRAL_START)
+def _json_list(text: str, parser: str) -> tuple[str, list[tuple[str, object]]]:
+    """The JSON after the format's marker: a list of calls (or one call) with "name" and "arguments". Granite's
+    answer is the calls and nothing else, its marker optional."""
+    markers = _JSON_LISTS[parser][0]
+    if parser == "granite":
+        head = text.lstrip()
+        marker = next((m for m in markers if head.startswith(m)), "")
+        content, rest = "", head[len(marker) :]
+        if not rest.lstrip().startswith("["):
+            return text, []
+    else:
+        at = min((i for i in (text.find(m) for m in markers) if i >= 0), default=-1)
+        if at < 0:
+            return text, []
+        marker = next(m for m in markers if text.startswith(m, at))
+        content, rest = text[:at], text[at + len(marker) :]
     try:
         calls, _ = json.JSONDecoder().raw_decode(rest.strip())
         calls = [(c["name"], c["arguments"]) for c in (calls if isinstance(calls, list) else [calls])]
@@ -364,8 +386,8 @@ def add_parser_arguments(p) -> None:
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
                         "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3; pythonic: Llama 3.2's pythonic "
-                        "template, Llama 4; qwen3_coder: Qwen3-Coder, Qwen3.5): tool_choice auto, required and named "
-                        "functions work")
+                        "template, Llama 4; qwen3_coder: Qwen3-Coder, Qwen3.5; granite: Granite 3.x; "
+                        "phi4_mini_json: Phi-4-mini): tool_choice auto, required and named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),

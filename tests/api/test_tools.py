@@ -283,3 +283,42 @@ def test_forced_qwen3_coder_calls_follow_the_format(tok):
     single = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": "required",
                                     "parallel_tool_calls": False}, tok, None, "qwen3_coder")
     assert not grammars.matcher(single.params.structured_outputs).accept_string(rome + "\n" + weather)
+
+
+@pytest.mark.parametrize("parser, marker", [("granite", "<|tool_call|>"), ("granite", "<tool_call>"),
+                                            ("granite", ""), ("phi4_mini_json", "functools")])
+def test_json_list_calls_as_vllm_parses_them(parser, marker):
+    """Granite's answer: a JSON list of calls and nothing else, after its marker or not; Phi-4-mini's: functools
+    and a JSON list, after any text."""
+    calling = ToolCalling(parser, [WEATHER, NOW], "auto")
+    listed = '[{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}, {"name": "now", ' \
+             '"arguments": {}}]'
+    before = "Checking. " if parser == "phi4_mini_json" else ""
+    assert calls(calling.extract(before + marker + listed)) == (before.strip() or None, [
+        ("get_weather", {"city": "Rome", "celsius": True}), ("now", {})])
+    for text in ("No call.", marker + " not json", marker + '[{"name": "now"}]'):
+        assert calling.extract(text) == (text, [])
+    if parser == "granite":
+        assert calling.extract("Say " + listed) == ("Say " + listed, [])  # text first: no calls
+        assert ToolCallStream(calling).content(" <|tool") == "" and ToolCallStream(calling).content("Sure") == "Sure"
+    else:
+        stream = ToolCallStream(calling)
+        assert stream.content("Sure. functo") == "Sure." and stream.content('ols[{"name": "now"') == ""
+
+
+@pytest.mark.parametrize("parser", ["granite", "phi4_mini_json"])
+def test_forced_json_list_calls_follow_the_format(tok, parser):
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    marker = {"granite": "<|tool_call|>", "phi4_mini_json": "functools"}[parser]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, answer in [("required", marker + '[{"name": "now", "arguments": {}}]'),
+                           (named, marker + '[{"name": "get_weather", "arguments": {"city": "Paris", '
+                                            '"celsius": false}}]')]:
+        gen = parse_request("chat", {"messages": USER, "tools": [WEATHER, NOW], "tool_choice": choice}, tok, None,
+                            parser)
+        assert gen.params.skip_special_tokens == (parser != "granite")  # Granite's marker is a special token
+        spec = gen.params.structured_outputs
+        assert grammars.matcher(spec).accept_string(answer) and calls(gen.tools.extract(answer))[1]
+        assert not grammars.matcher(spec).accept_string("Sure.")
