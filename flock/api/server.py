@@ -4,7 +4,7 @@
     flock serve MODEL --max-model-len 4096 --enable-prefix-caching ...   # a `vllm serve` command line
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /v1/responses, Anthropic's
-/v1/messages and /v1/messages/count_tokens, /v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
+/v1/messages and /v1/messages/count_tokens, OpenAI's /v1/files and /v1/batches, /v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
 /health, /metrics, and SGLang's /generate, /get_model_info, /health_generate and /v1/score with label_token_ids.
 """
 
@@ -47,6 +47,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "request's stream_interval may raise it")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for GET and previous_response_id, the latest first (0: none)")
+    p.add_argument("--batch-dir", help="where /v1/files keeps uploads and /v1/batches outputs (default: a new "
+                   "temporary folder); a restart forgets them")
     add_parser_arguments(p)
     add_engine_args(p, scheduler="feather")
     p.set_defaults(max_num_seqs=SERVE_MAX_NUM_SEQS)
@@ -118,7 +120,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         names = args.served_model_name or [args.model]
         ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser,
-                            ResponseStore(max(args.max_stored_responses, 0)), lora_requests(config.lora_modules or []))
+                            ResponseStore(max(args.max_stored_responses, 0)), args.batch_dir,
+                            lora_requests(config.lora_modules or []))
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

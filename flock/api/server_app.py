@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 import flock
 from flock.api.metrics import StatusCounter
 from flock.api import llama_cpp
+from flock.api.batches import BatchService, FileStore
 from flock.api.messages import error_body as anthropic_error
 from flock.api.protocol import APIError, chat_token_ids
 from flock.api.server_generate import (
@@ -52,11 +53,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        batches.shutdown()
         ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
 
     app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    batches = BatchService(FileStore(ctx.batch_dir), app, ctx.api_key)
     auth = [Depends(_auth(ctx.api_key))] if ctx.api_key else []
     app.include_router(_v1_router(ctx), dependencies=auth)
+    app.include_router(_batch_router(batches), dependencies=auth)
 
     @app.get("/health")
     async def health():
@@ -260,6 +264,54 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     @router.post("/classify")
     async def classify(raw: Request):
         return await embed(raw, ctx, "classify")
+
+    return router
+
+
+def _batch_router(batches: BatchService) -> APIRouter:
+    """OpenAI's Files and Batch APIs (flock/api/batches.py)."""
+    router, files = APIRouter(prefix="/v1"), batches.files
+
+    @router.post("/files")
+    async def create_file(raw: Request):
+        form = await raw.form()
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not hasattr(upload, "read"):
+            raise APIError("file is required, as multipart/form-data", param="file")
+        return files.create(upload.filename or "upload.jsonl", await upload.read(), purpose)
+
+    @router.get("/files")
+    async def list_files(purpose: str | None = None):
+        return files.listing(purpose)
+
+    @router.get("/files/{file_id}")
+    async def get_file(file_id: str):
+        return files.get(file_id)
+
+    @router.get("/files/{file_id}/content")
+    async def file_content(file_id: str):
+        files.get(file_id)
+        return Response(files.path(file_id).read_bytes(), media_type="application/octet-stream")
+
+    @router.delete("/files/{file_id}")
+    async def delete_file(file_id: str):
+        return files.delete(file_id)
+
+    @router.post("/batches")
+    async def create_batch(raw: Request):
+        return batches.create(await json_body(raw))
+
+    @router.get("/batches")
+    async def list_batches(after: str | None = None, limit: int = 20):
+        return batches.listing(after, limit)
+
+    @router.get("/batches/{batch_id}")
+    async def get_batch(batch_id: str):
+        return batches.get(batch_id)
+
+    @router.post("/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str):
+        return batches.cancel(batch_id)
 
     return router
 

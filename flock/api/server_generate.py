@@ -68,6 +68,7 @@ class ServerContext:
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
     reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
     responses: ResponseStore = field(default_factory=ResponseStore)
+    batch_dir: str | None = None  # where /v1/files keeps uploads and batch outputs (None: a temporary folder)
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters (--lora-modules) by model name
     token_text: TokenText = field(init=False)
 

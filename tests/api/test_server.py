@@ -499,6 +499,55 @@ def test_messages_tool_use_and_structured_output(server):
     assert json.loads(fmt.content[0].text)["city"] in ("Paris", "Rome")
 
 
+def test_batches_as_openai(server, client):
+    """OpenAI's Files and Batch APIs through the openai client: a JSONL file uploaded, a batch created and polled
+    until it completes; its output lines are what /v1/chat/completions answers, its error file holds a line that is
+    not JSON, a refused request (with its 400 and the field) and a line of another endpoint; a cancelled batch ends
+    cancelled and leaves nothing running."""
+    chat = {f"q{i}": {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": f"Why page question {i}?"}],
+                      "max_tokens": 8, "temperature": 0, "ignore_eos": True} for i in range(4)}
+
+    def line(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+    lines = [line(k, b) for k, b in chat.items()] + [
+        "{not json", line("refused", chat["q0"] | {"temperature": "hot"}), line("other", {"prompt": "x"}, "/v1/completions")]
+    upload = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    assert client.files.retrieve(upload.id).bytes == upload.bytes > 0 and upload.purpose == "batch"
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"job": "test"})
+    while batch.status not in ("completed", "failed", "cancelled"):
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    counts = batch.request_counts
+    assert batch.status == "completed" and (counts.total, counts.completed, counts.failed) == (7, 4, 3)
+    assert batch.metadata == {"job": "test"} and client.batches.list().data[0].id == batch.id
+    for record in map(json.loads, client.files.content(batch.output_file_id).text.splitlines()):
+        body = {k: v for k, v in chat[record["custom_id"]].items() if k != "ignore_eos"}
+        expected = client.chat.completions.create(**body, extra_body={"ignore_eos": True})
+        assert record["response"]["body"]["choices"][0]["message"]["content"] == expected.choices[0].message.content
+    errors = {e["custom_id"]: e for e in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())}
+    assert set(errors) == {None, "refused", "other"}
+    assert errors["refused"]["response"]["status_code"] == 400
+    assert errors["refused"]["response"]["body"]["error"]["param"] == "temperature"
+    output = batch.output_file_id
+    long = [line(f"l{i}", chat["q0"] | {"max_tokens": 400}) for i in range(8)]
+    upload = client.files.create(file=("long.jsonl", "\n".join(long).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    time.sleep(0.5)
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    while client.batches.retrieve(batch.id).status == "cancelling":
+        time.sleep(0.1)
+    assert client.batches.retrieve(batch.id).status == "cancelled"
+    wait_idle(server)
+    assert client.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(upload.id)
+    with pytest.raises(openai.BadRequestError):  # an output is no input
+        client.batches.create(input_file_id=output, endpoint="/v1/chat/completions", completion_window="24h")
+
+
 def test_cache_salt_as_vllm(client):
     """A salted request reads only its own salt's cached prefix (usage's cached_tokens) and answers the same."""
     doc = "Salted blocks are found by their own tenant only, whatever the prompt shares. " * 6
