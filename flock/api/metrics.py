@@ -41,10 +41,16 @@ class Metrics:
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
+        self.engine = engine
+        self.engine_counts = [[Counter(name, doc, registry=r), field, 0] for name, doc, field in (
+            ("flock_kv_disk_read_blocks", "KV blocks read from the prefix cache's disk tier instead of computed",
+             "disk_read_blocks"),
+            ("flock_kv_disk_saved_blocks", "Computed KV blocks handed to the disk tier", "disk_saved_blocks"))]
         self.vllm = VllmMetrics(r, engine, model_name)
 
     def render(self) -> bytes:
-        self.vllm.sync()
+        sync(self.engine_counts, self.engine.state)
+        sync(self.vllm.engine_counts, self.engine.state)
         return generate_latest(self.registry)
 
     def output(self, out: StreamOutput, new_tokens: int, since_submit: float, since_last: float | None) -> None:
@@ -95,8 +101,7 @@ class VllmMetrics:
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
-        self.engine = engine
-        # counters the engine keeps: (counter, EngineState field, counted so far)
+        # counters the engine keeps: [counter, EngineState field, counted so far]
         self.engine_counts = [[counter(name, doc), field, 0] for name, doc, field in (
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
@@ -121,14 +126,15 @@ class VllmMetrics:
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", TOKEN_BUCKETS)
 
-    def sync(self) -> None:
-        """The counters read from the engine's own counts, brought up to date (at each scrape)."""
-        state = self.engine.state
-        for entry in self.engine_counts:
-            counter, field, counted = entry
-            value = getattr(state, field)
-            counter.inc(max(value - counted, 0))
-            entry[2] = max(value, counted)
+
+def sync(counts: list[list], state) -> None:
+    """Counters of the engine's own counts, [counter, EngineState field, counted so far], brought up to date (at
+    each scrape)."""
+    for entry in counts:
+        counter, field, counted = entry
+        value = getattr(state, field)
+        counter.inc(max(value - counted, 0))
+        entry[2] = max(value, counted)
 
 
 class StatusCounter:

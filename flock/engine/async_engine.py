@@ -78,6 +78,8 @@ class EngineState:
     num_drafts: int = 0  # speculative decoding: steps of requests that verified drafts, drafts, confirmed drafts
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    disk_read_blocks: int = 0  # KV blocks read from the prefix cache's disk tier, and computed ones handed to it
+    disk_saved_blocks: int = 0
     model_seconds: float = 0.0  # forward passes and sampling
     busy_seconds: float = 0.0  # the engine thread's time in steps: scheduling, model, outputs
 
@@ -365,6 +367,8 @@ class AsyncEngine:
             num_drafts=s.num_drafts,
             draft_tokens=s.draft_tokens,
             accepted_draft_tokens=s.accepted_draft_tokens,
+            disk_read_blocks=s.disk_read_blocks,
+            disk_saved_blocks=s.disk_saved_blocks,
             model_seconds=s.model_seconds,
             busy_seconds=self._busy_seconds,
         )

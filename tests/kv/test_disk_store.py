@@ -120,3 +120,26 @@ def test_a_block_gone_before_it_is_read_ends_the_prefix_there(hf_folders, refere
     got, again = flock_greedy(hf_folders["llama"], prompts, kv_cache_disk_dir=str(tmp_path), block_size=BS)
     assert got == expected and calls and again.engine.kv.disk.blocks_read < len(calls)
     assert_no_leak(again)
+
+
+def test_a_restarted_server_reads_its_predecessors_blocks(tmp_path):
+    """flock serve with a disk tier: after a restart a prompt is read back from disk (its usage counts the tokens as
+    cached, /metrics the blocks) and answers as before."""
+    import httpx
+
+    from bench.harness.server_process import ServerProcess
+
+    body = {"prompt": "The pool hands out blocks; " * 12, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    answers = []
+    for _ in range(2):
+        with ServerProcess("--model", "flock/tiny", "--kv-cache-disk-dir", str(tmp_path),
+                           env={"OMP_NUM_THREADS": "1"}) as server:
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            answers.append(reply)
+            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    first, second = answers
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
+    read = [line for line in metrics.splitlines() if line.startswith("flock_kv_disk_read_blocks_total")]
+    assert read and float(read[0].split()[-1]) > 0
