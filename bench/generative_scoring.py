@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from bench.harness import machine, vllm
 from bench.harness.documents import documents
 from bench.harness.offline import hf_folder
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
-from bench.harness.server_process import ServerProcess
 from flock.tokenizer import load_tokenizer
 
 QUESTION = "Does this passage describe how to call a function or class, with its arguments? Answer Yes or No."
@@ -76,16 +74,9 @@ async def score_all(url: str, tasks, labels: list[int], per_request: int, model:
     return seconds, [d["score"] for r in replies for d in r.json()["data"]]
 
 
-def start(name: str, args: argparse.Namespace):
-    if name == "flock":
-        return ServerProcess("--model", args.model, *shlex.split(args.flock_args),
-                             ready_timeout=args.ready_timeout).start()
-    return vllm.VLLMServer(args.vllm_python, args.model, shlex.split(args.vllm_args), args.ready_timeout)
-
-
 def measure(name: str, run: int, tasks, labels: list[int], args: argparse.Namespace) -> dict:
     load, gflops = machine.load_note(args.wait_quiet), machine.matmul_peak()
-    server = start(name, args)
+    server = vllm.start_server(name, args)
     try:
         warm_query = tasks[0][0][::-1]  # not a prefix of any task's query
         asyncio.run(score_all(server.url, [(warm_query, tasks[0][1][:2])], labels, 2, args.model))
@@ -128,19 +119,12 @@ def table(rows: list[dict], tasks, args: argparse.Namespace) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.generative_scoring", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flock/smollm2", help="a Hugging Face folder or a built-in")
-    ap.add_argument("--servers", nargs="+", default=["flock", "vllm"], choices=["flock", "vllm"])
-    ap.add_argument("--runs", type=int, default=1)
+    vllm.add_server_arguments(ap, "--dtype bfloat16 --max-model-len 2048")
     ap.add_argument("--queries", type=int, default=4)
     ap.add_argument("--few-shot", type=int, default=6)
     ap.add_argument("--items", type=int, default=48)
     ap.add_argument("--per-request", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--flock-args", default="--dtype bfloat16 --max-model-len 2048")
-    ap.add_argument("--vllm-args", default="")
-    ap.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV)
-    ap.add_argument("--ready-timeout", type=float, default=600)
-    ap.add_argument("--wait-quiet", type=float, default=0)
     ap.add_argument("--output", type=Path, default=OUT / "generative_scoring.json")
     args = ap.parse_args()
     if "vllm" in args.servers:

@@ -19,7 +19,6 @@ runs it. Results: a markdown table and bench/out/messages.json.
 import argparse
 import asyncio
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ from bench.harness import machine, vllm
 from bench.harness.documents import documents
 from bench.harness.offline import hf_folder
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
-from bench.harness.server_process import ServerProcess
 
 INSTRUCTION = ("You are a careful assistant for a team of Python programmers. Answer from the reference below and "
                "from the files the user shows you; be brief and concrete, and say so when the reference does not "
@@ -80,16 +78,9 @@ async def run_sessions(url: str, model: str, system: str, firsts: list[str], arg
         return time.perf_counter() - t0, sessions
 
 
-def start(name: str, args: argparse.Namespace):
-    if name == "flock":
-        return ServerProcess("--model", args.model, *shlex.split(args.flock_args),
-                             ready_timeout=args.ready_timeout).start()
-    return vllm.VLLMServer(args.vllm_python, args.model, shlex.split(args.vllm_args), args.ready_timeout)
-
-
 def measure(name: str, run: int, system: str, firsts: list[str], args: argparse.Namespace) -> dict:
     load, gflops = machine.load_note(args.wait_quiet), machine.matmul_peak()
-    server = start(name, args)
+    server = vllm.start_server(name, args)
     try:
         warm = argparse.Namespace(**vars(args) | {"turns": 1, "max_tokens": 4})
         asyncio.run(run_sessions(server.url, args.model, "Warm up.", firsts[:1], warm))
@@ -134,19 +125,12 @@ def table(rows: list[dict], system: str, args: argparse.Namespace) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.messages", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flock/smollm2", help="a Hugging Face folder or a built-in")
-    ap.add_argument("--servers", nargs="+", default=["flock", "vllm"], choices=["flock", "vllm"])
-    ap.add_argument("--runs", type=int, default=1)
+    vllm.add_server_arguments(ap, "--dtype bfloat16 --max-model-len 4096", "--max-model-len 4096")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-docs", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--flock-args", default="--dtype bfloat16 --max-model-len 4096")
-    ap.add_argument("--vllm-args", default="--max-model-len 4096")
-    ap.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV)
-    ap.add_argument("--ready-timeout", type=float, default=600)
-    ap.add_argument("--wait-quiet", type=float, default=0)
     ap.add_argument("--output", type=Path, default=OUT / "messages.json")
     args = ap.parse_args()
     if "vllm" in args.servers:

@@ -17,7 +17,6 @@ creates one).
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -27,16 +26,8 @@ import httpx
 from bench.harness import machine, vllm
 from bench.harness.offline import hf_folder
 from bench.harness.report import OUT, args_dict, markdown_table, write_json
-from bench.harness.server_process import ServerProcess
 
 METRICS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
-
-
-def start_server(name: str, args: argparse.Namespace):
-    if name == "flock":
-        server = ServerProcess("--model", args.model, *shlex.split(args.flock_args), ready_timeout=args.ready_timeout)
-        return server.start()
-    return vllm.VLLMServer(args.vllm_python, args.model, shlex.split(args.vllm_args), args.ready_timeout)
 
 
 def client_args(url: str, args: argparse.Namespace) -> list[str]:
@@ -66,7 +57,7 @@ def run_client(server, args: argparse.Namespace) -> dict:
 def measure(name: str, run: int, args: argparse.Namespace) -> dict:
     load, gflops = machine.load_note(args.wait_quiet), machine.matmul_peak()
     t0 = time.perf_counter()
-    server = start_server(name, args)
+    server = vllm.start_server(name, args)
     ready_s = time.perf_counter() - t0
     try:
         data = run_client(server, args)
@@ -117,22 +108,14 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve_vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="flock/smollm2",
-                    help="a Hugging Face folder both servers load, or a built-in (saved as a bf16 folder first)")
-    ap.add_argument("--servers", nargs="+", default=["flock", "vllm"], choices=["flock", "vllm"])
-    ap.add_argument("--runs", type=int, default=1, help="fresh servers per kind, alternating")
-    ap.add_argument("--flock-args", default="--dtype bfloat16", help="extra `flock serve` options")
-    ap.add_argument("--vllm-args", default="", help="extra `vllm serve` options")
-    ap.add_argument("--vllm-venv", type=Path, default=vllm.DEFAULT_VENV, help="an existing vLLM venv")
+    vllm.add_server_arguments(ap, "--dtype bfloat16")
     ap.add_argument("--num-prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=1000)
     ap.add_argument("--suffix-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--client-timeout", type=float, default=1800)
-    ap.add_argument("--wait-quiet", type=float, default=0, help="seconds to wait for a quiet machine before each")
     ap.add_argument("--output", type=Path, default=OUT / "serve_vllm.json")
     args = ap.parse_args()
     args.vllm_python = vllm.existing_python(args.vllm_venv.resolve())

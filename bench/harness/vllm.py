@@ -4,6 +4,7 @@ offline batch in a child process (vllm_child.py), `vllm serve` and vLLM's own se
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import httpx
 from bench.harness.machine import OthersCPU
 from bench.harness.offline import Result, Workload
 from bench.harness.report import OUT
-from bench.harness.server_process import free_port
+from bench.harness.server_process import ServerProcess, free_port
 
 __all__ = ["VLLM_PIN", "VLLM_ENV", "TCMALLOC", "DEFAULT_VENV", "vllm_env", "vllm_python", "existing_python",
            "run_batch", "VLLMServer", "wait_ready", "run_serve_client"]
@@ -191,6 +192,27 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def add_server_arguments(ap, flock_args: str, vllm_args: str = "") -> None:
+    """The flags of a benchmark that starts `flock serve` and `vllm serve` side by side (`start_server`)."""
+    ap.add_argument("--model", default="flock/smollm2",
+                    help="a Hugging Face folder both servers load, or a built-in (saved as a bf16 folder first)")
+    ap.add_argument("--servers", nargs="+", default=["flock", "vllm"], choices=["flock", "vllm"])
+    ap.add_argument("--runs", type=int, default=1, help="fresh servers per kind, alternating")
+    ap.add_argument("--flock-args", default=flock_args, help="extra `flock serve` options")
+    ap.add_argument("--vllm-args", default=vllm_args, help="extra `vllm serve` options")
+    ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="an existing vLLM venv")
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--wait-quiet", type=float, default=0, help="seconds to wait for a quiet machine before each")
+
+
+def start_server(name: str, args):
+    """A fresh `flock serve` or `vllm serve` (name) of args.model with its extra options, ready."""
+    if name == "flock":
+        return ServerProcess("--model", args.model, *shlex.split(args.flock_args),
+                             ready_timeout=args.ready_timeout).start()
+    return VLLMServer(args.vllm_python, args.model, shlex.split(args.vllm_args), args.ready_timeout)
 
 
 def run_serve_client(python: Path, client_args: list[str], timeout: float) -> dict:
