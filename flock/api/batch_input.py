@@ -2,7 +2,8 @@
 
 A Batch line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" |
 "/v1/responses" | "/v1/messages" | "/v1/embeddings" | "/v1/score" | "/v1/rerank" | "/v1/classify" | "/pooling" |
-"/generative_scoring", "body"}` (a /v1/score body with label_token_ids is SGLang's label scoring).
+"/generative_scoring", "body"}` (a /v1/score body with label_token_ids is SGLang's label scoring), or a line of
+Anthropic's Message Batches, `{"custom_id", "params"}` (a /v1/messages body).
 A plain line is the body itself with `prompt`, `prompt_token_ids` or `messages` (plus any sampling fields);
 its custom_id is `line-N` unless it carries one. Bodies are checked later by `flock.api.protocol`.
 """
@@ -77,6 +78,11 @@ def parse_line(raw: bytes | str, number: int) -> BatchLine:
         raise LineError(number, f"custom_id {bad}", code="invalid_json", param="custom_id")
     if item.keys() & (BATCH_FIELDS - {"custom_id"}):
         return _batch_line(item, number, custom_id)
+    if "params" in item:  # Anthropic's
+        if item.keys() - {"custom_id", "params"} or not isinstance(item["params"], dict):
+            raise LineError(number, "a Message Batches line is {custom_id, params: a /v1/messages body}", custom_id,
+                            param="params")
+        return BatchLine(number, custom_id, "message", item["params"])
     return _plain_line(item, number, custom_id)
 
 

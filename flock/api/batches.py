@@ -17,6 +17,7 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,21 @@ IN_FLIGHT = 256  # a batch's lines posted at once
 
 def not_found(kind: str, name: str, param: str) -> APIError:
     return APIError(f"no {kind} {name!r}", param=param, status=404, code="not_found")
+
+
+async def post_all(app, headers: dict, in_flight: int, endpoint: str, lines: list[tuple[str, dict]],
+                   on_reply: Callable[[str, httpx.Response], None]) -> None:
+    """Post every (custom_id, body) to `endpoint` of the ASGI `app` in process, `in_flight` at a time; each reply
+    to `on_reply` as it comes."""
+    gate = asyncio.Semaphore(in_flight)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://flock", headers=headers,
+                                 timeout=None) as client:
+        async def post(custom_id: str, body: dict) -> None:
+            async with gate:
+                reply = await client.post(endpoint, json=body)
+            on_reply(custom_id, reply)
+
+        await asyncio.gather(*(post(custom_id, body) for custom_id, body in lines))
 
 
 class FileStore:
@@ -157,7 +173,9 @@ class BatchService:
             body |= {"status": "in_progress", "in_progress_at": int(time.time())}
             body["request_counts"]["total"] = len(lines) + len(batch.errors)
             body["request_counts"]["failed"] = len(batch.errors)
-            await self._post_all(batch, lines)
+            await post_all(self.app, self.headers, self.in_flight, body["endpoint"],
+                           [(line.custom_id, line.body) for line in lines],
+                           lambda custom_id, reply: self._record(batch, custom_id, reply))
             self._finish(batch, "completed")
         except asyncio.CancelledError:
             self._finish(batch, "cancelled")
@@ -188,22 +206,10 @@ class BatchService:
                 batch.errors.append(error_record(e.custom_id, e.number, e.message, e.code, e.param))
         return lines
 
-    async def _post_all(self, batch: Batch, lines: list) -> None:
-        gate = asyncio.Semaphore(self.in_flight)
-        transport = httpx.ASGITransport(app=self.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://flock", headers=self.headers,
-                                     timeout=None) as client:
-            async def post(line) -> None:
-                async with gate:
-                    reply = await client.post(batch.body["endpoint"], json=line.body)
-                self._record(batch, line, reply)
-
-            await asyncio.gather(*(post(line) for line in lines))
-
-    def _record(self, batch: Batch, line, reply: httpx.Response) -> None:
+    def _record(self, batch: Batch, custom_id: str, reply: httpx.Response) -> None:
         answer = reply.json()
         request_id = answer.get("id", "") if isinstance(answer, dict) else ""
-        record = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
+        record = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
                   "response": {"status_code": reply.status_code, "request_id": request_id, "body": answer},
                   "error": None}
         counts = batch.body["request_counts"]

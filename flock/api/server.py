@@ -4,7 +4,8 @@
     flock serve MODEL --max-model-len 4096 --enable-prefix-caching ...   # a `vllm serve` command line
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-streamed), /v1/responses, Anthropic's
-/v1/messages and /v1/messages/count_tokens, OpenAI's /v1/files and /v1/batches, /v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
+/v1/messages, /v1/messages/count_tokens and /v1/messages/batches, OpenAI's /v1/files and /v1/batches,
+/v1/embeddings, vLLM's /v1/score, /v1/rerank, /classify, /pooling and /generative_scoring, /tokenize, /detokenize,
 /health, /metrics, and SGLang's /generate, /get_model_info, /health_generate and /v1/score with label_token_ids.
 """
 

@@ -18,6 +18,7 @@ import flock
 from flock.api.metrics import StatusCounter
 from flock.api import llama_cpp
 from flock.api.batches import BatchService, FileStore
+from flock.api.message_batches import MessageBatches
 from flock.api.messages import error_body as anthropic_error
 from flock.api.protocol import APIError, chat_token_ids
 from flock.api.server_generate import (
@@ -54,13 +55,16 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         batches.shutdown()
+        message_batches.shutdown()
         ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
 
     app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     batches = BatchService(FileStore(ctx.batch_dir), app, ctx.api_key)
+    message_batches = MessageBatches(app, batches.headers)
     auth = [Depends(_auth(ctx.api_key))] if ctx.api_key else []
     app.include_router(_v1_router(ctx), dependencies=auth)
     app.include_router(_batch_router(batches), dependencies=auth)
+    app.include_router(_message_batch_router(message_batches), dependencies=auth)
 
     @app.get("/health")
     async def health():
@@ -312,6 +316,37 @@ def _batch_router(batches: BatchService) -> APIRouter:
     @router.post("/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str):
         return batches.cancel(batch_id)
+
+    return router
+
+
+def _message_batch_router(batches: MessageBatches) -> APIRouter:
+    """Anthropic's Message Batches API (flock/api/message_batches.py); its errors in Anthropic's shape."""
+    router = APIRouter(prefix="/v1/messages/batches")
+
+    @router.post("")
+    async def create(raw: Request):
+        return batches.create(await json_body(raw)).body(str(raw.base_url))
+
+    @router.get("")
+    async def listing(raw: Request, after_id: str | None = None, limit: int = 20):
+        return batches.listing(str(raw.base_url), after_id, limit)
+
+    @router.get("/{batch_id}")
+    async def get(raw: Request, batch_id: str):
+        return batches.get(batch_id).body(str(raw.base_url))
+
+    @router.post("/{batch_id}/cancel")
+    async def cancel(raw: Request, batch_id: str):
+        return batches.cancel(batch_id).body(str(raw.base_url))
+
+    @router.delete("/{batch_id}")
+    async def delete(batch_id: str):
+        return batches.delete(batch_id)
+
+    @router.get("/{batch_id}/results")
+    async def results(batch_id: str):
+        return Response(batches.results(batch_id), media_type="application/x-jsonl")
 
     return router
 

@@ -314,15 +314,19 @@ def test_response_lines_answer_as_chat_lines(engine, tmp_path):
 
 
 def test_message_lines_answer_as_chat_lines(engine, tmp_path):
-    """/v1/messages lines: an Anthropic Message each, whose text is the chat line's answer to the same conversation;
-    a stop sequence says which; a body without max_tokens or with a PDF is an error record naming the field."""
+    """/v1/messages lines, and Anthropic's Message Batches lines ({custom_id, params}): an Anthropic Message each,
+    whose text is the chat line's answer to the same conversation; a stop sequence says which; a body without
+    max_tokens or with a PDF is an error record naming the field."""
     user = [{"role": "user", "content": "Why page the cache?"}]
     pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}}
     lines = [batch("m", {"system": "Be brief.", "messages": user, "max_tokens": 8}, "/v1/messages"),
              batch("c", {"messages": [{"role": "system", "content": "Be brief."}] + user, "max_tokens": 8},
                    "/v1/chat/completions"),
              batch("no-max", {"messages": user}, "/v1/messages"),
-             batch("pdf", {"messages": [{"role": "user", "content": [pdf]}], "max_tokens": 8}, "/v1/messages")]
+             batch("pdf", {"messages": [{"role": "user", "content": [pdf]}], "max_tokens": 8}, "/v1/messages"),
+             json.dumps({"custom_id": "anthropic", "params": {"system": "Be brief.", "messages": user,
+                                                              "max_tokens": 8}}),
+             json.dumps({"custom_id": "bad-anthropic", "params": "x"})]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     assert run(engine, tmp_path, inp, sampling={"temperature": 0, "ignore_eos": True}) == 0
@@ -330,8 +334,9 @@ def test_message_lines_answer_as_chat_lines(engine, tmp_path):
     m, text = out["m"]["body"], out["c"]["body"]["choices"][0]["message"]["content"]
     assert m["type"] == "message" and out["m"]["request_id"] == m["id"] and m["content"][0]["text"] == text
     assert m["stop_reason"] == "max_tokens" and m["usage"]["output_tokens"] == 8
+    assert out["anthropic"]["body"]["content"] == m["content"]
     errors = {e["custom_id"]: e["error"]["param"] for e in records(tmp_path / "out.errors.jsonl")}
-    assert errors == {"no-max": "max_tokens", "pdf": "messages[0].content[0].source"}
+    assert errors == {"no-max": "max_tokens", "pdf": "messages[0].content[0].source", "bad-anthropic": "params"}
     stop = text[3:6]
     inp.write_text(batch("s", {"system": "Be brief.", "messages": user, "max_tokens": 8, "stop_sequences": [stop]},
                          "/v1/messages") + "\n")

@@ -548,6 +548,41 @@ def test_batches_as_openai(server, client):
         client.batches.create(input_file_id=output, endpoint="/v1/chat/completions", completion_window="24h")
 
 
+def test_message_batches_as_anthropic(server):
+    """Anthropic's Message Batches API through the anthropic client: a batch created and polled until it ends; its
+    results are what /v1/messages answers, a request with bad params an errored result (Anthropic's error shape);
+    listed, then deleted; a canceled batch's requests not yet done come back canceled."""
+    anth = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+    params = {f"q{i}": {"model": MODEL, "max_tokens": 8, "system": SYSTEM, "temperature": 0, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"Why page question {i}?"}]} for i in range(3)}
+    requests = [{"custom_id": k, "params": p} for k, p in params.items()]
+    requests.append({"custom_id": "bad", "params": {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}})
+    batch = anth.messages.batches.create(requests=requests)
+    while batch.processing_status != "ended":
+        time.sleep(0.2)
+        batch = anth.messages.batches.retrieve(batch.id)
+    assert (batch.request_counts.succeeded, batch.request_counts.errored) == (3, 1)
+    results = {r.custom_id: r.result for r in anth.messages.batches.results(batch.id)}
+    for custom_id, p in params.items():
+        whole = anth.messages.create(**{k: v for k, v in p.items() if k not in ("temperature", "ignore_eos")},
+                                     extra_body={"temperature": 0, "ignore_eos": True})
+        assert results[custom_id].type == "succeeded"
+        assert results[custom_id].message.content[0].text == whole.content[0].text
+    assert results["bad"].type == "errored" and results["bad"].error.error.type == "invalid_request_error"
+    assert anth.messages.batches.list().data[0].id == batch.id
+    assert anth.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    long = [{"custom_id": f"l{i}", "params": params["q0"] | {"max_tokens": 400}} for i in range(8)]
+    batch = anth.messages.batches.create(requests=long)
+    time.sleep(0.5)
+    assert anth.messages.batches.cancel(batch.id).processing_status in ("canceling", "ended")
+    while anth.messages.batches.retrieve(batch.id).processing_status != "ended":
+        time.sleep(0.1)
+    assert anth.messages.batches.retrieve(batch.id).request_counts.canceled > 0
+    wait_idle(server)
+    with pytest.raises(anthropic.BadRequestError):
+        anth.messages.batches.create(requests=[{"custom_id": "a b", "params": params["q0"]}])
+
+
 def test_cache_salt_as_vllm(client):
     """A salted request reads only its own salt's cached prefix (usage's cached_tokens) and answers the same."""
     doc = "Salted blocks are found by their own tenant only, whatever the prompt shares. " * 6
