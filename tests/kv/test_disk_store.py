@@ -88,8 +88,8 @@ def test_evicted_prefixes_are_read_back(hf_folders, reference, tmp_path, schedul
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "feather"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("scheduler, kv_cache_dtype", [("fcfs", "auto"), ("batchllm", "auto"), ("feather", "auto"),
+                                                      ("fcfs", "fp8")])
 def test_a_later_run_reads_what_an_earlier_one_wrote(hf_folders, reference, tmp_path, scheduler, kv_cache_dtype):
     prompts, expected = reference
     config = dict(kv_cache_disk_dir=str(tmp_path), scheduler=scheduler, kv_cache_dtype=kv_cache_dtype, block_size=BS)
@@ -122,24 +122,24 @@ def test_a_block_gone_before_it_is_read_ends_the_prefix_there(hf_folders, refere
     assert_no_leak(again)
 
 
-def test_a_restarted_server_reads_its_predecessors_blocks(tmp_path):
-    """flock serve with a disk tier: after a restart a prompt is read back from disk (its usage counts the tokens as
-    cached, /metrics the blocks) and answers as before."""
+def test_a_server_reads_what_an_offline_run_wrote(tmp_path):
+    """flock serve on the folder an offline LLM of the same model wrote: the prompt is read back from disk (its
+    usage counts the tokens as cached, /metrics the blocks) and answers as offline."""
     import httpx
 
     from bench.harness.server_process import ServerProcess
+    from flock import LLM, SamplingParams
 
-    body = {"prompt": "The pool hands out blocks; " * 12, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    answers = []
-    for _ in range(2):
-        with ServerProcess("--model", "flock/tiny", "--kv-cache-disk-dir", str(tmp_path),
-                           env={"OMP_NUM_THREADS": "1"}) as server:
-            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-            answers.append(reply)
-            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-    first, second = answers
-    assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 16
+    prompt = "The pool hands out blocks; " * 12
+    llm = LLM("flock/tiny", kv_cache_disk_dir=str(tmp_path))
+    offline = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    llm.engine.kv.disk.flush()
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ServerProcess("--model", "flock/tiny", "--kv-cache-disk-dir", str(tmp_path),
+                       env={"OMP_NUM_THREADS": "1"}) as server:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert reply["choices"][0]["text"] == offline.outputs[0].text
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(offline.prompt_token_ids) - 16
     read = [line for line in metrics.splitlines() if line.startswith("flock_kv_disk_read_blocks_total")]
     assert read and float(read[0].split()[-1]) > 0
