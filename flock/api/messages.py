@@ -33,7 +33,6 @@ MESSAGES_FIELDS = _CHAT_FIELDS | _IGNORED_FIELDS | {"messages", "system", "max_t
 _HOSTED = {"container": "code execution containers", "mcp_servers": "MCP servers",
            "context_management": "context management (clearing old tool results)"}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-STOP_REASONS = {"length": "max_tokens"}
 # an Anthropic error's type by HTTP status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -64,7 +63,7 @@ class MessagesRequest:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if choice.finish_reason == "stop" and isinstance(choice.stop_reason, str) and choice.stop_reason in stop:
             return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
-        return {"stop_reason": STOP_REASONS.get(choice.finish_reason, "end_turn"), "stop_sequence": None}
+        return {"stop_reason": "max_tokens" if choice.finish_reason == "length" else "end_turn", "stop_sequence": None}
 
 
 def usage(counts) -> dict:
