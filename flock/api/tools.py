@@ -135,12 +135,9 @@ class ToolCalling:
         """(content, tool calls) of an answer, as vLLM's parser of the format extracts them: when any call does
         not parse, there are none and the whole text is the content. Without parallel calls only the first
         counts."""
-        if self.parser in _JSON_LISTS:
-            content, calls = _json_list(text, self.parser)
-        else:
-            parse = {"hermes": _hermes, "llama3_json": _llama3_json, "pythonic": _pythonic,
-                     "qwen3_coder": lambda text: _qwen3_coder(text, self.tools)}
-            content, calls = parse[self.parser](text)
+        parse = {"hermes": _hermes, "llama3_json": _llama3_json, "pythonic": _pythonic,
+                 "qwen3_coder": lambda text: _qwen3_coder(text, self.tools)}
+        content, calls = _json_list(text, self.parser) if self.parser in _JSON_LISTS else parse[self.parser](text)
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
