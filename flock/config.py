@@ -64,8 +64,8 @@ class EngineConfig:
         "hierarchical cache and LMCache's local disk do): prefixes evicted from memory are read back instead of "
         "computed, and a later run of the same model (its files, dtype and KV layout) finds the blocks an earlier "
         "one wrote")
-    kv_cache_disk_bytes: int = option(16 << 30, "the disk tier's size in bytes (16 GiB): the least recently used "
-                                      "blocks beyond it are deleted")
+    kv_cache_disk_bytes: int = option(16 << 30, "the disk tier's size in bytes for each model's subfolder (16 GiB): "
+                                      "the least recently used blocks beyond it are deleted")
     scheduler: str = option("fcfs", "the scheduling policy")
     feather_policy: str = option("static", "batching policy of the feather scheduler")
     attention: str = option("auto", "attention backend (auto: the fastest that runs here)")
