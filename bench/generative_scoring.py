@@ -27,7 +27,7 @@ import httpx
 from bench.harness import machine, vllm
 from bench.harness.documents import documents
 from bench.harness.offline import hf_folder
-from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.report import OUT, markdown_table
 from flock.tokenizer import load_tokenizer
 
 QUESTION = "Does this passage describe how to call a function or class, with its arguments? Answer Yes or No."
@@ -136,10 +136,7 @@ def main() -> int:
     print(machine.header("generative_scoring"), flush=True)
     rows = [measure(name, run, tasks, labels, args) for run in range(1, args.runs + 1) for name in args.servers]
     print(table(rows, tasks, args))
-    path = write_json(args.output, {"cpu": machine.cpu_model(), "cpus": os.cpu_count(),
-                                    "kernel_paths": machine.kernel_paths(), "args": args_dict(args), "runs": rows},
-                      indent=2)
-    print(f"wrote {path}")
+    vllm.write_runs(args, rows)
     return 0
 
 

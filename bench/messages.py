@@ -29,7 +29,7 @@ import httpx
 from bench.harness import machine, vllm
 from bench.harness.documents import documents
 from bench.harness.offline import hf_folder
-from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.report import OUT, markdown_table
 
 INSTRUCTION = ("You are a careful assistant for a team of Python programmers. Answer from the reference below and "
                "from the files the user shows you; be brief and concrete, and say so when the reference does not "
@@ -141,10 +141,7 @@ def main() -> int:
     print(machine.header("messages"), flush=True)
     rows = [measure(name, run, system, firsts, args) for run in range(1, args.runs + 1) for name in args.servers]
     print(table(rows, system, args))
-    path = write_json(args.output, {"cpu": machine.cpu_model(), "cpus": os.cpu_count(),
-                                    "kernel_paths": machine.kernel_paths(), "args": args_dict(args), "runs": rows},
-                      indent=2)
-    print(f"wrote {path}")
+    vllm.write_runs(args, rows)
     return 0
 
 

@@ -25,7 +25,7 @@ import httpx
 
 from bench.harness import machine, vllm
 from bench.harness.offline import hf_folder
-from bench.harness.report import OUT, args_dict, markdown_table, write_json
+from bench.harness.report import OUT, markdown_table
 
 METRICS = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 
@@ -124,10 +124,7 @@ def main() -> int:
     print(machine.header("serve_vllm"), flush=True)
     rows = [measure(name, run, args) for run in range(1, args.runs + 1) for name in args.servers]
     print(table(rows, args))
-    path = write_json(args.output, {"cpu": machine.cpu_model(), "cpus": os.cpu_count(),
-                                    "kernel_paths": machine.kernel_paths(), "args": args_dict(args), "runs": rows},
-                      indent=2)
-    print(f"wrote {path}")
+    vllm.write_runs(args, rows)
     return 0 if all(r["completed"] == args.num_prompts for r in rows) else 1
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.harness import machine
 from bench.harness.machine import OthersCPU
 from bench.harness.offline import Result, Workload
-from bench.harness.report import OUT
+from bench.harness.report import OUT, args_dict, write_json
 from bench.harness.server_process import ServerProcess, free_port
 
 __all__ = ["VLLM_PIN", "VLLM_ENV", "TCMALLOC", "DEFAULT_VENV", "vllm_env", "vllm_python", "existing_python",
@@ -213,6 +214,14 @@ def start_server(name: str, args):
         return ServerProcess("--model", args.model, *shlex.split(args.flock_args),
                              ready_timeout=args.ready_timeout).start()
     return VLLMServer(args.vllm_python, args.model, shlex.split(args.vllm_args), args.ready_timeout)
+
+
+def write_runs(args, rows: list[dict]) -> None:
+    """A side-by-side server benchmark's rows, with the CPU and kernel paths, in args.output."""
+    path = write_json(args.output, {"cpu": machine.cpu_model(), "cpus": os.cpu_count(),
+                                    "kernel_paths": machine.kernel_paths(), "args": args_dict(args), "runs": rows},
+                      indent=2)
+    print(f"wrote {path}")
 
 
 def run_serve_client(python: Path, client_args: list[str], timeout: float) -> dict:

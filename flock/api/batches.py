@@ -96,10 +96,15 @@ class FileStore:
 
 @dataclass
 class Batch:
-    body: dict  # the object OpenAI's clients read
+    body: dict  # the object OpenAI's clients read, but its request counts
     task: asyncio.Task | None = None
+    total: int = 0  # its lines, once read
     records: list[dict] = field(default_factory=list)  # answers so far
     errors: list[dict] = field(default_factory=list)  # error records so far
+
+    def object(self) -> dict:
+        counts = {"total": self.total, "completed": len(self.records), "failed": len(self.errors)}
+        return self.body | {"request_counts": counts}
 
 
 class BatchService:
@@ -133,33 +138,32 @@ class BatchService:
                        "input_file_id": file_id, "completion_window": "24h", "status": "validating",
                        "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                        "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
-                       "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                       "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata})
+                       "expired_at": None, "cancelling_at": None, "cancelled_at": None, "metadata": metadata})
         self.batches[batch.body["id"]] = batch
         batch.task = asyncio.create_task(self._run(batch))
-        return batch.body
+        return batch.object()
 
     def get(self, batch_id: str) -> dict:
         if batch_id not in self.batches:
             raise not_found("batch", batch_id, "batch_id")
-        return self.batches[batch_id].body
+        return self.batches[batch_id].object()
 
     def listing(self, after: str | None = None, limit: int = 20) -> dict:
         """The batches, the newest first, `limit` after the one `after` names."""
         ids = list(self.batches)[::-1]
         start = ids.index(after) + 1 if after in ids else 0
-        page = [self.batches[i].body for i in ids[start : start + limit]]
+        page = [self.batches[i].object() for i in ids[start : start + limit]]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ids)}
 
     def cancel(self, batch_id: str) -> dict:
         """Stop a batch: its lines in flight are aborted; what finished is kept in its files."""
-        body = self.get(batch_id)
+        self.get(batch_id)
         batch = self.batches[batch_id]
-        if body["status"] in ("validating", "in_progress"):
-            body |= {"status": "cancelling", "cancelling_at": int(time.time())}
+        if batch.body["status"] in ("validating", "in_progress"):
+            batch.body |= {"status": "cancelling", "cancelling_at": int(time.time())}
             batch.task.cancel()
-        return body
+        return batch.object()
 
     def shutdown(self) -> None:
         for batch in self.batches.values():
@@ -171,8 +175,7 @@ class BatchService:
         try:
             lines = self._lines(batch)
             body |= {"status": "in_progress", "in_progress_at": int(time.time())}
-            body["request_counts"]["total"] = len(lines) + len(batch.errors)
-            body["request_counts"]["failed"] = len(batch.errors)
+            batch.total = len(lines) + len(batch.errors)
             await post_all(self.app, self.headers, self.in_flight, body["endpoint"],
                            [(line.custom_id, line.body) for line in lines],
                            lambda custom_id, reply: self._record(batch, custom_id, reply))
@@ -212,13 +215,7 @@ class BatchService:
         record = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
                   "response": {"status_code": reply.status_code, "request_id": request_id, "body": answer},
                   "error": None}
-        counts = batch.body["request_counts"]
-        if reply.status_code == 200:
-            batch.records.append(record)
-            counts["completed"] += 1
-        else:
-            batch.errors.append(record)
-            counts["failed"] += 1
+        (batch.records if reply.status_code == 200 else batch.errors).append(record)
 
     def _finish(self, batch: Batch, status: str) -> None:
         """Write what the batch answered into its output and error files; it ends as `status`."""
