@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "save-model":
         from flock.model import save_model
 
-        print(f"saved {args.model} to {save_model(args.model, args.output, args.dtype, args.seed)}")
+        try:
+            print(f"saved {args.model} to {save_model(args.model, args.output, args.dtype, args.seed)}")
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     parser.error(f"unknown command {args.command}")
 

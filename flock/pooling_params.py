@@ -67,9 +67,10 @@ class PoolingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
-    def as_sampling(self) -> SamplingParams:
+    def as_sampling(self, truncation_side: str = "left") -> SamplingParams:
         """The engine request that computes the prompt (and samples nothing: the runner pools its last row)."""
-        return SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens)
+        return SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                              truncation_side=truncation_side)
 
     def pool(self, hidden: torch.Tensor) -> list[float]:
         """The embedding of a last token's final hidden state, in float32 (float64 models: float64)."""

@@ -47,6 +47,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * len(self.prompt_token_ids) if params.wants_prompt_logprobs else None)
         self.prompt_ids = params.prompt_rows_ids(len(self.prompt_token_ids))  # per prompt position: ids to score
+        self.whole_prompt = False  # an encoder's prompt attends both ways: computed in one step, never cut
         self.pooling = None  # PoolingParams of an embedding request: its last prompt row is pooled, not sampled
         self.embedding: list[float] | None = None  # then set when its prompt is computed
         self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
@@ -76,7 +77,10 @@ class Request:
 
     def chunk(self, start: int, n: int) -> int:
         """The tokens a step computes from `start` when n fit: n, or, where its images attend both ways (Gemma
-        3's), the chunk moved off the middle of an image (see ImageInputs.fit_chunk)."""
+        3's), the chunk moved off the middle of an image (see ImageInputs.fit_chunk); an encoder's prompt whole
+        (its step may then pass the token budget)."""
+        if self.whole_prompt:
+            return self.num_tokens - start
         images = self.params.multi_modal
         return n if images is None or images.spans is None else images.fit_chunk(start, n)
 

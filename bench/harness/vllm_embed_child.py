@@ -3,9 +3,10 @@
 usage: python vllm_embed_child.py JOB.json RESULT.json
 
 JOB: {"model", "prefix_caching", "max_model_len", "warmup": [[ids]], "prompts": [[ids]], optional "task" ("embed",
-the default, or "classify"), "hf_overrides" and "block_size"}
+the default, "classify", or "score": then warmup and prompts are [text, text] pairs a cross-encoder scores),
+"hf_overrides" and "block_size"}
 RESULT: {"vllm_version", "startup_s", "wall_s", "cached_tokens", "embeddings": [[floats]]} (a classification's
-probabilities as its "embeddings")
+probabilities, a score, as its "embeddings")
 """
 
 import json
@@ -28,9 +29,11 @@ def main(job_path: str, result_path: str) -> None:
               enable_prefix_caching=job["prefix_caching"], seed=0, hf_overrides=job.get("hf_overrides"),
               **({"block_size": job["block_size"]} if job.get("block_size") else {}))
     startup_s = time.perf_counter() - t0
-    classify = job.get("task") == "classify"
+    classify, score = job.get("task") == "classify", job.get("task") == "score"
 
     def embed(prompts):
+        if score:
+            return llm.score([a for a, _ in prompts], [b for _, b in prompts], use_tqdm=False)
         run = llm.classify if classify else llm.embed
         return run([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
 
@@ -41,7 +44,8 @@ def main(job_path: str, result_path: str) -> None:
     wall = time.perf_counter() - t
     result = {"vllm_version": vllm.__version__, "startup_s": startup_s, "wall_s": wall,
               "cached_tokens": sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs),
-              "embeddings": [list(o.outputs.probs if classify else o.outputs.embedding) for o in outs]}
+              "embeddings": [[o.outputs.score] if score else list(o.outputs.probs if classify else o.outputs.embedding)
+                             for o in outs]}
     open(result_path, "w").write(json.dumps(result))
 
 

@@ -124,7 +124,7 @@ def serve_main(args: argparse.Namespace) -> int:
                             ResponseStore(max(args.max_stored_responses, 0)), args.batch_dir,
                             lora_requests(config.lora_modules or []))
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
-                 engine.state.kv_blocks_total, engine.max_model_len, config.scheduler, engine.state.attention)
+                 engine.state.kv_blocks_total, engine.max_model_len, engine.state.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():
             log.warning("--reasoning-parser %s: the tokenizer has no %s token, so every answer that does not write "
                         "the tag is all reasoning (vLLM refuses to start)", args.reasoning_parser, THINKING_END)

@@ -65,6 +65,7 @@ class EngineState:
     """A snapshot published by the engine thread after every step; read from any thread."""
 
     attention: str = ""  # the attention backend (and its ISA path, if it has one)
+    scheduler: str = ""  # the policy the engine runs (an encoder's: fcfs or priority, whatever was asked)
     num_added: int = 0  # submissions the engine thread has taken so far
     num_waiting: int = 0
     num_running: int = 0
@@ -157,7 +158,6 @@ class AsyncEngine:
         self._num_added = 0  # written by the engine thread only
         self._tracked: dict[int, _Tracked] = {}  # engine thread only
         self._busy_seconds = 0.0  # engine thread only
-        self._attention = ""
         self._thread = threading.Thread(target=self._run, name="flock-engine", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -249,8 +249,6 @@ class AsyncEngine:
             self.sampling_defaults = self._engine.sampling_defaults
             self.tasks = self._engine.tasks
             self.eos_token_ids = sorted(self._engine.eos_token_ids)
-            backend = self._engine.runner.backend
-            self._attention = backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")
             self._publish()
         except BaseException as e:
             self._error = e
@@ -353,7 +351,8 @@ class AsyncEngine:
         e = self._engine
         s = e.stats
         self.state = EngineState(
-            attention=self._attention,
+            attention=e.runner.attention_path,
+            scheduler=e.scheduler.name,
             num_added=self._num_added,
             num_waiting=e.scheduler.num_waiting,
             num_running=len(e.scheduler.running),

@@ -1,6 +1,7 @@
 import gc
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 from flock.config import EngineConfig
 from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
 from flock.engine.draft_model import DraftModelProposer
+from flock.engine.encoder_runner import EncoderRunner
 from flock.engine.runner import ModelRunner, StepOutput
 from flock.engine.stats import RunStats
 from flock.kv.disk_store import DiskKVStore, fingerprint
@@ -57,15 +59,30 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def engine_params(params: SamplingParams | PoolingParams, model: ModelTasks) -> SamplingParams:
-    """The sampling params a request runs with: a pooling request's own (checked against what the model serves),
-    a generation's as given (ValueError if the model does not generate)."""
+def engine_params(params: SamplingParams | PoolingParams, model: ModelTasks, encoder: bool = False) -> SamplingParams:
+    """The sampling params a request runs with: a pooling request's own (checked against what the model serves;
+    an encoder's prompt cut from the right, as its tokenizer cuts), a generation's as given (ValueError if the
+    model does not generate)."""
     if isinstance(params, PoolingParams):
         params.validate(model)
-        return params.as_sampling()
+        return params.as_sampling("right" if encoder else "left")
     if why := model.refusal("generate"):
         raise ValueError(why)
     return params
+
+
+def encoder_config(config: EngineConfig) -> EngineConfig:
+    """The settings an encoder runs with: no prefix cache (a prefix's hidden states depend on what follows it) and
+    fcfs or priority scheduling (nothing to share); ValueError for what needs a decoder's KV or LM head."""
+    for name, value in (("kv_cache_disk_dir", config.kv_cache_disk_dir), ("speculative_config",
+                        config.speculative_config), ("enable_lora", config.enable_lora)):
+        if value:
+            raise ValueError(f"{name}: {config.model} is a bidirectional encoder (no KV cache, no LM head)")
+    scheduler = config.scheduler if config.scheduler in ("fcfs", "priority") else "fcfs"
+    if scheduler != config.scheduler:
+        log.info("%s is an encoder: its prompts share no KV, so the %s scheduler runs as fcfs", config.model,
+                 config.scheduler)
+    return replace(config, enable_prefix_caching=False, scheduler=scheduler)
 
 
 class LLMEngine:
@@ -76,7 +93,7 @@ class LLMEngine:
         resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
-        max_len = config.max_model_len or resolved.config.max_position_embeddings
+        max_len = config.max_model_len or resolved.config.max_seq_length or resolved.config.max_position_embeddings
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
         self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
         self.think_markers = ThinkMarkers.of(self.tokenizer)
@@ -85,7 +102,12 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         classifier_ids = classifier_token_ids(self.tokenizer, resolved.config) if resolved.config.classifier_tokens \
             else ()
-        self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
+        encoder = resolved.config.encoder
+        if encoder:
+            config = self.config = encoder_config(config)
+            self.runner = EncoderRunner(config, resolved, max_len, self.tokenizer.sep_token_id)
+        else:
+            self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
         disk = self._disk_store(config, resolved) if config.kv_cache_disk_dir else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, disk)
         if max_len > self.kv.capacity_tokens:
@@ -157,7 +179,7 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
-        params = engine_params(params, self.tasks)
+        params = engine_params(params, self.tasks, self.model_config.encoder)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         check_priority(params, self.config.scheduler)
         if params.thinking_token_budget is not None and self.think_markers is None:
@@ -188,14 +210,18 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
         if pooling is not None:
-            params = pooling.as_sampling()
-        prompt_token_ids = params.truncated(prompt_token_ids, self.max_model_len)
+            params = pooling.as_sampling("right" if self.model_config.encoder else "left")
+        cut = params.truncated(prompt_token_ids, self.max_model_len)
+        if self.model_config.encoder and len(cut) < len(prompt_token_ids):  # its closing [SEP] kept, as tokenizers do
+            cut = cut[:-1] + prompt_token_ids[-1:]
+        prompt_token_ids = cut
         if params.bad_words:
             params.tokenize_bad_words(self.tokenizer)
         if params.dry:
             params.dry_breakers = breaker_tokens(self.tokenizer, tuple(params.dry_sequence_breakers))
         req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
         req.pooling = pooling
+        req.whole_prompt = self.model_config.encoder
         self._next_id += 1
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)

@@ -94,6 +94,11 @@ class ModelRunner:
                              self.num_blocks * self.block_size))
 
     @property
+    def attention_path(self) -> str:
+        backend = self.backend
+        return backend.name + (f" ({backend.isa})" if getattr(backend, "isa", None) else "")
+
+    @property
     def kv_bytes_per_block(self) -> int:
         c = self.model.config
         row = fp8.row_width(c.head_dim, self.kv_dtype) * self.kv_dtype.itemsize

@@ -132,6 +132,9 @@ def build_model(
 ) -> LlamaForCausalLM:
     """The model with its weights; `quantization` as EngineConfig.quantization says; a causal LM made a
     classifier takes its score rows from the LM head's rows of `classifier_ids` (see classifier_token_ids)."""
+    if resolved.config.encoder:
+        raise ValueError(f"{resolved.folder} is a bidirectional encoder ({resolved.config.model_type}): it embeds and "
+                         "classifies as an engine's model, it is no decoder")
     if load_format == "auto":
         load_format = "dummy" if resolved.builtin else "gguf" if resolved.gguf else "safetensors"
     allowed = ("dummy", "gguf" if resolved.gguf else "safetensors")

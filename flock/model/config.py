@@ -4,6 +4,11 @@ from pathlib import Path
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# bidirectional encoders (BERT's family) that embed and classify; a position's id is its index plus the offset
+ENCODER_POSITION_OFFSETS = {"bert": None, "roberta": "pad", "xlm-roberta": "pad"}  # "pad": pad_token_id + 1
+ENCODER_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# sentence-transformers' pooling modes (a folder's 1_Pooling/config.json) -> the row an embedding pools
+POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA_TYPES,
                          *MOE_TYPES)
 # transformers' ACT2FN names of the two activations Flock runs in its gated MLPs
@@ -110,6 +115,14 @@ class ModelConfig:
     torch_dtype: str | None = None
     quantization: dict | None = None  # quantization_config: the checkpoint's packed integer weights (hf_quant)
     eos_token_id: list[int] = field(default_factory=list)
+    # a bidirectional encoder (ENCODER_POSITION_OFFSETS): each prompt attends both ways, computed whole in one
+    # step and never cached; its token types (BERT's pairs: 1 after the first separator) and learned positions
+    # (from position_offset); `pooling` the rows an embedding takes: CLS (the first), MEAN or LAST
+    encoder: bool = False
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    pooling: str = "LAST"
+    max_seq_length: int | None = None  # a sentence-transformers folder's limit, below the positions' (vLLM's too)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
@@ -134,10 +147,13 @@ class ModelConfig:
         if multimodal:
             d = cls._text_config(d)
         model_type = d.get("model_type", "llama")
+        if model_type in ENCODER_POSITION_OFFSETS:
+            return cls._encoder(d, model_type)
         if model_type == "gemma3_text":
             d = GEMMA3_TEXT_DEFAULTS | d
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: "
+                             f"{(*SUPPORTED_MODEL_TYPES, *ENCODER_POSITION_OFFSETS)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=true (EmbeddingGemma's) is not supported: Flock's "
                              "attention is causal")
@@ -200,6 +216,29 @@ class ModelConfig:
             quantization=quantization,
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+    @classmethod
+    def _encoder(cls, d: dict, model_type: str) -> "ModelConfig":
+        """A BERT, RoBERTa or XLM-RoBERTa encoder as transformers builds it (absolute learned positions, post-norm
+        layers): an embedding model, or a sequence classifier (a cross-encoder) with its head."""
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (Flock's "
+                             f"encoders learn absolute positions)")
+        act = d.get("hidden_act", "gelu")
+        if act not in ENCODER_ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ENCODER_ACTIVATIONS)})")
+        heads = d["num_attention_heads"]
+        offset = d.get("pad_token_id", 1) + 1 if ENCODER_POSITION_OFFSETS[model_type] == "pad" else 0
+        architecture = (d.get("architectures") or ["Model"])[0]
+        return cls(
+            model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=heads, head_dim=d["hidden_size"] // heads,
+            rms_norm_eps=d.get("layer_norm_eps", 1e-12), max_position_embeddings=d["max_position_embeddings"] - offset,
+            base_model=True, tie_word_embeddings=True, hidden_act=ENCODER_ACTIVATIONS[act],
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"), encoder=True,
+            type_vocab_size=d.get("type_vocab_size", 2), position_offset=offset, pooling="CLS",
+            **cls._classifier(d, architecture))
 
     @staticmethod
     def _granite_scales(d: dict, model_type: str) -> dict:
@@ -398,12 +437,39 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
         config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
+        if config.encoder:
+            config.pooling = sentence_transformers_pooling(Path(path)) or config.pooling
+            sbert = Path(path) / "sentence_bert_config.json"
+            if sbert.is_file():
+                config.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
         generation = Path(path) / "generation_config.json"
         if generation.exists():  # transformers' generate (and vLLM) also stop at generation_config's eos ids
             eos = json.loads(generation.read_text()).get("eos_token_id")
             extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             config.eos_token_id += [e for e in extra if e not in config.eos_token_id]
         return config
+
+
+def sentence_transformers_pooling(folder: Path) -> str | None:
+    """The pooling a sentence-transformers folder's modules.json names (None: no such file), as vLLM reads it;
+    ValueError for a module after pooling that would change the vector (a Dense projection)."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    pooling = None
+    for module in json.loads(modules_file.read_text()):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            modes = json.loads((folder / module.get("path", "") / "config.json").read_text())
+            named = [mode for key, mode in POOLING_MODES.items() if modes.get(key)]
+            if len(named) != 1:
+                raise ValueError(f"{folder}: sentence-transformers pooling {modes} is not one of "
+                                 f"{', '.join(POOLING_MODES)}")
+            pooling = named[0]
+        elif kind not in ("Transformer", "Normalize"):
+            raise ValueError(f"{folder}: the sentence-transformers module {kind} ({module.get('path')}) is not "
+                             "supported (Flock runs Transformer, Pooling and Normalize)")
+    return pooling
 
 
 def sampling_defaults(folder: str | Path | None) -> dict:

@@ -1,0 +1,153 @@
+"""Bidirectional encoders (BERT, XLM-RoBERTa): embeddings and class probabilities equal transformers' on the same
+weights whatever the scheduler and token budget (each prompt computed whole, none read from a prefix cache);
+pairs carry BERT's token types; sentence-transformers' pooling is read from the folder; what an encoder cannot do
+is refused by name."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flock import LLM, PoolingParams, SamplingParams
+from tests.engine.encoders import WORDS, reference, save_encoder
+
+
+def sentences(seed: int, count: int = 9) -> list[str]:
+    """Texts of 1 to 40 words, the later ones repeating an earlier one's first words (a prefix cache would
+    wrongly serve them)."""
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(1, 40))) for _ in range(count)]
+    return texts + [t.rsplit(" ", 1)[0] + " water" for t in texts[:3] if " " in t]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return save_encoder(tmp_path_factory.mktemp("bert"), "bert")
+
+
+@pytest.fixture(scope="module")
+def xlmr_classifier(tmp_path_factory):
+    return save_encoder(tmp_path_factory.mktemp("xlmr-cls"), "xlm-roberta", num_labels=3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def bert_cross_encoder(tmp_path_factory):
+    return save_encoder(tmp_path_factory.mktemp("bert-ce"), "bert", num_labels=1, seed=2)
+
+
+def embeddings(llm: LLM, texts, params: PoolingParams | None = None) -> torch.Tensor:
+    return torch.tensor([o.outputs.embedding for o in llm.embed(texts, params, use_tqdm=False)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("scheduler, budget", [("fcfs", 2048), ("fcfs", 8), ("batchllm", 16), ("priority", 30)])
+def test_bert_embeddings_equal_transformers(bert, scheduler, budget):
+    texts = sentences(0)
+    expected = F.normalize(torch.stack([h[0] for h in reference(bert, texts)]), dim=1)  # the [CLS] row
+    llm = LLM(str(bert), dtype="float64", scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=4)
+    torch.testing.assert_close(embeddings(llm, texts), expected, rtol=0, atol=1e-12)
+    assert llm.stats()["saving_rate"] == 0  # nothing is read from a prefix cache
+    raw = embeddings(llm, texts[:2], PoolingParams(normalize=False, dimensions=5))
+    torch.testing.assert_close(raw, torch.stack([h[0, :5] for h in reference(bert, texts[:2])]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention", ["cpu", "torch", "torch-cascade"])
+def test_every_attention_backend_attends_both_ways(bert, attention):
+    from flock.attention import cpu
+
+    if attention == "cpu" and cpu.kernel_unavailable():
+        pytest.skip(f"the CPU attention kernel: {cpu.kernel_unavailable()}")
+    texts = sentences(5)
+    expected = F.normalize(torch.stack([h[0] for h in reference(bert, texts)]), dim=1)
+    llm = LLM(str(bert), dtype="float32", attention=attention, max_num_batched_tokens=64, block_size=4)
+    assert llm.engine.runner.paths["attention"].startswith(attention)
+    torch.testing.assert_close(embeddings(llm, texts), expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode, pool", [("pooling_mode_mean_tokens", lambda h: h.mean(0)),
+                                        ("pooling_mode_lasttoken", lambda h: h[-1]),
+                                        ("pooling_mode_cls_token", lambda h: h[0])])
+def test_sentence_transformers_pooling(tmp_path, mode, pool):
+    folder = save_encoder(tmp_path / "st", "xlm-roberta", seed=3, pooling=mode)
+    texts = sentences(1, count=4)
+    expected = F.normalize(torch.stack([pool(h) for h in reference(folder, texts)]), dim=1)
+    torch.testing.assert_close(embeddings(LLM(str(folder), dtype="float64"), texts), expected, rtol=0, atol=1e-12)
+
+
+def test_sentence_transformers_max_seq_length_is_the_default_limit(tmp_path):
+    folder = save_encoder(tmp_path / "st", "bert", pooling="pooling_mode_mean_tokens")
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 16, "do_lower_case": false}')
+    assert LLM(str(folder)).engine.max_model_len == 16
+    assert LLM(str(folder), max_model_len=64).engine.max_model_len == 64
+
+
+def test_sentence_transformers_modules_it_cannot_run_are_refused(tmp_path):
+    folder = save_encoder(tmp_path / "dense", "bert", pooling="pooling_mode_mean_tokens")
+    (folder / "modules.json").write_text(folder.joinpath("modules.json").read_text().replace("Normalize", "Dense"))
+    with pytest.raises(ValueError, match="module Dense .* is not supported"):
+        LLM(str(folder))
+
+
+def test_classifier_probabilities_equal_transformers(xlmr_classifier):
+    texts = sentences(2)
+    logits = torch.stack(reference(xlmr_classifier, texts))
+    llm = LLM(str(xlmr_classifier), dtype="float64", max_num_batched_tokens=16)
+    probs = torch.tensor([o.outputs.probs for o in llm.classify(texts, use_tqdm=False)], dtype=torch.float64)
+    torch.testing.assert_close(probs, logits.softmax(-1), rtol=0, atol=1e-12)
+    raw = llm.classify(texts[:3], PoolingParams(use_activation=False), use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.outputs.probs for o in raw], dtype=torch.float64), logits[:3],
+                               rtol=0, atol=1e-12)
+
+
+def test_cross_encoder_scores_pairs_with_their_token_types(bert_cross_encoder):
+    query, docs = "where do the blocks of the cache come from", sentences(3, count=5)
+    expected = [x.sigmoid().item() for x in reference(bert_cross_encoder, [(query, d) for d in docs])]
+    for dtype, atol in (("float64", 1e-12), ("float32", 1e-6), ("bfloat16", 3e-2)):
+        llm = LLM(str(bert_cross_encoder), dtype=dtype)
+        scores = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
+        assert scores == pytest.approx(expected, abs=atol, rel=0)
+
+
+def test_what_an_encoder_cannot_do_is_refused(bert, bert_cross_encoder):
+    with pytest.raises(ValueError, match="base model without an LM head"):
+        LLM(str(bert)).generate(["the water"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="is a sequence classifier"):
+        LLM(str(bert_cross_encoder)).embed(["the water"])
+    for keyword in ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, {"enable_lora": True},
+                    {"kv_cache_disk_dir": "kv"}):
+        with pytest.raises(ValueError, match="is a bidirectional encoder"):
+            LLM(str(bert), **keyword)
+    too_long = " ".join(["water"] * 70)
+    llm = LLM(str(bert), dtype="float64")
+    with pytest.raises(ValueError, match="prompt has 72 tokens, more than max_model_len=64"):
+        llm.embed([too_long])
+    (cut,) = llm.embed([too_long], PoolingParams(truncate_prompt_tokens=10))  # as the tokenizer truncates
+    assert cut.prompt_token_ids == llm.get_tokenizer()(too_long, truncation=True, max_length=10)["input_ids"]
+    (full,) = llm.embed([" ".join(["water"] * 62)])  # the longest prompt its positions hold
+    assert len(full.prompt_token_ids) == 64
+
+
+def test_batch_lines_embed_and_rerank(tmp_path, bert, bert_cross_encoder):
+    import json
+
+    from flock.api.batch import JobConfig, run_job
+    from flock.config import EngineConfig
+    from flock.engine.engine import LLMEngine
+
+    query, docs = "the water is hot", sentences(4, count=3)
+    for folder, url, body in ((bert, "/v1/embeddings", {"input": docs}),
+                              (bert_cross_encoder, "/v1/rerank", {"query": query, "documents": docs})):
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        inp.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}) + "\n")
+        engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", scheduler="batchllm"))
+        assert run_job(JobConfig(str(inp), str(out), overwrite=True, quiet=True), engine) == 0
+        (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+        data = record["response"]["body"]
+        llm = LLM(str(folder), dtype="float32")
+        if url == "/v1/embeddings":
+            expected = [e.outputs.embedding for e in llm.embed(docs, use_tqdm=False)]
+            assert [d["embedding"] for d in data["data"]] == [pytest.approx(e, abs=1e-6) for e in expected]
+        else:
+            scores = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
+            assert {r["index"]: r["relevance_score"] for r in data["results"]} == \
+                pytest.approx(dict(enumerate(scores)), abs=1e-6)
