@@ -2,10 +2,12 @@
 LLM.score side by side with vLLM's (CPU build, runner="pooling"), one engine after the other.
 
     python -m bench.encoders --vllm-venv /root/V                  # bge-base's shape (BERT, 110M), random bf16
+    python -m bench.encoders --arch modernbert --vllm-venv /root/V   # ModernBERT-base's shape (149M)
     python -m bench.encoders --shape small --inputs 16 --queries 2 --skip-vllm     # a dry run in seconds
 
-Two jobs on one random-weight BERT of --shape (small: bge-small / all-MiniLM-L12's 384 x 12 layers; base:
-bge-base's 768 x 12; large: bge-large's 1024 x 24), bf16 in both engines:
+Two jobs on one random-weight encoder of --arch and --shape (BERT: small, bge-small / all-MiniLM-L12's 384 x 12
+layers; base, bge-base's 768 x 12; large, bge-large's 1024 x 24. ModernBERT: base, 768 x 22; large, 1024 x 28; its
+local layers seeing 64 positions on either side), bf16 in both engines:
 - embed: --inputs passages of --min-len to --max-len tokens ([CLS] ... [SEP]), each pooled at [CLS] and
   L2-normalized (BertModel's default in both engines);
 - rerank: --queries queries of --query tokens, each scored against --docs passages by the same encoder as a
@@ -26,26 +28,33 @@ from bench.embeddings import CHILD, versus_vllm
 from bench.harness import machine, vllm
 from bench.harness.report import args_dict, write_json
 
-SHAPES = {"small": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536),
-          "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-          "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)}
+SHAPES = {"bert": {"small": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536),
+                   "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+                   "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)},
+          "modernbert": {"base": dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                                      intermediate_size=1152),
+                         "large": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                       intermediate_size=2624)}}
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB = 30522  # BERT's
 CLS, SEP = 2, 3
 
 
-def save_encoder(out: Path, shape: str, num_labels: int) -> Path:
-    """A random bf16 BERT of `shape` (a classifier of `num_labels`, else a BertModel) with a WordPiece tokenizer
-    whose words are w0, w1, ..."""
-    from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast
+def save_encoder(out: Path, arch: str, shape: str, num_labels: int) -> Path:
+    """A random bf16 encoder of `arch` and `shape` (a classifier of `num_labels`, else a base model) with a
+    WordPiece tokenizer whose words are w0, w1, ..."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, BertTokenizerFast
 
-    folder = out / (f"bert-{shape}" + ("-ce" if num_labels else ""))
+    folder = out / (f"{arch}-{shape}" + ("-ce" if num_labels else ""))
     if (folder / "model.safetensors").exists():
         return folder
     vocab = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
-    config = BertConfig(vocab_size=VOCAB, **SHAPES[shape], **({"num_labels": num_labels} if num_labels else {}))
+    special = {"pad_token_id": 0, "bos_token_id": CLS, "eos_token_id": SEP, "cls_token_id": CLS,
+               "sep_token_id": SEP} if arch == "modernbert" else {}
+    config = AutoConfig.for_model(arch, vocab_size=VOCAB, **SHAPES[arch][shape], **special,
+                                  **({"num_labels": num_labels} if num_labels else {}))
     torch.manual_seed(0)
-    model = (BertForSequenceClassification if num_labels else BertModel)(config).to(torch.bfloat16)
+    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(folder)
     return folder
@@ -107,7 +116,8 @@ def closeness(task: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="base", choices=sorted(SHAPES))
+    p.add_argument("--arch", default="bert", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="base", help="small (BERT only), base or large")
     p.add_argument("--inputs", type=int, default=256, help="passages embedded")
     p.add_argument("--queries", type=int, default=8)
     p.add_argument("--docs", type=int, default=32, help="passages reranked per query")
@@ -121,11 +131,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"# encoders: {machine.cpu_line()}", flush=True)  # each task prints the paths Flock ran
     runs = []
-    for task, folder, job in (("embed", save_encoder(args.out, args.shape, 0), embed_workload(args)),
-                              ("score", save_encoder(args.out, args.shape, 1), rerank_workload(args))):
+    if args.shape not in SHAPES[args.arch]:
+        p.error(f"--shape of {args.arch}: one of {', '.join(SHAPES[args.arch])}")
+    for task, folder, job in (("embed", save_encoder(args.out, args.arch, args.shape, 0), embed_workload(args)),
+                              ("score", save_encoder(args.out, args.arch, args.shape, 1), rerank_workload(args))):
         what = f"{len(job)} passages, {sum(map(len, job)):,} tokens" if task == "embed" else \
             f"{args.queries} queries x {args.docs} passages"
-        print(f"# {task}: BERT {args.shape}, {what}; {machine.load_note()}", flush=True)
+        print(f"# {task}: {args.arch} {args.shape}, {what}; {machine.load_note()}", flush=True)
         results = [run_flock(folder, job, task, args)]
         if not args.skip_vllm:
             results.append(run_vllm(folder, job, task, args))

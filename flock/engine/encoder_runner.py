@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -8,7 +9,8 @@ from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.runner import StepOutput, resolve_device
 from flock.model import ResolvedModel, resolve_dtype
-from flock.model.encoder import EncoderModel
+from flock.model.encoder import BertEncoder
+from flock.model.modernbert import ModernBertEncoder
 from flock.sched.base import StepPlan
 
 
@@ -26,8 +28,12 @@ class EncoderRunner:
         self.device = resolve_device(config.device)
         self.dtype = self.kv_dtype = resolve_dtype(config.dtype, c, self.device)
         self.block_size = config.block_size
-        self.backend = make_backend(config.attention, c, self.device, self.dtype)
-        self.model = EncoderModel(c, sep_token_id, self.backend).to(self.device, self.dtype)
+        # a backend per layer window (None: the whole prompt), each planning the step for its own layers
+        self.backends = {w: make_backend(config.attention, replace(c, sliding_window=w, sliding_layers=None),
+                                         self.device, self.dtype) for w in dict.fromkeys(c.layer_windows)}
+        self.backend = self.backends[c.layer_window(0)]
+        encoder = ModernBertEncoder if c.model_type == "modernbert" else BertEncoder
+        self.model = encoder(c, sep_token_id, self.backends).to(self.device, self.dtype)
         load_format = config.load_format
         if load_format == "auto":
             load_format = "dummy" if resolved.builtin else "safetensors"
@@ -44,7 +50,8 @@ class EncoderRunner:
         self.model.set_cache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                              torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.paths = {"gemm": self.model.prepack() if config.ops in ("auto", "packed") else "F.linear",
-                      "elementwise": "PyTorch ops", "attention": self.attention_path}
+                      "elementwise": self.model.use_fused_ops() if config.ops in ("auto", "fused") else "PyTorch ops",
+                      "attention": self.attention_path}
 
     @property
     def attention_path(self) -> str:
@@ -62,11 +69,13 @@ class EncoderRunner:
         slots = np.concatenate([t[p // self.block_size] * self.block_size + p % self.block_size
                                 for t, p in zip(tables, np.split(positions, query_start[1:-1]))])
         layout = StepLayout(query_start=query_start, seq_lens=counts, block_tables=tables, block_size=self.block_size,
-                            slot_mapping=torch.from_numpy(slots).to(self.device),
-                            attend_ends=np.repeat(counts - 1, counts))  # every token sees its whole prompt
+                            slot_mapping=torch.from_numpy(slots).to(self.device))
+        last = np.repeat(counts - 1, counts)  # every token sees its whole prompt, or its window's both ways
+        metas = {w: backend.build_metadata(replace(layout, attend_ends=last if w is None else
+                                                   np.minimum(positions + w - 1, last)))
+                 for w, backend in self.backends.items()}
         ids = torch.tensor([t for req, _ in plan.scheduled for t in req.prompt_token_ids], device=self.device)
-        pooled = self.model(ids, torch.from_numpy(positions).to(self.device), lengths,
-                            self.backend.build_metadata(layout))
+        pooled = self.model(ids, torch.from_numpy(positions).to(self.device), lengths, metas)
         out = StepOutput([], [])
         for (req, _), vector in zip(plan.scheduled, pooled):
             pooling = req.pooling

@@ -6,6 +6,8 @@ GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # bidirectional encoders (BERT's family) that embed and classify; a position's id is its index plus the offset
 ENCODER_POSITION_OFFSETS = {"bert": None, "roberta": "pad", "xlm-roberta": "pad"}  # "pad": pad_token_id + 1
+ENCODER_TYPES = (*ENCODER_POSITION_OFFSETS, "modernbert")
+MODERNBERT_THETAS = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}  # ModernBertConfig's defaults
 ENCODER_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # sentence-transformers' pooling modes (a folder's 1_Pooling/config.json) -> the row an embedding pools
 POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
@@ -122,6 +124,12 @@ class ModelConfig:
     type_vocab_size: int = 0
     position_offset: int = 0
     pooling: str = "LAST"
+    classifier_pooling: str = "CLS"  # the row a classifier reads (ModernBERT's may be MEAN)
+    # ModernBERT's: biases of its norms, MLP and classifier head, and the head's activation
+    norm_bias: bool = True
+    mlp_bias: bool = False
+    classifier_bias: bool = True
+    head_act: str = "gelu"
     max_seq_length: int | None = None  # a sentence-transformers folder's limit, below the positions' (vLLM's too)
 
     def layer_window(self, layer: int) -> int | None:
@@ -147,13 +155,13 @@ class ModelConfig:
         if multimodal:
             d = cls._text_config(d)
         model_type = d.get("model_type", "llama")
-        if model_type in ENCODER_POSITION_OFFSETS:
+        if model_type in ENCODER_TYPES:
             return cls._encoder(d, model_type)
         if model_type == "gemma3_text":
             d = GEMMA3_TEXT_DEFAULTS | d
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: "
-                             f"{(*SUPPORTED_MODEL_TYPES, *ENCODER_POSITION_OFFSETS)})")
+                             f"{(*SUPPORTED_MODEL_TYPES, *ENCODER_TYPES)})")
         if d.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=true (EmbeddingGemma's) is not supported: Flock's "
                              "attention is causal")
@@ -219,26 +227,57 @@ class ModelConfig:
 
     @classmethod
     def _encoder(cls, d: dict, model_type: str) -> "ModelConfig":
-        """A BERT, RoBERTa or XLM-RoBERTa encoder as transformers builds it (absolute learned positions, post-norm
-        layers): an embedding model, or a sequence classifier (a cross-encoder) with its head."""
+        """A BERT, RoBERTa, XLM-RoBERTa or ModernBERT encoder as transformers builds it: an embedding model, or a
+        sequence classifier (a cross-encoder) with its head."""
         if d.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (Flock's "
                              f"encoders learn absolute positions)")
-        act = d.get("hidden_act", "gelu")
-        if act not in ENCODER_ACTIVATIONS:
-            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ENCODER_ACTIVATIONS)})")
+        acts = {d.get("hidden_act", d.get("hidden_activation", "gelu")), d.get("classifier_activation", "gelu")}
+        if acts - set(ENCODER_ACTIVATIONS):
+            raise ValueError(f"activation {sorted(acts - set(ENCODER_ACTIVATIONS))[0]!r} is not supported (supported: "
+                             f"{', '.join(ENCODER_ACTIVATIONS)})")
         heads = d["num_attention_heads"]
-        offset = d.get("pad_token_id", 1) + 1 if ENCODER_POSITION_OFFSETS[model_type] == "pad" else 0
         architecture = (d.get("architectures") or ["Model"])[0]
+        fields = cls._modernbert_fields(d) if model_type == "modernbert" else cls._bert_fields(d, model_type)
         return cls(
             model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=heads, head_dim=d["hidden_size"] // heads,
-            rms_norm_eps=d.get("layer_norm_eps", 1e-12), max_position_embeddings=d["max_position_embeddings"] - offset,
-            base_model=True, tie_word_embeddings=True, hidden_act=ENCODER_ACTIVATIONS[act],
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"), encoder=True,
-            type_vocab_size=d.get("type_vocab_size", 2), position_offset=offset, pooling="CLS",
-            **cls._classifier(d, architecture))
+            base_model=True, tie_word_embeddings=True,
+            hidden_act=ENCODER_ACTIVATIONS[d.get("hidden_act", d.get("hidden_activation", "gelu"))],
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"), encoder=True, pooling="CLS",
+            **fields, **cls._classifier(d, architecture))
+
+    @staticmethod
+    def _bert_fields(d: dict, model_type: str) -> dict:
+        """BERT's and RoBERTa's learned absolute positions (RoBERTa's past its padding id) and token types."""
+        offset = d.get("pad_token_id", 1) + 1 if ENCODER_POSITION_OFFSETS[model_type] == "pad" else 0
+        return {"rms_norm_eps": d.get("layer_norm_eps", 1e-12), "position_offset": offset,
+                "max_position_embeddings": d["max_position_embeddings"] - offset,
+                "type_vocab_size": d.get("type_vocab_size", 2)}
+
+    @staticmethod
+    def _modernbert_fields(d: dict) -> dict:
+        """ModernBERT's: rotary positions, a base for its global layers and one for its local ones, which see
+        local_attention / 2 positions on either side (the kernels' window: one more), with ModernBertConfig's
+        defaults."""
+        every = d.get("global_attn_every_n_layers", 3)
+        types = d.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                         for i in range(d["num_hidden_layers"])]
+        rope = d.get("rope_parameters") or {}
+        theta = {kind: (rope.get(kind) or {}).get("rope_theta", d.get(key, MODERNBERT_THETAS[kind]))
+                 for kind, key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta"))}
+        pooling = d.get("classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling {pooling!r} is not supported (cls, mean)")
+        return {"rms_norm_eps": d.get("norm_eps", 1e-5), "max_position_embeddings": d.get("max_position_embeddings", 8192),
+                "rope_theta": theta["full_attention"], "local_rope_theta": theta["sliding_attention"],
+                "sliding_window": d.get("local_attention", 128) // 2 + 1,
+                "sliding_layers": tuple(t == "sliding_attention" for t in types),
+                "attention_bias": d.get("attention_bias", False), "norm_bias": d.get("norm_bias", False),
+                "mlp_bias": d.get("mlp_bias", False), "classifier_bias": d.get("classifier_bias", False),
+                "classifier_pooling": pooling.upper(),
+                "head_act": ENCODER_ACTIVATIONS[d.get("classifier_activation", "gelu")]}
 
     @staticmethod
     def _granite_scales(d: dict, model_type: str) -> dict:

@@ -53,3 +53,22 @@ def reference(folder: Path, texts: list[str | tuple[str, str]]) -> list[torch.Te
     with torch.no_grad():
         outs = [model(**tokenizer(*([t] if isinstance(t, str) else t), return_tensors="pt")) for t in texts]
     return [o.logits[0] if classifier else o.last_hidden_state[0] for o in outs]
+
+
+def save_modernbert(folder: Path, num_labels: int = 0, seed: int = 0, **config_kw) -> Path:
+    """A ModernBERT of 4 layers (0 and 3 global, 1 and 2 local with `local_attention` 8: 4 positions either side)
+    and the WordPiece tokenizer; with `num_labels` a sequence classifier."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, BertTokenizerFast, ModernBertConfig
+
+    sizes = {**SIZES, "num_hidden_layers": 4}
+    config_kw = {"global_attn_every_n_layers": 3, **config_kw, **({"num_labels": num_labels} if num_labels else {})}
+    config = ModernBertConfig(**sizes, max_position_embeddings=64, local_attention=8, pad_token_id=0, bos_token_id=2,
+                              eos_token_id=3, cls_token_id=2, sep_token_id=3, **config_kw)
+    torch.manual_seed(seed)
+    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}).save_pretrained(folder)
+    return folder

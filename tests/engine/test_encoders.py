@@ -1,4 +1,4 @@
-"""Bidirectional encoders (BERT, XLM-RoBERTa): embeddings and class probabilities equal transformers' on the same
+"""Bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT): embeddings and class probabilities equal transformers' on the same
 weights whatever the scheduler and token budget (each prompt computed whole, none read from a prefix cache);
 pairs carry BERT's token types; sentence-transformers' pooling is read from the folder; what an encoder cannot do
 is refused by name."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flock import LLM, PoolingParams, SamplingParams
-from tests.engine.encoders import WORDS, reference, save_encoder
+from tests.engine.encoders import WORDS, reference, save_encoder, save_modernbert
 
 
 def sentences(seed: int, count: int = 9) -> list[str]:
@@ -62,6 +62,34 @@ def test_every_attention_backend_attends_both_ways(bert, attention):
     llm = LLM(str(bert), dtype="float32", attention=attention, max_num_batched_tokens=64, block_size=4)
     assert llm.engine.runner.paths["attention"].startswith(attention)
     torch.testing.assert_close(embeddings(llm, texts), expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype, attention, atol", [("float64", "auto", 1e-12), ("float32", "cpu", 2e-6),
+                                                     ("float32", "torch", 2e-6)])
+def test_modernbert_embeddings_equal_transformers(tmp_path, dtype, attention, atol):
+    """Its local layers see 4 positions on either side, its global ones the whole prompt, each with its own
+    rotary base."""
+    from flock.attention import cpu
+
+    if attention == "cpu" and cpu.kernel_unavailable():
+        pytest.skip(f"the CPU attention kernel: {cpu.kernel_unavailable()}")
+    folder = save_modernbert(tmp_path / "modernbert")
+    texts = sentences(6)
+    expected = F.normalize(torch.stack([h[0] for h in reference(folder, texts)]), dim=1)
+    ops = "torch" if attention == "torch" else "auto"  # the reference rotary embedding, or the fused kernel's
+    llm = LLM(str(folder), dtype=dtype, attention=attention, ops=ops, max_num_batched_tokens=32)
+    torch.testing.assert_close(embeddings(llm, texts), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_classifier_equals_transformers(tmp_path, pooling):
+    folder = save_modernbert(tmp_path / "modernbert-cls", num_labels=2, seed=4, classifier_pooling=pooling,
+                             classifier_bias=True)
+    texts = sentences(7)
+    expected = torch.stack(reference(folder, texts)).softmax(-1)
+    probs = LLM(str(folder), dtype="float64").classify(texts, use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.outputs.probs for o in probs], dtype=torch.float64), expected,
+                               rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode, pool", [("pooling_mode_mean_tokens", lambda h: h.mean(0)),
