@@ -139,10 +139,10 @@ class LLM:
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: each prompt's vector for `pooling_task` "embed" (as `embed`) or "classify" (as
-        `classify`), as a tensor in `out.outputs.data`. Token-level tasks are not run."""
+        `classify`), or an encoder's vector of each prompt token for "token_embed" (each normalized as an
+        embedding) or "token_classify" (a token classifier's probabilities), as a tensor in `out.outputs.data`."""
         if pooling_task not in TASKS:
-            raise ValueError(f"pooling_task must be one of {', '.join(TASKS)} (a prompt's last token pooled), got "
-                             f"{pooling_task!r}; token_embed and token_classify are not run")
+            raise ValueError(f"pooling_task must be one of {', '.join(TASKS)}, got {pooling_task!r}")
         requests = self._pool(prompts, replace(pooling_params or PoolingParams(), task=pooling_task), use_tqdm)
         dtype = torch.promote_types(self.engine.runner.dtype, torch.float32)  # the vectors' own precision
         return [PoolingRequestOutput(str(r.request_id), PoolingOutput(torch.tensor(r.embedding, dtype=dtype)),

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from flock.sampling_params import SamplingParams
 
 
-TASKS = ("embed", "classify")
+TASKS = ("embed", "classify", "token_embed", "token_classify")  # the token tasks: a vector per prompt token
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,22 @@ class ModelTasks:
     labels: tuple[str, ...] = ()
     use_sep_token: bool = True  # see ModelConfig.use_sep_token
     score_template: str | None = None  # a cross-encoder's pair prompt (cross_encoder_prompt), given as --chat-template
+    encoder: bool = False  # a bidirectional encoder: every prompt row's final state is there to read (token tasks)
+    token_classifier: bool = False  # classifies each token (*ForTokenClassification), nothing else
 
     def refusal(self, task: str) -> str | None:
-        """Why the model does not serve `task` ("generate", "embed" or "classify"), or None."""
+        """Why the model does not serve `task` ("generate" or one of TASKS), or None."""
+        if self.token_classifier:
+            return None if task == "token_classify" else (
+                f"{self.name} is a token classifier: it classifies each token (LLM.encode with pooling_task "
+                "token_classify, /pooling with task token_classify) and nothing else")
+        if task == "token_classify":
+            return f"{self.name} is not a token classifier (its architectures name no ForTokenClassification)"
+        if task == "token_embed" and (not self.encoder or self.num_labels):
+            return (f"{self.name} gives no token embeddings: they are a bidirectional encoder's embedding model's "
+                    "(a decoder pools its prompt's last token; its earlier rows are not kept)")
+        if task == "token_embed":
+            return None
         if self.num_labels:
             return None if task == "classify" else (
                 f"{self.name} is a sequence classifier: it classifies (LLM.classify, /classify) and scores pairs "
@@ -58,7 +71,7 @@ class PoolingParams:
         if why := model.refusal(self.task):
             raise ValueError(why)
         d = self.dimensions
-        if d is not None and self.task != "embed":
+        if d is not None and self.task not in ("embed", "token_embed"):  # a token embedding: each token's
             raise ValueError("dimensions is an embedding's, not a classification's")
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= model.hidden_size):
             raise ValueError(f"dimensions must be an integer in [1, {model.hidden_size}] (the model's hidden size), "
@@ -73,9 +86,10 @@ class PoolingParams:
                               truncation_side=truncation_side)
 
     def pool(self, hidden: torch.Tensor) -> list[float]:
-        """The embedding of a last token's final hidden state, in float32 (float64 models: float64)."""
-        x = hidden[: self.dimensions].to(torch.promote_types(hidden.dtype, torch.float32))
-        return (F.normalize(x, dim=0) if self.normalize else x).tolist()
+        """The embedding of a pooled final hidden state (a token task's: of each row of them), in float32 (float64
+        models: float64)."""
+        x = hidden[..., : self.dimensions].to(torch.promote_types(hidden.dtype, torch.float32))
+        return (F.normalize(x, dim=-1) if self.normalize else x).tolist()
 
 
 def pair_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:

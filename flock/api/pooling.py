@@ -1,8 +1,10 @@
 """The pooling APIs' bodies by kind: embeddings, scores and reranks, classifications, and vLLM's generic /pooling
-(an embedding or a classification by its `task`, each vector answered as `data`)."""
+(an embedding or a classification by its `task`, of the prompt or of each of its tokens, each answered as
+`data`)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -34,11 +36,14 @@ class GenericPoolingRequest:
         return self.inner.rejected(e)
 
     def body(self, model: str, vectors: list[list[float]], prompt_tokens: int) -> dict:
-        inner = self.inner.body(model, vectors, prompt_tokens)
-        key = "embedding" if isinstance(self.inner, EmbeddingRequest) else "probs"
-        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": inner["created"], "model": model,
-                "data": [{"index": d["index"], "object": "pooling", "data": d[key]} for d in inner["data"]],
-                "usage": inner["usage"]}
+        if self.params.task.startswith("token_"):  # a vector of each token, as floats
+            data = list(enumerate(vectors))
+        else:
+            key = "embedding" if isinstance(self.inner, EmbeddingRequest) else "probs"
+            data = [(d["index"], d[key]) for d in self.inner.body(model, vectors, prompt_tokens)["data"]]
+        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+                "data": [{"index": i, "object": "pooling", "data": v} for i, v in data],
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 PoolingRequest = EmbeddingRequest | ScoreRequest | ClassifyRequest | GenericPoolingRequest
@@ -58,9 +63,14 @@ def pooling_request(kind: str, body, tokenizer, model: ModelTasks) -> PoolingReq
 def _pooled(body, tokenizer, model: ModelTasks) -> EmbeddingRequest | ClassifyRequest:
     task = body.get("task") if isinstance(body, dict) else None
     if task is None:
-        task = "classify" if model.num_labels else "embed"
+        task = "token_classify" if model.token_classifier else "classify" if model.num_labels else "embed"
     if task not in TASKS:
-        raise APIError(f"task {task!r} is not supported: Flock pools a prompt's last token ({', '.join(TASKS)}); "
-                       "token-level tasks (token_embed, token_classify) and plugins are not run", param="task")
+        raise APIError(f"task {task!r} is not supported (supported: {', '.join(TASKS)}; plugins are not run)",
+                       param="task")
     rest = {k: v for k, v in body.items() if k != "task"}
-    return parse_embeddings(rest, tokenizer) if task == "embed" else parse_classify(rest, tokenizer, model.labels)
+    inner = parse_embeddings(rest, tokenizer) if task.endswith("embed") else \
+        parse_classify(rest, tokenizer, model.labels)
+    if task.startswith("token_") and getattr(inner, "encoding", "float") != "float":
+        raise APIError("a token task's vectors come as floats (encoding_format float)", param="encoding_format")
+    inner.params.task = task
+    return inner

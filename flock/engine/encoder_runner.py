@@ -75,10 +75,13 @@ class EncoderRunner:
                                                    np.minimum(positions + w - 1, last)))
                  for w, backend in self.backends.items()}
         ids = torch.tensor([t for req, _ in plan.scheduled for t in req.prompt_token_ids], device=self.device)
-        pooled = self.model(ids, torch.from_numpy(positions).to(self.device), lengths, metas)
+        tasks = [req.pooling.task for req, _ in plan.scheduled]
+        pooled, rows = self.model(ids, torch.from_numpy(positions).to(self.device), lengths, metas,
+                                  every_row=any(t.startswith("token_") for t in tasks))
         out = StepOutput([], [])
-        for (req, _), vector in zip(plan.scheduled, pooled):
+        for i, ((req, _), task) in enumerate(zip(plan.scheduled, tasks)):
             pooling = req.pooling
-            out.embeddings.append(self.model.classify(vector, pooling.use_activation).tolist()
-                                  if pooling.task == "classify" else pooling.pool(vector))
+            hidden = rows[i] if task.startswith("token_") else pooled[i]
+            out.embeddings.append(self.model.classify(hidden, pooling.use_activation).tolist()
+                                  if task.endswith("classify") else pooling.pool(hidden))
         return out

@@ -117,7 +117,7 @@ class LLMEngine:
         c = resolved.config
         template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
-                                template)
+                                template, c.encoder, c.token_classifier)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.speculative = config.speculative()

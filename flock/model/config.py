@@ -125,6 +125,7 @@ class ModelConfig:
     position_offset: int = 0
     pooling: str = "LAST"
     classifier_pooling: str = "CLS"  # the row a classifier reads (ModernBERT's may be MEAN)
+    token_classifier: bool = False  # an encoder's *ForTokenClassification: num_labels logits of every token
     # ModernBERT's: biases of its norms, MLP and classifier head, and the head's activation
     norm_bias: bool = True
     mlp_bias: bool = False
@@ -182,6 +183,9 @@ class ModelConfig:
             raise ValueError("mlp_bias=true is not supported (Flock's MLP projections have no bias)")
         window, sliding_layers = cls._sliding_window(d, model_type)
         architecture = (d.get("architectures") or ["ForCausalLM"])[0]
+        if architecture.endswith("ForTokenClassification"):
+            raise ValueError(f"{architecture}: token classification runs on encoders (BERT, RoBERTa, XLM-RoBERTa, "
+                             "ModernBERT), not on a decoder")
         base_model = architecture.endswith("Model") and not architecture.endswith("ForCausalLM")
         classifier = cls._classifier(d, architecture)
         return cls(
@@ -294,7 +298,8 @@ class ModelConfig:
         """A sequence classifier's fields, as vLLM reads them (none for other architectures): the labels from
         id2label (else num_labels, transformers' default 2), the activation from problem_type or the
         sentence-transformers activation, else sigmoid for one label and softmax for more."""
-        if not architecture.endswith("ForSequenceClassification"):
+        token = architecture.endswith("ForTokenClassification")
+        if not architecture.endswith("ForSequenceClassification") and not token:
             return {}
         tokens = tuple(d.get("classifier_from_token") or ())
         method = d.get("method") or ("from_2_way_softmax" if d.get("is_original_qwen3_reranker") else None)
@@ -309,7 +314,7 @@ class ModelConfig:
         else:
             num_labels = len(id2label) or d.get("num_labels", 2)
         labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
-        return {"num_labels": num_labels, "labels": labels, "classifier_tokens": tokens,
+        return {"num_labels": num_labels, "labels": labels, "classifier_tokens": tokens, "token_classifier": token,
                 "classifier_method": method if tokens else None,
                 "classifier_activation": ModelConfig._classifier_activation(d, num_labels),
                 "use_sep_token": d.get("use_sep_token", not tokens)}

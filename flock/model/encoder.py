@@ -42,20 +42,22 @@ class Encoder(nn.Module):
     layers: nn.ModuleList
     classifier: nn.Linear | None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int],
-                metas: dict) -> list[torch.Tensor]:
-        """`metas`: the attention metadata of each layer window (None: the whole prompt)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], metas: dict,
+                every_row: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Each prompt's pooled row and, with `every_row` (a token task's), all of its rows' final states;
+        `metas`: the attention metadata of each layer window (None: the whole prompt)."""
         x = self.embed(input_ids, positions, lengths)
         for layer in self.layers[:-1]:
             x = layer(x, positions, metas[layer.window])
         last = self.layers[-1]
         mode = self.config.classifier_pooling if self.classifier is not None else self.config.pooling
-        if mode == "MEAN":
-            x = self.finish(last(x, positions, metas[last.window]))
-            return [h.to(torch.promote_types(h.dtype, torch.float32)).mean(0) for h in x.split(lengths)]
+        if mode == "MEAN" or every_row:
+            rows = self.finish(last(x, positions, metas[last.window])).split(lengths)
+            return [h.to(torch.promote_types(h.dtype, torch.float32)).mean(0) if mode == "MEAN" else
+                    h[0] if mode == "CLS" else h[-1] for h in rows], list(rows) if every_row else None
         ends = torch.tensor(lengths, device=x.device).cumsum(0)
         rows = ends - torch.tensor(lengths, device=x.device) if mode == "CLS" else ends - 1
-        return list(self.finish(last(x, positions, metas[last.window], rows)))
+        return list(self.finish(last(x, positions, metas[last.window], rows))), None
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         raise NotImplementedError
@@ -69,8 +71,8 @@ class Encoder(nn.Module):
         raise NotImplementedError
 
     def classify(self, pooled: torch.Tensor, use_activation: bool = True) -> torch.Tensor:
-        """One prompt's class probabilities (logits when not `use_activation`) from its pooled row, in float32 (a
-        float64 model's float64)."""
+        """One prompt's class probabilities (logits when not `use_activation`) from its pooled row (a token
+        classifier's: each token's, from its rows), in float32 (a float64 model's float64)."""
         logits = self.classifier(self.head(pooled)).to(torch.promote_types(pooled.dtype, torch.float32))
         kind = self.config.classifier_activation if use_activation else "identity"
         return logits.softmax(-1) if kind == "softmax" else logits.sigmoid() if kind == "sigmoid" else logits
@@ -194,9 +196,9 @@ class BertEncoder(Encoder):
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, h) if c.type_vocab_size else None
         self.embedding_norm = nn.LayerNorm(h, c.rms_norm_eps)
         self.layers = nn.ModuleList(BertLayer(c, backends[None]) for _ in range(c.num_hidden_layers))
-        roberta = c.position_offset > 0
-        self.pooler = nn.Linear(h, h) if c.num_labels and not roberta else None
-        self.head_dense = nn.Linear(h, h) if c.num_labels and roberta else None
+        roberta, sequence = c.position_offset > 0, c.num_labels and not c.token_classifier
+        self.pooler = nn.Linear(h, h) if sequence and not roberta else None  # a token classifier: no head
+        self.head_dense = nn.Linear(h, h) if sequence and roberta else None
         self.classifier = nn.Linear(h, c.num_labels) if c.num_labels else None
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -214,7 +216,8 @@ class BertEncoder(Encoder):
         return torch.cat([(s.cumsum(0) - s).clamp(max=1) for s in seps.split(lengths)])
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
-        return torch.tanh((self.pooler if self.pooler is not None else self.head_dense)(pooled))
+        head = self.pooler if self.pooler is not None else self.head_dense
+        return pooled if head is None else torch.tanh(head(pooled))
 
     def fused_in_checkpoint(self, name: str) -> bool:
         return ".qkv." in name

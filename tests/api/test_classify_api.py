@@ -60,7 +60,8 @@ def test_server_classifies_and_cross_encodes_as_the_offline_llm(server, reranker
             ("/classify", {"input": "hi", "dimensions": 4}, "dimensions", "unknown"),
             ("/classify", {"input": ""}, "input", "empty"),
             ("/classify", {"input": "hi", "use_activation": "no"}, "use_activation", "must be a bool"),
-            ("/pooling", {"input": "hi", "task": "token_classify"}, "task", "not supported"),
+            ("/pooling", {"input": "hi", "task": "encode"}, "task", "not supported"),
+            ("/pooling", {"input": "hi", "task": "token_classify"}, None, "not a token classifier"),
             ("/pooling", {"input": "hi", "task": "embed"}, "input", "it does not embed")]:
         bad = post(path, {"model": "rr"} | body)
         assert bad.status_code == 400 and why in bad.json()["error"]["message"], (path, bad.json())

@@ -16,17 +16,20 @@ SIZES = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_att
 
 
 def save_encoder(folder: Path, model_type: str = "bert", num_labels: int = 0, seed: int = 0, pooling: str | None = None,
-                 **config_kw) -> Path:
-    """A `model_type` ("bert" or "xlm-roberta") encoder: a base model, or with `num_labels` a sequence classifier;
-    `pooling` a sentence-transformers pooling mode key (modules.json and 1_Pooling/config.json written)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, BertTokenizerFast
+                 token_classifier: bool = False, **config_kw) -> Path:
+    """A `model_type` ("bert" or "xlm-roberta") encoder: a base model, or with `num_labels` a sequence (or with
+    `token_classifier` a token) classifier; `pooling` a sentence-transformers pooling mode key (modules.json and
+    1_Pooling/config.json written)."""
+    from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification, BertTokenizerFast)
 
     positions = {"max_position_embeddings": 64 + 2, "pad_token_id": 1} if model_type == "xlm-roberta" else \
         {"max_position_embeddings": 64}
     config = AutoConfig.for_model(model_type, **SIZES, **positions, **config_kw,
                                   **({"num_labels": num_labels} if num_labels else {}))
     torch.manual_seed(seed)
-    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config, dtype=torch.float32)
+    auto = AutoModelForTokenClassification if token_classifier else AutoModelForSequenceClassification
+    model = (auto if num_labels else AutoModel).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
@@ -43,12 +46,16 @@ def save_encoder(folder: Path, model_type: str = "bert", num_labels: int = 0, se
 
 
 def reference(folder: Path, texts: list[str | tuple[str, str]]) -> list[torch.Tensor]:
-    """transformers' float64 final hidden states (a classifier: logits) of each text or pair."""
-    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+    """transformers' float64 final hidden states (a classifier: logits; a token classifier's of each token) of
+    each text or pair."""
+    from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification, AutoTokenizer)
 
-    classifier = AutoConfig.from_pretrained(folder).architectures[0].endswith("ForSequenceClassification")
-    model = (AutoModelForSequenceClassification if classifier else AutoModel).from_pretrained(
-        folder, dtype=torch.float64).eval()
+    architecture = AutoConfig.from_pretrained(folder).architectures[0]
+    classifier = architecture.endswith(("ForSequenceClassification", "ForTokenClassification"))
+    auto = AutoModelForTokenClassification if architecture.endswith("ForTokenClassification") else \
+        AutoModelForSequenceClassification
+    model = (auto if classifier else AutoModel).from_pretrained(folder, dtype=torch.float64).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     with torch.no_grad():
         outs = [model(**tokenizer(*([t] if isinstance(t, str) else t), return_tensors="pt")) for t in texts]
@@ -58,14 +65,17 @@ def reference(folder: Path, texts: list[str | tuple[str, str]]) -> list[torch.Te
 def save_modernbert(folder: Path, num_labels: int = 0, seed: int = 0, **config_kw) -> Path:
     """A ModernBERT of 4 layers (0 and 3 global, 1 and 2 local with `local_attention` 8: 4 positions either side)
     and the WordPiece tokenizer; with `num_labels` a sequence classifier."""
-    from transformers import AutoModel, AutoModelForSequenceClassification, BertTokenizerFast, ModernBertConfig
+    from transformers import (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                              BertTokenizerFast, ModernBertConfig)
 
     sizes = {**SIZES, "num_hidden_layers": 4}
     config_kw = {"global_attn_every_n_layers": 3, **config_kw, **({"num_labels": num_labels} if num_labels else {})}
     config = ModernBertConfig(**sizes, max_position_embeddings=64, local_attention=8, pad_token_id=0, bos_token_id=2,
                               eos_token_id=3, cls_token_id=2, sep_token_id=3, **config_kw)
     torch.manual_seed(seed)
-    model = (AutoModelForSequenceClassification if num_labels else AutoModel).from_config(config, dtype=torch.float32)
+    token = (config.architectures or [""])[0].endswith("ForTokenClassification")
+    auto = AutoModelForTokenClassification if token else AutoModelForSequenceClassification
+    model = (auto if num_labels else AutoModel).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)

@@ -73,14 +73,14 @@ def test_dimensions_and_unnormalized(base_qwen3):
 
 
 def test_encode_is_embed_or_classify_by_task(base_qwen3):
-    """vLLM's LLM.encode: the pooling task named (embed here), the vector as a tensor; no task, or a token-level
-    one, is refused by name."""
+    """vLLM's LLM.encode: the pooling task named (embed here), the vector as a tensor; no task is refused by name,
+    and a token-level one on a decoder (an encoder's: tests/engine/test_encoders.py)."""
     prompts = shared_prefix_prompts(seed=4)[:2]
     llm = LLM(str(base_qwen3), dtype="float64")
     encoded = llm.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False, pooling_task="embed")
     torch.testing.assert_close(torch.stack([e.outputs.data for e in encoded]), embed(llm, prompts), rtol=0, atol=0)
-    for task in (None, "token_embed"):
-        with pytest.raises(ValueError, match="pooling_task must be one of embed, classify"):
+    for task, why in ((None, "pooling_task must be one of embed, classify"), ("token_embed", "no token embeddings")):
+        with pytest.raises(ValueError, match=why):
             llm.encode([prompts[0]], pooling_task=task)
 
 

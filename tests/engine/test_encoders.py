@@ -164,6 +164,7 @@ def test_batch_lines_embed_and_rerank(tmp_path, bert, bert_cross_encoder):
 
     query, docs = "the water is hot", sentences(4, count=3)
     for folder, url, body in ((bert, "/v1/embeddings", {"input": docs}),
+                              (bert, "/pooling", {"input": docs, "task": "token_embed"}),
                               (bert_cross_encoder, "/v1/rerank", {"query": query, "documents": docs})):
         inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         inp.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}) + "\n")
@@ -175,7 +176,39 @@ def test_batch_lines_embed_and_rerank(tmp_path, bert, bert_cross_encoder):
         if url == "/v1/embeddings":
             expected = [e.outputs.embedding for e in llm.embed(docs, use_tqdm=False)]
             assert [d["embedding"] for d in data["data"]] == [pytest.approx(e, abs=1e-6) for e in expected]
+        elif url == "/pooling":  # a vector of each token
+            expected = llm.encode(docs, pooling_task="token_embed", use_tqdm=False)
+            for d, e in zip(data["data"], expected):
+                torch.testing.assert_close(torch.tensor(d["data"]), e.outputs.data.float(), rtol=0, atol=1e-6)
         else:
             scores = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
             assert {r["index"]: r["relevance_score"] for r in data["results"]} == \
                 pytest.approx(dict(enumerate(scores)), abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
+def test_token_classifiers_equal_transformers(tmp_path, kind):
+    """A named-entity tagger's probabilities of every token (LLM.encode, task token_classify)."""
+    folder = (save_modernbert(tmp_path / kind, num_labels=5, seed=5, architectures=["ModernBertForTokenClassification"])
+              if kind == "modernbert" else save_encoder(tmp_path / kind, kind, num_labels=5, seed=5,
+                                                         token_classifier=True))
+    texts = sentences(8, count=5)
+    llm = LLM(str(folder), dtype="float64", max_num_batched_tokens=24)
+    outs = llm.encode(texts, pooling_task="token_classify", use_tqdm=False)
+    for out, logits in zip(outs, reference(folder, texts)):
+        assert out.outputs.data.shape == (len(out.prompt_token_ids), 5)
+        torch.testing.assert_close(out.outputs.data, logits.softmax(-1), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="is a token classifier"):
+        llm.classify(texts[:1])
+
+
+def test_token_embeddings_are_each_tokens_final_state(bert):
+    texts = sentences(9, count=4)
+    llm = LLM(str(bert), dtype="float64", max_num_batched_tokens=16)
+    tokens = llm.encode(texts, pooling_task="token_embed", use_tqdm=False)
+    for out, hidden in zip(tokens, reference(bert, texts)):
+        torch.testing.assert_close(out.outputs.data, F.normalize(hidden, dim=-1), rtol=0, atol=1e-12)
+    mixed = llm.encode(texts[:2], PoolingParams(normalize=False, dimensions=4), pooling_task="token_embed")
+    torch.testing.assert_close(mixed[1].outputs.data, reference(bert, texts[1:2])[0][:, :4], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="gives no token embeddings"):
+        LLM("flock/tiny").encode(["a b"], pooling_task="token_embed")
