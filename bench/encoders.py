@@ -28,9 +28,12 @@ from bench.embeddings import CHILD, versus_vllm
 from bench.harness import machine, vllm
 from bench.harness.report import args_dict, write_json
 
-SHAPES = {"bert": {"small": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12, intermediate_size=1536),
-                   "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
-                   "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)},
+SHAPES = {"bert": {"small": dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
+                                 intermediate_size=1536),
+                   "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                intermediate_size=3072),
+                   "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                 intermediate_size=4096)},
           "modernbert": {"base": dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
                                       intermediate_size=1152),
                          "large": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,

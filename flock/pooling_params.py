@@ -33,11 +33,10 @@ class ModelTasks:
                 "token_classify, /pooling with task token_classify) and nothing else")
         if task == "token_classify":
             return f"{self.name} is not a token classifier (its architectures name no ForTokenClassification)"
-        if task == "token_embed" and (not self.encoder or self.num_labels):
-            return (f"{self.name} gives no token embeddings: they are a bidirectional encoder's embedding model's "
-                    "(a decoder pools its prompt's last token; its earlier rows are not kept)")
         if task == "token_embed":
-            return None
+            return None if self.encoder and not self.num_labels else (
+                f"{self.name} gives no token embeddings: they are a bidirectional encoder's embedding model's (a "
+                "decoder pools its prompt's last token; its earlier rows are not kept)")
         if self.num_labels:
             return None if task == "classify" else (
                 f"{self.name} is a sequence classifier: it classifies (LLM.classify, /classify) and scores pairs "

@@ -117,13 +117,13 @@ class ModelConfig:
     torch_dtype: str | None = None
     quantization: dict | None = None  # quantization_config: the checkpoint's packed integer weights (hf_quant)
     eos_token_id: list[int] = field(default_factory=list)
-    # a bidirectional encoder (ENCODER_POSITION_OFFSETS): each prompt attends both ways, computed whole in one
+    # a bidirectional encoder (ENCODER_TYPES): each prompt attends both ways, computed whole in one
     # step and never cached; its token types (BERT's pairs: 1 after the first separator) and learned positions
-    # (from position_offset); `pooling` the rows an embedding takes: CLS (the first), MEAN or LAST
+    # (from position_offset); `embedding_pooling` the rows an embedding takes: CLS (the first), MEAN or LAST
     encoder: bool = False
     type_vocab_size: int = 0
     position_offset: int = 0
-    pooling: str = "LAST"
+    embedding_pooling: str = "LAST"
     classifier_pooling: str = "CLS"  # the row a classifier reads (ModernBERT's may be MEAN)
     token_classifier: bool = False  # an encoder's *ForTokenClassification: num_labels logits of every token
     # ModernBERT's: biases of its norms, MLP and classifier head, and the head's activation
@@ -231,8 +231,8 @@ class ModelConfig:
 
     @classmethod
     def _encoder(cls, d: dict, model_type: str) -> "ModelConfig":
-        """A BERT, RoBERTa, XLM-RoBERTa or ModernBERT encoder as transformers builds it: an embedding model, or a
-        sequence classifier (a cross-encoder) with its head."""
+        """A BERT, RoBERTa, XLM-RoBERTa or ModernBERT encoder as transformers builds it: an embedding model, a
+        sequence classifier (a cross-encoder) with its head, or a token classifier."""
         if d.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (Flock's "
                              f"encoders learn absolute positions)")
@@ -249,7 +249,7 @@ class ModelConfig:
             num_attention_heads=heads, num_key_value_heads=heads, head_dim=d["hidden_size"] // heads,
             base_model=True, tie_word_embeddings=True,
             hidden_act=ENCODER_ACTIVATIONS[d.get("hidden_act", d.get("hidden_activation", "gelu"))],
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"), encoder=True, pooling="CLS",
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"), encoder=True, embedding_pooling="CLS",
             **fields, **cls._classifier(d, architecture))
 
     @staticmethod
@@ -274,7 +274,8 @@ class ModelConfig:
         pooling = d.get("classifier_pooling", "cls")
         if pooling not in ("cls", "mean"):
             raise ValueError(f"classifier_pooling {pooling!r} is not supported (cls, mean)")
-        return {"rms_norm_eps": d.get("norm_eps", 1e-5), "max_position_embeddings": d.get("max_position_embeddings", 8192),
+        return {"rms_norm_eps": d.get("norm_eps", 1e-5),
+                "max_position_embeddings": d.get("max_position_embeddings", 8192),
                 "rope_theta": theta["full_attention"], "local_rope_theta": theta["sliding_attention"],
                 "sliding_window": d.get("local_attention", 128) // 2 + 1,
                 "sliding_layers": tuple(t == "sliding_attention" for t in types),
@@ -295,9 +296,9 @@ class ModelConfig:
 
     @staticmethod
     def _classifier(d: dict, architecture: str) -> dict:
-        """A sequence classifier's fields, as vLLM reads them (none for other architectures): the labels from
-        id2label (else num_labels, transformers' default 2), the activation from problem_type or the
-        sentence-transformers activation, else sigmoid for one label and softmax for more."""
+        """A sequence (or an encoder's token) classifier's fields, as vLLM reads them (none for other
+        architectures): the labels from id2label (else num_labels, transformers' default 2), the activation from
+        problem_type or the sentence-transformers activation, else sigmoid for one label and softmax for more."""
         token = architecture.endswith("ForTokenClassification")
         if not architecture.endswith("ForSequenceClassification") and not token:
             return {}
@@ -482,7 +483,7 @@ class ModelConfig:
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
         config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
         if config.encoder:
-            config.pooling = sentence_transformers_pooling(Path(path)) or config.pooling
+            config.embedding_pooling = sentence_transformers_pooling(Path(path)) or config.embedding_pooling
             sbert = Path(path) / "sentence_bert_config.json"
             if sbert.is_file():
                 config.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")

@@ -50,7 +50,7 @@ class Encoder(nn.Module):
         for layer in self.layers[:-1]:
             x = layer(x, positions, metas[layer.window])
         last = self.layers[-1]
-        mode = self.config.classifier_pooling if self.classifier is not None else self.config.pooling
+        mode = self.config.classifier_pooling if self.classifier is not None else self.config.embedding_pooling
         if mode == "MEAN" or every_row:
             rows = self.finish(last(x, positions, metas[last.window])).split(lengths)
             return [h.to(torch.promote_types(h.dtype, torch.float32)).mean(0) if mode == "MEAN" else

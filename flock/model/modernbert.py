@@ -38,7 +38,8 @@ class ModernBertLayer(nn.Module):
         """The layer's output of every token, or of the tokens `rows` only (the others' K and V still count)."""
         qkv = self.qkv(x if self.attn_norm is None else self.attn_norm(x))
         if self.fused:
-            fused_ops.rope_(qkv, positions, self.rope.cos, self.rope.sin, 2 * self.heads, qkv.shape[1] // 3 // self.heads)
+            head_dim = qkv.shape[1] // 3 // self.heads
+            fused_ops.rope_(qkv, positions, self.rope.cos, self.rope.sin, 2 * self.heads, head_dim)
         q, k, v = qkv.unflatten(-1, (3, self.heads, -1)).unbind(1)  # each (tokens, heads, dim)
         if not self.fused:
             q, k = (t.to(x.dtype) for t in self.rope(positions, q.float(), k.float()))  # in float32, as transformers

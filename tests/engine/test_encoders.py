@@ -1,5 +1,5 @@
-"""Bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT): embeddings and class probabilities equal transformers' on the same
-weights whatever the scheduler and token budget (each prompt computed whole, none read from a prefix cache);
+"""Bidirectional encoders (BERT, XLM-RoBERTa, ModernBERT): embeddings and class probabilities equal transformers'
+on the same weights whatever the scheduler and token budget (each prompt computed whole, none read from a prefix cache);
 pairs carry BERT's token types; sentence-transformers' pooling is read from the folder; what an encoder cannot do
 is refused by name."""
 
