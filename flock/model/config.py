@@ -482,11 +482,15 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
         config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
+        pooling = sentence_transformers_pooling(Path(path))
         if config.encoder:
-            config.embedding_pooling = sentence_transformers_pooling(Path(path)) or config.embedding_pooling
+            config.embedding_pooling = pooling or config.embedding_pooling
             sbert = Path(path) / "sentence_bert_config.json"
             if sbert.is_file():
                 config.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
+        elif pooling not in (None, "LAST"):  # what a decoder's KV keeps: its last row has seen the whole prompt
+            raise ValueError(f"{path}: sentence-transformers pools {pooling} here; Flock's decoder embedding models "
+                             "pool the last token (an encoder's pooling may be CLS or MEAN)")
         generation = Path(path) / "generation_config.json"
         if generation.exists():  # transformers' generate (and vLLM) also stop at generation_config's eos ids
             eos = json.loads(generation.read_text()).get("eos_token_id")

@@ -4,12 +4,14 @@ pairs carry BERT's token types; sentence-transformers' pooling is read from the 
 is refused by name."""
 
 import random
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from flock import LLM, PoolingParams, SamplingParams
+from flock.model import save_model
 from tests.engine.encoders import WORDS, reference, save_encoder, save_modernbert
 
 
@@ -114,6 +116,13 @@ def test_sentence_transformers_modules_it_cannot_run_are_refused(tmp_path):
     (folder / "modules.json").write_text(folder.joinpath("modules.json").read_text().replace("Normalize", "Dense"))
     with pytest.raises(ValueError, match="module Dense .* is not supported"):
         LLM(str(folder))
+    decoder = tmp_path / "decoder"  # a decoder's vectors: its last token's only
+    save_model("flock/tiny", decoder)
+    for path in ("modules.json", "1_Pooling"):
+        shutil.copytree(folder / path, decoder / path) if path == "1_Pooling" else shutil.copy(folder / path, decoder)
+    (decoder / "modules.json").write_text(folder.joinpath("modules.json").read_text().replace("Dense", "Normalize"))
+    with pytest.raises(ValueError, match="sentence-transformers pools MEAN here"):
+        LLM(str(decoder))
 
 
 def test_classifier_probabilities_equal_transformers(xlmr_classifier):
