@@ -224,6 +224,8 @@ class BertEncoder(Encoder):
 
     def param_slot(self, name: str) -> tuple[str, int | None] | None:
         name = next((name[len(p):] for p in BERT_PREFIXES if name.startswith(p)), name)
+        if "LayerNorm." in name:  # the names of checkpoints converted from TensorFlow, as transformers reads them
+            name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         if name.startswith(UNUSED_TENSORS) or (name.startswith("pooler.") and self.pooler is None):
             return None
         if name.startswith("encoder.layer."):

@@ -104,6 +104,22 @@ def test_sentence_transformers_pooling(tmp_path, mode, pool):
     torch.testing.assert_close(embeddings(LLM(str(folder), dtype="float64"), texts), expected, rtol=0, atol=1e-12)
 
 
+def test_checkpoints_named_as_tensorflow_named_them_load(tmp_path, bert):
+    """Older BERT checkpoints call a LayerNorm's weight and bias gamma and beta, under a bert. prefix."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tf-names"
+    shutil.copytree(bert, folder)
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {"bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in tensors.items()}
+    assert any(k.endswith("gamma") for k in renamed)
+    save_file(renamed, folder / "model.safetensors")
+    texts = sentences(10, count=3)
+    torch.testing.assert_close(embeddings(LLM(str(folder), dtype="float64"), texts),
+                               embeddings(LLM(str(bert), dtype="float64"), texts), rtol=0, atol=0)
+
+
 def test_sentence_transformers_max_seq_length_is_the_default_limit(tmp_path):
     folder = save_encoder(tmp_path / "st", "bert", pooling="pooling_mode_mean_tokens")
     (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 16, "do_lower_case": false}')
