@@ -20,8 +20,7 @@ def save_encoder(folder: Path, model_type: str = "bert", num_labels: int = 0, se
     """A `model_type` ("bert" or "xlm-roberta") encoder: a base model, or with `num_labels` a sequence (or with
     `token_classifier` a token) classifier; `pooling` a sentence-transformers pooling mode key (modules.json and
     1_Pooling/config.json written)."""
-    from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification, BertTokenizerFast)
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     positions = {"max_position_embeddings": 64 + 2, "pad_token_id": 1} if model_type == "xlm-roberta" else \
         {"max_position_embeddings": 64}
@@ -30,11 +29,7 @@ def save_encoder(folder: Path, model_type: str = "bert", num_labels: int = 0, se
     torch.manual_seed(seed)
     auto = AutoModelForTokenClassification if token_classifier else AutoModelForSequenceClassification
     model = (auto if num_labels else AutoModel).from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}).save_pretrained(folder)
+    _save_random(model, folder)
     if pooling is not None:
         (folder / "1_Pooling").mkdir()
         (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, pooling: True}))
@@ -43,6 +38,17 @@ def save_encoder(folder: Path, model_type: str = "bert", num_labels: int = 0, se
             {"idx": int(i), "name": i, "path": path, "type": f"sentence_transformers.models.{kind}"}
             for i, path, kind in modules]))
     return folder
+
+
+def _save_random(model, folder: Path) -> None:
+    """The model's weights drawn at random (seeded by the caller), saved with the WordPiece tokenizer."""
+    from transformers import BertTokenizerFast
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}).save_pretrained(folder)
 
 
 def reference(folder: Path, texts: list[str | tuple[str, str]]) -> list[torch.Tensor]:
@@ -66,7 +72,7 @@ def save_modernbert(folder: Path, num_labels: int = 0, seed: int = 0, **config_k
     """A ModernBERT of 4 layers (0 and 3 global, 1 and 2 local with `local_attention` 8: 4 positions either side)
     and the WordPiece tokenizer; with `num_labels` a sequence classifier."""
     from transformers import (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-                              BertTokenizerFast, ModernBertConfig)
+                              ModernBertConfig)
 
     sizes = {**SIZES, "num_hidden_layers": 4}
     config_kw = {"global_attn_every_n_layers": 3, **config_kw, **({"num_labels": num_labels} if num_labels else {})}
@@ -76,9 +82,5 @@ def save_modernbert(folder: Path, num_labels: int = 0, seed: int = 0, **config_k
     token = (config.architectures or [""])[0].endswith("ForTokenClassification")
     auto = AutoModelForTokenClassification if token else AutoModelForSequenceClassification
     model = (auto if num_labels else AutoModel).from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}).save_pretrained(folder)
+    _save_random(model, folder)
     return folder
