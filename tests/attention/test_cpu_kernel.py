@@ -225,12 +225,13 @@ def test_kv_write_equals_index_copy(monkeypatch, isa, dtype):
 
 def windowed_layout(rng: np.random.Generator, window: int, bs: int) -> StepLayout:
     """Decodes of a 3-member group on a 6-block prefix, a lone decode 3 windows deep, one just within the window,
-    a fresh prefill within it, a fresh prefill of three windows and a 37-token chunk two windows in."""
+    a fresh prefill within it, a fresh prefill of three windows, a 37-token chunk two windows in and 3 tokens (a
+    unit of few rows, as drafts are) 3 windows in."""
     free = list(rng.permutation(2000))
     prefix = [free.pop() for _ in range(6)]
     specs = [(prefix, 6 * bs + int(rng.integers(0, 9)), 1) for _ in range(3)]
     specs += [([], 3 * window + 5, 1), ([], window - 3, 1), ([], 0, min(window, 7)), ([], 0, 3 * window),
-              ([], 2 * window + 3, 37)]
+              ([], 2 * window + 3, 37), ([], 3 * window + 9, 3)]
     tables, starts, qlens = [], [], []
     for shared, start, qlen in specs:
         own = -(-(start + qlen) // bs) - len(shared)

@@ -371,6 +371,12 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     int32_t limit[UNIT_ROWS];   // last position each row sees
     int32_t first[UNIT_ROWS];   // and its first (a sliding window's; else 0)
     int64_t offset[2][CHUNK];   // cache offsets of a chunk's positions (first head of the unit); [2]: and the next
+#ifdef AMX_TILES  // a unit of at most FEW_ROWS rows (few_chunk); its O sums in kt, which it does not repack into
+    int32_t fq[SPAN / 32 * 256];  // Q^T as pairs: [head][32 dims][16 dim pairs][16 rows]
+    int32_t pe[CHUNK * 16], po[CHUNK * 16];  // the weights spread as A tiles: [position / 16][lane][16]
+    float fm[MAX_HEADS * 16], fl[MAX_HEADS * 16];  // running max and sum of weights, [head set][lane]
+    bf16 stage[CHUNK / 16][16 * MAX_D];  // K or V rows a tile cannot read in place
+#endif
 } Scratch;
 
 typedef struct {  // a chunk's K^T and V in the products' layouts (see Scratch), CHUNK * D floats a head
@@ -816,6 +822,211 @@ static void direct_head(const Args *a, Scratch *w, const int64_t *off, int64_t c
 #define direct_head(a, w, off, c0, n, h, nrows) ((void)0)
 #endif
 
+#ifdef AMX_TILES
+// Units of at most FEW_ROWS rows (decode: a request's query heads on each KV head) read K and V rows from the cache
+// straight into tiles, repacking nothing. Scores come transposed, S^T = K Q^T: 16 positions' K rows are the A tile
+// and the unit's Q^T pairs the B tile, so a set of heads' scores lie as [position][lane], lane = head of the set x
+// rows + row, and the softmax runs down the positions a vector of lanes at a time. Each 16 positions' weights are
+// then transposed to the lanes' rows and spread as bf16 pairs (p, 0) and (0, p): A tiles that, times 16 V rows
+// as the B tile (dim pairs), give O's even and its odd dims.
+#define FEW_ROWS 16
+#if W == 16
+typedef __mmask16 vmask;
+static inline vmask vin(vf x, vf lo, vf hi) {  // lo <= x <= hi
+    return _mm512_cmp_ps_mask(lo, x, _CMP_LE_OQ) & _mm512_cmp_ps_mask(x, hi, _CMP_LE_OQ);
+}
+static inline vf vsel(vmask k, vf a, vf b) { return _mm512_mask_blend_ps(k, b, a); }  // k ? a : b
+static inline vf vshr16(vf x) { return _mm512_castsi512_ps(_mm512_srli_epi32(_mm512_castps_si512(x), 16)); }
+#else
+typedef __m256 vmask;
+static inline vmask vin(vf x, vf lo, vf hi) {
+    return _mm256_and_ps(_mm256_cmp_ps(lo, x, _CMP_LE_OQ), _mm256_cmp_ps(x, hi, _CMP_LE_OQ));
+}
+static inline vf vsel(vmask k, vf a, vf b) { return _mm256_blendv_ps(b, a, k); }
+static inline vf vshr16(vf x) { return _mm256_castsi256_ps(_mm256_srli_epi32(_mm256_castps_si256(x), 16)); }
+#endif
+
+// Tiles 0: S^T (16 positions x rows), 1: 16 K rows (A) or V rows (B), 2: Q^T pairs (B), 3-4: O's even and odd
+// dims (rows x 16), 5-6: the weights spread (A, rows x 16 position pairs).
+static void tiles_for_few(int rows) {
+    if (tile_rows == 100 + rows) return;
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const uint8_t r[8] = {16, 16, 16, rows, rows, rows, rows, 16};
+    const uint16_t c[8] = {rows * 4, 64, rows * 4, 64, 64, 64, 64, 64};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = r[t], cfg.colsb[t] = c[t];
+    TILE_CONFIG(&cfg);
+    tile_rows = 100 + rows;
+}
+
+// 16 rows of head offset sh from chunk position t0 as a tile reads them (row stride in bytes in *ld): the cache's
+// own when they are 16 slots in a row, else copied into stage, zeros past n (stale slots could hold inf or NaN).
+static const bf16 *few_rows(const Args *a, const bf16 *cache, const int64_t *off, int t0, int n, int64_t sh,
+                            bf16 *stage, int64_t *ld) {
+    const int D = a->head_dim, m = n - t0 < 16 ? n - t0 : 16;
+    if (m == 16 && off[t0 + 15] - off[t0] == 15 * a->kv_stride_s) {
+        *ld = a->kv_stride_s * 2;
+        return cache + off[t0] + sh;
+    }
+    for (int t = 0; t < 16; t++)
+        if (t < m) memcpy(stage + t * D, cache + off[t0 + t] + sh, (size_t)D * 2);
+        else memset(stage + t * D, 0, (size_t)D * 2);
+    *ld = D * 2;
+    return stage;
+}
+
+// The unit's Q^T pairs, its running max and sums, O zeroed.
+static void few_start(const Args *a, Scratch *w, const Unit *u) {
+    const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, R = u->nrows, groups = D / 32;
+    const int32_t *seg = u->seg;
+    for (int r = 0; r < R; r++) {
+        const int row = u->row0 + r;
+        const int64_t tok = (int64_t)a->tokens[seg[SEG_BEGIN] + row / G] * a->q_stride_t;
+        for (int h = 0; h < u->hb; h++) {
+            const int32_t *src = (const int32_t *)((const bf16 *)a->q + tok + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h);
+            for (int k = 0; k < D / 2; k++) w->fq[(h * groups + k / 16) * 256 + k % 16 * 16 + r] = src[k];
+        }
+    }
+    const int hs = 16 / R < u->hb ? 16 / R : u->hb, sets = (u->hb + hs - 1) / hs;
+    for (int i = 0; i < sets * 16; i++) w->fm[i] = -INFINITY, w->fl[i] = 0.0f;
+    memset(w->kt, 0, sizeof(float) * u->hb * D * R);
+}
+
+// Set `set` of heads (from head h0, `heads` of them): the weights of its scores S^T (positions [0, n) of the
+// chunk at c0), the running max moved lazily as in softmax(), then as A tiles in pe and po.
+static void few_softmax(const Args *a, Scratch *w, const Unit *u, int set, int h0, int heads, int64_t c0, int n) {
+    const int R = u->nrows, lanes = heads * R, nsub = (n + 15) / 16, groups = a->head_dim / 32;
+    const float cc = a->scale * LOG2E, rise = RESCALE_LOG2 / cc;
+    float *st = w->s, *m = w->fm + set * 16, *l = w->fl + set * 16;
+    if (a->softcap > 0.0f) cap_scores(st, nsub * 256, a->scale, a->softcap);
+    float lo[16], hi[16];  // per lane, the chunk's positions it sees: [lo, hi] (none: lo > hi)
+    for (int i = 0; i < 16; i++) {
+        lo[i] = i < lanes ? (float)(w->first[i % R] - c0) : 1.0f;
+        hi[i] = i < lanes ? (float)(w->limit[i % R] - c0) : 0.0f;
+    }
+    const vf ninf = vset1(-INFINITY), c = vset1(cc);
+    for (int v = 0; v < lanes; v += W) {
+        const vf lov = vload(lo + v), hiv = vload(hi + v);
+        vf mx = ninf;
+        for (int p = 0; p < n; p++) mx = vmax(mx, vsel(vin(vset1((float)p), lov, hiv), vload(st + p * 16 + v), ninf));
+        if (any_gt(mx, vadd(vload(m + v), vset1(rise)))) {
+            float top[W];
+            vstore(top, mx);
+            for (int i = 0; i < W && v + i < lanes; i++) {
+                if (!(top[i] > m[v + i] + rise)) continue;
+                const float alpha = m[v + i] == -INFINITY ? 0.0f : exp2f((m[v + i] - top[i]) * cc);
+                const int h = h0 + (v + i) / R, r = (v + i) % R;
+                for (int g = 0; g < 2 * groups; g++)  // both parities of each 32 dims
+                    for (int d = 0; d < 16; d++) w->kt[((h * groups * 2 + g) * R + r) * 16 + d] *= alpha;
+                l[v + i] *= alpha;
+                m[v + i] = top[i];
+            }
+        }
+        const vf mc = vmul(vload(m + v), c);
+        vf sum = vload(l + v);
+        for (int p = 0; p < nsub * 16; p++) {
+            vf wt = vzero();
+            if (p < n)
+                wt = round_bf16(vsel(vin(vset1((float)p), lov, hiv), vexp2(vfms(vload(st + p * 16 + v), c, mc), 0), wt));
+            sum = vadd(sum, wt);
+            vstore(st + p * 16 + v, wt);
+        }
+        vstore(l + v, sum);
+    }
+    // rows of a lane's weights rounded to bf16 are its (0, p) pairs; shifted down 16 bits, its (p, 0) pairs
+    for (int b = 0; b < nsub; b++)
+        for (int pb = 0; pb < 16; pb += W)
+            for (int lb = 0; lb < lanes; lb += W) {
+                vf x[W];
+                for (int i = 0; i < W; i++) x[i] = vload(st + (b * 16 + pb + i) * 16 + lb);
+                transpose_w(x);
+                for (int i = 0; i < W; i++) {
+                    vstore((float *)w->po + (b * 16 + lb + i) * 16 + pb, x[i]);
+                    vstore((float *)w->pe + (b * 16 + lb + i) * 16 + pb, vshr16(x[i]));
+                }
+            }
+}
+
+// Chunk c0 (n positions, cache offsets off of the unit's first head) of a unit of at most FEW_ROWS rows.
+static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *off, int64_t c0, int n,
+                      Prefetch *ahead) {
+    const int D = a->head_dim, R = u->nrows, groups = D / 32, nsub = (n + 15) / 16;
+    const int hs = 16 / R < u->hb ? 16 / R : u->hb;
+    const int64_t lines = (int64_t)ahead->n * ((ahead->bytes + 63) / 64) * 2;  // spread over every tile product
+    const int calls = 2 * u->hb * nsub * groups, slice = (int)((lines + calls - 1) / calls);
+    const int64_t sh = a->kv_stride_h;
+    tiles_for_few(R);
+    for (int h0 = 0, set = 0; h0 < u->hb; h0 += hs, set++) {
+        const int heads = u->hb - h0 < hs ? u->hb - h0 : hs;
+        for (int j = 0; j < heads; j++) {
+            const int h = h0 + j;
+            for (int b = 0; b < nsub; b++) {
+                int64_t ld;
+                const bf16 *k = few_rows(a, a->k_cache, off, b * 16, n, h * sh, w->stage[b], &ld);
+                TILE_ZERO(0);
+                for (int g = 0; g < groups; g++) {
+                    TILE_LOAD(1, k + g * 32, ld);
+                    TILE_LOAD(2, w->fq + (h * groups + g) * 256, 64);
+                    TILE_DPBF16PS(0, 1, 2);
+                    prefetch_some(ahead, slice);
+                }
+                TILE_STORE(0, w->s + b * 256 + j * R, 64);
+            }
+        }
+        few_softmax(a, w, u, set, h0, heads, c0, n);
+        for (int j = 0; j < heads; j++) {
+            const int h = h0 + j;
+            const bf16 *v[CHUNK / 16];
+            int64_t ld[CHUNK / 16];
+            for (int b = 0; b < nsub; b++) v[b] = few_rows(a, a->v_cache, off, b * 16, n, h * sh, w->stage[b], &ld[b]);
+            for (int g = 0; g < groups; g++) {
+                float *o = w->kt + (h * groups + g) * 2 * R * 16;
+                TILE_LOAD(3, o, 64);
+                TILE_LOAD(4, o + R * 16, 64);
+                for (int b = 0; b < nsub; b++) {
+                    TILE_LOAD(1, v[b] + g * 32, ld[b]);
+                    TILE_LOAD(5, w->pe + (b * 16 + j * R) * 16, 64);
+                    TILE_LOAD(6, w->po + (b * 16 + j * R) * 16, 64);
+                    TILE_DPBF16PS(3, 5, 1);
+                    TILE_DPBF16PS(4, 6, 1);
+                    prefetch_some(ahead, slice);
+                }
+                TILE_STORE(3, o, 64);
+                TILE_STORE(4, o + R * 16, 64);
+            }
+        }
+    }
+}
+
+// O, m and l of the unit in the layouts finish() reads.
+static void few_finish(const Args *a, Scratch *w, const Unit *u) {
+    const int D = a->head_dim, R = u->nrows, groups = D / 32, hs = 16 / R < u->hb ? 16 / R : u->hb;
+    for (int h = 0; h < u->hb; h++)
+        for (int r = 0; r < R; r++) {
+            const int idx = h * UNIT_ROWS + r, lane = h / hs * 16 + h % hs * R + r;
+            w->m[idx] = w->fm[lane];
+            vstore(w->l + (int64_t)idx * W, vzero());
+            w->l[(int64_t)idx * W] = w->fl[lane];
+            for (int g = 0; g < groups; g++) {
+                const float *e = w->kt + ((h * groups + g) * 2 * R + r) * 16, *o = e + R * 16;
+                float *dst = w->o + (int64_t)idx * D + g * 32;
+#if W == 16
+                const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+                const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+                vstore(dst, _mm512_permutex2var_ps(vload(e), lo, vload(o)));
+                vstore(dst + 16, _mm512_permutex2var_ps(vload(e), hi, vload(o)));
+#else
+                for (int d = 0; d < 16; d++) dst[2 * d] = e[d], dst[2 * d + 1] = o[d];
+#endif
+            }
+        }
+    finish(a, w, u);
+}
+#else
+#define FEW_ROWS 0
+#endif
+
 // The packed chunk at c0 of unit u's shared segment, the unit's heads.
 static Packed shared_chunk(const Args *a, const Unit *u, int64_t c0) {
     const int64_t head = (int64_t)CHUNK * a->head_dim, H = a->num_kv_heads;
@@ -866,6 +1077,12 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     const int direct = pairs && nrows <= DIRECT_ROWS && nrows <= a->direct_rows && a->kv_format == KV_MODEL;
     // a direct unit reads K and V rows in place through its own row offsets, also in a segment packed once
     const int packed_once = u->shared != NULL && !direct;
+#ifdef AMX_TILES
+    const int few = pairs && D % 32 == 0 && nrows <= FEW_ROWS && a->kv_format == KV_MODEL && !packed_once;
+    if (few) few_start(a, w, u);
+#else
+    const int few = 0;
+#endif
     if (kv0 < kv1 && !packed_once) {
         const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
         row_offsets(a, w->offset[0], seg[SEG_TABLE], kv0, n0, u->h0);
@@ -906,14 +1123,17 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
             packed = shared_chunk(a, u, c0);
         } else if (!pairs) {
             repack(a, packed, w->offset[buf], n, u->hb, in_bf16);
-        } else if (!direct) {
+        } else if (!direct && !few) {
             repack_pairs(a, packed, w->offset[buf], n, u->hb);
 #ifdef AMX_TILES
             if (tiles) zero_v_tail(a, packed, n, u->hb);
 #endif
         }
         prefetch_some(&ahead, slice);
-        for (int h = 0; h < u->hb; h++) {
+#ifdef AMX_TILES
+        if (few) few_chunk(a, w, u, w->offset[buf], c0, n, &ahead);
+#endif
+        for (int h = 0; h < u->hb && !few; h++) {
             if (direct) {
                 direct_head(a, w, w->offset[buf], c0, n, h, nrows);
                 prefetch_some(&ahead, slice);
@@ -953,6 +1173,12 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
         }
         prefetch_some(&ahead, INT32_MAX);
     }
+#ifdef AMX_TILES
+    if (few) {
+        few_finish(a, w, u);
+        return;
+    }
+#endif
     finish(a, w, u);
 }
 
