@@ -375,7 +375,8 @@ typedef struct {  // per-thread scratch, 64-byte aligned
     int32_t fq[SPAN / 32 * 256];  // Q^T as pairs: [head][32 dims][16 dim pairs][16 rows]
     int32_t pe[CHUNK * 16], po[CHUNK * 16];  // the weights spread as A tiles: [position / 16][lane][16]
     float fm[MAX_HEADS * 16], fl[MAX_HEADS * 16];  // running max and sum of weights, [head set][lane]
-    bf16 stage[CHUNK / 16][16 * MAX_D];  // K or V rows a tile cannot read in place
+    bf16 stage[CHUNK / 16][16 * MAX_D];  // K or V rows a tile cannot read in place, zeros past staged[]
+    int32_t staged[CHUNK / 16];          // bytes of each stage copied into last
 #endif
 } Scratch;
 
@@ -863,15 +864,17 @@ static void tiles_for_few(int rows) {
 // 16 rows of head offset sh from chunk position t0 as a tile reads them (row stride in bytes in *ld): the cache's
 // own when they are 16 slots in a row, else copied into stage, zeros past n (stale slots could hold inf or NaN).
 static const bf16 *few_rows(const Args *a, const bf16 *cache, const int64_t *off, int t0, int n, int64_t sh,
-                            bf16 *stage, int64_t *ld) {
+                            Scratch *w, int64_t *ld) {
     const int D = a->head_dim, m = n - t0 < 16 ? n - t0 : 16;
     if (m == 16 && off[t0 + 15] - off[t0] == 15 * a->kv_stride_s) {
         *ld = a->kv_stride_s * 2;
         return cache + off[t0] + sh;
     }
-    for (int t = 0; t < 16; t++)
-        if (t < m) memcpy(stage + t * D, cache + off[t0 + t] + sh, (size_t)D * 2);
-        else memset(stage + t * D, 0, (size_t)D * 2);
+    bf16 *stage = w->stage[t0 / 16];
+    for (int t = 0; t < m; t++) memcpy(stage + t * D, cache + off[t0 + t] + sh, (size_t)D * 2);
+    int32_t *staged = &w->staged[t0 / 16];
+    if (*staged > m * D * 2) memset((char *)stage + m * D * 2, 0, (size_t)(*staged - m * D * 2));
+    *staged = m * D * 2;
     *ld = D * 2;
     return stage;
 }
@@ -880,12 +883,24 @@ static const bf16 *few_rows(const Args *a, const bf16 *cache, const int64_t *off
 static void few_start(const Args *a, Scratch *w, const Unit *u) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, R = u->nrows, groups = D / 32;
     const int32_t *seg = u->seg;
-    for (int r = 0; r < R; r++) {
-        const int row = u->row0 + r;
-        const int64_t tok = (int64_t)a->tokens[seg[SEG_BEGIN] + row / G] * a->q_stride_t;
-        for (int h = 0; h < u->hb; h++) {
-            const int32_t *src = (const int32_t *)((const bf16 *)a->q + tok + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h);
-            for (int k = 0; k < D / 2; k++) w->fq[(h * groups + k / 16) * 256 + k % 16 * 16 + r] = src[k];
+    for (int h = 0; h < u->hb; h++) {
+        const int32_t *src[16];
+        for (int r = 0; r < R; r++) {
+            const int row = u->row0 + r;
+            src[r] = (const int32_t *)((const bf16 *)a->q + (int64_t)a->tokens[seg[SEG_BEGIN] + row / G] * a->q_stride_t +
+                                       (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h);
+        }
+        for (int g = 0; g < groups; g++) {
+            int32_t *dst = w->fq + (h * groups + g) * 256;
+#if W == 16
+            __m512i x[16];
+            for (int r = 0; r < 16; r++) x[r] = r < R ? _mm512_loadu_si512(src[r] + g * 16) : _mm512_setzero_si512();
+            transpose16(x);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(dst + k * 16, x[k]);
+#else
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 16; k++) dst[k * 16 + r] = src[r][g * 16 + k];
+#endif
         }
     }
     const int hs = 16 / R < u->hb ? 16 / R : u->hb, sets = (u->hb + hs - 1) / hs;
@@ -963,7 +978,7 @@ static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *o
             const int h = h0 + j;
             for (int b = 0; b < nsub; b++) {
                 int64_t ld;
-                const bf16 *k = few_rows(a, a->k_cache, off, b * 16, n, h * sh, w->stage[b], &ld);
+                const bf16 *k = few_rows(a, a->k_cache, off, b * 16, n, h * sh, w, &ld);
                 TILE_ZERO(0);
                 for (int g = 0; g < groups; g++) {
                     TILE_LOAD(1, k + g * 32, ld);
@@ -979,7 +994,7 @@ static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *o
             const int h = h0 + j;
             const bf16 *v[CHUNK / 16];
             int64_t ld[CHUNK / 16];
-            for (int b = 0; b < nsub; b++) v[b] = few_rows(a, a->v_cache, off, b * 16, n, h * sh, w->stage[b], &ld[b]);
+            for (int b = 0; b < nsub; b++) v[b] = few_rows(a, a->v_cache, off, b * 16, n, h * sh, w, &ld[b]);
             for (int g = 0; g < groups; g++) {
                 float *o = w->kt + (h * groups + g) * 2 * R * 16;
                 TILE_LOAD(3, o, 64);
@@ -1052,12 +1067,17 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, nrows = u->nrows;
     const int qd = pairs ? D / 2 : D;  // 32-bit elements of a query row in scratch
     const int32_t *seg = u->seg;
+#ifdef AMX_TILES
+    const int few = pairs && D % 32 == 0 && nrows <= FEW_ROWS && a->kv_format == KV_MODEL && u->shared == NULL;
+#else
+    const int few = 0;
+#endif
     for (int r = 0; r < nrows; r++) {
         const int row = u->row0 + r;
         const int32_t e = seg[SEG_BEGIN] + row / G;
         w->limit[r] = seg[SEG_CAUSAL] ? last_seen(a, e) : INT32_MAX;
         w->first[r] = seg[SEG_CAUSAL] && a->window > 0 ? a->positions[e] - a->window + 1 : 0;
-        for (int h = 0; h < u->hb; h++) {
+        for (int h = 0; h < u->hb && !few; h++) {
             const int64_t src = (int64_t)a->tokens[e] * a->q_stride_t + (int64_t)((u->h0 + h) * G + row % G) * a->q_stride_h;
             float *dst = w->q + (int64_t)(h * UNIT_ROWS + r) * qd;
             if (pairs)  // copied inline: a library call per row and head costs more than its copy
@@ -1078,10 +1098,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     // a direct unit reads K and V rows in place through its own row offsets, also in a segment packed once
     const int packed_once = u->shared != NULL && !direct;
 #ifdef AMX_TILES
-    const int few = pairs && D % 32 == 0 && nrows <= FEW_ROWS && a->kv_format == KV_MODEL && !packed_once;
     if (few) few_start(a, w, u);
-#else
-    const int few = 0;
 #endif
     if (kv0 < kv1 && !packed_once) {
         const int n0 = kv1 - kv0 < CHUNK ? kv1 - kv0 : CHUNK;
@@ -1402,6 +1419,9 @@ static Job *plan_shared(const Args *a, Unit *unit, int units, int *count) {
 static Scratch *thread_scratch(void) {
     static __thread Scratch *w = NULL;
     if (w == NULL) w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+#ifdef AMX_TILES
+    if (w != NULL) memset(w->stage, 0, sizeof w->stage), memset(w->staged, 0, sizeof w->staged);
+#endif
     return w;
 }
 
