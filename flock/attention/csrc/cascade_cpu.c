@@ -29,8 +29,9 @@
 // direct_rows says where: not on CPUs that repack faster).
 //   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
 //               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
-//               tiles for blocks of 16 rows (amx_scores, amx_values); units of at most DIRECT_ROWS rows go
-//               direct as above (for one or two rows the repack cost more than Intel's slow vdpbf16ps).
+//               tiles for blocks of 16 rows (amx_scores, amx_values); units of at most FEW_ROWS rows (decode's
+//               own parts, unshared requests) read bf16 K and V rows from the cache straight into tiles, their
+//               scores transposed (few_chunk; fp8 caches' rows are repacked).
 //               FLOCK_EMULATED_AMX builds it on AVX2 with the tile operations in portable C (and the pairs
 //               repack and weights too): how CPUs without AMX test it.
 #include <immintrin.h>
