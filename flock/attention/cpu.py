@@ -62,7 +62,8 @@ KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's fp8 
 def direct_rows() -> int:
     """Units of at most this many rows (decode when few query heads share a KV head) read bf16 K and V rows in
     place instead of repacking them: two, but none on AMD's Zen 4 (family 25), whose double-pumped 512-bit units
-    repack them faster (bench/attention_decode, heads of 64 and 128: 1.3x without sharing)."""
+    repack them faster (bench/attention_decode, heads of 64 and 128: 1.3x without sharing). The amx path reads
+    units of up to 16 rows in place on its tiles whatever this says."""
     return 0 if native.cpu_vendor_family() == ("AuthenticAMD", 25) else 2
 
 
