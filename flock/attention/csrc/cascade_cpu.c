@@ -848,6 +848,9 @@ static inline vf vsel(vmask k, vf a, vf b) { return _mm256_blendv_ps(b, a, k); }
 static inline vf vshr16(vf x) { return _mm256_castsi256_ps(_mm256_srli_epi32(_mm256_castps_si256(x), 16)); }
 #endif
 
+// Heads of a set: as many as give its rows at most 16 lanes.
+static inline int set_heads(const Unit *u) { return 16 / u->nrows < u->hb ? 16 / u->nrows : u->hb; }
+
 // Tiles 0: S^T (16 positions x rows), 1: 16 K rows (A) or V rows (B), 2: Q^T pairs (B), 3-4: O's even and odd
 // dims (rows x 16), 5-6: the weights spread (A, rows x 16 position pairs).
 static void tiles_for_few(int rows) {
@@ -904,7 +907,7 @@ static void few_start(const Args *a, Scratch *w, const Unit *u) {
 #endif
         }
     }
-    const int hs = 16 / R < u->hb ? 16 / R : u->hb, sets = (u->hb + hs - 1) / hs;
+    const int hs = set_heads(u), sets = (u->hb + hs - 1) / hs;
     for (int i = 0; i < sets * 16; i++) w->fm[i] = -INFINITY, w->fl[i] = 0.0f;
     memset(w->kt, 0, sizeof(float) * u->hb * D * R);
 }
@@ -968,7 +971,7 @@ static void few_softmax(const Args *a, Scratch *w, const Unit *u, int set, int h
 static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *off, int64_t c0, int n,
                       Prefetch *ahead) {
     const int D = a->head_dim, R = u->nrows, groups = D / 32, nsub = (n + 15) / 16;
-    const int hs = 16 / R < u->hb ? 16 / R : u->hb;
+    const int hs = set_heads(u);
     const int64_t lines = (int64_t)ahead->n * ((ahead->bytes + 63) / 64) * 2;  // spread over every tile product
     const int calls = 2 * u->hb * nsub * groups, slice = (int)((lines + calls - 1) / calls);
     const int64_t sh = a->kv_stride_h;
@@ -1017,7 +1020,7 @@ static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *o
 
 // O, m and l of the unit in the layouts finish() reads.
 static void few_finish(const Args *a, Scratch *w, const Unit *u) {
-    const int D = a->head_dim, R = u->nrows, groups = D / 32, hs = 16 / R < u->hb ? 16 / R : u->hb;
+    const int D = a->head_dim, R = u->nrows, groups = D / 32, hs = set_heads(u);
     for (int h = 0; h < u->hb; h++)
         for (int r = 0; r < R; r++) {
             const int idx = h * UNIT_ROWS + r, lane = h / hs * 16 + h % hs * R + r;
@@ -1419,7 +1422,8 @@ static Job *plan_shared(const Args *a, Unit *unit, int units, int *count) {
 
 static Scratch *thread_scratch(void) {
     static __thread Scratch *w = NULL;
-    if (w == NULL) w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+    if (w != NULL) return w;
+    w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
 #ifdef AMX_TILES
     if (w != NULL) memset(w->stage, 0, sizeof w->stage), memset(w->staged, 0, sizeof w->staged);
 #endif
