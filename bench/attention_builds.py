@@ -30,6 +30,7 @@ from bench.harness import machine
 from bench.harness.layer import make, model_config
 from flock.attention import cpu
 from flock.attention.base import StepLayout
+from flock.kv import fp8
 
 BLOCK = 16
 
@@ -46,6 +47,7 @@ def parse_args():
     p.add_argument("--tail", type=int, default=32, help="decode: each request's own tokens before the new one")
     p.add_argument("--new", type=int, default=0, help="prefill: new tokens per request (0: decode)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--kv", choices=["auto", *fp8.FP8], default="auto", help="the caches' dtype (kv_cache_dtype)")
     p.add_argument("--hot", action="store_true", help="one copy of the caches (KV from cache)")
     p.add_argument("--rounds", type=int, default=9)
     return p.parse_args()
@@ -75,9 +77,13 @@ def main():
                              args.requests // args.degree * (args.prefix // BLOCK) + args.requests * own + 8)
         kv_tokens = args.requests // args.degree * args.prefix + args.requests * (args.tail + 1)
     blocks = 1 + max(int(t.max()) for t in layout.block_tables)
-    cache_bytes = 2 * blocks * BLOCK * args.kv_heads * args.head_dim * dtype.itemsize
+    kv_dtype = fp8.cache_dtype(args.kv, dtype)
+    elsize = kv_dtype.itemsize * fp8.row_width(args.head_dim, kv_dtype) / args.head_dim
+    cache_bytes = 2 * blocks * BLOCK * args.kv_heads * args.head_dim * elsize
     copies = 1 if args.hot else min(32, max(2, int(400e6 // cache_bytes)))
-    caches = [tuple(torch.randn(blocks, BLOCK, args.kv_heads, args.head_dim).to(dtype) for _ in range(2))
+    caches = [tuple(fp8.quantize(torch.randn(blocks, BLOCK, args.kv_heads, args.head_dim), kv_dtype)
+                    if fp8.is_fp8(kv_dtype) else torch.randn(blocks, BLOCK, args.kv_heads, args.head_dim).to(dtype)
+                    for _ in range(2))
               for _ in range(copies)]
     isa = cpu.chosen_isa()
     backend = make(f"cpu-{isa}", model_config(args.heads, args.kv_heads, args.head_dim), dtype)
@@ -98,11 +104,11 @@ def main():
             for r in range(repeats):
                 lib.flock_cpu_cascade(ctypes.byref(call[r % copies]))
             t.append((time.perf_counter() - start) / repeats)
-    mb = kv_tokens * args.kv_heads * args.head_dim * dtype.itemsize * 2 / 1e6
+    mb = kv_tokens * args.kv_heads * args.head_dim * elsize * 2 / 1e6
     work = (f"prefill {args.requests} x ({args.prefix} cached + {args.new} new)" if args.new else
             f"decode: {args.requests} request(s) in groups of {args.degree} sharing {args.prefix} tokens, {args.tail} own")
     print(f"# attention_builds: {machine.cpu_line()}; the cpu kernel's {isa} path\n# {work}; heads "
-          f"{args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}; {mb:.2f} MB of KV, "
+          f"{args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, KV {args.kv}; {mb:.2f} MB of KV, "
           f"{'hot' if args.hot else f'{copies} copies rotated'}")
     for s, t, ok in zip(args.sources, times, same):
         m = statistics.median(t)

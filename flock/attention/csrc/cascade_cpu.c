@@ -30,8 +30,8 @@
 //   amx       : AVX512-BF16 with AMX tiles: bf16 (head_dim a multiple of 32) in the pairs layouts, which are
 //               the tiles' own (Q rows and P rows are A tiles, K^T and V pairs B tiles), every product on
 //               tiles for blocks of 16 rows (amx_scores, amx_values); units of at most FEW_ROWS rows (decode's
-//               own parts, unshared requests) read bf16 K and V rows from the cache straight into tiles, their
-//               scores transposed (few_chunk; fp8 caches' rows are repacked).
+//               own parts, unshared requests) read bf16 K and V rows from the cache straight into tiles (fp8
+//               rows converted into a stage first), their scores transposed (few_chunk).
 //               FLOCK_EMULATED_AMX builds it on AVX2 with the tile operations in portable C (and the pairs
 //               repack and weights too): how CPUs without AMX test it.
 #include <immintrin.h>
@@ -865,17 +865,32 @@ static void tiles_for_few(int rows) {
     tile_rows = 100 + rows;
 }
 
+// Cache row `row` (elements) as D bf16 at dst: copied, or an fp8 row's values (rounded to bf16, as the repack
+// gives them).
+static void stage_row(const Args *a, const void *cache, int64_t row, bf16 *dst) {
+    const int D = a->head_dim, kv = a->kv_format;
+    if (kv == KV_MODEL) {
+        memcpy(dst, (const bf16 *)cache + row, (size_t)D * 2);
+        return;
+    }
+#if defined(__AVX512BF16__)
+    for (int d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, kv_bf16(cache, row, d, 32, D, kv == KV_E5M2 ? KV_E5M2 : KV_E4M3));
+#else
+    for (int d = 0; d < D; d++) dst[d] = kv_dim(cache, row, d, D, kv == KV_E5M2 ? KV_E5M2 : KV_E4M3);
+#endif
+}
+
 // 16 rows of head offset sh from chunk position t0 as a tile reads them (row stride in bytes in *ld): the cache's
-// own when they are 16 slots in a row, else copied into stage, zeros past n (stale slots could hold inf or NaN).
-static const bf16 *few_rows(const Args *a, const bf16 *cache, const int64_t *off, int t0, int n, int64_t sh,
+// own when they are bf16 rows 16 slots in a row, else staged, zeros past n (stale slots could hold inf or NaN).
+static const bf16 *few_rows(const Args *a, const void *cache, const int64_t *off, int t0, int n, int64_t sh,
                             Scratch *w, int64_t *ld) {
     const int D = a->head_dim, m = n - t0 < 16 ? n - t0 : 16;
-    if (m == 16 && off[t0 + 15] - off[t0] == 15 * a->kv_stride_s) {
+    if (a->kv_format == KV_MODEL && m == 16 && off[t0 + 15] - off[t0] == 15 * a->kv_stride_s) {
         *ld = a->kv_stride_s * 2;
-        return cache + off[t0] + sh;
+        return (const bf16 *)cache + off[t0] + sh;
     }
     bf16 *stage = w->stage[t0 / 16];
-    for (int t = 0; t < m; t++) memcpy(stage + t * D, cache + off[t0 + t] + sh, (size_t)D * 2);
+    for (int t = 0; t < m; t++) stage_row(a, cache, off[t0 + t] + sh, stage + t * D);
     int32_t *staged = &w->staged[t0 / 16];
     if (*staged > m * D * 2) memset((char *)stage + m * D * 2, 0, (size_t)(*staged - m * D * 2));
     *staged = m * D * 2;
@@ -1072,7 +1087,7 @@ INLINE void run_unit(const Args *a, Scratch *w, const Unit *u, Queue *q, int war
     const int qd = pairs ? D / 2 : D;  // 32-bit elements of a query row in scratch
     const int32_t *seg = u->seg;
 #ifdef AMX_TILES
-    const int few = pairs && D % 32 == 0 && nrows <= FEW_ROWS && a->kv_format == KV_MODEL && u->shared == NULL;
+    const int few = pairs && D % 32 == 0 && nrows <= FEW_ROWS && u->shared == NULL;
 #else
     const int few = 0;
 #endif
