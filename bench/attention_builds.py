@@ -3,6 +3,7 @@
     python -m bench.attention_builds OLD.c flock/attention/csrc/cascade_cpu.c          # decode, 1 x 1,568 tokens
     python -m bench.attention_builds A.c B.c --requests 64 --degree 16 --prefix 2048   # the decode goal cell
     python -m bench.attention_builds A.c B.c --new 2048                                # a fresh 2K prefill
+    python -m bench.attention_builds A.c B.c --requests 64 --degree 1 --prefix 0 --tail 2048 --kv fp8
 
 Each source (a copy of `flock/attention/csrc/cascade_cpu.c` beside it, so that it finds the same headers) is
 built for this CPU's best path and called through `flock_cpu_cascade` with one step's arguments: `--requests`
