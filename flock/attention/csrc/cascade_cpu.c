@@ -874,9 +874,9 @@ static void stage_row(const Args *a, const void *cache, int64_t row, bf16 *dst) 
         return;
     }
 #if defined(__AVX512BF16__)
-    for (int d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, kv_bf16(cache, row, d, 32, D, kv == KV_E5M2 ? KV_E5M2 : KV_E4M3));
+    for (int d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, kv_bf16(cache, row, d, 32, D, kv));
 #else
-    for (int d = 0; d < D; d++) dst[d] = kv_dim(cache, row, d, D, kv == KV_E5M2 ? KV_E5M2 : KV_E4M3);
+    for (int d = 0; d < D; d++) dst[d] = kv_dim(cache, row, d, D, kv);
 #endif
 }
 
