@@ -927,10 +927,10 @@ static void few_start(const Args *a, Scratch *w, const Unit *u) {
     memset(w->kt, 0, sizeof(float) * u->hb * D * R);
 }
 
-// Set `set` of heads (from head h0, `heads` of them): the weights of its scores S^T (positions [0, n) of the
+// The set of heads from head h0 (`heads` of them): the weights of its scores S^T (positions [0, n) of the
 // chunk at c0), the running max moved lazily as in softmax(), then as A tiles in pe and po.
-static void few_softmax(const Args *a, Scratch *w, const Unit *u, int set, int h0, int heads, int64_t c0, int n) {
-    const int R = u->nrows, lanes = heads * R, nsub = (n + 15) / 16, groups = a->head_dim / 32;
+static void few_softmax(const Args *a, Scratch *w, const Unit *u, int h0, int heads, int64_t c0, int n) {
+    const int R = u->nrows, lanes = heads * R, nsub = (n + 15) / 16, groups = a->head_dim / 32, set = h0 / set_heads(u);
     const float cc = a->scale * LOG2E, rise = RESCALE_LOG2 / cc;
     float *st = w->s, *m = w->fm + set * 16, *l = w->fl + set * 16;
     if (a->softcap > 0.0f) cap_scores(st, nsub * 256, a->scale, a->softcap);
@@ -991,7 +991,7 @@ static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *o
     const int calls = 2 * u->hb * nsub * groups, slice = (int)((lines + calls - 1) / calls);
     const int64_t sh = a->kv_stride_h;
     tiles_for_few(R);
-    for (int h0 = 0, set = 0; h0 < u->hb; h0 += hs, set++) {
+    for (int h0 = 0; h0 < u->hb; h0 += hs) {
         const int heads = u->hb - h0 < hs ? u->hb - h0 : hs;
         for (int j = 0; j < heads; j++) {
             const int h = h0 + j;
@@ -1008,7 +1008,7 @@ static void few_chunk(const Args *a, Scratch *w, const Unit *u, const int64_t *o
                 TILE_STORE(0, w->s + b * 256 + j * R, 64);
             }
         }
-        few_softmax(a, w, u, set, h0, heads, c0, n);
+        few_softmax(a, w, u, h0, heads, c0, n);
         for (int j = 0; j < heads; j++) {
             const int h = h0 + j;
             const bf16 *v[CHUNK / 16];
