@@ -4,20 +4,20 @@
 //
 // A task is up to 64 rows x one block; K goes in steps of 32 (K % 32 == 0), the B tiles (16 pairs x 16 columns)
 // read straight from the packed weight with the stride of one 64-wide pair row, the A tiles (16 rows x 32 bf16)
-// straight from x (a call's last rows, short of 16, from a zero-padded copy). A task multiplies pairs of row
-// tiles (or its one tile) by half blocks on 2 x 2 tiles: two A tiles times two B tiles, four loads for four
-// products (one A tile times four B tiles needs five). Tile loads from L2 bound the products' rate, so K goes in
-// chunks whose tiles every pair and half of the task reuse from L1, the sums waiting in memory between chunks.
-// Tasks of every size, down to a decode step's single rows, prefetch their weights ahead of the tiles (the
-// hardware prefetchers alone stream fewer bytes a second). A call of more than 64 rows goes row panel
-// (PANEL_ROWS) by panel, block by block within one, so a panel's activations stay in cache while each block's
-// weights are read once per panel; its tasks are split evenly over the threads, and a block's weights come into
-// L2 ahead of its tiles: small blocks are prefetched by the tasks of the block before (memory streams while the
-// tiles work), others by their first task, a chunk ahead. A call of at most 64 rows reads each weight once, and
-// each core streams memory at only about half the machine's bandwidth: the threads split the weights evenly, by
-// halves of a block's K where the blocks do not divide evenly, one thread going on from the other's sums (the
-// same bits as on one thread). The sums leave the tiles through a 64 x 64 fp32 buffer for the epilogue (AVX-512;
-// portable C when emulated).
+// straight from x (a call's last rows, short of 16, from each thread's copy of them in a 16-row tile). A task
+// multiplies pairs of row tiles (or its one tile) by half blocks on 2 x 2 tiles: two A tiles times two B tiles,
+// four loads for four products (one A tile times four B tiles needs five). Tile loads from L2 bound the
+// products' rate, so K goes in chunks whose tiles every pair and half of the task reuse from L1, the sums waiting
+// in memory between chunks. Tasks of every size, down to a decode step's single rows, prefetch their weights
+// ahead of the tiles (the hardware prefetchers alone stream fewer bytes a second). A call of more than 64 rows
+// goes row panel (PANEL_ROWS) by panel, block by block within one, so a panel's activations stay in cache while
+// each block's weights are read once per panel; its tasks are split evenly over the threads, and a block's
+// weights come into L2 ahead of its tiles: small blocks are prefetched by the tasks of the block before (memory
+// streams while the tiles work), others by their first task, a chunk ahead. A call of at most 64 rows reads each
+// weight once, and each core streams memory at only about half the machine's bandwidth: the threads split the
+// weights evenly, by halves of a block's K where the blocks do not divide evenly, one thread going on from the
+// other's sums (the same bits as on one thread). The sums leave the tiles through a 64 x 64 fp32 buffer for the
+// epilogue (AVX-512; portable C when emulated).
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -110,7 +110,7 @@ static void write_rows(const float *sums, int rows, int ncols, int out, void *y,
 }
 
 // The 2 x 2 products' tiles: 0-3 the sums of two row tiles by columns 0-15 and 16-31 of a half block, 4 and 5
-// the two A tiles, 6 and 7 the B tiles; every tile 16 rows (a task's last rows come zero-padded).
+// the two A tiles, 6 and 7 the B tiles; every tile 16 rows (a call's last rows come padded).
 static void configure_2x2(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -225,18 +225,37 @@ static void x64_by_64(const bf16 *const a[4], const int64_t lda[4], int tiles, c
 int flock_amx_gemm_init(void) { return amx_request_tiles(); }
 
 typedef struct {
-    const bf16 *x, *pad;  // pad: the last rows, short of 16, zero-padded (NULL: none needed)
+    const bf16 *x;
     const int32_t *packed;
     void *y;
     int64_t ldx, ldy, m, n, k, cols, blocks;  // cols: outputs of a block
     int out;
 } Call;
 
-// Per thread: whether the tiles are set up for the 2 x 2 products, and the sums.
+// Per thread: whether the tiles are set up for the 2 x 2 products, the call's last rows' tile (NULL: not yet),
+// whether memory ran out for them, and the sums.
 typedef struct {
-    int configured;
+    int configured, out_of_memory;
+    const bf16 *pad;
     float sums[TASK_ROWS * NC] __attribute__((aligned(64)));
 } Worker;
+
+// The last `rows` (< 16) rows of x, K wide, copied into a row tile of 16 rows pad_stride apart (NULL when memory
+// ran out). Each thread copies them into its own tile, kept across calls: one copy for all the threads, or a
+// fresh one each call, would send its lines from one core's cache to the others' at every call. The rows past
+// `rows` hold what earlier calls left there (zeros at first): no output row reads their products.
+static __thread bf16 *pad_tile;
+static __thread int64_t pad_stride;
+
+static const bf16 *padded_rows(const bf16 *x, int64_t ldx, int rows, int64_t k) {
+    if (k > pad_stride) {
+        free(pad_tile);
+        if (!(pad_tile = calloc(16 * k, sizeof(bf16)))) return pad_stride = 0, NULL;
+        pad_stride = k;
+    }
+    for (int r = 0; r < rows; r++) memcpy(pad_tile + r * pad_stride, x + r * ldx, (size_t)k * sizeof(bf16));
+    return pad_tile;
+}
 
 // Rows r0 .. r0 + rows - 1 (at most TASK_ROWS) times block `block`, steps k0 to k1 of K, onto c (read when
 // k0 > 0).
@@ -248,7 +267,13 @@ static void multiply(const Call *g, Worker *w, int64_t r0, int rows, int64_t blo
     int64_t lda[4];
     const int tiles = (rows + 15) / 16;
     for (int r = 0; r < tiles; r++) a[r] = g->x + (r0 + 16 * r) * g->ldx, lda[r] = g->ldx;
-    if (r0 + 16 * tiles > g->m) a[tiles - 1] = g->pad, lda[tiles - 1] = g->k;
+    if (r0 + 16 * tiles > g->m) {
+        if (!w->pad && !(w->pad = padded_rows(g->x + (g->m - g->m % 16) * g->ldx, g->ldx, g->m % 16, g->k))) {
+            w->out_of_memory = 1;  // (the call fails; its threads go on, so none waits for a hand-off forever)
+            return;
+        }
+        a[tiles - 1] = w->pad, lda[tiles - 1] = pad_stride;
+    }
     x64_by_64(a, lda, tiles, b, k0, k1, c, fetch);
 }
 
@@ -354,33 +379,26 @@ int flock_gemm(const bf16 *x, int64_t ldx, const int32_t *packed, void *y, int64
     const int one = m <= TASK_ROWS && k >= 64;  // one_panel's calls (halves of K need two steps of 32)
     const int64_t units = one ? (blocks > 1 ? 2 * blocks : 1) : blocks * ((m + TASK_ROWS - 1) / TASK_ROWS);
     if (threads > units) threads = (int)units;
-    // the last task's last row tile, zero-padded to 16 rows
-    bf16 *pad = NULL;
-    if (m % 16) {
-        if (!(pad = calloc(16 * k, sizeof(bf16)))) return 3;
-        for (int64_t r = 0; r < m % 16; r++) memcpy(pad + r * k, x + (m - m % 16 + r) * ldx, (size_t)k * sizeof(bf16));
-    }
     HandOff *handoffs = NULL;
-    if (one && threads > 1 && !(handoffs = aligned_alloc(64, sizeof(HandOff) * threads))) return free(pad), 3;
+    if (one && threads > 1 && !(handoffs = aligned_alloc(64, sizeof(HandOff) * threads))) return 3;
     for (int t = 0; handoffs && t < threads; t++) handoffs[t].ready = 0;
-    const Call g = {x, pad, packed, y, ldx, ldy, m, n, k, cols, blocks, out};
-    int faulted = 0;
+    const Call g = {x, packed, y, ldx, ldy, m, n, k, cols, blocks, out};
+    int failed = 0;
 #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         Worker w;
-        w.configured = 0;
+        w.configured = w.out_of_memory = 0, w.pad = NULL;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (one && nt > 1) one_panel(&g, &w, t, nt, handoffs);
         else panels(&g, &w, t, nt);
         if (w.configured) TILE_RELEASE();
-        if (TILE_FAULTED()) {
+        if (TILE_FAULTED() || w.out_of_memory) {
 #pragma omp atomic write
-            faulted = 1;
+            failed = w.out_of_memory ? 3 : 2;
         }
     }
     free(handoffs);
-    free(pad);
-    return faulted ? 2 : 0;
+    return failed;
 }
 
 // flock_gemm as a step-program op (flock/model/program.py): its arguments as int64 words.
