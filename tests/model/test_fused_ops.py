@@ -162,6 +162,33 @@ def test_scale_and_gated_add_in_place(dtype, n):
         fused_ops.add_gated_(x, shared, gate.expand(n, 2).contiguous())
 
 
+def assert_same_values(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal bits where the reference is a number (zeros' signs included), NaN where it is NaN."""
+    assert torch.equal(got.isnan(), ref.isnan())
+    number = ~ref.isnan()
+    assert torch.equal(got[number].view(torch.int16), ref[number].view(torch.int16))
+
+
+def test_bf16_rounding_special_values():
+    """The residual add and RoPE round as PyTorch rounds every kind of value a vector lane can meet: denormals,
+    ties to even, overflow to inf, NaN, signed zeros."""
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([tiny / 3, -tiny / 5, tiny * 0.999, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38,
+                            -3e38, float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.0, -2.5, 7e-39])
+    x = special.repeat(40).to(torch.bfloat16).reshape(10, 64)  # rows of 4 vectors of every value
+    residual = torch.roll(x, 3, dims=1).clone()
+    expected = x + residual
+    fused_ops.add_rms_norm_(x.clone(), residual, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    assert_same_values(residual, expected)
+    config = ModelConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, rope_theta=1e4)
+    rope = RotaryEmbedding(config, 64, torch.bfloat16)
+    positions = torch.arange(10) * 5
+    q_ref, _ = rope(positions, x.reshape(10, 1, 64), x[:, :0].reshape(10, 0, 64))
+    fused_ops.rope_(x, positions, rope.cos, rope.sin, 1, 64)
+    assert_same_values(x, q_ref.reshape(10, 64))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_special_values(dtype):
     gate = torch.tensor([-1e4, -200.0, -100.0, -88.8, -87.5, -80.0, -1e-3, 0.0, -0.0, 1e-3, 5.0, 80.0, 88.5,
