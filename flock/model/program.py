@@ -87,10 +87,10 @@ class StepProgram:
         self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> (records, row words, names, kept)
         self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, set each run
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
+        self.windows = {layer.self_attn.window for layer in model.layers}  # the layers' sliding windows
 
     def takes(self, x: torch.Tensor, meta) -> bool:
-        windows = {layer.self_attn.window for layer in self.model.layers}
-        return (all(isinstance(meta.for_window(w), CpuMetadata) for w in windows) and 0 < len(x) <= MAX_ROWS
+        return (all(isinstance(meta.for_window(w), CpuMetadata) for w in self.windows) and 0 < len(x) <= MAX_ROWS
                 and (not self._lora_ids() or self._lora_in_c()))
 
     def _lora_ids(self) -> tuple[int, ...]:
