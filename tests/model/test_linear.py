@@ -153,6 +153,19 @@ def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_the_threads(path, n, 
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_calls_rows_do_not_see_the_rows_of_calls_before(path):
+    """A call's last rows, short of a tile, go through a tile each thread keeps across calls: rows an earlier
+    call left there (inf and NaN here) change nothing."""
+    torch.manual_seed(3)
+    weight = torch.randn(130, 96).to(torch.bfloat16)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    clean = packed_product(x, weight, path)
+    packed_product(torch.full((15, 96), float("nan")).to(torch.bfloat16), weight, path)
+    packed_product(torch.full((31, 96), float("inf")).to(torch.bfloat16), weight, path)
+    assert torch.equal(packed_product(x, weight, path), clean)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows, k, inter", [(1, 96, 160), (5, 64, 16), (7, 576, 1536), (13, 18, 33), (200, 96, 70),
                                             (19, 64, 40), (50, 160, 40)])
 def test_bf16_gemm_with_silu_and_mul_is_the_float_glu_rounded_once(path, rows, k, inter):
