@@ -105,6 +105,7 @@ KERNEL = native.Library(
                 "flock_cpu_write_kv_fp8": ([_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i32, _i32, _i32, _i32], None),
                 "flock_cpu_write_kv_fp8_op": ([_p], ctypes.c_int32),
                 "flock_cpu_unit_rows": ([], _int), "flock_cpu_chunk": ([], _int),
+                "flock_cpu_plan": ([_p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p], _int),
                 "flock_cpu_write_kv_op": ([_p], ctypes.c_int32), "flock_cpu_cascade_op": ([_p], ctypes.c_int32)})
 PATHS = KERNEL.paths
 EMULATED_AMX = "avx2-emulated-amx"
@@ -225,9 +226,12 @@ class CpuCascadeBackend(TorchCascadeBackend):
         return meta
 
     def _plan(self, layout: StepLayout, slot_mapping: torch.Tensor, tokens: np.ndarray | None = None) -> CpuMetadata:
-        """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves)."""
+        """The kernel's work for `layout`'s queries; `tokens`: their indices in the step (default: themselves).
+        Planned in C (flock_cpu_plan) unless a window, image spans or `tokens` need the numpy planner's."""
         lib = kernel_library(self.isa)
         g = self.num_heads // self.num_kv_heads
+        if tokens is None and self.sliding_window is None and layout.attend_ends is None and len(layout.seq_lens):
+            return self._plan_in_c(lib, layout, slot_mapping, g)
         s = build_segments(layout, g, self.min_prefix_blocks, MAX_GROUP_QUERY, self.sliding_window)
         if tokens is not None:
             s.tokens = tokens[s.tokens]
@@ -236,6 +240,31 @@ class CpuCascadeBackend(TorchCascadeBackend):
         return CpuMetadata(slot_mapping, int32(segs), int32(s.tokens), int32(s.positions), int32(s.tables),
                            int32(offsets), int32(slots), int32(merged), num_slots, layout.block_size,
                            None if s.attend_ends is None else int32(s.attend_ends))
+
+    def _plan_in_c(self, lib: ctypes.CDLL, layout: StepLayout, slot_mapping: torch.Tensor, g: int) -> CpuMetadata:
+        """_plan's arrays by flock_cpu_plan: build_segments' and plan_segments' (the same values), in one call."""
+        query_start = np.ascontiguousarray(layout.query_start, dtype=np.int64)
+        seq_lens = np.ascontiguousarray(layout.seq_lens, dtype=np.int64)
+        table_lens = np.fromiter(map(len, layout.block_tables), np.int64, len(layout.block_tables))
+        tables = np.ascontiguousarray(np.concatenate(layout.block_tables), dtype=np.int64)
+        config = np.array([layout.block_size, g, self.min_prefix_blocks, MAX_GROUP_QUERY, self.num_kv_heads,
+                           torch.get_num_threads(), lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk(), MAX_PARTS],
+                          dtype=np.int64)
+        # at most: a segment per request and per group of two; entries, the grouped ones twice; slots, those two
+        # copies and each piece's own
+        num_tokens = int(query_start[-1])
+        pieces, entries, slots = 2 * len(seq_lens) * MAX_PARTS, 2 * num_tokens, 2 * num_tokens * (1 + MAX_PARTS)
+        segs, tokens, positions = np.empty((pieces, 7), np.int32), np.empty(entries, np.int32), np.empty(entries, np.int32)
+        tables32, offsets = np.empty(len(tables), np.int32), np.empty(slots + 1, np.int32)
+        merge_slots, merged, sizes = np.empty(slots, np.int32), np.empty(slots, np.int32), np.zeros(4, np.int64)
+        if lib.flock_cpu_plan(*(a.ctypes.data for a in (query_start, seq_lens, table_lens, tables)), len(seq_lens),
+                              *(a.ctypes.data for a in (config, segs, tokens, positions, tables32, offsets, merge_slots,
+                                                        merged, sizes))):
+            raise MemoryError("the CPU attention plan ran out of memory")
+        pieces, entries, slots, num_merged = sizes.tolist()
+        return CpuMetadata(slot_mapping, *(torch.from_numpy(a) for a in (
+            segs[:pieces], tokens[:entries], positions[:entries], tables32, offsets[: num_merged + 1],
+            merge_slots[:slots], merged[:num_merged])), slots, layout.block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         if not isinstance(meta, CpuMetadata):

@@ -180,6 +180,58 @@ def test_plan_splits_a_segment_that_would_keep_one_thread_busy():
     assert len(single) == 2
 
 
+def nested_layout(rng: np.random.Generator, bs: int) -> StepLayout:
+    """Requests in families whose prefixes nest (all of a family share its first blocks, subsets more), some with
+    the same tables as another, queries of 1 token to chunks past MAX_GROUP_QUERY, physical blocks shuffled."""
+    free = list(rng.permutation(5000))
+    tables, starts, qlens = [], [], []
+    for _ in range(int(rng.integers(0, 4))):
+        root = [free.pop() for _ in range(int(rng.integers(1, 6)))]
+        for _ in range(int(rng.integers(1, 4))):
+            branch = root + [free.pop() for _ in range(int(rng.integers(0, 4)))]
+            for _ in range(int(rng.integers(1, 5))):
+                start = len(branch) * bs + int(rng.integers(-bs, 2 * bs))
+                qlen = int(rng.choice([1, 1, 2, 7, 16, 17, 40]))
+                own = max(0, -(-(start + qlen) // bs) - len(branch))
+                tables.append(np.array(branch[: -(-(start + qlen) // bs)] + [free.pop() for _ in range(own)]))
+                starts.append(max(start, 0)), qlens.append(qlen)
+    for _ in range(int(rng.integers(0 if tables else 1, 4))):  # requests that share nothing
+        start, qlen = int(rng.integers(0, 300)), int(rng.choice([1, 5, 64]))
+        tables.append(np.array([free.pop() for _ in range(-(-(start + qlen) // bs))]))
+        starts.append(start), qlens.append(qlen)
+    order = rng.permutation(len(tables))
+    starts, qlens = np.array(starts)[order], np.array(qlens)[order]
+    query_start = np.concatenate([[0], np.cumsum(qlens)])
+    return StepLayout(query_start, starts + qlens, [tables[i].astype(np.int64) for i in order], bs,
+                      torch.zeros(int(query_start[-1]), dtype=torch.int64))
+
+
+def test_the_plan_in_c_is_the_numpy_plan():
+    """flock_cpu_plan gives the arrays build_segments and plan_segments give, on nested groups, identical tables,
+    long queries and any thread count (which decides the pieces)."""
+    rng = np.random.default_rng(5)
+    backend = CpuCascadeBackend(8, 2, 64, None, torch.float32)
+    lib = cpu.kernel_library(backend.isa)
+    threads = torch.get_num_threads()
+    try:
+        for case in range(300):
+            bs = int(rng.choice([1, 4, 16]))
+            layout = nested_layout(rng, bs)
+            torch.set_num_threads(int(rng.choice([1, 2, 3, 8])))
+            got = backend._plan_in_c(lib, layout, layout.slot_mapping, 4)
+            s = build_segments(layout, 4, backend.min_prefix_blocks, cpu.MAX_GROUP_QUERY)
+            segs, slots, offsets, merged, num_slots = plan_segments(s, 4, 2, torch.get_num_threads(),
+                                                                    lib.flock_cpu_unit_rows(), lib.flock_cpu_chunk())
+            want = (segs, s.tokens, s.positions, s.tables, offsets, slots, merged)
+            have = (got.segs, got.tokens, got.positions, got.tables, got.merge_offsets, got.merge_slots,
+                    got.merge_tokens)
+            for name, a, b in zip(("segs", "tokens", "positions", "tables", "offsets", "slots", "merged"), have, want):
+                assert np.array_equal(a.numpy(), np.asarray(b, dtype=np.int32)), f"case {case}: {name}"
+            assert got.num_slots == num_slots, f"case {case}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_split_segments_merge_exactly(monkeypatch, dtype):
     """With 4 threads and one KV head, a group's long prefix and a long decode are split by KV range."""

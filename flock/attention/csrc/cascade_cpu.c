@@ -1567,3 +1567,5 @@ int32_t flock_cpu_cascade_op(const int64_t *a) {
     layer.v_cache = (const void *)(intptr_t)a[2];
     return flock_cpu_cascade(&layer);
 }
+
+#include "plan.h"
