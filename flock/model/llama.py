@@ -313,8 +313,7 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(positions.shape[1], device=positions.device)
         elif (out_rows is None and image_rows is None and self.step_program is not None  # images: see their spans
               and self.step_program.takes(x, meta)):
-            x, residual = self.step_program.run(x, positions, meta)
-            return self.norm(x, residual)[0].clone()  # the program's buffers serve the next step too
+            return self.step_program.run(x, positions, meta)  # (read before the next step overwrites it)
         for i, layer in enumerate(self.layers[:-1]):
             x, residual = layer(x, residual, rope_rows or self.rope_of(layer), positions, meta)
             if deepstack is not None and i < len(deepstack):  # added to the layer's output, on the MLP's share

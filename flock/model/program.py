@@ -54,6 +54,8 @@ def unavailable(model) -> str | None:
             return "an MLP has a bias"
         if not all(m.fused for m in layer.modules() if hasattr(m, "fused")):
             return "the fused ops are off"
+    if not model.norm.fused:
+        return "the fused ops are off"
     return None
 
 
@@ -88,6 +90,7 @@ class StepProgram:
         self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, set each run
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
         self.windows = {layer.self_attn.window for layer in model.layers}  # the layers' sliding windows
+        self.first_attention = model.layers[0].self_attn  # whose cache's address says the caches were kept
 
     def takes(self, x: torch.Tensor, meta) -> bool:
         return (all(isinstance(meta.for_window(w), CpuMetadata) for w in self.windows) and 0 < len(x) <= MAX_ROWS
@@ -101,9 +104,9 @@ class StepProgram:
     def _lora_in_c(self) -> bool:
         return all(p.lora is None or p.lora.packed for layer in self.model.layers for p in _projections(layer))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's (output, residual) for the embeddings x, as the layers' forward gives them: views of
-        buffers that the next step overwrites."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The final hidden states for the embeddings x (the last layer's output and residual added, and the
+        model's norm), as the model's forward gives them: a view of a buffer that the next step overwrites."""
         m = len(x)
         self._build(m, x.dtype)
         self.residual[:m].copy_(x)  # the first layer's norm reads the embeddings there
@@ -118,7 +121,7 @@ class StepProgram:
             else self._run_timed()
         if failed:
             raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
-        return self.x[:m], self.residual[:m]
+        return self.x[:m]
 
     def _run_timed(self) -> int:
         ns = np.zeros(len(self.records), dtype=np.int64)
@@ -140,8 +143,7 @@ class StepProgram:
     def _build(self, m: int, dtype: torch.dtype) -> None:
         """Buffers of at least m rows and the records over them for the step's LoRA adapters, unless those built
         before still serve."""
-        attn = self.model.layers[0].self_attn
-        key = (dtype, torch.get_num_threads(), attn.k_cache.data_ptr(), len(self.model.layers))
+        key = (dtype, torch.get_num_threads(), self.first_attention.k_cache.data_ptr(), len(self.model.layers))
         if key != self.key or m > self.rows:
             self._buffers(m, dtype)
             self.programs = {}
@@ -178,6 +180,7 @@ class StepProgram:
         recorder = _Recorder(self, fused_ops.KERNEL.load(fused_ops.isa()), dtype, threads)
         for i, layer in enumerate(self.model.layers):
             recorder.layer(i, layer)
+        recorder.norm(f"layer {len(self.model.layers) - 1} final norm", self.model.norm, first=False)
         records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=object)
         row_words = np.nonzero(records == ROWS)
         records[row_words] = 0

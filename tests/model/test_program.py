@@ -91,7 +91,7 @@ def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
     assert generate(llm, prompts) == generate(plain, prompts)
     times = llm.engine.runner.model.step_program.op_seconds
     assert set(times) == {"input norm", "qkv GEMM", "qkv bias", "rope", "KV write", "attention", "o GEMM",
-                          "post-attention norm", "gate_up GEMM", "down GEMM"}
+                          "post-attention norm", "gate_up GEMM", "down GEMM", "final norm"}
     assert all(t > 0 for t in times.values())
 
 
