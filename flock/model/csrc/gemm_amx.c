@@ -247,7 +247,7 @@ typedef struct {
 static __thread bf16 *pad_tile;
 static __thread int64_t pad_stride;
 
-static const bf16 *padded_rows(const bf16 *x, int64_t ldx, int rows, int64_t k) {
+static __attribute__((noinline, cold)) const bf16 *padded_rows(const bf16 *x, int64_t ldx, int rows, int64_t k) {
     if (k > pad_stride) {
         free(pad_tile);
         if (!(pad_tile = calloc(16 * k, sizeof(bf16)))) return pad_stride = 0, NULL;
