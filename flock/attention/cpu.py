@@ -254,9 +254,10 @@ class CpuCascadeBackend(TorchCascadeBackend):
         # copies and each piece's own
         num_tokens = int(query_start[-1])
         pieces, entries, slots = 2 * len(seq_lens) * MAX_PARTS, 2 * num_tokens, 2 * num_tokens * (1 + MAX_PARTS)
-        segs, tokens, positions = np.empty((pieces, 7), np.int32), np.empty(entries, np.int32), np.empty(entries, np.int32)
-        tables32, offsets = np.empty(len(tables), np.int32), np.empty(slots + 1, np.int32)
-        merge_slots, merged, sizes = np.empty(slots, np.int32), np.empty(slots, np.int32), np.zeros(4, np.int64)
+        segs, tables32, sizes = np.empty((pieces, 7), np.int32), np.empty(len(tables), np.int32), np.zeros(4, np.int64)
+        tokens, positions = np.empty(entries, np.int32), np.empty(entries, np.int32)
+        offsets = np.empty(slots + 1, np.int32)
+        merge_slots, merged = np.empty(slots, np.int32), np.empty(slots, np.int32)
         if lib.flock_cpu_plan(*(a.ctypes.data for a in (query_start, seq_lens, table_lens, tables)), len(seq_lens),
                               *(a.ctypes.data for a in (config, segs, tokens, positions, tables32, offsets, merge_slots,
                                                         merged, sizes))):

@@ -1,8 +1,8 @@
 // The step's segment table and merges in one call (flock_cpu_plan): the same arrays as segments.py's
 // build_segments (its prefix groups by sharing.py's find_prefix_groups) and cpu.py's plan_segments make with numpy
-// (no sliding window, no image spans), which stay the reference. Every array a step's decode plan needs came from
-// some hundred numpy calls; after a step's weights have streamed through the caches, each ran several times slower
-// than its arithmetic.
+// (no sliding window, no image spans), which stay the reference. One C call where numpy takes some hundred: after
+// a decode step's weights have streamed through the caches, each of those calls runs several times slower than its
+// arithmetic.
 #include <stdlib.h>
 
 enum { PLAN_BLOCK, PLAN_GROUP_HEADS, PLAN_MIN_BLOCKS, PLAN_MAX_QUERY, PLAN_KV_HEADS, PLAN_THREADS, PLAN_UNIT_ROWS,
@@ -69,10 +69,10 @@ static inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : 
 // the entries' tokens and positions, the tables as int32, and the merges (offsets, slots, tokens); sizes[] =
 // {pieces, entries, slots, merged tokens}. The caller sizes the outputs by plan_bounds in cpu.py. Returns 0, or 1
 // when memory ran out.
-int flock_cpu_plan(const int64_t *query_start, const int64_t *seq_lens, const int64_t *table_lens, const int64_t *tables,
-                   int64_t num_req, const int64_t *config, int32_t *segs, int32_t *tokens, int32_t *positions,
-                   int32_t *tables32, int32_t *merge_offsets, int32_t *merge_slots, int32_t *merge_tokens,
-                   int64_t *sizes) {
+int flock_cpu_plan(const int64_t *query_start, const int64_t *seq_lens, const int64_t *table_lens,
+                   const int64_t *tables, int64_t num_req, const int64_t *config, int32_t *segs, int32_t *tokens,
+                   int32_t *positions, int32_t *tables32, int32_t *merge_offsets, int32_t *merge_slots,
+                   int32_t *merge_tokens, int64_t *sizes) {
     const int64_t R = num_req, bs = config[PLAN_BLOCK], g = config[PLAN_GROUP_HEADS], T = query_start[R];
     const int64_t max_parts = config[PLAN_MAX_PARTS], chunk = config[PLAN_CHUNK];
     // per request: 0 qlen, 1 computed, 2 shareable, 3 table begin, 4 order, 5 sort scratch, 6 lcp, 7 in group,
