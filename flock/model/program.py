@@ -173,7 +173,7 @@ class StepProgram:
         self.row_ids = torch.zeros(self.rows, dtype=torch.int64)  # each row's LoRA adapter
         ops = fused_ops.KERNEL.load(fused_ops.isa())
         self.run_program, self.run_timed = ops.flock_run_program, ops.flock_run_program_timed
-        self.steps = {layer.self_attn.window: _Args() for layer in self.model.layers}
+        self.steps = {window: _Args() for window in self.windows}
 
     def _records(self, dtype: torch.dtype, threads: int) -> tuple:
         """(records, their row words, op names, what they point to beyond the buffers: LoRA stacks, scratch)."""

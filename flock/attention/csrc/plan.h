@@ -3,7 +3,10 @@
 // (no sliding window, no image spans), which stay the reference. One C call where numpy takes some hundred: after
 // a decode step's weights have streamed through the caches, each of those calls runs several times slower than its
 // arithmetic.
+#include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { PLAN_BLOCK, PLAN_GROUP_HEADS, PLAN_MIN_BLOCKS, PLAN_MAX_QUERY, PLAN_KV_HEADS, PLAN_THREADS, PLAN_UNIT_ROWS,
        PLAN_CHUNK, PLAN_MAX_PARTS, PLAN_CONFIG };
