@@ -62,7 +62,7 @@ def c_entry(path: str | None, n: int, weights: list, x: torch.Tensor) -> float |
     run = fused_ops.KERNEL.load(fused_ops.isa()).flock_run_program
 
     def one_pass():
-        if failed := run(records.ctypes.data, len(records), program.WIDTH):
+        if failed := run(records.ctypes.data, len(records), x.shape[0]):
             raise RuntimeError(f"the bf16 GEMM failed (record {failed - 1})")
 
     return best_time(one_pass, 5) / len(weights)

@@ -282,19 +282,30 @@ class CpuCascadeBackend(TorchCascadeBackend):
             raise RuntimeError(f"CPU cascade kernel ({self.isa}) failed ({code})")
         return out
 
-    def kernel_args(self, q, k_cache, v_cache, out, meta: CpuMetadata) -> _Args:
+    def kernel_args(self, q, k_cache, v_cache, out, meta: CpuMetadata | None = None) -> _Args:
         """The kernel's arguments: attention of q [T, heads, head_dim] (heads contiguous) into out, as `meta`
-        plans it."""
+        plans it (None: plan_args sets the plan's later)."""
+        args = _Args(
+            q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), q_stride_t=q.stride(0),
+            q_stride_h=q.stride(1), kv_stride_b=k_cache.stride(0), kv_stride_s=k_cache.stride(1),
+            kv_stride_h=k_cache.stride(2), out=out.data_ptr(), out_stride_t=out.stride(0), out_stride_h=out.stride(1),
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, scale=self.scale,
+            bf16=int(q.dtype == torch.bfloat16), window=self.sliding_window or 0, softcap=self.softcap or 0.0,
+            kv_format=KV_FORMATS.get(k_cache.dtype, 0), direct_rows=direct_rows())
+        if meta is not None:
+            self.plan_args(args, meta)
+        return args
+
+    def plan_args(self, args: _Args, meta: CpuMetadata) -> None:
+        """The fields of the kernel's arguments that a step's plan gives."""
         o_part, lse_part = self.partials.get(meta.num_slots)
-        return _Args(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.stride(0), q.stride(1), *k_cache.stride()[:3],
-            meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
-            len(meta.segs), out.data_ptr(), out.stride(0), out.stride(1), o_part.data_ptr(), lse_part.data_ptr(),
-            meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr(),
-            len(meta.merge_tokens), self.num_heads, self.num_kv_heads, self.head_dim, meta.block_size, self.scale,
-            int(q.dtype == torch.bfloat16), self.sliding_window or 0, self.softcap or 0.0, KV_FORMATS.get(k_cache.dtype, 0),
-            None if meta.attend_ends is None else meta.attend_ends.data_ptr(), direct_rows(),
-        )
+        args.segs, args.tokens, args.positions, args.tables = (
+            meta.segs.data_ptr(), meta.tokens.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr())
+        args.merge_offsets, args.merge_slots, args.merge_tokens = (
+            meta.merge_offsets.data_ptr(), meta.merge_slots.data_ptr(), meta.merge_tokens.data_ptr())
+        args.num_segs, args.num_merges, args.block_size = len(meta.segs), len(meta.merge_tokens), meta.block_size
+        args.o_part, args.lse_part = o_part.data_ptr(), lse_part.data_ptr()
+        args.attend_ends = None if meta.attend_ends is None else meta.attend_ends.data_ptr()
 
     def _write_kv(self, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
         """write_kv by one memcpy per token and cache where each token's heads are contiguous rows (quantized

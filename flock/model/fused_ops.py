@@ -41,6 +41,7 @@ KERNEL = native.Library(
     signatures={**{f"flock_{op}_{suffix}": (argtypes, None) for op, argtypes in ARGTYPES.items()
                    for suffix in SUFFIX.values()},
                 **{f"flock_{op}_op_{suffix}": ([_ptr], _i32) for op in PROGRAM_OPS for suffix in SUFFIX.values()},
+                "flock_embed_op": ([_ptr], _i32),
                 "flock_run_program": ([_ptr, _i64, _i64], _i64),
                 "flock_run_program_timed": ([_ptr, _i64, _i64, _ptr], _i64)})
 

@@ -300,9 +300,10 @@ class LlamaForCausalLM(nn.Module):
         the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: a vision-language model's
         image features, which take the place of their rows' token embeddings. `positions`: each token's, or
         M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
-        x, residual = self.embed_tokens(input_ids), None
-        if self.embedding_scale != 1.0:  # Granite's, Gemma's
-            x = x * self.embedding_scale
+        if (out_rows is None and image_rows is None and positions.dim() == 1 and self.step_program is not None
+                and self.step_program.takes(input_ids, meta)):  # images: see their spans
+            return self.step_program.run(input_ids, positions, meta)  # (read before the next step overwrites it)
+        x, residual = self.embed(input_ids), None
         deepstack = None
         if image_rows is not None:
             x[image_rows.rows] = image_rows.features.to(x.dtype)
@@ -311,9 +312,6 @@ class LlamaForCausalLM(nn.Module):
         if positions.dim() == 2:
             rope_rows = self.rope.rows(positions)
             positions = torch.arange(positions.shape[1], device=positions.device)
-        elif (out_rows is None and image_rows is None and self.step_program is not None  # images: see their spans
-              and self.step_program.takes(x, meta)):
-            return self.step_program.run(x, positions, meta)  # (read before the next step overwrites it)
         for i, layer in enumerate(self.layers[:-1]):
             x, residual = layer(x, residual, rope_rows or self.rope_of(layer), positions, meta)
             if deepstack is not None and i < len(deepstack):  # added to the layer's output, on the MLP's share
@@ -323,6 +321,10 @@ class LlamaForCausalLM(nn.Module):
         last = self.layers[-1]
         x, residual = last(x, residual, rope_rows or self.rope_of(last), positions, meta, out_rows)
         return self.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.embedding_scale if self.embedding_scale != 1.0 else x  # Granite's, Gemma's
 
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope if layer.self_attn.window is None else self.local_rope

@@ -1,11 +1,12 @@
 """A step's decoder layers as one C call: the step program.
 
 Between its kernels a decode step runs Python for every layer, and slowly: the weights the step streams
-through the caches evict the interpreter's code and data. `StepProgram` records the kernel calls of every
-layer's forward once (the quantized or bf16 GEMMs, the fused norms (of q and k too; Gemma's four a layer), rope
-(each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's window, a
-mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over buffers
-that stay put, and a step runs them all in one call of `flock_run_program` (csrc/fused_ops.c). The kernels,
+through the caches evict the interpreter's code and data. `StepProgram` records the embedding lookup and the kernel
+calls of every layer's forward once (the quantized or bf16 GEMMs, the fused norms (of q and k too; Gemma's four a
+layer), rope (each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's
+window, a mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over
+buffers that stay put, and a step runs them all in one call of `flock_run_program` (csrc/fused_ops.c), the step's
+row count filled into the words that take it. The kernels,
 their order and their inputs are those of the modules' forward, so the results are the same bits.
 
 `unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
@@ -25,7 +26,7 @@ from flock.model import fused_ops, gemm, quant
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
 MAX_ROWS = 256  # above this many rows the Python between the kernels is a small share of a step
 MAX_PROGRAMS = 8  # records kept for this many sets of LoRA adapters
-ROWS = object()  # an argument filled with the step's rows at each run
+ROWS = -(2**63)  # an argument word that flock_run_program replaces with the step's rows
 
 
 def _address(fn) -> int:
@@ -86,14 +87,19 @@ class StepProgram:
         self.model = weakref.proxy(model)  # the model holds the program: no cycle keeps its caches alive
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the buffers were made for
-        self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> (records, row words, names, kept)
-        self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, set each run
+        self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> (records, names, kept)
+        self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, its plan's each run
+        self.outputs: dict[int, torch.Tensor] = {}  # the final hidden states' view of each row count
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
-        self.windows = {layer.self_attn.window for layer in model.layers}  # the layers' sliding windows
+        self.windows: dict[int | None, object] = {}  # the layers' sliding windows -> the first such attention module
+        for layer in model.layers:
+            self.windows.setdefault(layer.self_attn.window, layer.self_attn)
         self.first_attention = model.layers[0].self_attn  # whose cache's address says the caches were kept
+        self.embeds = False  # whether an op of the program looks the embeddings up (see _buffers)
 
-    def takes(self, x: torch.Tensor, meta) -> bool:
-        return (all(isinstance(meta.for_window(w), CpuMetadata) for w in self.windows) and 0 < len(x) <= MAX_ROWS
+    def takes(self, input_ids: torch.Tensor, meta) -> bool:
+        return (all(isinstance(meta.for_window(w), CpuMetadata) for w in self.windows)
+                and 0 < len(input_ids) <= MAX_ROWS
                 and (not self._lora_ids() or self._lora_in_c()))
 
     def _lora_ids(self) -> tuple[int, ...]:
@@ -104,41 +110,48 @@ class StepProgram:
     def _lora_in_c(self) -> bool:
         return all(p.lora is None or p.lora.packed for layer in self.model.layers for p in _projections(layer))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The final hidden states for the embeddings x (the last layer's output and residual added, and the
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The final hidden states of the tokens input_ids (the last layer's output and residual added, and the
         model's norm), as the model's forward gives them: a view of a buffer that the next step overwrites."""
-        m = len(x)
-        self._build(m, x.dtype)
-        self.residual[:m].copy_(x)  # the first layer's norm reads the embeddings there
-        self.positions[:m].copy_(positions)
-        self.slots[:m].copy_(meta.slot_mapping)
+        m = len(input_ids)
+        self._build(m, self.model.embed_tokens.weight.dtype)
+        # the step's int64 inputs copied by numpy: PyTorch's first call after the weights' stream costs ~60 us
+        self.inputs[0, :m], self.inputs[1, :m], self.inputs[2, :m] = (
+            input_ids.numpy(), positions.numpy(), meta.slot_mapping.numpy())
+        if not self.embeds:  # the first layer's norm reads the embeddings in residual
+            self.residual[:m].copy_(self.model.embed(input_ids))
         if self._lora_ids():
             rows = self.model.lora_step.all_rows
             self.row_ids[:m].fill_(rows) if isinstance(rows, int) else self.row_ids[:m].copy_(rows)
-        self._set_step(m, meta)
-        self.records[self.row_words] = m
-        failed = self.run_program(self.records.ctypes.data, len(self.records), WIDTH) if self.op_seconds is None \
-            else self._run_timed()
+        self._set_step(meta)
+        failed = self.run_program(self.records.ctypes.data, len(self.records), m) if self.op_seconds is None \
+            else self._run_timed(m)
         if failed:
             raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
-        return self.x[:m]
+        out = self.outputs.get(m)
+        if out is None:
+            out = self.outputs[m] = self.x[:m]
+        return out
 
-    def _run_timed(self) -> int:
+    def _run_timed(self, m: int) -> int:
         ns = np.zeros(len(self.records), dtype=np.int64)
-        failed = self.run_timed(self.records.ctypes.data, len(self.records), WIDTH, ns.ctypes.data)
+        failed = self.run_timed(self.records.ctypes.data, len(self.records), m, ns.ctypes.data)
         for name, t in zip(self.names, ns.tolist()):
-            kind = name.split(" ", 2)[2]  # "layer 3 qkv GEMM" -> "qkv GEMM"
+            kind = name.split(" ", 2)[2] if name.startswith("layer ") else name  # "layer 3 qkv GEMM" -> "qkv GEMM"
             self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + t / 1e9
         return failed
 
-    def _set_step(self, m: int, meta) -> None:
-        """The attention kernel's arguments of each window for this step (each layer's op takes its own caches)."""
+    def _set_step(self, meta) -> None:
+        """The attention kernel's arguments of each window that the step's plan gives."""
         for window, step in self.steps.items():
-            attn = next(layer.self_attn for layer in self.model.layers if layer.self_attn.window == window)
-            q = self.qkv[:m, : attn.q_size].view(m, attn.num_heads, attn.head_dim)
-            out = self.attention[:m].view(m, attn.num_heads, attn.head_dim)
-            args = attn.backend.kernel_args(q, attn.k_cache, attn.v_cache, out, meta.for_window(window))
-            ctypes.memmove(ctypes.addressof(step), ctypes.addressof(args), ctypes.sizeof(_Args))
+            self.windows[window].backend.plan_args(step, meta.for_window(window))
+
+    def _attention_args(self, attn) -> _Args:
+        """The attention kernel's arguments of attn's window but for the plan's: q in the qkv rows, out the
+        attention rows (each layer's op then takes its own caches)."""
+        q = self.qkv[:, : attn.q_size].view(self.rows, attn.num_heads, attn.head_dim)
+        out = self.attention.view(self.rows, attn.num_heads, attn.head_dim)
+        return attn.backend.kernel_args(q, attn.k_cache, attn.v_cache, out)
 
     def _build(self, m: int, dtype: torch.dtype) -> None:
         """Buffers of at least m rows and the records over them for the step's LoRA adapters, unless those built
@@ -153,7 +166,7 @@ class StepProgram:
             if len(self.programs) >= MAX_PROGRAMS:
                 self.programs.pop(next(iter(self.programs)))
             self.programs[lora] = self._records(dtype, key[1])
-        self.records, self.row_words, self.names, _ = self.programs[lora]
+        self.records, self.names, _ = self.programs[lora]
 
     def _buffers(self, m: int, dtype: torch.dtype) -> None:
         attn = self.model.layers[0].self_attn
@@ -168,23 +181,28 @@ class StepProgram:
                       gate_up=2 * mid * any(not m.gate_up_proj.silu_and_mul for m in mlps))  # GeGLU an op of its own
         for name, width in widths.items():
             setattr(self, name, torch.empty((self.rows, width), dtype=dtype))
-        self.positions = torch.zeros(self.rows, dtype=torch.int64)
-        self.slots = torch.zeros(self.rows, dtype=torch.int64)
+        inputs = torch.zeros((3, self.rows), dtype=torch.int64)
+        self.ids, self.positions, self.slots = inputs  # views
+        self.inputs = inputs.numpy()
         self.row_ids = torch.zeros(self.rows, dtype=torch.int64)  # each row's LoRA adapter
         ops = fused_ops.KERNEL.load(fused_ops.isa())
         self.run_program, self.run_timed = ops.flock_run_program, ops.flock_run_program_timed
-        self.steps = {window: _Args() for window in self.windows}
+        self.steps = {window: self._attention_args(attn) for window, attn in self.windows.items()}
+        # the embeddings looked up by the program's first op where the table is plain rows (else in PyTorch, copied)
+        table = self.model.embed_tokens
+        self.embeds = table.qweight is None and self.model.embedding_scale == 1.0 and table.weight.stride(1) == 1
+        self.outputs = {}
 
     def _records(self, dtype: torch.dtype, threads: int) -> tuple:
-        """(records, their row words, op names, what they point to beyond the buffers: LoRA stacks, scratch)."""
+        """(records, op names, what they point to beyond the buffers: LoRA stacks, scratch)."""
         recorder = _Recorder(self, fused_ops.KERNEL.load(fused_ops.isa()), dtype, threads)
+        if self.embeds:
+            recorder.embedding(self.model.embed_tokens.weight)
         for i, layer in enumerate(self.model.layers):
             recorder.layer(i, layer)
         recorder.norm(f"layer {len(self.model.layers) - 1} final norm", self.model.norm, first=False)
-        records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=object)
-        row_words = np.nonzero(records == ROWS)
-        records[row_words] = 0
-        return records.astype(np.int64), row_words, recorder.names, recorder.kept
+        records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=np.int64)
+        return records, recorder.names, recorder.kept
 
 
 class _Recorder:
@@ -200,12 +218,18 @@ class _Recorder:
         self.kept: list[torch.Tensor] = []  # LoRA stacks and scratch the records point to
 
     def op(self, name: str, fn, *args) -> None:
-        self.records.append([_address(fn), *(a if isinstance(a, int) or a is ROWS else a.data_ptr() for a in args)])
+        self.records.append([_address(fn), *(a if isinstance(a, int) else a.data_ptr() for a in args)])
         self.names.append(name)
 
     def fused(self, name: str, kind: str, *args) -> None:
         """An op of csrc/fused_ops.c for the model's dtype; its last argument the thread count."""
         self.op(name, getattr(self.ops, f"flock_{kind}_op_{self.suffix}"), *args, self.threads)
+
+    def embedding(self, table: torch.Tensor) -> None:
+        """The step's token ids' rows of the table into the residual rows, which the first layer's norm reads."""
+        r = self.p.residual
+        self.op("embedding", self.ops.flock_embed_op, table, table.stride(0) * self.size, table.shape[0], self.p.ids,
+                ROWS, r, r.stride(0) * self.size, table.shape[1] * self.size)
 
     def layer(self, i: int, layer) -> None:
         p, attn, name = self.p, layer.self_attn, f"layer {i}"

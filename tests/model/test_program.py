@@ -89,9 +89,10 @@ def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
     llm.engine.runner.model.step_program.op_seconds = {}
     prompts = shared_prefix_prompts(seed=14)
     assert generate(llm, prompts) == generate(plain, prompts)
-    times = llm.engine.runner.model.step_program.op_seconds
+    steps = llm.engine.runner.model.step_program
+    times = steps.op_seconds
     assert set(times) == {"input norm", "qkv GEMM", "qkv bias", "rope", "KV write", "attention", "o GEMM",
-                          "post-attention norm", "gate_up GEMM", "down GEMM", "final norm"}
+                          "post-attention norm", "gate_up GEMM", "down GEMM", "final norm"} | ({"embedding"} if steps.embeds else set())
     assert all(t > 0 for t in times.values())
 
 
@@ -150,5 +151,27 @@ def test_a_failing_op_stops_the_program_and_says_which():
             torch.ones(8).data_ptr(), 2, 8, program._f32_word(1e-6), 1]
     cascade = [program._address(attention.flock_cpu_cascade_op), ctypes.addressof(bad), 0, 0]
     records = torch.tensor([r + [0] * (program.WIDTH - len(r)) for r in (norm, cascade, norm)], dtype=torch.int64)
-    assert ops.flock_run_program(records.data_ptr(), 3, program.WIDTH) == 2
+    assert ops.flock_run_program(records.data_ptr(), 3, 2) == 2
     assert torch.equal(residual, torch.ones(2, 8))  # the first norm ran, the third did not
+
+
+def test_the_step_rows_fill_the_rows_words():
+    ops = fused_ops.KERNEL.load(fused_ops.isa())
+    x, residual = torch.ones(3, 8), torch.zeros(3, 8)
+    norm = [program._address(ops.flock_add_rms_norm_op_f32), x.data_ptr(), 8, residual.data_ptr(), 8,
+            torch.ones(8).data_ptr(), program.ROWS, 8, program._f32_word(1e-6), 1]
+    records = torch.tensor([norm + [0] * (program.WIDTH - len(norm))], dtype=torch.int64)
+    assert ops.flock_run_program(records.data_ptr(), 1, 2) == 0
+    assert torch.equal(residual, torch.tensor([[1.0] * 8] * 2 + [[0.0] * 8]))  # two rows added, not the third
+    assert records[0, 6] == program.ROWS  # the records stay as they were
+
+
+def test_the_embedding_op_refuses_ids_outside_its_table():
+    ops = fused_ops.KERNEL.load(fused_ops.isa())
+    table, out = torch.arange(12.0).view(4, 3), torch.zeros(2, 3)
+    for ids, code in (([3, 1], 0), ([1, 4], 1), ([-1, 0], 1)):
+        out.zero_()
+        ids = torch.tensor(ids)
+        args = torch.tensor([table.data_ptr(), 12, 4, ids.data_ptr(), 2, out.data_ptr(), 12, 12], dtype=torch.int64)
+        assert ops.flock_embed_op(args.data_ptr()) == code
+        assert torch.equal(out, table[ids] if code == 0 else torch.zeros(2, 3))  # all rows or none

@@ -389,25 +389,47 @@ static inline float word_f32(int64_t word) {  // a float passed as its bits in a
 DEFINE_PROGRAM_OPS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_PROGRAM_OPS(f32, float, f32_load, f32_store)
 
+// The rows of the step's token ids (int64, a[3] of them) looked up in an embedding table of a[2] rows (a[1]
+// bytes apart), a[7] bytes of each copied to dst (a[5], rows a[6] bytes apart). Fails (1) on an id outside
+// the table, before anything is written.
+int32_t flock_embed_op(const int64_t *a) {
+    const char *table = (const char *)(intptr_t)a[0];
+    const int64_t *ids = (const int64_t *)(intptr_t)a[3];
+    char *dst = (char *)(intptr_t)a[5];
+    for (int64_t i = 0; i < a[4]; i++)
+        if (ids[i] < 0 || ids[i] >= a[2]) return 1;
+    for (int64_t i = 0; i < a[4]; i++) memcpy(dst + i * a[6], table + ids[i] * a[1], (size_t)a[7]);
+    return 0;
+}
+
 typedef int32_t (*program_op)(const int64_t *args);
 
-// Run a step program: n records of `width` int64 words, each an op's address and then its arguments (ops of
-// any of Flock's kernel libraries). Returns 0, or i + 1 where record i's op failed (the rest do not run).
-int64_t flock_run_program(const int64_t *records, int64_t n, int64_t width) {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t *r = records + i * width;
-        if (((program_op)(intptr_t)r[0])(r + 1)) return i + 1;
-    }
+#define PROGRAM_WIDTH 16       // int64 words of a record: the op's address and up to 15 arguments
+#define PROGRAM_ROWS INT64_MIN  // an argument word that the step's row count replaces
+
+// Record i's op on its arguments, PROGRAM_ROWS words replaced by `rows`.
+static int32_t run_record(const int64_t *records, int64_t i, int64_t rows) {
+    const int64_t *r = records + i * PROGRAM_WIDTH;
+    int64_t args[PROGRAM_WIDTH - 1];
+    for (int j = 0; j < PROGRAM_WIDTH - 1; j++) args[j] = r[j + 1] == PROGRAM_ROWS ? rows : r[j + 1];
+    return ((program_op)(intptr_t)r[0])(args);
+}
+
+// Run a step program of `rows` rows: n records of PROGRAM_WIDTH int64 words, each an op's address and then its
+// arguments (ops of any of Flock's kernel libraries). Returns 0, or i + 1 where record i's op failed (the rest
+// do not run).
+int64_t flock_run_program(const int64_t *records, int64_t n, int64_t rows) {
+    for (int64_t i = 0; i < n; i++)
+        if (run_record(records, i, rows)) return i + 1;
     return 0;
 }
 
 // flock_run_program, adding each record's wall nanoseconds to ns[i] (bench/step_profile.py's split of a step).
-int64_t flock_run_program_timed(const int64_t *records, int64_t n, int64_t width, int64_t *ns) {
+int64_t flock_run_program_timed(const int64_t *records, int64_t n, int64_t rows, int64_t *ns) {
     struct timespec start, end;
     clock_gettime(CLOCK_MONOTONIC, &start);
     for (int64_t i = 0; i < n; i++) {
-        const int64_t *r = records + i * width;
-        int32_t failed = ((program_op)(intptr_t)r[0])(r + 1);
+        int32_t failed = run_record(records, i, rows);
         clock_gettime(CLOCK_MONOTONIC, &end);
         ns[i] += (end.tv_sec - start.tv_sec) * 1000000000LL + (end.tv_nsec - start.tv_nsec);
         start = end;
