@@ -33,6 +33,10 @@ class StepLayout:
         return slots[:n]
 
     @property
+    def num_sample_rows(self) -> int:
+        return len(self.sampled) if self.sample_counts is None else int(np.sum(self.sample_counts))
+
+    @property
     def sample_rows(self) -> np.ndarray:
         """Indices in the step of the tokens it samples: each sampled request's last new token (its last
         `sample_counts` ones: a row after each speculative draft too)."""

@@ -19,6 +19,7 @@ that is not a multiple of 16 (or above 256), or no usable ISA path or gcc (`kern
 """
 
 import ctypes
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -213,14 +214,19 @@ class CpuCascadeBackend(TorchCascadeBackend):
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
     def uses_kernel(self, device: torch.device) -> bool:
-        return (device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 16 == 0
-                and self.head_dim <= 256 and self.isa is not None and kernel_unavailable(self.isa) is None)
+        return device.type == "cpu" and self._kernel_runs
+
+    @functools.cached_property
+    def _kernel_runs(self) -> bool:
+        """Whether the kernel takes this backend's shapes and its ISA path runs here (asked once: each step asks)."""
+        return (self.dtype in (torch.bfloat16, torch.float32) and self.head_dim % 16 == 0 and self.head_dim <= 256
+                and self.isa is not None and kernel_unavailable(self.isa) is None)
 
     def build_metadata(self, layout: StepLayout):
         if not self.uses_kernel(layout.slot_mapping.device):
             return super().build_metadata(layout)
         meta = self._plan(layout, layout.slot_mapping)
-        if layout.sampled is not None and len(layout.sample_rows) < len(layout.slot_mapping):
+        if layout.sampled is not None and layout.num_sample_rows < len(layout.slot_mapping):
             sampled, rows = layout.sampled_only()
             meta.rows_only = self._plan(sampled, layout.slot_mapping, rows)
         return meta

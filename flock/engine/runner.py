@@ -18,7 +18,7 @@ from flock.multimodal.processor import image_prompts
 from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
-from flock.sample.sampler import Sampler, SamplingRow
+from flock.sample.sampler import Sampled, Sampler, SamplingRow
 from flock.sched.base import StepPlan
 from flock.spec import DraftRow, accepted, proposals
 
@@ -87,6 +87,8 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        # one guard for every step (not reentrant): the decorator's new one a step costs a decode step ~100 us
+        self.inference = torch.inference_mode()
         self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size)  # min_tokens holds the EOS ids back
         if self.device.type == "cpu":
             release_freed_memory()
@@ -113,9 +115,12 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {self.kv_bytes_per_block} bytes")
         return blocks
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """Run one forward pass; sample every request whose context is now complete (see `StepPlan.sampling`)."""
+        with self.inference:
+            return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
         input_ids, positions, layout, last_rows = self._prepare(plan)
         image_rows = self._image_rows(plan, layout.query_start)
         prompt_rows = self._prompt_rows(plan, layout.query_start)
@@ -147,15 +152,25 @@ class ModelRunner:
             gather = prompt_rows or pooled
             logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if gather else hidden)
             sampled = self.sampler.sample(logits, sampling, masks)
-            tokens, first = sampled.tokens.tolist(), 0
-            for _, _, d in kept:  # each request's rows: its last token's, then one after each draft
-                n = accepted(tokens[first : first + len(d)], d) + 1
-                out.tokens.append(tokens[first : first + n])
-                out.logprobs.append(sampled.logprobs[first : first + n])
-                out.mirostat_mu.append(sampled.mirostat_mu[first])
-                first += len(d) + 1
+            tokens = sampled.tokens.tolist()
+            if len(tokens) == len(kept):  # no drafts: a row each
+                out.tokens, out.mirostat_mu = [[t] for t in tokens], sampled.mirostat_mu
+                out.logprobs = [[entry] for entry in sampled.logprobs]
+            else:
+                self._draft_outputs(out, kept, tokens, sampled)
         out.kv_saved = self._saved_kv(plan)
         return out
+
+    @staticmethod
+    def _draft_outputs(out: StepOutput, kept: list, tokens: list[int], sampled: Sampled) -> None:
+        """Each request's tokens of a step with drafts: its last token's row, then one after each draft it keeps."""
+        first = 0
+        for _, _, d in kept:
+            n = accepted(tokens[first : first + len(d)], d) + 1
+            out.tokens.append(tokens[first : first + n])
+            out.logprobs.append(sampled.logprobs[first : first + n])
+            out.mirostat_mu.append(sampled.mirostat_mu[first])
+            first += len(d) + 1
 
     def _image_rows(self, plan: StepPlan, query_start: np.ndarray) -> ImageRows | None:
         """The step rows of image placeholder tokens, the image features that replace their embeddings and their
@@ -272,30 +287,36 @@ class ModelRunner:
         return pooling.pool(hidden)
 
     def _prepare(self, plan: StepPlan):
-        """Token ids, positions, the attention layout and the rows to sample, with numpy over the whole step
-        (per request only its token ids and block table are read)."""
-        bs, reqs = self.block_size, [req for req, _ in plan.scheduled]
-        counts = np.fromiter((n for _, n in plan.scheduled), np.int64, len(reqs))
-        starts = np.array(plan.starts, dtype=np.int64)
-        query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start[1:])
-        seq_lens = starts + counts
-        positions = np.arange(query_start[-1]) - np.repeat(query_start[:-1] - starts, counts)
-        tables = [np.asarray(t, dtype=np.int64) for t in plan.block_tables]
-        table_lens = np.fromiter((len(t) for t in tables), np.int64, len(tables))
-        token_table = np.repeat(np.cumsum(table_lens) - table_lens, counts) + positions // bs
-        slots = np.concatenate(tables)[token_table] * bs + positions % bs
-        ids = []
-        for req, start, n, drafts in zip(reqs, starts.tolist(), counts.tolist(), plan.drafts):
-            ids += req.token_ids[start : start + n - len(drafts)]
+        """Token ids, positions, the attention layout and the rows to sample. Lists built in Python, then one
+        array each: a decode step's few rows take longer in numpy's many calls, whose code the weights' stream
+        has evicted."""
+        bs, query_start, seq_lens, positions, slots, ids = self.block_size, [0], [], [], [], []
+        sampled, last_rows = [], []
+        for i, ((req, n), start, table, drafts, samples) in enumerate(
+                zip(plan.scheduled, plan.starts, plan.block_tables, plan.drafts, plan.samples)):
+            end = start + n
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            ids += req.token_ids[start : end - len(drafts)]
             ids += drafts
-        to = dict(device=self.device)
-        layout = StepLayout(query_start=query_start, seq_lens=seq_lens, block_tables=tables, block_size=bs,
-                            slot_mapping=torch.from_numpy(slots).to(**to), sampled=np.flatnonzero(plan.samples),
+            if samples:
+                sampled.append(i)
+                last_rows.append(query_start[-1] - 1)
+        query_start, positions = np.array(query_start, dtype=np.int64), np.array(positions, dtype=np.int64)
+        layout = StepLayout(query_start=query_start, seq_lens=np.array(seq_lens, dtype=np.int64),
+                            block_tables=[np.array(t, dtype=np.int64) for t in plan.block_tables], block_size=bs,
+                            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                            sampled=np.array(sampled, dtype=np.int64),
                             attend_ends=self._attend_ends(plan, positions, query_start))
-        input_ids = torch.tensor(ids, dtype=torch.long, **to)
-        rope_positions = torch.from_numpy(self._rope_positions(plan, positions, query_start)).to(**to)
-        return input_ids, rope_positions, layout, layout.sample_rows.tolist()
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rope_positions = torch.from_numpy(self._rope_positions(plan, positions, query_start))
+        return input_ids, rope_positions.to(self.device), layout, last_rows
 
     def _attend_ends(self, plan: StepPlan, positions: np.ndarray, query_start: np.ndarray) -> np.ndarray | None:
         """StepLayout.attend_ends: where the step's image tokens attend to their whole image (Gemma 3's), else

@@ -89,7 +89,8 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot hold them.
         """
-        cached = CachedPrefix() if cached is None else cached
+        if cached is None:  # a running request's next tokens (each decode step's): its table grows
+            return self._extend(req, num_new_tokens)
         computed = req.num_computed_tokens + self.prefix_tokens(cached)
         table = self.tables.get(req, [])
         new_blocks = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
@@ -114,6 +115,18 @@ class KVCacheManager:
         if cached.tail_tokens:  # the source may be taken by a later allocation: the copy runs first
             self.copies[req] = (cached.tail_block, table[(computed - 1) // self.block_size], cached.tail_tokens)
         # a draft's KV is the request's only once verified: blocks are listed up to its tokens
+        self._register_blocks(req, computed, min(computed + num_new_tokens, req.num_tokens))
+        return True
+
+    def _extend(self, req: Request, num_new_tokens: int) -> bool:
+        table = self.tables.get(req, [])
+        computed = req.num_computed_tokens
+        new_blocks = self.blocks_needed(computed + num_new_tokens) - len(table)
+        if new_blocks > self.pool.num_free:
+            return False
+        if new_blocks > 0:
+            table.extend(self.pool.allocate(new_blocks))
+        self.tables[req] = table
         self._register_blocks(req, computed, min(computed + num_new_tokens, req.num_tokens))
         return True
 
