@@ -127,7 +127,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     not rounded to bf16. `glu` (a weight packed so, no bias): silu(gate) * up, n = I of its 2I outputs. `path`:
     the GEMM (default `isa()`; EMULATED_AMX)."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # (each PyTorch call costs a decode step 10-40 us)
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=dtype)
@@ -138,4 +138,4 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         raise RuntimeError(f"the bf16 GEMM ({path or isa()}) failed ({code}) on K = {k}")
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], n)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
