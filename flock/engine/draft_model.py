@@ -9,13 +9,13 @@ from flock.config import EngineConfig
 from flock.engine.runner import ModelRunner
 from flock.kv.manager import CachedPrefix, KVCacheManager
 from flock.model import resolve_model
-from flock.model.program import MAX_ROWS
 from flock.request import Request
 from flock.sample.sampler import distribution, draw
 from flock.spec import SpeculativeConfig
 
 log = logging.getLogger("flock")
 DRAFT_SEED = 0x9E3779B97F4A7C15  # a request's seed, scrambled: its drafts' own random stream
+SHORT_PASS = 256  # rows of a pass that run every row through the last layer (not just each sequence's last)
 
 
 class DraftSequence:
@@ -172,8 +172,8 @@ class DraftModelProposer:
                             block_size=bs, slot_mapping=torch.from_numpy(slots).to(device),
                             sampled=np.arange(len(seqs)))
         last = torch.from_numpy(query_start[1:] - 1).to(device)
-        # a short pass runs every row through the last layer: the step program then takes it (one C call)
-        out_rows = None if len(positions) <= MAX_ROWS else last
+        # a short pass runs every row through the last layer: the step program then runs all of it (one C call)
+        out_rows = None if len(positions) <= SHORT_PASS else last
         model = self.runner.model
         hidden = model(torch.tensor(sum(ids, []), dtype=torch.long, device=device),
                        torch.from_numpy(positions).to(device), self.runner.backend.build_metadata(layout), out_rows)

@@ -249,7 +249,8 @@ def apply_ops(model: LlamaForCausalLM, ops: str, dtype: torch.dtype, device: tor
             paths["gemm"] += f" ({why})"
     if ops in ("auto", "fused") and (types or pairs):
         why = model.use_step_program()
-        paths["step"] = "decode steps' layers in one C call" if why is None else f"Python between the kernels ({why})"
+        paths["step"] = ("a step's layers in one C call (a prefill's last in Python)" if why is None
+                         else f"Python between the kernels ({why})")
     return paths
 
 

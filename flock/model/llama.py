@@ -300,9 +300,12 @@ class LlamaForCausalLM(nn.Module):
         the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: a vision-language model's
         image features, which take the place of their rows' token embeddings. `positions`: each token's, or
         M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
-        if (out_rows is None and image_rows is None and positions.dim() == 1 and self.step_program is not None
-                and self.step_program.takes(input_ids, meta)):  # images: see their spans
-            return self.step_program.run(input_ids, positions, meta)  # (read before the next step overwrites it)
+        program = self.step_program
+        if image_rows is None and positions.dim() == 1 and program is not None and program.takes(input_ids, meta):
+            if out_rows is None:  # (images: see their spans)
+                return program.run(input_ids, positions, meta)  # (read before the next step overwrites it)
+            x, residual = program.run_but_last(input_ids, positions, meta)
+            return self._last_layer(x, residual, None, positions, meta, out_rows)
         x, residual = self.embed(input_ids), None
         deepstack = None
         if image_rows is not None:
@@ -316,6 +319,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope_rows or self.rope_of(layer), positions, meta)
             if deepstack is not None and i < len(deepstack):  # added to the layer's output, on the MLP's share
                 x = x.index_add(0, image_rows.rows, deepstack[i].to(x.dtype))
+        return self._last_layer(x, residual, rope_rows, positions, meta, out_rows)
+
+    def _last_layer(self, x, residual, rope_rows, positions, meta, out_rows):
+        """The last layer and the model's norm, of the tokens out_rows only where given."""
         if out_rows is not None and meta.rows_only is not None:  # the backend planned the sampled rows' queries
             meta = meta.rows_only
         last = self.layers[-1]

@@ -10,7 +10,8 @@ row count filled into the words that take it. The kernels,
 their order and their inputs are those of the modules' forward, so the results are the same bits.
 
 `unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
-kernel and every row of it goes on to the last layer (decode steps), up to MAX_ROWS rows.
+kernel, up to MAX_ROWS rows. A step that finishes only some of its rows (a prefill's, whose last layer runs on
+the rows it samples) runs every layer but the last so (`run_but_last`), the model the last.
 """
 
 import ctypes
@@ -24,7 +25,7 @@ from flock.kv import fp8
 from flock.model import fused_ops, gemm, quant
 
 WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
-MAX_ROWS = 256  # above this many rows the Python between the kernels is a small share of a step
+MAX_ROWS = 4096  # steps of more rows run the layers' Python (the buffers grow to the largest step's rows)
 MAX_PROGRAMS = 8  # records kept for this many sets of LoRA adapters
 ROWS = -(2**63)  # an argument word that flock_run_program replaces with the step's rows
 
@@ -87,7 +88,7 @@ class StepProgram:
         self.model = weakref.proxy(model)  # the model holds the program: no cycle keeps its caches alive
         self.rows = 0  # rows the buffers hold
         self.key = None  # what the buffers were made for
-        self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> (records, names, kept)
+        self.programs: dict[tuple[int, ...], tuple] = {}  # the step's LoRA adapters -> _records()
         self.steps: dict[int | None, _Args] = {}  # the attention kernel's arguments of each window, its plan's each run
         self.outputs: dict[int, torch.Tensor] = {}  # the final hidden states' view of each row count
         self.op_seconds: dict[str, float] | None = None  # set to {} to sum each kind of op's time over runs
@@ -113,6 +114,20 @@ class StepProgram:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The final hidden states of the tokens input_ids (the last layer's output and residual added, and the
         model's norm), as the model's forward gives them: a view of a buffer that the next step overwrites."""
+        m = self._run(input_ids, positions, meta, whole=True)
+        out = self.outputs.get(m)
+        if out is None:
+            out = self.outputs[m] = self.x[:m]
+        return out
+
+    def run_but_last(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer but the last on the tokens input_ids: (its MLP output, the residual stream before it), as
+        the layers give them, views of buffers that the next step overwrites."""
+        m = self._run(input_ids, positions, meta, whole=False)
+        return self.x[:m], self.residual[:m]
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, whole: bool) -> int:
+        """The program, or its records before the last layer's; the step's row count."""
         m = len(input_ids)
         self._build(m, self.model.embed_tokens.weight.dtype)
         # the step's int64 inputs copied by numpy: PyTorch's first call after the weights' stream costs ~60 us
@@ -124,18 +139,16 @@ class StepProgram:
             rows = self.model.lora_step.all_rows
             self.row_ids[:m].fill_(rows) if isinstance(rows, int) else self.row_ids[:m].copy_(rows)
         self._set_step(meta)
-        failed = self.run_program(self.records.ctypes.data, len(self.records), m) if self.op_seconds is None \
-            else self._run_timed(m)
+        n = len(self.records) if whole else self.last_layer
+        failed = self.run_program(self.records.ctypes.data, n, m) if self.op_seconds is None \
+            else self._run_timed(n, m)
         if failed:
             raise RuntimeError(f"step program: the {self.names[failed - 1]} of {m} rows failed")
-        out = self.outputs.get(m)
-        if out is None:
-            out = self.outputs[m] = self.x[:m]
-        return out
+        return m
 
-    def _run_timed(self, m: int) -> int:
-        ns = np.zeros(len(self.records), dtype=np.int64)
-        failed = self.run_timed(self.records.ctypes.data, len(self.records), m, ns.ctypes.data)
+    def _run_timed(self, n: int, m: int) -> int:
+        ns = np.zeros(n, dtype=np.int64)
+        failed = self.run_timed(self.records.ctypes.data, n, m, ns.ctypes.data)
         for name, t in zip(self.names, ns.tolist()):
             kind = name.split(" ", 2)[2] if name.startswith("layer ") else name  # "layer 3 qkv GEMM" -> "qkv GEMM"
             self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + t / 1e9
@@ -166,7 +179,7 @@ class StepProgram:
             if len(self.programs) >= MAX_PROGRAMS:
                 self.programs.pop(next(iter(self.programs)))
             self.programs[lora] = self._records(dtype, key[1])
-        self.records, self.names, _ = self.programs[lora]
+        self.records, self.names, _, self.last_layer = self.programs[lora]
 
     def _buffers(self, m: int, dtype: torch.dtype) -> None:
         attn = self.model.layers[0].self_attn
@@ -194,15 +207,17 @@ class StepProgram:
         self.outputs = {}
 
     def _records(self, dtype: torch.dtype, threads: int) -> tuple:
-        """(records, op names, what they point to beyond the buffers: LoRA stacks, scratch)."""
+        """(records, op names, what they point to beyond the buffers (LoRA stacks, scratch), the last layer's first
+        record)."""
         recorder = _Recorder(self, fused_ops.KERNEL.load(fused_ops.isa()), dtype, threads)
         if self.embeds:
             recorder.embedding(self.model.embed_tokens.weight)
         for i, layer in enumerate(self.model.layers):
+            last_layer = len(recorder.records)
             recorder.layer(i, layer)
         recorder.norm(f"layer {len(self.model.layers) - 1} final norm", self.model.norm, first=False)
         records = np.array([r + [0] * (WIDTH - len(r)) for r in recorder.records], dtype=np.int64)
-        return records, recorder.names, recorder.kept
+        return records, recorder.names, recorder.kept, last_layer
 
 
 class _Recorder:

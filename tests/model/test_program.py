@@ -1,6 +1,6 @@
-"""The step program (flock.model.program): decode steps' layers in one C call give the bits the modules'
-forward gives, for every quant mix, bias and dtype, and for bf16 weights on Flock's bf16 GEMM; where it cannot
-run, the layers run as before."""
+"""The step program (flock.model.program): a step's layers in one C call (a prefill's but for its last layer)
+give the bits the modules' forward gives, for every quant mix, bias and dtype, and for bf16 weights on Flock's
+bf16 GEMM; where it cannot run, the layers run as before."""
 
 import ctypes
 
@@ -38,27 +38,28 @@ def generate(llm: LLM, prompts, max_tokens: int = 6):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def counting(monkeypatch) -> list[int]:
-    """Rows of each step the program runs, from now on."""
-    runs, run = [], program.StepProgram.run
+def counting(monkeypatch) -> tuple[list[int], list[int]]:
+    """Rows of each step the program runs whole, and of each it runs but for the last layer, from now on."""
+    runs, partial = [], []
+    for name, rows in (("run", runs), ("run_but_last", partial)):
+        def counted(self, x, positions, meta, run=getattr(program.StepProgram, name), rows=rows):
+            rows.append(len(x))
+            return run(self, x, positions, meta)
 
-    def counted(self, x, positions, meta):
-        runs.append(len(x))
-        return run(self, x, positions, meta)
-
-    monkeypatch.setattr(program.StepProgram, "run", counted)
-    return runs
+        monkeypatch.setattr(program.StepProgram, name, counted)
+    return runs, partial
 
 
 def assert_the_layers_bits(monkeypatch, model, seed: int, **engine) -> LLM:
     """Two engines of `model`: the one with the step program (returned) gives the tokens and logprobs of the one
-    without, exactly, on a shared-prefix batch whose decode steps the program runs with a growing row count."""
+    without, exactly, on a shared-prefix batch whose decode steps the program runs with a growing row count, and
+    its prefill steps but for their last layer."""
     llm, plain = (LLM(str(model), kv_cache_memory_bytes=1 << 22, **engine) for _ in range(2))
     plain.engine.runner.model.step_program = None  # (a second run of one engine would hit its prefix cache)
     prompts = shared_prefix_prompts(seed=seed)
-    runs = counting(monkeypatch)
+    runs, partial = counting(monkeypatch)
     with_program = generate(llm, prompts)
-    assert runs and max(runs) > 1
+    assert runs and max(runs) > 1 and partial
     assert generate(plain, prompts) == with_program
     return llm
 
@@ -71,7 +72,7 @@ def test_the_program_gives_the_layers_bits(gguf_models, case, dtype, monkeypatch
     steps have cascade segments, merges and a growing row count."""
     llm = assert_the_layers_bits(monkeypatch, gguf_models[case], 11, dtype=dtype, quantization="gguf")
     assert "quantized" in llm.engine.runner.paths
-    assert llm.engine.runner.paths["step"] == "decode steps' layers in one C call"
+    assert llm.engine.runner.paths["step"] == "a step's layers in one C call (a prefill's last in Python)"
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
@@ -91,8 +92,9 @@ def test_timing_the_ops_keeps_the_bits_and_times_every_kind(gguf_models):
     assert generate(llm, prompts) == generate(plain, prompts)
     steps = llm.engine.runner.model.step_program
     times = steps.op_seconds
-    assert set(times) == {"input norm", "qkv GEMM", "qkv bias", "rope", "KV write", "attention", "o GEMM",
-                          "post-attention norm", "gate_up GEMM", "down GEMM", "final norm"} | ({"embedding"} if steps.embeds else set())
+    kinds = {"input norm", "qkv GEMM", "qkv bias", "rope", "KV write", "attention", "o GEMM", "post-attention norm",
+             "gate_up GEMM", "down GEMM", "final norm"}
+    assert set(times) == kinds | ({"embedding"} if steps.embeds else set())
     assert all(t > 0 for t in times.values())
 
 
@@ -121,9 +123,9 @@ def test_steps_above_max_rows_run_the_layers(gguf_models, monkeypatch):
     plain.engine.runner.model.step_program = None
     expected = generate(plain, prompts, max_tokens=12)
     monkeypatch.setattr(program, "MAX_ROWS", 3)
-    runs = counting(monkeypatch)
+    runs, partial = counting(monkeypatch)
     assert generate(llm, prompts, max_tokens=12) == expected
-    assert runs and max(runs) <= 3  # the steps of 4 and 5 rows ran the layers
+    assert runs and max(runs + partial) <= 3  # the steps of 4 and 5 rows (and the prefills) ran the layers
 
 
 def test_where_the_program_cannot_run(gguf_models, hf_folders):
