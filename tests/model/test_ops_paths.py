@@ -96,7 +96,7 @@ def test_last_layer_for_the_sampled_rows_only_equals_every_row(dtype, ops):
     close = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else {}
     with torch.inference_mode():
         for (full, ids, positions), (planned, _, _) in zip(two_steps(runner, False), two_steps(runner, True)):
-            every = model(ids, positions, backend.build_metadata(full))
+            every = model(ids, positions, backend.build_metadata(full)).clone()  # (the step program's buffer)
             written = cache[full.slot_mapping].clone()
             rows = full.query_start[planned.sampled + 1] - 1
             for layout, out_rows in ((planned, rows), (full, rows), (full, [len(ids) - 1]), (full, [])):
