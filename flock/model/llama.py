@@ -300,9 +300,9 @@ class LlamaForCausalLM(nn.Module):
         the rest only leave K and V in the cache), as llama.cpp does. `image_rows`: a vision-language model's
         image features, which take the place of their rows' token embeddings. `positions`: each token's, or
         M-RoPE's [3, tokens] time, height and width positions of a step with image tokens."""
-        program = self.step_program
+        program = self.step_program  # (not for images: see their spans)
         if image_rows is None and positions.dim() == 1 and program is not None and program.takes(input_ids, meta):
-            if out_rows is None:  # (images: see their spans)
+            if out_rows is None:
                 return program.run(input_ids, positions, meta)  # (read before the next step overwrites it)
             x, residual = program.run_but_last(input_ids, positions, meta)
             return self._last_layer(x, residual, None, positions, meta, out_rows)

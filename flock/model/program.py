@@ -6,8 +6,8 @@ calls of every layer's forward once (the quantized or bf16 GEMMs, the fused norm
 layer), rope (each layer's own), the bias adds, GeGLU, the KV write, the CPU attention kernel with each layer's
 window, a mixture's router, one-call experts and shared expert, Granite's scales), as records of int64 words over
 buffers that stay put, and a step runs them all in one call of `flock_run_program` (csrc/fused_ops.c), the step's
-row count filled into the words that take it. The kernels,
-their order and their inputs are those of the modules' forward, so the results are the same bits.
+row count filled into the words that take it. The kernels, their order and their inputs are those of the modules'
+forward, so the results are the same bits.
 
 `unavailable(model)` says why a model cannot run so; a step runs so when the backend planned it for the CPU
 kernel, up to MAX_ROWS rows. A step that finishes only some of its rows (a prefill's, whose last layer runs on
@@ -24,7 +24,7 @@ from flock.attention.cpu import KV_FORMATS, CpuCascadeBackend, CpuMetadata, _Arg
 from flock.kv import fp8
 from flock.model import fused_ops, gemm, quant
 
-WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments
+WIDTH = 16  # int64 words of a record: the op's address and up to 15 arguments (fused_ops.c's PROGRAM_WIDTH)
 MAX_ROWS = 4096  # steps of more rows run the layers' Python (the buffers grow to the largest step's rows)
 MAX_PROGRAMS = 8  # records kept for this many sets of LoRA adapters
 ROWS = -(2**63)  # an argument word that flock_run_program replaces with the step's rows
@@ -120,7 +120,8 @@ class StepProgram:
             out = self.outputs[m] = self.x[:m]
         return out
 
-    def run_but_last(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_but_last(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer but the last on the tokens input_ids: (its MLP output, the residual stream before it), as
         the layers give them, views of buffers that the next step overwrites."""
         m = self._run(input_ids, positions, meta, whole=False)
