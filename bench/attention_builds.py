@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench.attention_decode import make_layout
+from bench.attention_decode import make_layout, pool_blocks
 from bench.harness import machine
 from bench.harness.layer import make, model_config
 from flock.attention import cpu
@@ -73,9 +73,7 @@ def main():
         kv_tokens = args.requests * (args.prefix + args.new)
     else:
         shape = SimpleNamespace(block_size=BLOCK, requests=args.requests, tail=args.tail)
-        own = -(-(args.tail + 1) // BLOCK)
-        layout = make_layout(rng, shape, args.degree, args.prefix,
-                             args.requests // args.degree * (args.prefix // BLOCK) + args.requests * own + 8)
+        layout = make_layout(rng, shape, args.degree, args.prefix, pool_blocks(shape, [args.degree], args.prefix) + 8)
         kv_tokens = args.requests // args.degree * args.prefix + args.requests * (args.tail + 1)
     blocks = 1 + max(int(t.max()) for t in layout.block_tables)
     kv_dtype = fp8.cache_dtype(args.kv, dtype)

@@ -111,8 +111,6 @@ def parse_args():
     a.dtypes = a.dtypes.split(",")
     for d in a.degrees:
         assert a.requests % d == 0, f"sharing degree {d} does not divide {a.requests} requests"
-    for n in a.prefixes:
-        assert n % a.block_size == 0, f"prefix {n} is not a multiple of the block size {a.block_size}"
     return a
 
 
@@ -142,8 +140,7 @@ def make_layout(rng, args, degree: int, prefix: int, num_blocks: int) -> StepLay
     """REQUESTS decode requests in groups of `degree` sharing `prefix` tokens; own tail + 1 new token each.
     Physical blocks are drawn at random from the whole pool; request order is shuffled."""
     bs, r = args.block_size, args.requests
-    prefix_blocks = prefix // bs
-    own_blocks = -(-(args.tail + 1) // bs)
+    prefix_blocks, own_blocks = prefix // bs, own_block_count(args, prefix)
     need = (r // degree) * prefix_blocks + r * own_blocks
     assert need <= num_blocks, (need, num_blocks)
     free = iter(rng.permutation(num_blocks)[:need].tolist())
@@ -159,8 +156,14 @@ def make_layout(rng, args, degree: int, prefix: int, num_blocks: int) -> StepLay
     return StepLayout(np.arange(r + 1), np.full(r, seq_len), tables, bs, torch.from_numpy(slots))
 
 
+def own_block_count(args, prefix: int) -> int:
+    """Blocks of a request's own: a prefix's partial last block (each request writes its own copy), its tail and
+    its new token."""
+    return -(-(prefix % args.block_size + args.tail + 1) // args.block_size)
+
+
 def pool_blocks(args, degrees, prefix: int) -> int:
-    own_blocks = -(-(args.tail + 1) // args.block_size)
+    own_blocks = own_block_count(args, prefix)
     return max((args.requests // d) * (prefix // args.block_size) + args.requests * own_blocks for d in degrees)
 
 
