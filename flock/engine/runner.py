@@ -89,6 +89,7 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # one guard for every step (not reentrant): the decorator's new one a step costs a decode step ~100 us
         self.inference = torch.inference_mode()
+        self.logits: torch.Tensor | None = None  # float32 rows the lm_head writes, kept across steps (_logits_out)
         self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size)  # min_tokens holds the EOS ids back
         if self.device.type == "cpu":
             release_freed_memory()
@@ -149,8 +150,8 @@ class ModelRunner:
         out = StepOutput([], [], self._prompt_logprobs(hidden, at, prompt_rows))
         out.embeddings = [self._pool(pooling, hidden[at[row]]) for pooling, row in pooled]
         if sample_rows:
-            gather = prompt_rows or pooled
-            logits = self.model.compute_logits(hidden[[at[r] for r in sample_rows]] if gather else hidden)
+            finished = hidden[[at[r] for r in sample_rows]] if prompt_rows or pooled else hidden
+            logits = self.model.compute_logits(finished, self._logits_out(len(finished)))
             sampled = self.sampler.sample(logits, sampling, masks)
             tokens = sampled.tokens.tolist()
             if len(tokens) == len(kept):  # no drafts: a row each
@@ -160,6 +161,17 @@ class ModelRunner:
                 self._draft_outputs(out, kept, tokens, sampled)
         out.kv_saved = self._saved_kv(plan)
         return out
+
+    def _logits_out(self, rows: int) -> torch.Tensor | None:
+        """Float32 [rows, vocab] for a step's logits on the CPU, a view of a buffer the next step overwrites: a
+        fresh tensor of over 32 MiB (a few hundred rows) would be a fresh mapping whose pages fault in at every
+        step (keep_freed_memory cannot keep it)."""
+        if self.device.type != "cpu":
+            return None
+        if self.logits is None or len(self.logits) < rows:
+            kept = 0 if self.logits is None else len(self.logits)
+            self.logits = torch.empty((max(rows, 2 * kept), self.model.lm_head.out_features), dtype=torch.float32)
+        return self.logits[:rows]
 
     @staticmethod
     def _draft_outputs(out: StepOutput, kept: list, tokens: list[int], sampled: Sampled) -> None:

@@ -88,6 +88,16 @@ def _lib(path: str | None) -> ctypes.CDLL:
     return (AMX if path == "amx" else KERNEL).load(path)
 
 
+def output(out: torch.Tensor | None, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A GEMM's output: `out` checked, or a fresh one."""
+    if out is None:
+        return torch.empty((rows, n), dtype=dtype)
+    if out.shape != (rows, n) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"a GEMM output must be contiguous {dtype} of shape {(rows, n)}, not {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out
+
+
 def pack(weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """An [N, K] bf16 weight (K even) as the GEMMs read it, zero past N; `glu`: its outputs are [gate | up]
     (N even), for `linear(..., glu=True)`: block b then holds gate outputs 32b .. 32b + 31, then the same up
@@ -122,15 +132,16 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, shrink: torch.Tensor, ranks: int,
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           dtype: torch.dtype = torch.bfloat16, glu: bool = False, path: str | None = None) -> torch.Tensor:
+           dtype: torch.dtype = torch.bfloat16, glu: bool = False, path: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) for the weight `packed` of n outputs; x: bf16 [..., K]. `dtype` float32: the fp32 sums,
     not rounded to bf16. `glu` (a weight packed so, no bias): silu(gate) * up, n = I of its 2I outputs. `path`:
-    the GEMM (default `isa()`; EMULATED_AMX)."""
+    the GEMM (default `isa()`; EMULATED_AMX). `out`: where to write x's rows (contiguous [rows, n] of `dtype`)."""
     k = x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, k)  # (each PyTorch call costs a decode step 10-40 us)
     if rows.stride(-1) != 1 or rows.stride(0) % 2:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=dtype)
+    out = output(out, rows.shape[0], n, dtype)
     mode = OUT_GLU if glu else OUT_F32 if dtype == torch.float32 else OUT_BF16
     code = _lib(path).flock_gemm(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), n,
                                  rows.shape[0], n, k, mode, torch.get_num_threads())

@@ -71,19 +71,22 @@ class Linear(nn.Linear):
         if not keep_weight:
             self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float32: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T + b (+ the step's LoRA updates); `float32`: Flock's GEMM returns its fp32 sums unrounded (other
-        paths: the model's dtype)."""
-        y = self._product(x, float32)
+        paths: the model's dtype). `out`: float32 rows that Flock's GEMMs write (other paths return their own)."""
+        y = self._product(x, float32, out)
         return y if self.lora is None or not self.lora.step.active else self.lora.add_to(y, x)
 
-    def _product(self, x: torch.Tensor, float32: bool) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, float32: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = out if float32 and x.dim() == 2 else None
         if self.qweight is not None:
-            return quant.linear(x, self.qweight, self.bias, torch.float32 if float32 else x.dtype, self.silu_and_mul)
+            return quant.linear(x, self.qweight, self.bias, torch.float32 if float32 else x.dtype, self.silu_and_mul,
+                                out=out)
         if self.silu_and_mul:
             return gemm.linear(x, self.pairs, self.out_features // 2, glu=True)
         if self.pairs is not None:
-            return gemm.linear(x, self.pairs, self.out_features, self.bias, torch.float32 if float32 else x.dtype)
+            return gemm.linear(x, self.pairs, self.out_features, self.bias, torch.float32 if float32 else x.dtype,
+                               out=out)
         if self.prepacked is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")

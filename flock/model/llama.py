@@ -336,10 +336,10 @@ class LlamaForCausalLM(nn.Module):
     def rope_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope if layer.self_attn.window is None else self.local_rope
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; float32 from Flock's bf16 GEMM: rounded to bf16, logits of ~25 are multiples of 1/8, and a
-        near tie of a greedy pick becomes a tie."""
-        logits = self.lm_head.forward(hidden, float32=True)  # (no hooks: the module call's Python costs ~50 us)
+        near tie of a greedy pick becomes a tie. `out`: float32 [rows, vocab] those GEMMs write into."""
+        logits = self.lm_head.forward(hidden, float32=True, out=out)  # (no hooks: the module call costs ~50 us)
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = logits / self.config.logits_scaling
         if cap := self.config.final_logit_softcapping:  # Gemma 2's

@@ -238,9 +238,9 @@ def fuses_glu(weight: QuantWeight) -> bool:
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-           glu: bool = False, path: str | None = None) -> torch.Tensor:
+           glu: bool = False, path: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias), x: float32 or bf16 [..., k]; out in `dtype` (default x's). `glu` (one part of 2I rows
-    [gate | up]): silu(gate) * up, I outputs."""
+    [gate | up]): silu(gate) * up, I outputs. `out`: where to write x's rows (contiguous [rows, outputs])."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the quantized GEMM takes float32 or bfloat16 activations, not {x.dtype}")
     if glu and not fuses_glu(weight):
@@ -257,7 +257,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         rows = rows.contiguous()
     n = weight.n // 2 if glu else weight.n
     m = rows.shape[0]
-    out = torch.empty((m, n), dtype=dtype)
+    out = gemm.output(out, m, n, dtype)
     if m:
         lib, threads, out_at, x_at = _lib(path), torch.get_num_threads(), out.data_ptr(), rows.data_ptr()
         ldx, x_bf16, out_bf16 = rows.stride(0), rows.dtype == torch.bfloat16, dtype == torch.bfloat16

@@ -133,6 +133,21 @@ def test_bf16_gemm_gives_its_float32_sums_unrounded_when_asked(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_bf16_gemm_writes_into_a_given_output(path):
+    torch.manual_seed(4)
+    weight, x, bias = torch.randn(130, 64).to(torch.bfloat16), torch.randn(9, 64).to(torch.bfloat16), torch.randn(130)
+    packed = gemm.pack(weight)
+    with torch.inference_mode():
+        fresh = gemm.linear(x, packed, 130, bias, torch.float32, path=path)
+        buffer = torch.full((12, 130), float("nan"))
+        got = gemm.linear(x, packed, 130, bias, torch.float32, path=path, out=buffer[:9])
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, fresh) and buffer[9:].isnan().all()
+        for wrong in (torch.empty(9, 131), torch.empty(9, 130, dtype=torch.bfloat16), torch.empty(130, 9).T):
+            with pytest.raises(ValueError, match="GEMM output"):
+                gemm.linear(x, packed, 130, dtype=torch.float32, path=path, out=wrong)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n, k, glu", [(320, 128, False), (130, 64, False), (200, 96, True)])
 def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_the_threads(path, n, k, glu):
     """The same fp32 sums for a row alone, among 7, 40 or 100 rows, on 1, 2 or 3 threads: the threads may split a

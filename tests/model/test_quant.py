@@ -165,6 +165,15 @@ def test_a_nan_in_a_row_comes_out_nan_in_that_row_only(name, interleaved, path):
         assert got[0].isnan().all() and torch.equal(got[1:], clean[1:])
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_the_quantized_gemm_writes_into_a_given_output(path):
+    weight, x = QuantWeight([random_blocks("Q4_K", 48, 512, interleaved=True)]), torch.randn(5, 512)
+    buffer = torch.full((7, 48), float("nan"))
+    got = quant.linear(x, weight, path=path, out=buffer[:5])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, quant.linear(x, weight, path=path))
+    assert buffer[5:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activations_quantize_alike_on_every_path(dtype):
     x = (torch.randn(9, 512) * torch.rand(9, 1) * 4).to(dtype)
