@@ -238,9 +238,25 @@ static inline float gelu_tanh(float g) {
     }
 
 // First index of the largest value of row x (of a NaN, if it has one): one vectorized pass for the maximum
-// (and whether a NaN is there), then a search by blocks of ARGMAX_BLOCK, each tested whole before its scan.
+// (and whether a NaN is there), then a search by blocks of ARGMAX_BLOCK, each tested whole (vectorized: what
+// it looks for known at compile time) before its scan.
 #define ARGMAX_BLOCK 64
+#define IS_FIRST(v, top, nan) ((nan) ? (v) != (v) : (v) == (top))
 #define DEFINE_FIRST_MAX(NAME, T, LOAD)                                                                       \
+    static inline __attribute__((always_inline)) int64_t first_of_##NAME(const T *x, int64_t n, float top,   \
+                                                                         const int nan) {                     \
+        for (int64_t j0 = 0; j0 < n; j0 += ARGMAX_BLOCK) {                                                    \
+            int64_t j1 = j0 + ARGMAX_BLOCK < n ? j0 + ARGMAX_BLOCK : n;                                       \
+            int hit = 0;                                                                                      \
+            _Pragma("omp simd reduction(|:hit)")                                                              \
+            for (int64_t j = j0; j < j1; j++) hit |= IS_FIRST(LOAD(x[j]), top, nan);                          \
+            if (hit)                                                                                          \
+                for (int64_t j = j0; j < j1; j++)                                                             \
+                    if (IS_FIRST(LOAD(x[j]), top, nan)) return j;                                             \
+        }                                                                                                     \
+        return 0;  /* n == 0 */                                                                               \
+    }                                                                                                         \
+                                                                                                              \
     static int64_t first_max_##NAME(const T *x, int64_t n) {                                                 \
         float top = -INFINITY;                                                                                \
         int nan = 0;                                                                                          \
@@ -250,21 +266,7 @@ static inline float gelu_tanh(float g) {
             nan |= v != v;                                                                                    \
             top = v > top ? v : top;                                                                          \
         }                                                                                                     \
-        for (int64_t j0 = 0; j0 < n; j0 += ARGMAX_BLOCK) {                                                    \
-            int64_t j1 = j0 + ARGMAX_BLOCK < n ? j0 + ARGMAX_BLOCK : n;                                       \
-            int hit = 0;                                                                                      \
-            _Pragma("omp simd reduction(|:hit)")                                                              \
-            for (int64_t j = j0; j < j1; j++) {                                                               \
-                float v = LOAD(x[j]);                                                                         \
-                hit |= nan ? v != v : v == top;                                                               \
-            }                                                                                                 \
-            if (hit)                                                                                          \
-                for (int64_t j = j0; j < j1; j++) {                                                           \
-                    float v = LOAD(x[j]);                                                                     \
-                    if (nan ? v != v : v == top) return j;                                                    \
-                }                                                                                             \
-        }                                                                                                     \
-        return 0;  /* n == 0 */                                                                               \
+        return nan ? first_of_##NAME(x, n, top, 1) : first_of_##NAME(x, n, top, 0);                           \
     }
 DEFINE_FIRST_MAX(bf16, bf16, bf16_load)
 DEFINE_FIRST_MAX(f32, float, f32_load)
@@ -274,16 +276,22 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
 // chunk where the running sum first exceeds u times the total, then the token inside it (never one of weight
 // 0). Returns -1 for a row it cannot draw from (a NaN, or no finite maximum): the caller decides then.
 #define SAMPLE_CHUNK 256
+// x / t as the draw scales it; `unit` (t == 1, the default temperature) skips the division, exactly.
+#define SCALED(v, t, unit) ((unit) ? (v) : (v) / (t))
 #define DEFINE_SAMPLE(NAME, T, LOAD)                                                                          \
-    static int64_t sample_row_##NAME(const T *x, int64_t n, float t, double u, double *ends) {               \
+    static inline __attribute__((always_inline)) int64_t sample_row_##NAME(const T *x, int64_t n, float t,   \
+                                                                             double u, double *ends,          \
+                                                                             const int unit) {                \
+        /* the largest x / t is the largest x over t (division by t > 0 keeps the order, rounded too) */      \
         float top = -INFINITY;                                                                                \
         int nan = 0;                                                                                          \
         _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
         for (int64_t j = 0; j < n; j++) {                                                                     \
-            float v = LOAD(x[j]) / t;                                                                         \
+            float v = LOAD(x[j]);                                                                             \
             nan |= v != v;                                                                                    \
             top = v > top ? v : top;                                                                          \
         }                                                                                                     \
+        top = SCALED(top, t, unit);                                                                           \
         if (nan || !(top > -INFINITY) || top == INFINITY) return -1;                                          \
         int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, last = 0;                                     \
         double total = 0;                                                                                     \
@@ -291,7 +299,8 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
             int64_t j1 = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;                             \
             float mass = 0;                                                                                   \
             _Pragma("omp simd reduction(+:mass)")                                                             \
-            for (int64_t j = c * SAMPLE_CHUNK; j < j1; j++) mass += exp_approx(LOAD(x[j]) / t - top);         \
+            for (int64_t j = c * SAMPLE_CHUNK; j < j1; j++)                                                   \
+                mass += exp_approx(SCALED(LOAD(x[j]), t, unit) - top);                                        \
             total += mass;                                                                                    \
             ends[c] = total;                                                                                  \
             if (mass > 0) last = c;                                                                           \
@@ -302,7 +311,7 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
         double run = c > 0 ? ends[c - 1] : 0;                                                                 \
         int64_t j1 = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n, pick = -1;                      \
         for (int64_t j = c * SAMPLE_CHUNK; j < j1; j++) {                                                     \
-            double w = exp_approx(LOAD(x[j]) / t - top);                                                      \
+            double w = exp_approx(SCALED(LOAD(x[j]), t, unit) - top);                                         \
             if (w <= 0) continue;                                                                             \
             pick = j;                                                                                         \
             run += w;                                                                                         \
@@ -317,7 +326,9 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
         PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             double ends[(cols + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK];                                            \
-            out[i] = sample_row_##NAME(x + i * x_stride, cols, temperature[i], u[i], ends);                   \
+            const float t = temperature[i];                                                                   \
+            out[i] = t == 1.0f ? sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 1)                  \
+                               : sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 0);                 \
         }                                                                                                     \
     }
 DEFINE_SAMPLE(bf16, bf16, bf16_load)
