@@ -223,7 +223,9 @@ class ModelRunner:
             targets = torch.tensor(req.token_ids[first : first + len(rows)])
             for lo in range(0, len(rows), LOGPROB_ROWS):
                 chunk = [at[r] for r in rows[lo : lo + LOGPROB_ROWS]]
-                logprobs = log_softmax(self.model.compute_logits(hidden[chunk]))
+                kept = self._logits_out(len(chunk))
+                logits = self.model.compute_logits(hidden[chunk], kept)
+                logprobs = log_softmax(logits, logits if logits is kept else None)  # (no fresh 100 MB rows)
                 listed = req.prompt_ids and req.prompt_ids[first + lo : first + lo + len(chunk)]
                 entries += token_logprobs(logprobs, targets[lo : lo + len(chunk)],
                                           [req.params.prompt_logprobs or 0] * len(chunk), listed)

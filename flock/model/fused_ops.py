@@ -28,6 +28,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "scale": [_ptr, _i64, _i64, _i64, _f32, _i32],
     "add_gated": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
     "argmax": [_ptr, _i64, _ptr, _i64, _i64, _i32],
+    "count_above": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
@@ -163,6 +164,16 @@ def apply_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) ->
         raise ValueError(f"bitmask must be int32 rows, one per row to mask, got {bitmask.dtype} {tuple(bitmask.shape)}")
     _kernel("apply_bitmask", x.dtype)(x.data_ptr(), x.stride(0), bitmask.data_ptr(), bitmask.stride(0),
                                       rows.data_ptr(), len(rows), x.shape[1], torch.get_num_threads())
+
+
+def count_above(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(x > v[:, None]).sum(-1) of 2-D rows without a row-sized intermediate (PyTorch's sum widens the comparison
+    to int64 first: 8 bytes a vocabulary entry)."""
+    _check_rows(x)
+    v, out = v.float().contiguous(), torch.empty(x.shape[0], dtype=torch.int64)
+    _kernel("count_above", x.dtype)(x.data_ptr(), x.stride(0), v.data_ptr(), out.data_ptr(), x.shape[0],
+                                    x.shape[1], torch.get_num_threads())
+    return out
 
 
 def sample(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

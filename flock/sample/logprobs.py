@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flock.model import fused_ops
+
 
 @dataclass
 class TokenLogprobs:
@@ -17,9 +19,17 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise, in float32 (float64 logits stay float64)."""
-    return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+def log_softmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-wise, in float32 (float64 logits stay float64); into `out` when given (float32 logits may be `out`
+    itself: the same values, overwritten)."""
+    return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1, out=out)
+
+
+def _above(logprobs: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """How many entries of each row exceed its picked one."""
+    if logprobs.dim() == 2 and logprobs.stride(1) == 1 and not fused_ops.unavailable(logprobs.dtype, logprobs.device):
+        return fused_ops.count_above(logprobs, picked)
+    return (logprobs > picked[:, None]).sum(-1)
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[int],
@@ -28,7 +38,7 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
     alternatives, or the tokens `listed[i]` in their order where that is not None."""
     chosen = chosen.to(logprobs.device, torch.long)
     picked = logprobs.gather(1, chosen[:, None])[:, 0]
-    ranks = (logprobs > picked[:, None]).sum(-1) + 1
+    ranks = _above(logprobs, picked) + 1
     top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
     rows = zip(chosen.tolist(), picked.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist(), num_top)
     out = [TokenLogprobs(t, p, r, list(zip(ids[:n], values[:n]))) for t, p, r, ids, values, n in rows]

@@ -191,19 +191,20 @@ def test_start_up_pass_runs_two_layers_and_keeps_all():
 
 def test_a_steps_logits_are_written_into_one_kept_buffer():
     """The runner keeps one float32 logits buffer (a fresh tensor of a few hundred rows would fault its pages in
-    at every step); tokens and logprobs are those of fresh logits."""
-    llm = LLM("flock/tiny", dtype="bfloat16", num_kv_blocks=64, block_size=8)
+    at every step; prompt logprobs log-softmax it in place); tokens and logprobs are those of fresh logits."""
+    llm = LLM("flock/tiny", dtype="bfloat16", num_kv_blocks=64, block_size=8, enable_prefix_caching=False)
     runner = llm.engine.runner
     prompts = [{"prompt_token_ids": list(range(30 + i, 50 + i))} for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     kept = llm.generate(prompts, params, use_tqdm=False)
     buffer = runner.logits
     assert buffer is not None and buffer.dtype == torch.float32 and len(buffer) >= len(prompts)
     runner._logits_out = lambda rows: None
     fresh = llm.generate(prompts, params, use_tqdm=False)
     assert runner.logits is buffer
-    assert ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in kept]
-            == [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in fresh])
+    assert all(o.prompt_logprobs[1] is not None for o in kept)
+    assert ([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in kept]
+            == [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in fresh])
 
 
 def test_max_num_seqs_and_single_prompt(hf_folders, references):

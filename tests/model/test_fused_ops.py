@@ -253,6 +253,19 @@ def test_argmax_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, vocab", [(1, 1), (7, 129), (300, 4099)])
+def test_count_above_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, vocab, generator=g).to(dtype)
+    v = x[:, vocab // 2].float().clone()  # ties: the entry itself and any equal one are not above
+    if n > 2:
+        x[1, 3], x[2, :5] = float("nan"), float("inf")
+        v[0] = float("nan")  # nothing exceeds NaN
+    for rows in (x, x[:, 1:]):  # contiguous and strided rows
+        assert torch.equal(fused_ops.count_above(rows, v), (rows.float() > v[:, None]).sum(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_draws_what_the_pytorch_sampler_draws(dtype):
     from flock.sample.sampler import draw
 

@@ -235,6 +235,21 @@ static inline float gelu_tanh(float g) {
         int64_t work = rows * cols;                                                                           \
         PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) out[i] = first_max_##NAME(x + i * x_stride, cols);                 \
+    }                                                                                                         \
+                                                                                                              \
+    /* out[i] = how many values of row i exceed v[i] (x > v, as PyTorch compares: a NaN on either side none) */ \
+    void flock_count_above_##NAME(const T *x, int64_t x_stride, const float *v, int64_t *out, int64_t rows,   \
+                                  int64_t cols, int32_t threads) {                                            \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const T *r = x + i * x_stride;                                                                    \
+            const float bound = v[i];                                                                         \
+            int64_t above = 0;                                                                                \
+            _Pragma("omp simd reduction(+:above)")                                                            \
+            for (int64_t j = 0; j < cols; j++) above += LOAD(r[j]) > bound;                                   \
+            out[i] = above;                                                                                   \
+        }                                                                                                     \
     }
 
 // First index of the largest value of row x (of a NaN, if it has one): one vectorized pass for the maximum
