@@ -61,6 +61,7 @@ class Sampler:
         self.default_generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = frozenset(eos_token_ids)  # held back by min_tokens
         self.masks = GrammarMasks(vocab_size)
+        self.logprobs: torch.Tensor | None = None  # float32 log-softmax rows, kept across steps (_log_softmax)
 
     def start_masks(self, rows: Sequence[SamplingRow]) -> Future | None:
         """Start filling the grammar bitmasks of the constrained rows (before the model runs)."""
@@ -72,7 +73,7 @@ class Sampler:
         if masks is not None:
             self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
         asking = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
-        raw = log_softmax(logits[asking]) if asking else None
+        raw = self._log_softmax(logits if len(asking) == len(rows) else logits[asking]) if asking else None
         mus = [r.mirostat_mu for r in rows]
         tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus,
                       [getattr(r, "proposal", None) for r in rows])
@@ -83,6 +84,16 @@ class Sampler:
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
         return Sampled(tokens, logprobs, mus)
+
+    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows' log-softmax; of float32 CPU rows into a buffer the next step overwrites (a fresh tensor of a
+        few hundred rows would be mapped anew and fault its pages in at every step)."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu":
+            return log_softmax(logits)
+        if self.logprobs is None or self.logprobs.numel() < logits.numel():
+            kept = 0 if self.logprobs is None else self.logprobs.numel()
+            self.logprobs = torch.empty(max(logits.numel(), 2 * kept), dtype=torch.float32)
+        return log_softmax(logits, self.logprobs[: logits.numel()].view(logits.shape))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                  histories: Sequence[TokenHistory] | None = None, mirostat_mu: list | None = None,

@@ -8,6 +8,7 @@ import torch
 
 from flock import LLM, SamplingParams
 from flock.engine.runner import StepOutput
+from flock.sample.logprobs import log_softmax
 
 MAX_NEW = 8
 
@@ -190,8 +191,9 @@ def test_start_up_pass_runs_two_layers_and_keeps_all():
 
 
 def test_a_steps_logits_are_written_into_one_kept_buffer():
-    """The runner keeps one float32 logits buffer (a fresh tensor of a few hundred rows would fault its pages in
-    at every step; prompt logprobs log-softmax it in place); tokens and logprobs are those of fresh logits."""
+    """The runner keeps one float32 logits buffer and the sampler one of log-softmax rows (a fresh tensor of a few
+    hundred rows would fault its pages in at every step; prompt logprobs log-softmax the logits in place); tokens
+    and logprobs are those of fresh tensors."""
     llm = LLM("flock/tiny", dtype="bfloat16", num_kv_blocks=64, block_size=8, enable_prefix_caching=False)
     runner = llm.engine.runner
     prompts = [{"prompt_token_ids": list(range(30 + i, 50 + i))} for i in range(6)]
@@ -200,6 +202,7 @@ def test_a_steps_logits_are_written_into_one_kept_buffer():
     buffer = runner.logits
     assert buffer is not None and buffer.dtype == torch.float32 and len(buffer) >= len(prompts)
     runner._logits_out = lambda rows: None
+    runner.sampler._log_softmax = log_softmax  # the sampler's kept log-softmax rows too
     fresh = llm.generate(prompts, params, use_tqdm=False)
     assert runner.logits is buffer
     assert all(o.prompt_logprobs[1] is not None for o in kept)

@@ -13,8 +13,9 @@ from tests.engine.test_parity import shared_prefix_prompts
 SCHEDULERS = ["fcfs", "lpm", "batchllm", "feather"]
 
 
-def test_token_logprobs_against_a_float64_reference():
-    logits = torch.randn(5, 300, dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: ranks by the fused count
+def test_token_logprobs_against_a_reference(dtype):
+    logits = torch.randn(5, 300, dtype=dtype)
     logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie at the top
     chosen = torch.tensor([0, 299, 17, 9, 250])
     got = token_logprobs(torch.log_softmax(logits, -1), chosen, [0, 1, 3, 2, 20])
