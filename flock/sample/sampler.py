@@ -15,6 +15,7 @@ from flock.sample.penalties import TokenHistory, apply_penalties
 from flock.sampling_params import SamplingParams
 
 CHUNK = 256  # vocabulary entries per chunk of the two-level inverse CDF
+TOP_P_FIRST = 256  # most likely tokens among which top-p first looks for its cut
 
 
 def _fused(logits: torch.Tensor) -> bool:
@@ -283,12 +284,15 @@ def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's k largest logits and those equal to the k-th (found by a partial sort of the rows with a k)."""
     vocab = logits.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    if min(top_k) == vocab:
+    rows = [i for i, k in enumerate(top_k) if k < vocab]
+    if not rows:
         return logits
-    k = torch.tensor(top_k, device=logits.device)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    k = torch.tensor([top_k[i] for i in rows], device=logits.device)
+    kth = torch.full((len(params), 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    kth[rows] = logits[rows].topk(max(top_k[i] for i in rows), dim=-1).values.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -353,9 +357,25 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """The rows with top_p < 1 keep their most likely tokens while the mass strictly before each is under top_p
+    (the top token always stays). The cut is found among a row's k most likely tokens, a partial sort (a full one
+    of a 49K vocabulary costs a step of 256 rows 0.4 s), k doubled while some row's k fall short of its top_p."""
+    rows = (top_p < 1).nonzero()[:, 0]
+    every = len(rows) == len(logits)
+    x, p = (logits, top_p) if every else (logits[rows], top_p[rows])
+    lse, vocab = x.logsumexp(dim=-1, keepdim=True), x.shape[-1]
+    k = min(TOP_P_FIRST, vocab)
+    while True:
+        values, order = x.topk(k, dim=-1)
+        probs = (values - lse).exp()
+        before = probs.cumsum(dim=-1) - probs
+        if k == vocab or bool((before[:, -1] + probs[:, -1] >= p).all()):
+            break
+        k = min(2 * k, vocab)
+    kept = values.masked_fill(before >= p[:, None], float("-inf"))
+    cut = torch.full_like(x, float("-inf")).scatter_(1, order, kept)
+    if every:
+        return cut
+    out = logits.clone()
+    out[rows] = cut
+    return out
