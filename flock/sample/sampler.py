@@ -358,8 +358,8 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The rows with top_p < 1 keep their most likely tokens while the mass strictly before each is under top_p
-    (the top token always stays). The cut is found among a row's k most likely tokens, a partial sort (a full one
-    of a 49K vocabulary costs a step of 256 rows 0.4 s), k doubled while some row's k fall short of its top_p."""
+    (the top token always stays). The cut is found among a row's k most likely tokens, a partial sort (a full sort
+    of every row cost a large batch most of a step), k doubled while some row's k fall short of its top_p."""
     rows = (top_p < 1).nonzero()[:, 0]
     every = len(rows) == len(logits)
     x, p = (logits, top_p) if every else (logits[rows], top_p[rows])
