@@ -225,7 +225,7 @@ class ModelRunner:
                 chunk = [at[r] for r in rows[lo : lo + LOGPROB_ROWS]]
                 kept = self._logits_out(len(chunk))
                 logits = self.model.compute_logits(hidden[chunk], kept)
-                logprobs = log_softmax(logits, logits if logits is kept else None)  # (no fresh 100 MB rows)
+                logprobs = log_softmax(logits, logits if logits is kept else None)  # in place: no fresh rows
                 listed = req.prompt_ids and req.prompt_ids[first + lo : first + lo + len(chunk)]
                 entries += token_logprobs(logprobs, targets[lo : lo + len(chunk)],
                                           [req.params.prompt_logprobs or 0] * len(chunk), listed)
