@@ -125,18 +125,24 @@ class Sampler:
         return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+        """Each row by the path its own params choose (so a seeded row draws alike in any batch): temperature alone
+        by the fused kernel (~7x faster than PyTorch), top-k and top-p alone among the row's most likely tokens
+        (`_nucleus_draw`), the rest, and rows those cannot draw (a NaN, no finite logit, a top-k tie), in PyTorch."""
         u = self._uniforms(generators)
-        vocab = logits.shape[-1]
-        plain = all((p.top_k <= 0 or p.top_k >= vocab) and not p.truncates and p.dynatemp_range <= 0 for p in params)
-        if plain and _fused(logits):
-            # temperature alone: the fused kernel draws as draw does, from the logits as they are (~7x faster)
-            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-            tokens = fused_ops.sample(logits, temps, u)
-            if bool((tokens >= 0).all()):
-                return tokens
-            # a row with a NaN or no finite logit: PyTorch's softmax decides, as before
-        probs = distribution(logits, params, self._xtc_rows(params, generators))
-        return draw(probs, u.to(probs.device))
+        vocab, fused = logits.shape[-1], _fused(logits)
+        tokens = torch.full((len(params),), -1, dtype=torch.long)
+        for rows, pick in (([i for i, p in enumerate(params) if fused and _plain(p, vocab)], _plain_draw),
+                           ([i for i, p in enumerate(params) if fused and _nucleus_only(p, vocab)], _nucleus_draw)):
+            if rows:
+                every = len(rows) == len(params)
+                tokens[rows] = pick(logits if every else logits[rows], params if every else [params[i] for i in rows],
+                                    u if every else u[rows])
+        rest = (tokens < 0).nonzero()[:, 0].tolist()
+        if rest:
+            sub, ps, gs = logits[rest], [params[i] for i in rest], [generators[i] for i in rest]
+            probs = distribution(sub, ps, self._xtc_rows(ps, gs))
+            tokens[rest] = draw(probs, u[rest].to(probs.device))
+        return tokens
 
     def _verify(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                 proposals: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -356,10 +362,62 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
     return x.shape[-1] - 1 - (x > 0).flip(-1).int().argmax(-1)
 
 
+def _plain(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row's only transform is its temperature."""
+    return (p.top_k <= 0 or p.top_k >= vocab) and not p.truncates and p.dynatemp_range <= 0
+
+
+def _plain_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Temperature alone: the fused kernel draws as `draw` does, from the logits as they are (-1: a row with a NaN
+    or no finite logit)."""
+    return fused_ops.sample(logits, torch.tensor([p.temperature for p in params], dtype=torch.float32), u)
+
+
+def _nucleus_only(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row's truncations are top-k and top-p alone, in vLLM's order (at least one of them)."""
+    xtc = p.xtc_probability > 0 and p.xtc_threshold <= 0.5
+    return (not p.temperature_last and p.min_p == 0 and p.typical_p >= 1 and p.top_n_sigma <= 0
+            and p.dynatemp_range <= 0 and not xtc and (0 < p.top_k < vocab or p.top_p < 1))
+
+
+def _nucleus_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """A token per row whose truncations are top-k and top-p alone, drawn among its most likely tokens: a partial
+    sort of each row, then temperature, top-k, top-p and the inverse-CDF draw (most likely first) on those columns,
+    with no row-sized temporary. A row without top-k weighs its tokens against the whole row's mass (the fused
+    kernel's), one with top-k against its k tokens'. -1 for a row the full path must draw: a NaN or no finite
+    maximum, or a tie at its top-k boundary."""
+    vocab = logits.shape[-1]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
+    limited = ks[:, 0] < vocab
+    whole = fused_ops.softmax_mass(logits, temps)[1] if not bool(limited.all()) else torch.ones(len(params))
+    width = min(vocab, max(int(ks[limited].max()) + 1 if bool(limited.any()) else 0, TOP_P_FIRST))
+    while True:
+        values, order = logits.topk(width, dim=-1)  # raw logits: dividing by t > 0 keeps their order
+        y = values.float() / temps[:, None]
+        # the k-th and the next equal: the full path keeps both
+        tied = limited & (y.gather(1, (ks - 1).clamp_max(width - 1)) == y.gather(1, ks.clamp_max(width - 1)))[:, 0]
+        good = torch.isfinite(y[:, 0]) & (whole >= 0) & ~tied
+        weights = torch.nan_to_num((y - y[:, :1]).exp().double()) * (torch.arange(width)[None, :] < ks)
+        mass = torch.where(limited, weights.sum(-1), whole.double())[:, None]
+        before = weights.cumsum(-1) - weights
+        # every row's cut inside the columns: its top-k, or its top-p mass reached
+        inside = limited | ~good | (before[:, -1] + weights[:, -1] >= top_p[:, 0] * mass[:, 0])
+        if width == vocab or bool(inside.all()):
+            break
+        width = min(4 * width, vocab)
+    kept = weights * (before < top_p * mass)
+    ends = kept.cumsum(-1)
+    pick = torch.searchsorted(ends, (u.double() * ends[:, -1])[:, None], right=True)[:, 0]
+    tokens = order.gather(1, torch.minimum(pick, _last_positive(kept))[:, None])[:, 0]
+    return torch.where(good, tokens, -1)
+
+
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The rows with top_p < 1 keep their most likely tokens while the mass strictly before each is under top_p
     (the top token always stays). The cut is found among a row's k most likely tokens, a partial sort (a full sort
-    of every row cost a large batch most of a step), k doubled while some row's k fall short of its top_p."""
+    of every row cost a large batch most of a step), k quadrupled while some row's k fall short of its top_p."""
     rows = (top_p < 1).nonzero()[:, 0]
     every = len(rows) == len(logits)
     x, p = (logits, top_p) if every else (logits[rows], top_p[rows])
@@ -371,7 +429,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         before = probs.cumsum(dim=-1) - probs
         if k == vocab or bool((before[:, -1] + probs[:, -1] >= p).all()):
             break
-        k = min(2 * k, vocab)
+        k = min(4 * k, vocab)
     kept = values.masked_fill(before >= p[:, None], float("-inf"))
     cut = torch.full_like(x, float("-inf")).scatter_(1, order, kept)
     if every:

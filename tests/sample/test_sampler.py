@@ -293,3 +293,35 @@ def test_tiny_temperature_is_nearly_greedy():
     logits = torch.tensor([[10.0, 9.0, -5.0, 0.0]])
     out = draw(SamplingParams(temperature=0.01), 2000, logits=logits, seed=22)
     assert set(out.tolist()) == {0}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.7),
+                                    SamplingParams(temperature=1.0, top_k=50),
+                                    SamplingParams(temperature=0.6, top_k=50, top_p=0.5),
+                                    SamplingParams(temperature=1.4, top_p=0.97)])
+def test_top_k_top_p_rows_draw_their_full_distribution(params):
+    """The partial-sort draw gives each token the probability `distribution` gives it (a grid of uniforms: the
+    frequencies equal the probabilities to one grid step), several columns' doublings included."""
+    from flock.sample.sampler import _nucleus_draw, distribution
+
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(5)) * 2
+    n = 4000
+    expected = distribution(logits, [params])[0].double()
+    tokens = _nucleus_draw(logits.expand(n, -1).contiguous(), [params] * n,
+                           (torch.arange(n, dtype=torch.float64) + 0.5) / n)
+    assert bool((tokens >= 0).all())
+    assert torch.allclose(freqs(tokens, 1000), expected, atol=1.5 / n)
+
+
+def test_top_k_top_p_rows_the_partial_sort_cannot_draw_go_to_the_full_path():
+    from flock.sample.sampler import _nucleus_draw
+
+    logits = torch.randn(3, 100)
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, :] = 0.0  # every token tied at the top-k boundary
+    params = [SamplingParams(temperature=1.0, top_p=0.5)] * 2 + [SamplingParams(temperature=1.0, top_k=3)]
+    assert _nucleus_draw(logits, params, torch.full((3,), 0.5, dtype=torch.float64)).tolist() == [-1, -1, -1]
+    tokens = Sampler(0)(logits[2:].expand(400, -1).clone(), params[2:] * 400, [None] * 400)
+    assert len(set(tokens.tolist())) > 50  # the full path keeps every tied token
+

@@ -294,9 +294,12 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
 // x / t as the draw scales it; `unit` (t == 1, the default temperature) skips the division, exactly.
 #define SCALED(v, t, unit) ((unit) ? (v) : (v) / (t))
 #define DEFINE_SAMPLE(NAME, T, LOAD)                                                                          \
-    static inline __attribute__((always_inline)) int64_t sample_row_##NAME(const T *x, int64_t n, float t,   \
-                                                                             double u, double *ends,          \
-                                                                             const int unit) {                \
+    /* The weights e^(x/t - top) of row x (top: its largest x / t) summed by chunks of SAMPLE_CHUNK into the   \
+       running totals ends[] (*last: the last chunk of any weight); the total, or -1 for a NaN or no finite    \
+       maximum. */                                                                                            \
+    static inline __attribute__((always_inline)) double weigh_row_##NAME(const T *x, int64_t n, float t,      \
+                                                                          const int unit, float *top_out,     \
+                                                                          double *ends, int64_t *last) {      \
         /* the largest x / t is the largest x over t (division by t > 0 keeps the order, rounded too) */      \
         float top = -INFINITY;                                                                                \
         int nan = 0;                                                                                          \
@@ -308,8 +311,9 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
         }                                                                                                     \
         top = SCALED(top, t, unit);                                                                           \
         if (nan || !(top > -INFINITY) || top == INFINITY) return -1;                                          \
-        int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, last = 0;                                     \
+        int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;                                               \
         double total = 0;                                                                                     \
+        *last = 0;                                                                                            \
         for (int64_t c = 0; c < chunks; c++) {                                                                \
             int64_t j1 = (c + 1) * SAMPLE_CHUNK < n ? (c + 1) * SAMPLE_CHUNK : n;                             \
             float mass = 0;                                                                                   \
@@ -318,8 +322,19 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
                 mass += exp_approx(SCALED(LOAD(x[j]), t, unit) - top);                                        \
             total += mass;                                                                                    \
             ends[c] = total;                                                                                  \
-            if (mass > 0) last = c;                                                                           \
+            if (mass > 0) *last = c;                                                                          \
         }                                                                                                     \
+        *top_out = top;                                                                                       \
+        return total;                                                                                         \
+    }                                                                                                         \
+                                                                                                              \
+    static inline __attribute__((always_inline)) int64_t sample_row_##NAME(const T *x, int64_t n, float t,   \
+                                                                             double u, double *ends,          \
+                                                                             const int unit) {                \
+        float top;                                                                                            \
+        int64_t last;                                                                                         \
+        const double total = weigh_row_##NAME(x, n, t, unit, &top, ends, &last);                              \
+        if (total < 0) return -1;                                                                             \
         double target = u * total;                                                                            \
         int64_t c = 0;                                                                                        \
         while (c < last && ends[c] <= target) c++;                                                            \
@@ -344,6 +359,21 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
             const float t = temperature[i];                                                                   \
             out[i] = t == 1.0f ? sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 1)                  \
                                : sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 0);                 \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* per row: top[i] its largest x / t, total[i] its weights e^(x/t - top) summed as the draw sums them (-1 \
+       for a NaN or no finite maximum) */                                                                     \
+    void flock_softmax_mass_##NAME(const T *x, int64_t x_stride, const float *temperature, float *top,       \
+                                   double *total, int64_t rows, int64_t cols, int32_t threads) {              \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            double ends[(cols + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK];                                            \
+            int64_t last;                                                                                     \
+            const float t = temperature[i];                                                                   \
+            total[i] = t == 1.0f ? weigh_row_##NAME(x + i * x_stride, cols, t, 1, &top[i], ends, &last)       \
+                                 : weigh_row_##NAME(x + i * x_stride, cols, t, 0, &top[i], ends, &last);      \
         }                                                                                                     \
     }
 DEFINE_SAMPLE(bf16, bf16, bf16_load)
