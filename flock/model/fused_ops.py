@@ -31,7 +31,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "count_above": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
-    "softmax_mass": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
+    "softmax_mass": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i32],
 }
 # as step-program ops (flock.model.program)
 PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias", "silu_and_mul", "gelu_and_mul",
@@ -188,13 +188,11 @@ def sample(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch
     return out
 
 
-def softmax_mass(x: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of logits x: its largest x / temperature (float32) and the sum of e^(x / temperature - that) (float64)
-    as `sample` weighs the row; the sum is -1 for a row holding a NaN or no finite maximum."""
+def softmax_mass(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Per row of logits x: the sum of e^(x / temperature - its largest x / temperature), as `sample` weighs the row
+    (float64); -1 for a row holding a NaN or no finite maximum."""
     _check_rows(x)
-    temperature = temperature.float().contiguous()
-    top, total = torch.empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.float64)
-    _kernel("softmax_mass", x.dtype)(x.data_ptr(), x.stride(0), temperature.data_ptr(), top.data_ptr(),
-                                     total.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
-    return top, total
-
+    temperature, total = temperature.float().contiguous(), torch.empty(x.shape[0], dtype=torch.float64)
+    _kernel("softmax_mass", x.dtype)(x.data_ptr(), x.stride(0), temperature.data_ptr(), total.data_ptr(),
+                                     x.shape[0], x.shape[1], torch.get_num_threads())
+    return total

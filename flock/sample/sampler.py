@@ -391,7 +391,7 @@ def _nucleus_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.T
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
     limited = ks[:, 0] < vocab
-    whole = fused_ops.softmax_mass(logits, temps)[1] if not bool(limited.all()) else torch.ones(len(params))
+    whole = fused_ops.softmax_mass(logits, temps) if not bool(limited.all()) else torch.ones(len(params))
     width = min(vocab, max(int(ks[limited].max()) + 1 if bool(limited.any()) else 0, TOP_P_FIRST))
     while True:
         values, order = logits.topk(width, dim=-1)  # raw logits: dividing by t > 0 keeps their order

@@ -266,6 +266,19 @@ def test_count_above_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_mass_is_the_rows_weights_summed(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 700, generator=g) * 3).to(dtype)
+    x[3], x[4, 9] = float("-inf"), float("nan")  # no finite maximum; a NaN
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0])
+    y = x[:3].float() / temps[:3, None]
+    expected = (y - y.max(-1, keepdim=True).values).double().exp().sum(-1)
+    got = fused_ops.softmax_mass(x, temps)
+    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=0)
+    assert got[3:].tolist() == [-1.0, -1.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_draws_what_the_pytorch_sampler_draws(dtype):
     from flock.sample.sampler import draw
 

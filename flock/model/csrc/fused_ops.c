@@ -362,18 +362,19 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
-    /* per row: top[i] its largest x / t, total[i] its weights e^(x/t - top) summed as the draw sums them (-1 \
-       for a NaN or no finite maximum) */                                                                     \
-    void flock_softmax_mass_##NAME(const T *x, int64_t x_stride, const float *temperature, float *top,       \
-                                   double *total, int64_t rows, int64_t cols, int32_t threads) {              \
+    /* per row: total[i] its weights e^(x/t - its largest x / t) summed as the draw sums them (-1 for a NaN or \
+       no finite maximum) */                                                                                  \
+    void flock_softmax_mass_##NAME(const T *x, int64_t x_stride, const float *temperature, double *total,    \
+                                   int64_t rows, int64_t cols, int32_t threads) {                             \
         int64_t work = rows * cols;                                                                           \
         PARALLEL_FOR                                                                                          \
         for (int64_t i = 0; i < rows; i++) {                                                                  \
             double ends[(cols + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK];                                            \
             int64_t last;                                                                                     \
+            float top;                                                                                        \
             const float t = temperature[i];                                                                   \
-            total[i] = t == 1.0f ? weigh_row_##NAME(x + i * x_stride, cols, t, 1, &top[i], ends, &last)       \
-                                 : weigh_row_##NAME(x + i * x_stride, cols, t, 0, &top[i], ends, &last);      \
+            total[i] = t == 1.0f ? weigh_row_##NAME(x + i * x_stride, cols, t, 1, &top, ends, &last)          \
+                                 : weigh_row_##NAME(x + i * x_stride, cols, t, 0, &top, ends, &last);         \
         }                                                                                                     \
     }
 DEFINE_SAMPLE(bf16, bf16, bf16_load)
