@@ -2,7 +2,8 @@
 
 RMSNorm (with the residual add folded in, or over each head of q and k), rotary embedding applied in place to q
 and k of the fused qkv output, and SiLU-and-mul each replace several PyTorch ops and their intermediate tensors by
-one pass over the rows; argmax (greedy sampling) splits its rows over the threads. The source is built by
+one pass over the rows; argmax (greedy sampling), `sample` (temperature) and `nucleus_sample` (top-k and top-p)
+split their rows over the threads. The source is built by
 flock.native on first use for the widest ISA path the CPU has (AVX-512 with DQ, AVX2 or the baseline).
 `unavailable(dtype, device)` says why the kernels cannot serve a model; the plain PyTorch ops remain the reference
 and serve float64 and every other case.
@@ -31,7 +32,7 @@ ARGTYPES = {  # of each op, for each dtype; each ends with the number of threads
     "count_above": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "apply_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "sample": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32],
-    "softmax_mass": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "nucleus_sample": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i32],
 }
 # as step-program ops (flock.model.program)
 PROGRAM_OPS = ("rms_norm", "add_rms_norm", "head_rms_norm", "rope", "add_bias", "silu_and_mul", "gelu_and_mul",
@@ -188,11 +189,17 @@ def sample(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch
     return out
 
 
-def softmax_mass(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Per row of logits x: the sum of e^(x / temperature - its largest x / temperature), as `sample` weighs the row
-    (float64); -1 for a row holding a NaN or no finite maximum."""
+def nucleus_sample(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   u: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits x drawn with the row's uniform u in [0, 1) from softmax(x / temperature) cut to
+    its top_k most likely tokens (0 or at least the row's width: no cut) and then to its top_p nucleus (1: none),
+    tokens ranked by logit, ties by index; -1 for a row holding a NaN or no finite maximum, or tied at its k-th
+    token."""
     _check_rows(x)
-    temperature, total = temperature.float().contiguous(), torch.empty(x.shape[0], dtype=torch.float64)
-    _kernel("softmax_mass", x.dtype)(x.data_ptr(), x.stride(0), temperature.data_ptr(), total.data_ptr(),
-                                     x.shape[0], x.shape[1], torch.get_num_threads())
-    return total
+    temperature, u = temperature.float().contiguous(), u.double().contiguous()
+    top_k, top_p = top_k.to(torch.int64).contiguous(), top_p.double().contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _kernel("nucleus_sample", x.dtype)(x.data_ptr(), x.stride(0), temperature.data_ptr(), top_k.data_ptr(),
+                                       top_p.data_ptr(), u.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                       torch.get_num_threads())
+    return out

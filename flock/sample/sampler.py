@@ -126,8 +126,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
         """Each row by the path its own params choose (so a seeded row draws alike in any batch): temperature alone
-        by the fused kernel (~7x faster than PyTorch), top-k and top-p alone among the row's most likely tokens
-        (`_nucleus_draw`), the rest, and rows those cannot draw (a NaN, no finite logit, a top-k tie), in PyTorch."""
+        by the fused kernel (~7x faster than PyTorch), top-k and top-p alone by another (`_nucleus_draw`), the rest,
+        and rows those cannot draw (a NaN, no finite logit, a top-k tie), in PyTorch."""
         u = self._uniforms(generators)
         vocab, fused = logits.shape[-1], _fused(logits)
         tokens = torch.full((len(params),), -1, dtype=torch.long)
@@ -381,37 +381,13 @@ def _nucleus_only(p: SamplingParams, vocab: int) -> bool:
 
 
 def _nucleus_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """A token per row whose truncations are top-k and top-p alone, drawn among its most likely tokens: a partial
-    sort of each row, then temperature, top-k, top-p and the inverse-CDF draw (most likely first) on those columns,
-    with no row-sized temporary. A row without top-k weighs its tokens against the whole row's mass (the fused
-    kernel's), one with top-k against its k tokens'. -1 for a row the full path must draw: a NaN or no finite
-    maximum, or a tie at its top-k boundary."""
+    """A token per row whose truncations are top-k and top-p alone, by the fused kernel: temperature, top-k, top-p
+    and the draw from one pass over the row and a sort of the tokens near a cut. -1 for a row the full path must
+    draw: a NaN or no finite maximum, or a tie at its top-k boundary."""
     vocab = logits.shape[-1]
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)[:, None]
-    limited = ks[:, 0] < vocab
-    whole = fused_ops.softmax_mass(logits, temps) if not bool(limited.all()) else torch.ones(len(params))
-    width = min(vocab, max(int(ks[limited].max()) + 1 if bool(limited.any()) else 0, TOP_P_FIRST))
-    while True:
-        values, order = logits.topk(width, dim=-1)  # raw logits: dividing by t > 0 keeps their order
-        y = values.float() / temps[:, None]
-        # the k-th and the next equal: the full path keeps both
-        tied = limited & (y.gather(1, (ks - 1).clamp_max(width - 1)) == y.gather(1, ks.clamp_max(width - 1)))[:, 0]
-        good = torch.isfinite(y[:, 0]) & (whole >= 0) & ~tied
-        weights = torch.nan_to_num((y - y[:, :1]).exp().double()) * (torch.arange(width)[None, :] < ks)
-        mass = torch.where(limited, weights.sum(-1), whole.double())[:, None]
-        before = weights.cumsum(-1) - weights
-        # every row's cut inside the columns: its top-k, or its top-p mass reached
-        inside = limited | ~good | (before[:, -1] + weights[:, -1] >= top_p[:, 0] * mass[:, 0])
-        if width == vocab or bool(inside.all()):
-            break
-        width = min(4 * width, vocab)
-    kept = weights * (before < top_p * mass)
-    ends = kept.cumsum(-1)
-    pick = torch.searchsorted(ends, (u.double() * ends[:, -1])[:, None], right=True)[:, 0]
-    tokens = order.gather(1, torch.minimum(pick, _last_positive(kept))[:, None])[:, 0]
-    return torch.where(good, tokens, -1)
+    return fused_ops.nucleus_sample(logits, torch.tensor([p.temperature for p in params]),
+                                    torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
+                                    torch.tensor([p.top_p for p in params], dtype=torch.float64), u)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

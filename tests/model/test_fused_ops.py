@@ -266,19 +266,6 @@ def test_count_above_equals_torch_ties_nan_and_inf_included(dtype, n, vocab):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_softmax_mass_is_the_rows_weights_summed(dtype):
-    g = torch.Generator().manual_seed(3)
-    x = (torch.randn(5, 700, generator=g) * 3).to(dtype)
-    x[3], x[4, 9] = float("-inf"), float("nan")  # no finite maximum; a NaN
-    temps = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0])
-    y = x[:3].float() / temps[:3, None]
-    expected = (y - y.max(-1, keepdim=True).values).double().exp().sum(-1)
-    got = fused_ops.softmax_mass(x, temps)
-    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=0)
-    assert got[3:].tolist() == [-1.0, -1.0]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_draws_what_the_pytorch_sampler_draws(dtype):
     from flock.sample.sampler import draw
 
@@ -312,3 +299,79 @@ def test_bad_inputs_are_named():
 def test_unavailable_names_the_reason():
     assert "float64" in fused_ops.unavailable(torch.float64, CPU)
     assert "cuda" in fused_ops.unavailable(torch.float32, torch.device("cuda"))
+
+
+def nucleus_probabilities(x: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """A row's top-k then top-p distribution in float64, tokens ranked by logit, ties by index."""
+    y = x.double() / t
+    w = (y - y.max()).exp()
+    order = sorted(range(len(x)), key=lambda j: (-float(x[j]), j))[: k if 0 < k < len(x) else None]
+    mass, kept, before = float(w[order].sum()), [], 0.0
+    for j in order:
+        if before >= p * mass:
+            break
+        kept.append(j)
+        before += float(w[j])
+    probs = torch.zeros(len(x), dtype=torch.float64)
+    probs[kept] = w[kept]
+    return probs / probs.sum()
+
+
+def grid_draws(x: torch.Tensor, t: float, k: int, p: float, n: int = 4000) -> torch.Tensor:
+    """The tokens nucleus_sample draws from row x at n uniforms spread evenly over [0, 1)."""
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    top_p = torch.full((n,), p, dtype=torch.float64)
+    return fused_ops.nucleus_sample(x.expand(n, -1), torch.full((n,), t), torch.full((n,), k), top_p, u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, k, p", [(1.0, 0, 0.9), (0.7, 40, 1.0), (0.6, 50, 0.5), (1.4, 0, 0.97), (2.0, 5, 0.99)])
+def test_nucleus_sample_draws_the_top_k_top_p_distribution(dtype, t, k, p):
+    """Each token's share of a grid of uniforms is its probability under top-k, then top-p (to one grid step), on
+    strided rows too; bf16 logits hold many ties, which the ranking breaks by index."""
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(2, 1001, generator=g) * 3).to(dtype)
+    x[0, 1::7] = x[0, 0]  # ties with a likely token
+    for row in (x[0], x[1, 1:]):
+        tokens = grid_draws(row, t, k, p)
+        if k and (tokens < 0).all():  # tied at the k-th token: the caller's full path draws the row
+            ranked = row.float().sort(descending=True).values / t
+            assert ranked[k - 1] == ranked[k]
+            continue
+        expected = nucleus_probabilities(row.float(), t, k, p)
+        assert bool((tokens >= 0).all()) and bool((expected[tokens] > 0).all())
+        assert torch.allclose(torch.bincount(tokens, minlength=len(row)).double() / len(tokens), expected,
+                              atol=1.5 / len(tokens))
+
+
+def test_nucleus_sample_keeps_a_cut_tie_group_in_index_order():
+    """Three equal top logits and a top_p the first two reach: those two, never the third."""
+    x = torch.full((1, 300), -30.0)
+    x[0, [7, 3, 250]] = 2.0
+    tokens = grid_draws(x[0], 1.0, 0, 0.5)
+    assert set(tokens.tolist()) == {3, 7}
+    assert abs(int((tokens == 3).sum()) - int((tokens == 7).sum())) <= 1
+
+
+def test_nucleus_sample_cuts_inside_its_last_bucket():
+    """A cut among tokens 32+ nats below the top (the kernel's last bucket, sorted whole): the top token's mass
+    falls short of top_p by about 230 of their 400."""
+    x = torch.full((1, 500), -60.0)
+    x[0, 0] = 0.0
+    x[0, 100:500] = -torch.linspace(32.5, 33.0, 400)
+    p = 1 - 1e-12
+    expected = nucleus_probabilities(x[0], 1.0, 0, p)
+    assert 100 < int((expected > 0).sum()) < 400
+    for u, tail in ((1 - 1e-13, True), (1 - 1e-12, True), (0.5, False)):  # u of the kept mass: the top token's 1
+        token = fused_ops.nucleus_sample(x, torch.ones(1), torch.zeros(1), torch.full((1,), p, dtype=torch.float64),
+                                         torch.full((1,), u, dtype=torch.float64)).item()
+        assert expected[token] > 0 and (token >= 100) == tail
+
+
+def test_nucleus_sample_leaves_rows_it_cannot_draw_to_the_caller():
+    x = torch.randn(3, 100)
+    x[0, 5], x[1] = float("nan"), float("-inf")
+    x[2] = 0.0  # every token tied at the top-k boundary
+    got = fused_ops.nucleus_sample(x, torch.ones(3), torch.tensor([0, 0, 3]), torch.tensor([0.5, 0.5, 1.0]),
+                                   torch.full((3,), 0.5, dtype=torch.float64))
+    assert got.tolist() == [-1, -1, -1]

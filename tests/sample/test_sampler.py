@@ -300,8 +300,8 @@ def test_tiny_temperature_is_nearly_greedy():
                                     SamplingParams(temperature=0.6, top_k=50, top_p=0.5),
                                     SamplingParams(temperature=1.4, top_p=0.97)])
 def test_top_k_top_p_rows_draw_their_full_distribution(params):
-    """The partial-sort draw gives each token the probability `distribution` gives it (a grid of uniforms: the
-    frequencies equal the probabilities to one grid step), several columns' doublings included."""
+    """The fused top-k / top-p draw gives each token the probability `distribution` gives it (a grid of uniforms: the
+    frequencies equal the probabilities to one grid step), wide nuclei included."""
     from flock.sample.sampler import _nucleus_draw, distribution
 
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(5)) * 2
@@ -313,7 +313,7 @@ def test_top_k_top_p_rows_draw_their_full_distribution(params):
     assert torch.allclose(freqs(tokens, 1000), expected, atol=1.5 / n)
 
 
-def test_top_k_top_p_rows_the_partial_sort_cannot_draw_go_to_the_full_path():
+def test_top_k_top_p_rows_the_fused_draw_cannot_draw_go_to_the_full_path():
     from flock.sample.sampler import _nucleus_draw
 
     logits = torch.randn(3, 100)

@@ -13,6 +13,7 @@
 // multiply under a condition "could trap"), leaving SiLU scalar.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -360,25 +361,196 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
             out[i] = t == 1.0f ? sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 1)                  \
                                : sample_row_##NAME(x + i * x_stride, cols, t, u[i], ends, 0);                 \
         }                                                                                                     \
-    }                                                                                                         \
-                                                                                                              \
-    /* per row: total[i] its weights e^(x/t - its largest x / t) summed as the draw sums them (-1 for a NaN or \
-       no finite maximum) */                                                                                  \
-    void flock_softmax_mass_##NAME(const T *x, int64_t x_stride, const float *temperature, double *total,    \
-                                   int64_t rows, int64_t cols, int32_t threads) {                             \
-        int64_t work = rows * cols;                                                                           \
-        PARALLEL_FOR                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                                  \
-            double ends[(cols + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK];                                            \
-            int64_t last;                                                                                     \
-            float top;                                                                                        \
-            const float t = temperature[i];                                                                   \
-            total[i] = t == 1.0f ? weigh_row_##NAME(x + i * x_stride, cols, t, 1, &top, ends, &last)          \
-                                 : weigh_row_##NAME(x + i * x_stride, cols, t, 0, &top, ends, &last);         \
-        }                                                                                                     \
     }
 DEFINE_SAMPLE(bf16, bf16, bf16_load)
 DEFINE_SAMPLE(f32, float, f32_load)
+
+// Top-k and top-p (vLLM's order: a row's k most likely tokens, then the most likely of those while the mass
+// before each is under top_p of theirs) and the draw, on one row: the weights e^(x/t - top) as `sample` weighs
+// them, ranked by x (ties by index). Each token falls in a bucket of 1/NUCLEUS_RES of (top - x/t), the last
+// bucket holding the rest; buckets above a cut are kept whole by their summed mass, and only the bucket a cut
+// falls in is sorted. The draw is the inverse CDF over the whole buckets' tokens in index order, then the cut
+// bucket's kept tokens in rank order. Returns -1 where the caller must draw the row: a NaN or no finite maximum,
+// a tie at the k-th token (PyTorch keeps every token equal to it), or memory ran out.
+#define NUCLEUS_BUCKETS 1024
+#define NUCLEUS_RES 32.0f
+
+typedef struct {
+    float x;
+    int32_t j;
+    float w;
+} Ranked;
+
+static int ranked_order(const void *a, const void *b) {  // x descending, then index ascending
+    const Ranked *p = a, *q = b;
+    if (p->x != q->x) return p->x > q->x ? -1 : 1;
+    return (p->j > q->j) - (p->j < q->j);
+}
+
+typedef struct {  // a thread's scratch for one row: weights, buckets, a bucket's ranked tokens
+    float *w;
+    uint16_t *bucket;
+    Ranked *ranked;
+    int64_t size;
+} NucleusScratch;
+
+static __thread NucleusScratch nucleus_scratch;
+
+static NucleusScratch *nucleus_room(int64_t n) {  // NULL when memory ran out
+    NucleusScratch *s = &nucleus_scratch;
+    if (s->size >= n) return s;
+    free(s->w), free(s->bucket), free(s->ranked);
+    s->w = malloc((size_t)n * sizeof(float));
+    s->bucket = malloc((size_t)n * sizeof(uint16_t));
+    s->ranked = malloc((size_t)n * sizeof(Ranked));
+    s->size = s->w && s->bucket && s->ranked ? n : 0;
+    return s->size ? s : NULL;
+}
+
+// Per bucket, its tokens' summed weights (and with `count`, how many): two interleaved sets of sums, so that a
+// run of tokens in one bucket does not wait on its own sums.
+static void bucket_sums(const float *w, const uint16_t *bucket, int64_t n, double *mass, int64_t *count) {
+    double odd[NUCLEUS_BUCKETS] = {0};
+    int64_t j = 0;
+    if (count) {
+        int32_t odd_count[NUCLEUS_BUCKETS] = {0};
+        for (; j + 1 < n; j += 2) {
+            const int b0 = bucket[j], b1 = bucket[j + 1];
+            mass[b0] += w[j], odd[b1] += w[j + 1];
+            count[b0]++, odd_count[b1]++;
+        }
+        for (int b = 0; b < NUCLEUS_BUCKETS; b++) count[b] += odd_count[b];
+        if (j < n) count[bucket[j]]++;
+    } else {
+        for (; j + 1 < n; j += 2) mass[bucket[j]] += w[j], odd[bucket[j + 1]] += w[j + 1];
+    }
+    if (j < n) mass[bucket[j]] += w[j];
+    for (int b = 0; b < NUCLEUS_BUCKETS; b++) mass[b] += odd[b];
+}
+
+// Whether tokens [j0, j1) hold one of bucket b (a vector pass that lets scans skip most of a row).
+static inline int holds_bucket(const uint16_t *bucket, int64_t j0, int64_t j1, int64_t b) {
+    int any = 0;
+    _Pragma("omp simd reduction(|:any)")
+    for (int64_t j = j0; j < j1; j++) any |= bucket[j] == b;
+    return any;
+}
+
+// The draw among the tokens of buckets [0, cut), in index order: the token where their running sum of weights
+// first exceeds target, found by chunk sums, then inside one chunk (the last such token of weight > 0 when
+// rounding leaves target unreached).
+static int64_t draw_whole(const float *w, const uint16_t *bucket, int64_t n, int64_t cut, double target) {
+    double run = 0;
+    int64_t pick = -1;
+    for (int64_t c0 = 0; c0 < n; c0 += SAMPLE_CHUNK) {
+        const int64_t c1 = c0 + SAMPLE_CHUNK < n ? c0 + SAMPLE_CHUNK : n;
+        float sum = 0;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int64_t j = c0; j < c1; j++) sum += bucket[j] < cut ? w[j] : 0.0f;
+        if (!(sum > 0)) continue;
+        if (run + sum <= target) {
+            run += sum;
+            continue;
+        }
+        for (int64_t j = c0; j < c1; j++) {
+            if (bucket[j] >= cut || w[j] <= 0) continue;
+            pick = j;
+            run += w[j];
+            if (run > target) return pick;
+        }
+    }
+    for (int64_t j = n - 1; pick < 0 && j >= 0; j--)
+        if (bucket[j] < cut && w[j] > 0) pick = j;
+    return pick;
+}
+
+#define DEFINE_NUCLEUS(NAME, T, LOAD)                                                                         \
+    /* the tokens of bucket b, ranked (how many) */                                                           \
+    static int64_t rank_bucket_##NAME(const T *x, const NucleusScratch *s, int64_t n, int64_t b) {            \
+        int64_t m = 0;                                                                                        \
+        for (int64_t j0 = 0; j0 < n; j0 += 64) {                                                              \
+            const int64_t j1 = j0 + 64 < n ? j0 + 64 : n;                                                     \
+            if (!holds_bucket(s->bucket, j0, j1, b)) continue;                                                \
+            for (int64_t j = j0; j < j1; j++)                                                                 \
+                if (s->bucket[j] == b) s->ranked[m++] = (Ranked){LOAD(x[j]), (int32_t)j, s->w[j]};            \
+        }                                                                                                     \
+        qsort(s->ranked, (size_t)m, sizeof(Ranked), ranked_order);                                            \
+        return m;                                                                                             \
+    }                                                                                                         \
+                                                                                                              \
+    static int64_t nucleus_row_##NAME(const T *x, int64_t n, float t, int64_t k, double p, double u,          \
+                                      const int unit) {                                                       \
+        float top = -INFINITY;                                                                                \
+        int nan = 0;                                                                                          \
+        _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                     \
+            float v = LOAD(x[j]);                                                                             \
+            nan |= v != v;                                                                                    \
+            top = v > top ? v : top;                                                                          \
+        }                                                                                                     \
+        top = SCALED(top, t, unit);                                                                           \
+        NucleusScratch *s = nan || !(top > -INFINITY) || top == INFINITY ? NULL : nucleus_room(n);            \
+        if (!s) return -1;                                                                                    \
+        float *w = s->w;                                                                                      \
+        uint16_t *bucket = s->bucket;                                                                         \
+        _Pragma("omp simd")                                                                                   \
+        for (int64_t j = 0; j < n; j++) {                                                                     \
+            const float y = SCALED(LOAD(x[j]), t, unit) - top, b = -y * NUCLEUS_RES;                          \
+            w[j] = exp_approx(y);                                                                             \
+            bucket[j] = b < NUCLEUS_BUCKETS - 1 ? (uint16_t)b : NUCLEUS_BUCKETS - 1;                          \
+        }                                                                                                     \
+        double mass[NUCLEUS_BUCKETS] = {0};                                                                   \
+        int64_t count[NUCLEUS_BUCKETS] = {0};                                                                 \
+        bucket_sums(w, bucket, n, mass, k > 0 && k < n ? count : NULL);                                       \
+        /* the cut: buckets [0, cut) whole, then the first c ranked tokens of bucket `cut` */              \
+        int64_t cut = NUCLEUS_BUCKETS - 1, ranked = -1, limit = n;                                            \
+        double above = 0, total = 0;                                                                          \
+        if (k > 0 && k < n) {                                                                                 \
+            int64_t before = 0;                                                                               \
+            for (cut = 0; before + count[cut] < k; cut++) before += count[cut], total += mass[cut];          \
+            ranked = rank_bucket_##NAME(x, s, n, cut);                                                        \
+            limit = k - before;                                                                               \
+            if (limit < ranked && SCALED(s->ranked[limit - 1].x, t, unit) == SCALED(s->ranked[limit].x, t, unit)) \
+                return -1;                                                                                    \
+            for (int64_t i = 0; i < limit; i++) total += s->ranked[i].w;                                      \
+        } else {                                                                                              \
+            for (int64_t b = 0; b < NUCLEUS_BUCKETS; b++) total += mass[b];                                   \
+        }                                                                                                     \
+        const double want = p < 1 ? p * total : INFINITY;                                                     \
+        int64_t b = 0;                                                                                        \
+        while (b < cut && above + mass[b] < want) above += mass[b++];                                         \
+        if (b != cut) limit = n, cut = b, ranked = -1;                                                        \
+        if (ranked < 0) ranked = rank_bucket_##NAME(x, s, n, cut);                                            \
+        double kept = above;                                                                                  \
+        int64_t c = 0;                                                                                        \
+        while (c < ranked && c < limit && kept < want) kept += s->ranked[c++].w;                              \
+        /* the draw: the whole buckets' tokens in index order, then the cut bucket's kept ones in rank order */ \
+        const double target = u * kept;                                                                       \
+        if (target < above) return draw_whole(w, bucket, n, cut, target);                                     \
+        int64_t pick = -1;                                                                                    \
+        double run = above;                                                                                   \
+        for (int64_t i = 0; i < c; i++) {                                                                     \
+            if (s->ranked[i].w <= 0) continue;                                                                \
+            pick = s->ranked[i].j;                                                                            \
+            run += s->ranked[i].w;                                                                            \
+            if (run > target) break;                                                                          \
+        }                                                                                                     \
+        return pick >= 0 ? pick : draw_whole(w, bucket, n, cut, above);                                      \
+    }                                                                                                         \
+                                                                                                              \
+    void flock_nucleus_sample_##NAME(const T *x, int64_t x_stride, const float *temperature,                  \
+                                     const int64_t *top_k, const double *top_p, const double *u, int64_t *out,\
+                                     int64_t rows, int64_t cols, int32_t threads) {                           \
+        int64_t work = rows * cols;                                                                           \
+        PARALLEL_FOR                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                                  \
+            const float t = temperature[i];                                                                   \
+            out[i] = t == 1.0f ? nucleus_row_##NAME(x + i * x_stride, cols, t, top_k[i], top_p[i], u[i], 1)  \
+                               : nucleus_row_##NAME(x + i * x_stride, cols, t, top_k[i], top_p[i], u[i], 0);  \
+        }                                                                                                     \
+    }
+DEFINE_NUCLEUS(bf16, bf16, bf16_load)
+DEFINE_NUCLEUS(f32, float, f32_load)
 
 DEFINE_OPS(bf16, bf16, bf16_load, bf16_store)
 DEFINE_OPS(f32, float, f32_load, f32_store)
