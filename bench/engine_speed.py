@@ -9,7 +9,10 @@
     python -m bench.engine_speed --model flock/smollm2 --workload shared         # a built-in or any HF folder
     python -m bench.engine_speed --model tiny --groups 2 --per-group 4 --prefix 64 --distinct 16 --gen 4 --skip-vllm
 
-Workloads (greedy, ignore_eos, --gen new tokens, prompts shuffled):
+    python -m bench.engine_speed --model flock/smollm2 --workload shared --per-group 64 --prefix 400 --gen 64 \
+        --sampling temperature=1.0,top_p=0.95                                    # both engines sampling
+
+Workloads (greedy unless --sampling, ignore_eos, --gen new tokens, prompts shuffled):
   shared      --groups x --per-group prompts: a group prefix (--prefix tokens) + --distinct own tokens;
   unshared    as many prompts of --prefix + --distinct random tokens;
   kv-pressure the flock/bench-kv shape (hidden 512, intermediate 1408, 24 layers, 8 q / 8 KV heads: 48 KiB of
@@ -53,6 +56,15 @@ KV_PRESSURE = dict(groups=16, per_group=8, prefix=1500, distinct=100)
 SCHEDULERS = ("fcfs", "batchllm")
 
 
+def sampling_fields(text: str) -> dict:
+    """'temperature=1.0,top_k=50' -> {"temperature": 1.0, "top_k": 50}: the fields both engines sample with."""
+    fields = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        fields[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+    return fields
+
+
 def make_workload(name: str, args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
     if name == "shared":
@@ -66,13 +78,14 @@ def flock_result(folder: Path, w: Workload, scheduler: str, args: argparse.Names
                  kv_bytes: int | None = None) -> Result:
     return run_flock(folder, w, f"Flock {scheduler}", warmup_prompts(args.seed, args.prefix + args.distinct),
                      scheduler=scheduler, attention=args.attention, max_num_batched_tokens=args.max_batched_tokens,
-                     kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype)
+                     kv_cache_memory_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype, sampling=args.sampling)
 
 
 def vllm_results(folder: Path, w: Workload, python: Path | str, args: argparse.Namespace,
                  kv_bytes: int | None = None) -> list[Result]:
     return vllm.run_batch(folder, [w], True, python, warmup=warmup_prompts(args.seed, args.prefix + args.distinct),
-                          out=args.out, timeout=args.vllm_timeout, kv_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype)
+                          out=args.out, timeout=args.vllm_timeout, kv_bytes=kv_bytes, kv_cache_dtype=args.kv_cache_dtype,
+                          sampling=args.sampling)
 
 
 # -- report ----------------------------------------------------------------------------------------------------
@@ -97,12 +110,12 @@ def table(results: list[Result], bound_tokens: int) -> str:
     return markdown_table(head, rows)
 
 
-def agreement(results: list[Result]) -> str:
+def agreement(results: list[Result], sampled: bool) -> str:
     """Outputs identical to Flock fcfs's, and the mean number of leading tokens that agree: a sanity check, not a
     speed figure (random bf16 weights give near-ties, so a different computation order may flip a token)."""
     base = next((r for r in results if r.engine == "Flock fcfs" and not r.error), None)
-    if base is None:
-        return ""
+    if base is None or sampled:
+        return "sampled: the engines' tokens are not compared" if sampled else ""
 
     def common(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -154,7 +167,8 @@ def run_workload(name: str, python: Path | str | None, args: argparse.Namespace)
         budgets = [(None, None)]
     print(f"\n## {name}: {folder.name}, {len(w.prompts)} prompts, {w.prompt_tokens:,} prompt tokens, {w.gen} generated "
           f"each; best saving rate {w.bound:.1%}, block-level bound {bound_tokens:,} computed prompt tokens; "
-          f"KV the batch needs at once {need / 2**30:.2f} GiB (bf16); KV cache {args.kv_cache_dtype}; Flock attention: "
+          f"KV the batch needs at once {need / 2**30:.2f} GiB (bf16); KV cache {args.kv_cache_dtype}; "
+          f"sampling {args.sampling or 'greedy'}; Flock attention: "
           f"{machine.attention_path(args.attention, folder)}", flush=True)
     report = []
     for fraction, kv in budgets:
@@ -167,7 +181,8 @@ def run_workload(name: str, python: Path | str | None, args: argparse.Namespace)
         where = "" if kv is None else f", KV budget {kv / 2**30:.2f} GiB" + (
             f" ({fraction:.0%} of the need)" if fraction else "")
         print(f"\n### {name}{where}\n\n{table(results, bound_tokens)}\n\nspeed vs vLLM = vLLM's wall s / this wall s "
-              f"(> 1: faster); computed prompt tokens vs the block-level bound ({bound_tokens:,})\n{agreement(results)}")
+              f"(> 1: faster); computed prompt tokens vs the block-level bound ({bound_tokens:,})\n"
+              f"{agreement(results, bool(args.sampling))}")
         starts = [f"{r.extra['startup_s']:.0f} s" for r in results if "startup_s" in r.extra]
         if starts:
             print(f"vLLM start-up (not in wall s): {starts[0]}")
@@ -206,6 +221,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--distinct", type=int, default=100)
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", type=sampling_fields, default={},
+                   help="SamplingParams fields both engines sample with, e.g. temperature=1.0,top_p=0.95 (greedy)")
     p.add_argument("--kv-gib", type=float, default=1.0, help="KV budget of both engines under kv-pressure")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="both engines' KV cache elements")
     p.add_argument("--kv-fractions", default="0.25,0.5,1,2", help="kv-sweep budgets, fractions of the need")

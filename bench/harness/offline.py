@@ -133,10 +133,11 @@ STATS = ("wall_seconds", "schedule_seconds", "model_seconds", "steps", "preempti
 
 
 def run_flock(folder: Path, w: Workload, label: str, warmup: list[list[int]], *, scheduler: str = "fcfs",
-              caching: bool = True, sort: bool = False, **engine_kw) -> Result:
+              caching: bool = True, sort: bool = False, sampling: dict | None = None, **engine_kw) -> Result:
     """One Flock condition: a fresh LLM (bf16, 16-token blocks, `engine_kw`), warmed up on `warmup`, then
-    the workload greedy with ignore_eos. `sort`: prompts sorted lexicographically before generate, outputs
-    mapped back (the sort is inside wall s). A failing condition is returned as an error, not raised."""
+    the workload with ignore_eos, greedy or with the SamplingParams fields `sampling`. `sort`: prompts sorted
+    lexicographically before generate, outputs mapped back (the sort is inside wall s). A failing condition is
+    returned as an error, not raised."""
     from flock import LLM, SamplingParams
 
     llm = None
@@ -145,7 +146,7 @@ def run_flock(folder: Path, w: Workload, label: str, warmup: list[list[int]], *,
                   block_size=BLOCK, **engine_kw)
         llm.generate([{"prompt_token_ids": p} for p in warmup],
                      SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        params = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
+        params = SamplingParams(**{"temperature": 0, "max_tokens": w.gen, "ignore_eos": True, **(sampling or {})})
         with OthersCPU() as others:
             start = time.perf_counter()
             order = sorted(range(len(w.prompts)), key=w.prompts.__getitem__) if sort else range(len(w.prompts))

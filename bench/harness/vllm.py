@@ -111,10 +111,11 @@ def run_in_group(cmd: list, timeout: float, **popen) -> int:
 
 def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Path | str, *, warmup: list[list[int]],
               out: Path, timeout: float, kv_bytes: int | None = None, max_model_len: int = 2048,
-              kv_cache_dtype: str = "auto") -> list[Result]:
+              kv_cache_dtype: str = "auto", sampling: dict | None = None) -> list[Result]:
     """The workloads through vLLM in one child process (vLLM fixes prefix caching and its KV budget at
     start-up), its prefix cache reset between them; `python` may be why vLLM is unavailable. `kv_bytes`:
-    its KV cache size (default: VLLM_CPU_KVCACHE_SPACE, 4 GiB). Start-up is in extra, not in wall_s."""
+    its KV cache size (default: VLLM_CPU_KVCACHE_SPACE, 4 GiB); `sampling`: SamplingParams fields (default
+    greedy). Start-up is in extra, not in wall_s."""
     if isinstance(python, str):
         return [Result(VLLM_ENGINE, caching, error=f"unavailable: {python}") for _ in workloads]
     gen = workloads[0].gen
@@ -125,7 +126,8 @@ def run_batch(folder: Path, workloads: list[Workload], caching: bool, python: Pa
         result.unlink(missing_ok=True)
         job.write_text(json.dumps({
             "model": str(folder), "prefix_caching": caching, "gen": gen, "max_model_len": max_model_len,
-            "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype, "warmup": warmup,
+            "kv_cache_memory_bytes": kv_bytes, "kv_cache_dtype": kv_cache_dtype, "sampling": sampling or {},
+            "warmup": warmup,
             "workloads": {w.name: w.prompts for w in workloads}}))
         env = vllm_env()
         if kv_bytes:  # vLLM's CPU platform lets this legacy variable override kv_cache_memory_bytes

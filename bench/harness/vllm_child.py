@@ -3,7 +3,8 @@
 usage: python vllm_child.py JOB.json RESULT.json
 
 JOB: {"model", "prefix_caching", "gen", "max_model_len", "kv_cache_memory_bytes" (null: VLLM_CPU_KVCACHE_SPACE),
-"kv_cache_dtype" (default auto), "warmup": [[ids]], "workloads": {name: [[ids]]}}
+"kv_cache_dtype" (default auto), "sampling" (SamplingParams fields; default greedy), "warmup": [[ids]],
+"workloads": {name: [[ids]]}}
 RESULT: {"vllm_version", "startup_s", "workloads": {name: {"wall_s", "prompt_tokens", "generated_tokens",
 "cached_tokens", "output_token_ids", "metrics"}}}; metrics: vLLM's counters and histogram counts / sums over the
 workload (e.g. "vllm:num_preemptions", "vllm:iteration_tokens_total:count" = engine steps).
@@ -38,7 +39,7 @@ def main(job_path: str, result_path: str) -> None:
     startup_s = time.perf_counter() - t0
 
     def run(prompts: list[list[int]], gen: int):
-        params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+        params = SamplingParams(**{"max_tokens": gen, "temperature": 0, "ignore_eos": True, **job.get("sampling", {})})
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     def metrics() -> dict[str, float]:
