@@ -295,13 +295,10 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
 // x / t as the draw scales it; `unit` (t == 1, the default temperature) skips the division, exactly.
 #define SCALED(v, t, unit) ((unit) ? (v) : (v) / (t))
 #define DEFINE_SAMPLE(NAME, T, LOAD)                                                                          \
-    /* The weights e^(x/t - top) of row x (top: its largest x / t) summed by chunks of SAMPLE_CHUNK into the   \
-       running totals ends[] (*last: the last chunk of any weight); the total, or -1 for a NaN or no finite    \
-       maximum. */                                                                                            \
-    static inline __attribute__((always_inline)) double weigh_row_##NAME(const T *x, int64_t n, float t,      \
-                                                                          const int unit, float *top_out,     \
-                                                                          double *ends, int64_t *last) {      \
-        /* the largest x / t is the largest x over t (division by t > 0 keeps the order, rounded too) */      \
+    /* the largest x / t of row x: the largest x over t (division by t > 0 keeps the order, rounded too); NaN   \
+       for a row holding a NaN or no finite maximum */                                                        \
+    static inline __attribute__((always_inline)) float row_top_##NAME(const T *x, int64_t n, float t,         \
+                                                                       const int unit) {                      \
         float top = -INFINITY;                                                                                \
         int nan = 0;                                                                                          \
         _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
@@ -311,7 +308,17 @@ DEFINE_FIRST_MAX(f32, float, f32_load)
             top = v > top ? v : top;                                                                          \
         }                                                                                                     \
         top = SCALED(top, t, unit);                                                                           \
-        if (nan || !(top > -INFINITY) || top == INFINITY) return -1;                                          \
+        return nan || !(top > -INFINITY) || top == INFINITY ? NAN : top;                                      \
+    }                                                                                                         \
+                                                                                                              \
+    /* The weights e^(x/t - top) of row x (top: its largest x / t) summed by chunks of SAMPLE_CHUNK into the   \
+       running totals ends[] (*last: the last chunk of any weight); the total, or -1 for a NaN or no finite    \
+       maximum. */                                                                                            \
+    static inline __attribute__((always_inline)) double weigh_row_##NAME(const T *x, int64_t n, float t,      \
+                                                                          const int unit, float *top_out,     \
+                                                                          double *ends, int64_t *last) {      \
+        const float top = row_top_##NAME(x, n, t, unit);                                                      \
+        if (top != top) return -1;                                                                            \
         int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;                                               \
         double total = 0;                                                                                     \
         *last = 0;                                                                                            \
@@ -480,16 +487,8 @@ static int64_t draw_whole(const float *w, const uint16_t *bucket, int64_t n, int
                                                                                                               \
     static int64_t nucleus_row_##NAME(const T *x, int64_t n, float t, int64_t k, double p, double u,          \
                                       const int unit) {                                                       \
-        float top = -INFINITY;                                                                                \
-        int nan = 0;                                                                                          \
-        _Pragma("omp simd reduction(max:top) reduction(|:nan)")                                               \
-        for (int64_t j = 0; j < n; j++) {                                                                     \
-            float v = LOAD(x[j]);                                                                             \
-            nan |= v != v;                                                                                    \
-            top = v > top ? v : top;                                                                          \
-        }                                                                                                     \
-        top = SCALED(top, t, unit);                                                                           \
-        NucleusScratch *s = nan || !(top > -INFINITY) || top == INFINITY ? NULL : nucleus_room(n);            \
+        const float top = row_top_##NAME(x, n, t, unit);                                                      \
+        NucleusScratch *s = top != top ? NULL : nucleus_room(n);                                              \
         if (!s) return -1;                                                                                    \
         float *w = s->w;                                                                                      \
         uint16_t *bucket = s->bucket;                                                                         \
