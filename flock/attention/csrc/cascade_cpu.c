@@ -636,6 +636,41 @@ static void cap_scores(float *s, int n, float scale, float cap) {
     }
 }
 
+// Row `idx`'s running max moved up to `top`: its O and sum of weights scaled down to match.
+static void raise_max(Scratch *w, int D, int idx, float top, float cc) {
+    const vf alpha = vset1(exp2f((w->m[idx] - top) * cc));
+    float *o = w->o + (int64_t)idx * D, *l = w->l + (int64_t)idx * W;
+    for (int d = 0; d < D; d += W) vstore(o + d, vmul(vload(o + d), alpha));
+    vstore(l, vmul(vload(l), alpha));
+    w->m[idx] = top;
+}
+
+#if defined(__AVX512BF16__)
+// softmax() for a block of bf16 rows that all see the chunk's CHUNK positions (no cap): each row's four vectors
+// of scores in registers, no masks, as row_weights weighs them.
+static void softmax_whole(Scratch *w, int mr, int hrow, int D, float cc, float rise) {
+    _Static_assert(CHUNK == 4 * W, "four vectors of scores a row");
+    const vf c = vset1(cc);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+    for (int r = 0; r < mr; r++) {
+        const float *s = w->s + r * CHUNK;
+        const vf x0 = vload(s), x1 = vload(s + W), x2 = vload(s + 2 * W), x3 = vload(s + 3 * W);
+        const vf mx = vmax(vmax(x0, x1), vmax(x2, x3));
+        const int idx = hrow + r;
+        if (w->m[idx] == -INFINITY) w->m[idx] = hmax(mx);
+        else if (any_gt(mx, vset1(w->m[idx] + rise))) raise_max(w, D, idx, hmax(mx), cc);
+        const vf mc = vset1(w->m[idx] * cc);
+        const __m512bh p0 = _mm512_cvtne2ps_pbh(vexp2(vfms(x1, c, mc), 0), vexp2(vfms(x0, c, mc), 0));
+        const __m512bh p1 = _mm512_cvtne2ps_pbh(vexp2(vfms(x3, c, mc), 0), vexp2(vfms(x2, c, mc), 0));
+        bf16 *p = (bf16 *)w->p + r * CHUNK;
+        _mm512_storeu_si512(p, (__m512i)p0);
+        _mm512_storeu_si512(p + 2 * W, (__m512i)p1);
+        float *l = w->l + (int64_t)idx * W;
+        vstore(l, _mm512_dpbf16_ps(_mm512_dpbf16_ps(vload(l), p0, ones), p1, ones));
+    }
+}
+#endif
+
 // Weights of one row block's scores (positions [0, nb) of the chunk starting at c0): per row, the positions it
 // sees, its running max (moved only when a score exceeds it by 2^RESCALE_LOG2 in weight, O and l rescaled
 // then: most chunks keep it), and its weights (row_weights), hidden positions exactly 0.
@@ -645,6 +680,14 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
     const float cc = a->scale * LOG2E;
     const vf ninf = vset1(-INFINITY), c = vset1(cc);
     const float rise = RESCALE_LOG2 / cc;  // the running max moves when a score exceeds it by this
+#if defined(__AVX512BF16__)
+    int whole = pairs && !precise && nb == CHUNK && a->softcap <= 0.0f;
+    for (int r = 0; r < mr && whole; r++) whole = w->limit[row + r] - c0 + 1 >= CHUNK && w->first[row + r] <= c0;
+    if (whole) {
+        softmax_whole(w, mr, hrow, D, cc, rise);
+        return;
+    }
+#endif
     const int pvec = pairs ? (nb + 31) / 32 * (32 / W) : (nb + W - 1) / W;  // pairs: whole 32-position runs
     for (int r = 0; r < mr; r++) {
         const float *s = w->s + r * CHUNK;
@@ -664,12 +707,7 @@ INLINE void softmax(const Args *a, Scratch *w, int mr, int row, int hrow, int64_
             if (*m == -INFINITY) {  // the row's first visible scores: O and l are zeros
                 *m = hmax(mx);
             } else if (any_gt(mx, vset1(*m + rise))) {
-                const float top = hmax(mx);
-                const vf alpha = vset1(exp2f((*m - top) * cc));
-                float *o = w->o + (int64_t)(hrow + r) * D;
-                for (int d = 0; d < D; d += W) vstore(o + d, vmul(vload(o + d), alpha));
-                vstore(l, vmul(vload(l), alpha));
-                *m = top;
+                raise_max(w, D, hrow + r, hmax(mx), cc);
             }
         }
 #undef SCORE
