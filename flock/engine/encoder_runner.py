@@ -7,6 +7,7 @@ import torch
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
+from flock.engine.heap import zeroed
 from flock.engine.runner import StepOutput, resolve_device
 from flock.model import ResolvedModel, resolve_dtype
 from flock.model.encoder import BertEncoder
@@ -47,8 +48,7 @@ class EncoderRunner:
         self.num_blocks = config.num_kv_blocks or math.ceil((config.max_num_batched_tokens + max_model_len) /
                                                             self.block_size) + config.max_num_seqs
         shape = (self.num_blocks, self.block_size, c.num_attention_heads, c.head_dim)
-        self.model.set_cache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                             torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.model.set_cache(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
         self.paths = {"gemm": self.model.prepack() if config.ops in ("auto", "packed") else "F.linear",
                       "elementwise": self.model.use_fused_ops() if config.ops in ("auto", "fused") else "PyTorch ops",
                       "attention": self.attention_path}

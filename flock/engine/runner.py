@@ -8,7 +8,7 @@ from torch import nn
 from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
-from flock.engine.heap import keep_freed_memory, release_freed_memory
+from flock.engine.heap import keep_freed_memory, release_freed_memory, zeroed
 from flock.kv import fp8
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
@@ -85,8 +85,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, fp8.row_width(c.head_dim, self.kv_dtype))
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.k_cache = zeroed(shape, self.kv_dtype, self.device)
+            attn.v_cache = zeroed(shape, self.kv_dtype, self.device)
         # one guard for every step (not reentrant): the decorator's new one a step costs a decode step ~100 us
         self.inference = torch.inference_mode()
         self.logits: torch.Tensor | None = None  # float32 rows the lm_head writes, kept across steps (_logits_out)

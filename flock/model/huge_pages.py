@@ -7,8 +7,8 @@ huge pages to), but memory that malloc has already handed out stays on the pages
 tensors are carved, 64-byte aligned, from fresh mappings asked for 2 MiB pages before anything touches them: one
 per tensor of REGION or more, shared regions of REGION for smaller ones. A region lives as long as a tensor carved
 from it. Where the kernel has no transparent huge pages the same memory stays on 4 KiB pages; elsewhere than Linux
-these are torch.empty's. (Not the KV caches: zeroed whole at start-up, fresh 2 MiB pages can fault in slowly; see
-docs/kernels.md.)
+these are torch.empty's. (Not the KV caches: fresh 2 MiB pages can fault in slowly, and a step that first writes a
+block would wait on them; see docs/kernels.md.)
 """
 
 import math
