@@ -6,17 +6,20 @@ flags a path needs and the gcc flags it adds) and the ctypes signatures of the f
 of a path is compiled on first use by `build` into FLOCK_CACHE_DIR (default ~/.cache/flock)/kernels, named by a
 hash of the source, the headers beside it and the flags, so a changed source, header or flag set is rebuilt and
 concurrent builders each install a whole library; it is loaded once per process, and `unavailable(path)` says
-why it cannot run: the CPU flags the path needs and this CPU lacks, no gcc, or gcc's error.
+why it cannot run: the CPU flags the path needs and this CPU lacks, no gcc, or gcc's error. `prebuild` compiles
+several builds side by side before their first loads (a fresh machine's engine start, the test suite's).
 FLOCK_CPU_ISA forces an attention path lower than the CPU's best (`forced_isa`).
 """
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,14 +125,18 @@ def cache_dir() -> Path:
 SHARED_HEADERS = Path(__file__).resolve().parent / "csrc"  # headers every kernel source may include
 
 
+def _library_file(source: Path, flags: list[str]) -> Path:
+    headers = [*sorted(source.parent.glob("*.h")), *sorted(SHARED_HEADERS.glob("*.h"))]  # it may include them
+    text = b"".join(f.read_bytes() for f in [source, *headers])
+    tag = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{tag}.so"
+
+
 def build(source: Path, flags: list[str]) -> Path:
     """Compile `source` with gcc and `flags` (plus -shared -fPIC) unless a library of it (and of the headers
     beside it and in SHARED_HEADERS) is cached; its path.
     Raises subprocess.CalledProcessError (with gcc's stderr) or OSError (no gcc, no writable cache)."""
-    headers = [*sorted(source.parent.glob("*.h")), *sorted(SHARED_HEADERS.glob("*.h"))]  # it may include them
-    text = b"".join(f.read_bytes() for f in [source, *headers])
-    tag = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"{source.stem}-{tag}.so"
+    lib = _library_file(source, flags)
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
@@ -140,7 +147,27 @@ def build(source: Path, flags: list[str]) -> Path:
     return lib
 
 
+def uncached(builds: Iterable[tuple["Library", str]]) -> list[tuple["Library", str]]:
+    """The (library, path) builds of `builds` that are not compiled yet, once each."""
+    files = {_library_file(lib.source, lib.gcc_flags(path)): (lib, path) for lib, path in builds}
+    return [build for file, build in files.items() if not file.exists()]
+
+
+def prebuild(builds: Iterable[tuple["Library", str]], workers: int | None = None) -> None:
+    """Compile the (library, path) builds not cached yet, `workers` gccs at a time (default: one a core), so that
+    a fresh machine waits for its kernels' compiles side by side rather than one after another as they load. A
+    build that fails is left for its load to report."""
+    todo = uncached(builds)
+    if not todo:
+        return
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        for done in [pool.submit(lib.build, path) for lib, path in todo]:
+            with contextlib.suppress(OSError, subprocess.CalledProcessError):
+                done.result()
+
+
 Signature = tuple[list, type | None]  # ctypes argtypes, restype (None: void)
+DECLARED: list["Library"] = []  # every Library made, in order: the kernels' modules declare theirs at import
 
 
 @dataclass(eq=False)
@@ -155,6 +182,9 @@ class Library:
     flags: tuple[str, ...] = ("-O3", "-fopenmp")
     ready: Callable[[ctypes.CDLL], str | None] | None = None
     _loaded: dict[str, tuple[ctypes.CDLL | None, str | None]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        DECLARED.append(self)
 
     def gcc_flags(self, path: str) -> list[str]:
         return [*self.flags, *ISAS[path].gcc_flags]

@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+from flock import native  # noqa: E402
 from flock.engine import runner  # noqa: E402
 from flock.model.builtin import write_tokenizer  # noqa: E402
 
@@ -121,6 +122,11 @@ def make_hf_model(kind: str, folder, seed: int = 0, vocab: int = VOCAB, **save_k
     model.save_pretrained(folder, **save_kwargs)
     write_tokenizer(folder, vocab)
     return folder
+
+
+def pytest_sessionstart(session):
+    """Every path of every kernel the suite builds (AMX ones and emulations too), compiled side by side first."""
+    native.prebuild((lib, path) for lib in native.DECLARED for path in lib.paths)
 
 
 @pytest.fixture(scope="session", autouse=True)

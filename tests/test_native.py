@@ -11,7 +11,8 @@ import pytest
 import flock
 from flock import native
 from flock.attention import cpu
-from flock.model import fused_ops, gemm
+from flock.engine.kernels import engine_builds
+from flock.model import fused_ops, gemm, quant
 from flock.native import Library, build
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
@@ -126,6 +127,31 @@ def test_the_build_is_keyed_by_the_paths_flags(tmp_path, monkeypatch):
     assert lib.gcc_flags("avx2") == ["-O3", "-fopenmp", "-mavx2", "-mfma"]
     builds = {lib.build(p) for p in lib.paths}
     assert len(builds) == 3 and lib.build("avx2") in builds  # cached
+
+
+@needs_gcc
+def test_prebuild_compiles_the_uncached_builds_side_by_side_and_leaves_failures_to_the_load(tmp_path, monkeypatch):
+    lib = library(tmp_path, monkeypatch, "int f(void) { return 1; }\n")
+    builds = [(lib, "avx2"), (lib, "baseline"), (lib, "baseline")]
+    assert native.uncached(builds) == [(lib, "avx2"), (lib, "baseline")]
+    native.prebuild(builds, workers=2)
+    assert native.uncached(builds) == [] and lib.build("avx2").exists()
+    (tmp_path / "broken").mkdir()
+    broken = library(tmp_path / "broken", monkeypatch, "int f(void) { return }\n")
+    native.prebuild([(broken, "baseline")])
+    assert native.uncached([(broken, "baseline")]) == [(broken, "baseline")]
+    assert "could not build the test library" in broken.unavailable("baseline")
+
+
+def test_the_engine_prebuilds_each_kernels_path_for_this_cpu_or_the_forced_attention_path(monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    builds = engine_builds()
+    bf16_gemm = gemm.AMX if "amx_bf16" in native.cpu_flags() else gemm.KERNEL
+    kernels = [cpu.KERNEL, fused_ops.KERNEL, bf16_gemm, quant.KERNEL]
+    assert [lib for lib, _ in builds] == [lib for lib in kernels if lib.runnable()]
+    assert all(path == lib.runnable()[0] for lib, path in builds)
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    assert engine_builds()[0] == (cpu.KERNEL, "avx2")
 
 
 def test_forced_isa_reads_flock_cpu_isa(monkeypatch):

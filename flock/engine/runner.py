@@ -9,6 +9,7 @@ from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.heap import keep_freed_memory, release_freed_memory, zeroed
+from flock.engine.kernels import prebuild_kernels
 from flock.kv import fp8
 from flock.lora.model import LoRAModel
 from flock.model import ResolvedModel, apply_ops, build_model, resolve_dtype
@@ -68,6 +69,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, c, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            prebuild_kernels()
         self.block_size = config.block_size
         self.kv_dtype = fp8.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.backend = make_backend(config.attention, c, self.device, self.dtype, self.kv_dtype)
