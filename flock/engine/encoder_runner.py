@@ -8,6 +8,7 @@ from flock.attention import make_backend
 from flock.attention.base import StepLayout
 from flock.config import EngineConfig
 from flock.engine.heap import zeroed
+from flock.engine.kernels import prebuild_kernels
 from flock.engine.runner import StepOutput, resolve_device
 from flock.model import ResolvedModel, resolve_dtype
 from flock.model.encoder import BertEncoder
@@ -28,6 +29,8 @@ class EncoderRunner:
         c = resolved.config
         self.device = resolve_device(config.device)
         self.dtype = self.kv_dtype = resolve_dtype(config.dtype, c, self.device)
+        if self.device.type == "cpu":
+            prebuild_kernels()
         self.block_size = config.block_size
         # a backend per layer window (None: the whole prompt), each planning the step for its own layers
         self.backends = {w: make_backend(config.attention, replace(c, sliding_window=w, sliding_layers=None),
