@@ -150,7 +150,7 @@ def build(source: Path, flags: list[str]) -> Path:
 def uncached(builds: Iterable[tuple["Library", str]]) -> list[tuple["Library", str]]:
     """The (library, path) builds of `builds` that are not compiled yet, once each."""
     files = {_library_file(lib.source, lib.gcc_flags(path)): (lib, path) for lib, path in builds}
-    return [build for file, build in files.items() if not file.exists()]
+    return [pair for file, pair in files.items() if not file.exists()]
 
 
 def prebuild(builds: Iterable[tuple["Library", str]], workers: int | None = None) -> None:
