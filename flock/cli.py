@@ -3,6 +3,7 @@
 Face folder."""
 
 import argparse
+import logging
 import sys
 
 from flock.api.server import add_serve_parser, serve_main
@@ -63,7 +64,7 @@ def _add_run(sub) -> None:
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
     mode.add_argument("--overwrite", action="store_true", help="delete OUTPUT and the error file and start again")
-    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, a one-line summary")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no notes, a one-line summary")
     run.add_argument("--strict", action="store_true", help="exit with status 1 if any line failed (by default a "
                                                            "job that ran to the end exits 0, failed lines or not)")
     add_parser_arguments(run)
@@ -100,6 +101,9 @@ def run_batch(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.quiet:  # Flock's notes on stderr (kernels compiled on a fresh machine, weights dequantized, ...)
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("flock").setLevel(logging.INFO)
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
                     sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser)
     if args.workers is None:

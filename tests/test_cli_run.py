@@ -1,10 +1,11 @@
-"""`flock run` argument handling that stops before any engine is built (exit status 2)."""
+"""`flock run` argument handling that stops before any engine is built (exit status 2), and what it shows."""
 
 import json
+import logging
 
 import pytest
 
-from flock import cli
+from flock import cli, native
 
 
 @pytest.fixture
@@ -117,3 +118,19 @@ def test_speculative_config_flag_and_its_summary(tmp_path, capsys):
     code, err = run(capsys, path, "-o", tmp_path / "p.jsonl", "--model", "flock/tiny", "--speculative-config",
                     '{"method": "eagle", "num_speculative_tokens": 3}')
     assert code != 0 and "speculative_config.method='eagle'" in err
+
+
+@pytest.fixture
+def flock_log_level():
+    yield
+    logging.getLogger("flock").setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_flock_run_shows_flocks_notes_unless_quiet(tmp_path, batch, caplog, monkeypatch, flock_log_level, quiet):
+    """A fresh machine's kernel compiles (faked here) are noted on stderr, as `flock serve` logs them."""
+    monkeypatch.setattr(native, "uncached", lambda builds: list(builds))
+    monkeypatch.setattr(native, "prebuild", lambda builds: None)
+    argv = ["run", str(batch), "-o", str(tmp_path / "o.jsonl"), "--model", "flock/tiny", *(["-q"] if quiet else [])]
+    assert cli.main(argv) == 0
+    assert ("C kernels for this CPU" in caplog.text) is not quiet
