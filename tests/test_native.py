@@ -4,6 +4,7 @@ load -> why unavailable; and no native code built or loaded anywhere else in the
 import ctypes
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import flock
 from flock import native
 from flock.attention import cpu
+from flock.engine import kernels
 from flock.engine.kernels import engine_builds
 from flock.model import fused_ops, gemm, quant
 from flock.native import Library, build
@@ -152,6 +154,19 @@ def test_the_engine_prebuilds_each_kernels_path_for_this_cpu_or_the_forced_atten
     assert all(path == lib.runnable()[0] for lib, path in builds)
     monkeypatch.setenv(native.ISA_ENV, "avx2")
     assert engine_builds()[0] == (cpu.KERNEL, "avx2")
+
+
+def test_an_engines_start_compiles_in_the_background_and_its_runner_waits(monkeypatch):
+    compiled, todo = [], [(cpu.KERNEL, "avx2")]
+    monkeypatch.setattr(native, "uncached", lambda builds: [] if compiled else todo)
+    monkeypatch.setattr(native, "prebuild", lambda builds: (time.sleep(0.2), compiled.append(builds)))
+    kernels.start_kernel_builds()
+    kernels.start_kernel_builds()  # one at a time
+    assert compiled == []  # not waited for
+    kernels.prebuild_kernels()
+    assert compiled == [todo] and kernels._compiling is None
+    kernels.prebuild_kernels()  # nothing left to compile
+    assert compiled == [todo]
 
 
 def test_forced_isa_reads_flock_cpu_isa(monkeypatch):

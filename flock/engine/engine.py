@@ -11,7 +11,8 @@ from flock.config import EngineConfig
 from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
 from flock.engine.draft_model import DraftModelProposer
 from flock.engine.encoder_runner import EncoderRunner
-from flock.engine.runner import ModelRunner, StepOutput
+from flock.engine.kernels import start_kernel_builds
+from flock.engine.runner import ModelRunner, StepOutput, resolve_device
 from flock.engine.stats import RunStats
 from flock.kv.disk_store import DiskKVStore, fingerprint
 from flock.kv.manager import KVCacheManager
@@ -90,6 +91,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if resolve_device(config.device).type == "cpu":
+            start_kernel_builds()  # beside the model's resolving and loading
         resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
