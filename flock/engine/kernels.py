@@ -1,5 +1,5 @@
 """The C kernels a CPU engine loads, compiled side by side while the engine loads its model: a fresh machine's
-first engine start waits for the slowest compile, not for their sum, and mostly not at all."""
+first engine start runs its compiles beside each other and beside the model's load, not one after another."""
 
 import logging
 import threading
