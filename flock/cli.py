@@ -90,7 +90,7 @@ RAY_FLAGS = ("ray_address", "worker_threads")
 
 
 def run_batch(args) -> int:
-    from flock.api.batch import JobConfig, run_job
+    from flock.api.batch import JobConfig
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     try:
@@ -101,11 +101,22 @@ def run_batch(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not args.quiet:  # Flock's notes on stderr (kernels compiled on a fresh machine, weights dequantized, ...)
-        logging.basicConfig(format="%(message)s")
-        logging.getLogger("flock").setLevel(logging.INFO)
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
                     sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser)
+    logger = logging.getLogger("flock")
+    level = logger.level
+    if not args.quiet:  # Flock's notes on stderr (kernels compiled on a fresh machine, weights dequantized, ...)
+        logging.basicConfig(format="%(message)s")
+        logger.setLevel(logging.INFO)
+    try:
+        return _run(cfg, args)
+    finally:  # a caller's own level back (cli.main called from Python)
+        logger.setLevel(level)
+
+
+def _run(cfg, args) -> int:
+    from flock.api.batch import run_job
+
     if args.workers is None:
         if any(getattr(args, k) is not None for k in RAY_FLAGS):
             print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)

@@ -120,17 +120,13 @@ def test_speculative_config_flag_and_its_summary(tmp_path, capsys):
     assert code != 0 and "speculative_config.method='eagle'" in err
 
 
-@pytest.fixture
-def flock_log_level():
-    yield
-    logging.getLogger("flock").setLevel(logging.NOTSET)
-
-
 @pytest.mark.parametrize("quiet", [False, True])
-def test_flock_run_shows_flocks_notes_unless_quiet(tmp_path, batch, caplog, monkeypatch, flock_log_level, quiet):
-    """A fresh machine's kernel compiles (faked here) are noted on stderr, as `flock serve` logs them."""
+def test_flock_run_shows_flocks_notes_unless_quiet(tmp_path, batch, caplog, monkeypatch, quiet):
+    """A fresh machine's kernel compiles (faked here) are noted on stderr, as `flock serve` logs them; the
+    "flock" logger's level is the caller's again afterwards."""
     monkeypatch.setattr(native, "uncached", lambda builds: list(builds))
     monkeypatch.setattr(native, "prebuild", lambda builds: None)
     argv = ["run", str(batch), "-o", str(tmp_path / "o.jsonl"), "--model", "flock/tiny", *(["-q"] if quiet else [])]
     assert cli.main(argv) == 0
     assert ("C kernels for this CPU" in caplog.text) is not quiet
+    assert logging.getLogger("flock").level == logging.NOTSET
