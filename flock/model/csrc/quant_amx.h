@@ -500,27 +500,6 @@ static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, 
     }
 }
 
-// y[at ..] = v[0 .. cols): fp32, or bf16 (f32_to_bf16's rounding)
-static inline void write_row(void *y, int64_t at, const float *v, int cols, int out_bf16) {
-    int e = 0;
-#ifdef AVX512_STEPS
-    for (; e + 16 <= cols; e += 16) {
-        const __m512 f = _mm512_loadu_ps(v + e);
-        if (!out_bf16) {
-            _mm512_storeu_ps((float *)y + at + e, f);
-            continue;
-        }
-        const __m512i bits = _mm512_castps_si512(f);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
-        _mm256_storeu_si256((__m256i *)((bf16 *)y + at + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-    }
-#endif
-    for (; e < cols; e++)
-        if (out_bf16) ((bf16 *)y)[at + e] = f32_to_bf16(v[e]);
-        else ((float *)y)[at + e] = v[e];
-}
-
 // flock_qgemm's K-quant tiles on AMX, inside its parallel region: the same outputs as its vector loop (xq holds
 // whole tiles of activation rows). Returns nonzero where an emulated tile operation met shapes the CPU would
 // refuse, -1 where its scratch cannot be had.

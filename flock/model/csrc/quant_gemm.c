@@ -1018,6 +1018,27 @@ static void silu_mul_rows(float *g, const float *u, int count) {
     for (; e < count; e++) g[e] = silu_mul(g[e], u[e]);
 }
 
+// y[at ..] = v[0 .. cols): fp32, or bf16 (f32_to_bf16's rounding)
+static inline void write_row(void *y, int64_t at, const float *v, int cols, int out_bf16) {
+    int e = 0;
+#ifdef __AVX512BW__
+    for (; e + 16 <= cols; e += 16) {
+        const __m512 f = _mm512_loadu_ps(v + e);
+        if (!out_bf16) {
+            _mm512_storeu_ps((float *)y + at + e, f);
+            continue;
+        }
+        const __m512i bits = _mm512_castps_si512(f);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+        _mm256_storeu_si256((__m256i *)((bf16 *)y + at + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    }
+#endif
+    for (; e < cols; e++)
+        if (out_bf16) ((bf16 *)y)[at + e] = f32_to_bf16(v[e]);
+        else ((float *)y)[at + e] = v[e];
+}
+
 #ifdef AMX_TILES
 #include "quant_amx.h"
 #endif
@@ -1052,12 +1073,7 @@ static void vector_tile(int type, int x8, const uint8_t *w, int64_t row_bytes, i
             else dot_rows(R, first, type, uj, x, nb, up);
             silu_mul_rows(sums, up, R * step);
         }
-        for (int r = 0; r < R; r++)
-            for (int e = 0; e < step; e++) {
-                const int64_t at = y_at + r * ldy + j + e;
-                if (out_bf16) ((bf16 *)y)[at] = f32_to_bf16(sums[step * r + e]);
-                else ((float *)y)[at] = sums[step * r + e];
-            }
+        for (int r = 0; r < R; r++) write_row(y, y_at + r * ldy + j, sums + step * r, step, out_bf16);
     }
 }
 
