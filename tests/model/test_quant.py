@@ -184,6 +184,29 @@ def test_activations_quantize_alike_on_every_path(dtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", [8, 3])  # Q8_0: d in fp16, s = d * sum(q); Q4_1 (Q8_1): s rounded to fp16 too
+def test_activation_blocks_are_llama_cpps_q8_blocks(path, qtype):
+    """Every 32-block bit for bit as the formula: d = max|x| / 127, q = round(x * (1 / d)) to even, both in
+    float32, over the float range (zeros, ties, 1e-6 to 1e3) and row widths of 1 to 65 blocks."""
+    for k in (32, 576, 2080):
+        x = (torch.randn(6, k) * torch.logspace(-6, 3, 6).unsqueeze(1)).float()
+        x[0, :32] = 0
+        x[1, :32] = torch.arange(-15.5, 16.5)  # ties: d = 1 with the 127 below
+        x[1, 0] = 127
+        acts = quant.quantize_activations(x, qtype, path=path).numpy().reshape(6, k // 32, 40)
+        b = x.numpy().reshape(6, k // 32, 32)
+        d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+        inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        q = np.round(b * inverse[..., None]).astype(np.int8)
+        stored_d, stored_s = (acts[..., at:at + 4].copy().view(np.float32)[..., 0] for at in (0, 4))
+        np.testing.assert_array_equal(acts[..., 8:].view(np.int8), q)
+        np.testing.assert_array_equal(stored_d, d.astype(np.float16).astype(np.float32))
+        sums = q.astype(np.int32).sum(-1).astype(np.float32)
+        s = (d * sums).astype(np.float16).astype(np.float32) if qtype == 3 else stored_d * sums
+        np.testing.assert_array_equal(stored_s, s)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_mixed_parts_glu_bias_and_bf16(path):
     k = 512
     q, v = random_blocks("Q4_K", 48, k, 1), random_blocks("Q6_K", 16, k, 2)

@@ -392,8 +392,9 @@ static inline float load_x(const void *x, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const bf16 *)x)[i]) : ((const float *)x)[i];
 }
 
-// n (a multiple of 32) values of x as int8 with the scale d = max |x| / 127 (nearest, ties to even); a NaN among
-// them makes d NaN (and the values 0), so that the products of the row come out NaN, as the float ones would.
+// A block of n values (a multiple of 32) becomes int8 with the scale d = max |x| / 127: span_amax, then span_round
+// with id = 1 / d (0 where d is 0). A NaN among them makes d NaN, so that the products of the row come out NaN, as
+// the float ones would.
 #ifdef __AVX2__
 static inline __m256 load8(const void *x, int64_t at, int is_bf16) {
     if (!is_bf16) return _mm256_loadu_ps((const float *)x + at);
@@ -401,17 +402,24 @@ static inline __m256 load8(const void *x, int64_t at, int is_bf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
-    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) {
-        const __m256 v = load8(x, at + i, is_bf16);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v));
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
+static inline float span_amax(const void *x, int64_t at, int n, int is_bf16) {
+    __m256 most[4], nan = _mm256_setzero_ps();  // four maxima: a 256-block's are not one chain of 32
+    for (int j = 0; j < 4; j++) most[j] = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = load8(x, at + i + 8 * j, is_bf16);
+            most[j] = _mm256_max_ps(most[j], _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(most[0], most[1]), _mm256_max_ps(most[2], most[3]));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    return _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// The n values times id, to the nearest integer (ties to even) saturated to int8, into q; returns their sum.
+static inline int span_round(const void *x, int64_t at, int n, int is_bf16, float id, int8_t *q) {
+    __m256i total = _mm256_setzero_si256();
     for (int i = 0; i < n; i += 32) {
         __m256i v[4];
         for (int j = 0; j < 4; j++)
@@ -421,45 +429,85 @@ static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         _mm256_storeu_si256((__m256i *)(q + i),
                             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        // the bytes plus 128, summed in 64-bit lanes
+        total = _mm256_add_epi64(total, _mm256_sad_epu8(_mm256_xor_si256(bytes, _mm256_set1_epi8(-128)),
+                                                        _mm256_setzero_si256()));
     }
-    return d;
+    __m128i s = _mm_add_epi64(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s = _mm_add_epi64(s, _mm_unpackhi_epi64(s, s));
+    return (int)_mm_cvtsi128_si64(s) - 128 * n;
 }
 #else
-static float quantize_span(const void *x, int64_t at, int n, int is_bf16, int8_t *q) {
-    float v[256], amax = 0.0f;
+static inline float span_amax(const void *x, int64_t at, int n, int is_bf16) {
+    float amax = 0.0f;
     int nan = 0;
-    for (int i = 0; i < n; i++) v[i] = load_x(x, at + i, is_bf16), amax = fmaxf(amax, fabsf(v[i])), nan |= v[i] != v[i];
-    const float d = (nan ? NAN : amax) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * id);
-    return d;
+    for (int i = 0; i < n; i++) {
+        const float v = load_x(x, at + i, is_bf16);
+        amax = fmaxf(amax, fabsf(v)), nan |= v != v;
+    }
+    return nan ? NAN : amax;
+}
+
+static inline int span_round(const void *x, int64_t at, int n, int is_bf16, float id, int8_t *q) {
+    int sum = 0;
+    for (int i = 0; i < n; i++) sum += q[i] = (int8_t)nearbyintf(load_x(x, at + i, is_bf16) * id);
+    return sum;
 }
 #endif
+
+// The sums of each 16 of 256 int8 values.
+static inline void sums16(const int8_t *q, int16_t *out) {
+#ifdef __AVX2__
+    for (int t = 0; t < 8; t++) {  // the bytes plus 128 summed by 8s, then pairs of those
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * t)), _mm256_set1_epi8(-128));
+        const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+        const __m256i pairs = _mm256_add_epi64(s, _mm256_bsrli_epi128(s, 8));
+        out[2 * t] = (int16_t)(_mm256_extract_epi64(pairs, 0) - 16 * 128);
+        out[2 * t + 1] = (int16_t)(_mm256_extract_epi64(pairs, 2) - 16 * 128);
+    }
+#else
+    for (int t = 0; t < 16; t++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += q[16 * t + i];
+        out[t] = (int16_t)sum;
+    }
+#endif
+}
+
+static inline float inverse_scale(float d) { return d > 0.0f ? 1.0f / d : 0.0f; }
+
+// 32-blocks scaled a group at a time, each step over the group's blocks before the next: the blocks' maxima,
+// divisions and roundings are independent and overlap, where one block at a time waits on each in turn
+#define SCALE_GROUP 64
 
 // Row r as the activation blocks weight type `type` meets, as llama.cpp makes them: 32-blocks as its Q8_0 (the
 // scale d in fp16) or, for the types with a minimum, Q8_1 (the scaled sum s = d * sum in fp16 as well, from the
 // unrounded d); 256-blocks as its Q8_K (a float scale, the integer sums of each 16).
 static void quantize_row(const void *x, int64_t ldx, int is_bf16, int64_t r, int64_t k, int type, void *out) {
-    const int blocks = block_size(type);
-    const int64_t nb = k / blocks;
-    for (int64_t b = 0; b < nb; b++) {
-            if (blocks == 32) {
-                act32 *a = (act32 *)out + r * nb + b;
-                const float d = quantize_span(x, r * ldx + b * 32, 32, is_bf16, a->q);
-                int sum = 0;
-                for (int i = 0; i < 32; i++) sum += a->q[i];
-                a->d = round_f16(d);
-                a->s = has_min(type) ? round_f16(d * (float)sum) : a->d * (float)sum;  // the latter exact
-            } else {
-                act256 *a = (act256 *)out + r * nb + b;
-                a->d = quantize_span(x, r * ldx + b * 256, 256, is_bf16, a->q);
-                for (int t = 0; t < 16; t++) {
-                    int sum = 0;
-                    for (int i = 0; i < 16; i++) sum += a->q[16 * t + i];
-                    a->bsums[t] = (int16_t)sum;
-                }
-                for (int t = 0; t < 8; t++) a->sums32[t] = (int16_t)(a->bsums[2 * t] + a->bsums[2 * t + 1]);
-            }
+    const int64_t at = r * ldx;
+    if (block_size(type) == 256) {
+        for (int64_t b = 0; b < k / 256; b++) {
+            act256 *a = (act256 *)out + r * (k / 256) + b;
+            a->d = span_amax(x, at + b * 256, 256, is_bf16) / 127.0f;
+            span_round(x, at + b * 256, 256, is_bf16, inverse_scale(a->d), a->q);
+            sums16(a->q, a->bsums);
+            for (int t = 0; t < 8; t++) a->sums32[t] = (int16_t)(a->bsums[2 * t] + a->bsums[2 * t + 1]);
         }
+        return;
+    }
+    act32 *a = (act32 *)out + r * (k / 32);
+    for (int64_t b0 = 0; b0 < k / 32; b0 += SCALE_GROUP) {
+        const int g = k / 32 - b0 < SCALE_GROUP ? (int)(k / 32 - b0) : SCALE_GROUP;
+        float d[SCALE_GROUP], id[SCALE_GROUP];
+        for (int j = 0; j < g; j++) d[j] = span_amax(x, at + (b0 + j) * 32, 32, is_bf16);
+        for (int j = 0; j < g; j++) d[j] /= 127.0f, id[j] = inverse_scale(d[j]);
+        for (int j = 0; j < g; j++) {
+            act32 *blk = a + b0 + j;
+            const int sum = span_round(x, at + (b0 + j) * 32, 32, is_bf16, id[j], blk->q);
+            blk->d = round_f16(d[j]);
+            blk->s = has_min(type) ? round_f16(d[j] * (float)sum) : blk->d * (float)sum;  // the latter exact
+        }
+    }
 }
 
 // m rows of x (k floats each, ldx apart; bf16 with is_bf16) as the act32 or act256 rows weight type `type` meets.
