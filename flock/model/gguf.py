@@ -1,6 +1,6 @@
 """GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, quantized ones kept in their
-blocks where Flock has kernels for their type (flock.model.quant), the rest dequantized at load (the
-tokenizer: flock/tokenizer.py).
+blocks where Flock has kernels for their type (flock.model.quant; Q3_K and IQ4_NL rewritten as the Q6_K and Q8_0
+blocks of the same values), the rest dequantized at load (the tokenizer: flock/tokenizer.py).
 
 The file is read with the `gguf` package (llama.cpp's reader; the config and tensor table it gives are kept on
 disk, `gguf_table`) and converted the way `transformers` converts it: its config-key mapping, the gguf package's
@@ -340,13 +340,13 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
     """The projections and the embedding whose every part the file stores in a type the int8 kernels take:
     module name -> its GGUF tensor names in row order. `load_gguf_weights` keeps them quantized."""
     from flock.model.loader import hf_tensor_slots, layer_parts
-    from flock.model.quant import TYPE_NAMES
+    from flock.model.quant import BLOCK_TYPES
 
     slots = hf_tensor_slots(model)
     names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     tensors = {names[t.name]: t for t in ckpt.tensors if t.name in names}
     return {layer: [tensors[p].name for p in parts] for layer, parts in layer_parts(model, slots).items()
-            if all(p in tensors and int(tensors[p].tensor_type) in TYPE_NAMES
+            if all(p in tensors and int(tensors[p].tensor_type) in BLOCK_TYPES
                    and tensors[p].data.shape[0] == slots[p].rows for p in parts)}
 
 
@@ -354,7 +354,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     """Load every tensor into `model`, q/k rows un-permuted (`_hf_rows`): those of `quantized` layers
     (`quantized_layers`) as their blocks, the others dequantized (converted to the model's dtype)."""
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
-    from flock.model.quant import KERNEL_TYPES
+    from flock.model.quant import KERNEL_TYPES, TRANSCODED
 
     quantized = quantized or {}
     slots = hf_tensor_slots(model)
@@ -369,7 +369,7 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
             raise ValueError(f"{ckpt.path.name}: unexpected tensor {tensor.name!r} for {ckpt.architecture}")
         if tensor.name in in_blocks:
             continue
-        if tensor.tensor_type.name not in KERNEL_TYPES and tensor.tensor_type.name not in FLOATS:
+        if tensor.tensor_type.name not in (*KERNEL_TYPES, *TRANSCODED, *FLOATS):
             expanded.add(tensor.tensor_type.name)
         try:
             values = dequantize(tensor)
@@ -385,6 +385,10 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
         loaded.add(name)
     missing_tensors(slots, loaded, ckpt.path.name)
     model.use_quantized(_read_blocks(ckpt, quantized))
+    for kind in sorted({t.tensor_type.name for t in ckpt.tensors if t.name in in_blocks} & set(TRANSCODED)):
+        _, _, size, target = TRANSCODED[kind]
+        log.info("%s: %s blocks run as the %s blocks of the same values (%.2fx their bytes)", ckpt.path.name, kind,
+                 target, KERNEL_TYPES[target][2] / size)
     if expanded:
         log.info("%s: tensors of type %s are dequantized at load (Flock has no kernel for them)", ckpt.path.name,
                  ", ".join(sorted(expanded)))
@@ -397,11 +401,11 @@ def dequantize(tensor) -> np.ndarray:
 
     from flock.model import quant
 
-    kind = quant.KERNEL_TYPES.get(tensor.tensor_type.name)
-    if kind is None or quant.unavailable(torch.float32, torch.device("cpu")) is not None:
+    qtype = int(tensor.tensor_type)
+    if qtype not in quant.BLOCK_TYPES or quant.unavailable(torch.float32, torch.device("cpu")) is not None:
         return dequantize(tensor.data, tensor.tensor_type)
     blocks = torch.from_numpy(np.require(tensor.data, requirements="W"))
-    return quant.dequantize(quant.QuantWeight([quant.QuantTensor(kind[0], blocks)])).numpy()
+    return quant.dequantize(quant.QuantWeight([quant.transcode(qtype, blocks)])).numpy()
 
 
 def _hf_rows(rows: np.ndarray, name: str, ckpt: GGUFCheckpoint) -> np.ndarray:
@@ -427,7 +431,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]]) -> dict:
     """Each layer's quantized blocks, read from the file straight into one tensor per run of parts of one type
     (a fused gate_up is never copied, the file's mapping never touched), q/k rows un-permuted; runs the kernels
     read interleaved go through one scratch buffer, reused, so that no freed block is left behind in the heap."""
-    from flock.model.quant import QuantTensor, QuantWeight, for_kernels, interleaves
+    from flock.model.quant import QuantWeight, for_kernels, interleaves, transcode
 
     tensors = {t.name: t for t in ckpt.tensors}
     weights, scratch = {}, torch.empty(0, dtype=torch.uint8)
@@ -452,7 +456,7 @@ def _read_blocks(ckpt: GGUFCheckpoint, layers: dict[str, list[str]]) -> dict:
                         raise ValueError(f"{ckpt.path.name}: tensor {t.name!r} is truncated")
                     rows[...] = _hf_rows(rows, t.name, ckpt)
                     row += len(rows)
-                parts.append(for_kernels(QuantTensor(qtype, blocks)))
+                parts.append(for_kernels(transcode(qtype, blocks)))
             weights[layer] = QuantWeight(parts)
     return weights
 

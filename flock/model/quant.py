@@ -26,6 +26,10 @@ from flock.model import gemm, huge_pages
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
+# types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
+# id, values and bytes a block, and that type
+TRANSCODED = {"Q3_K": (11, 256, 110, "Q6_K"), "IQ4_NL": (20, 32, 18, "Q8_0")}
+BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values())}  # the ids kept as blocks
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
@@ -69,6 +73,7 @@ KERNEL = native.Library(
     signatures={"flock_qgemm": ([_i32, _i32, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, _i32,
                                  _i32], _i32),
                 "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
+                "flock_transcode": ([_i32, _ptr, _i64, _ptr, _i32], None),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
@@ -199,6 +204,20 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     _lib(path).flock_interleave(tensor.qtype, tensor.blocks.data_ptr(), tensor.blocks.stride(0), tensor.rows, tensor.k,
                                 out.data_ptr(), torch.get_num_threads())
     return QuantTensor(tensor.qtype, out, interleaved=True)
+
+
+def transcode(qtype: int, blocks: torch.Tensor) -> QuantTensor:
+    """Rows of blocks of a kernel type as they are; of a TRANSCODED type as the blocks of its kernel type that hold
+    the same values (Q3_K as Q6_K: 1.9x the bytes; IQ4_NL as Q8_0), whose integer products are the same."""
+    name = next((n for n, spec in TRANSCODED.items() if spec[0] == qtype), None)
+    if name is None:
+        return QuantTensor(qtype, blocks)
+    _, _, size, target = TRANSCODED[name]
+    blocks = blocks.contiguous()
+    out = torch.empty(blocks.shape[0], blocks.shape[1] // size * KERNEL_TYPES[target][2], dtype=torch.uint8)
+    _lib(None).flock_transcode(qtype, blocks.data_ptr(), blocks.numel() // size, out.data_ptr(),
+                               torch.get_num_threads())
+    return QuantTensor(KERNEL_TYPES[target][0], out)
 
 
 def for_kernels(tensor: QuantTensor) -> QuantTensor:

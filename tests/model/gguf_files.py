@@ -165,17 +165,17 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
-K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+K_QUANT_SCALES = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """gguf's quantizer; for the K-quants, which it cannot write, random blocks (weights unrelated to w, of
-    its size); zero blocks for other types it cannot write (a type Flock must refuse)."""
+    """gguf's quantizer; for the K-quants and IQ4_NL, which it cannot write, random blocks (weights unrelated to w,
+    of its size); zero blocks for other types it cannot write (a type Flock must refuse)."""
     try:
         return gguf.quants.quantize(w, qtype)
-    except NotImplementedError:
+    except (NotImplementedError, gguf.quants.QuantError):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        if qtype in K_QUANT_SCALES:
+        if qtype in K_QUANT_SCALES or qtype == Q.IQ4_NL:
             return random_blocks(qtype, w.shape[0], w.shape[1], float(np.abs(w).mean()))
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
 

@@ -183,6 +183,21 @@ def test_activations_quantize_alike_on_every_path(dtype):
         assert all(torch.equal(g, got[-1]) for g in got)
 
 
+@pytest.mark.parametrize("name", list(quant.TRANSCODED))
+def test_transcoded_blocks_hold_the_files_values(name):
+    """Q3_K / IQ4_NL blocks (every bit pattern but the scales random) rewritten as Q6_K / Q8_0: the gguf package's
+    values of the file's blocks, and Flock's of the rewritten ones, equal."""
+    qtype = gguf.GGMLQuantizationType[name]
+    blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)
+    t = quant.transcode(int(qtype), torch.from_numpy(blocks))
+    assert t.name == quant.TRANSCODED[name][3] and t.k == 1024
+    expected = gguf.quants.dequantize(blocks, qtype)
+    np.testing.assert_array_equal(quant.dequantize(QuantWeight([t])).numpy(), expected)
+    np.testing.assert_array_equal(reference(t), expected)
+    kept = quant.transcode(t.qtype, t.blocks)  # a kernel type as it is
+    assert kept.qtype == t.qtype and kept.blocks is t.blocks
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype", [8, 3])  # Q8_0: d in fp16, s = d * sum(q); Q4_1 (Q8_1): s rounded to fp16 too
 def test_activation_blocks_are_llama_cpps_q8_blocks(path, qtype):

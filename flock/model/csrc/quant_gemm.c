@@ -84,6 +84,7 @@ typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;
 
 // ggml's type ids
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q3_K = 11, IQ4_NL = 20 };  // flock_transcode's
 
 #define NT 16  // weight rows of a tile
 #define MT 4   // activation rows of a tile
@@ -346,6 +347,60 @@ void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t
     for (int64_t o = 0; o < n / 8; o++)
         for (int lane = 0; lane < 8; lane++)
             interleave_row(type, w + (8 * o + lane) * row_bytes, nb, lane, out + o * octet_bytes);
+}
+
+// ---- types the kernels take as another type's blocks of the same values ----------------------------------------
+// Q3_K (hmask[32], qs[64], 12 bytes of 6-bit scales, d): weight i of a super-block is u - 4, u its 2 bits in qs and
+// its bit in hmask, times (scale - 32) d; as Q6_K (ql[128], qh[64], int8 scales[16], d) it is q - 32 with q = u + 28.
+// The same integers meet the activations, so the same products and sums as llama.cpp's Q3_K kernels.
+static void q3_k_as_q6_k(const uint8_t *in, uint8_t *out) {
+    const uint8_t *hmask = in, *qs = in + 32;
+    uint32_t aux[4], tmp;  // the scales unpacked as llama.cpp does
+    memcpy(aux, in + 96, 12);
+    tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
+    aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
+    aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
+    aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
+    const uint8_t *scales = (const uint8_t *)aux;
+    uint8_t q[256];  // value 128 h + 32 j + l: bits 2 j of qs[32 h + l], bit 4 h + j of hmask[l]
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                q[128 * h + 32 * j + l] = (uint8_t)(((qs[32 * h + l] >> (2 * j)) & 3) +
+                                                    ((hmask[l] >> (4 * h + j)) & 1 ? 32 : 28));
+    uint8_t *ql = out, *qh = out + 128;
+    for (int h = 0; h < 2; h++)  // Q6_K's order (dequantize_row_q6_K)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *v = q + 128 * h + l;
+            ql[64 * h + l] = (uint8_t)((v[0] & 15) | (v[64] & 15) << 4);
+            ql[64 * h + 32 + l] = (uint8_t)((v[32] & 15) | (v[96] & 15) << 4);
+            qh[32 * h + l] = (uint8_t)(v[0] >> 4 | (v[32] >> 4) << 2 | (v[64] >> 4) << 4 | (v[96] >> 4) << 6);
+        }
+    for (int i = 0; i < 16; i++) out[192 + i] = (uint8_t)(scales[i] - 32);
+    memcpy(out + 208, in + 108, 2);
+}
+
+// IQ4_NL (d, 16 bytes of 4-bit indices into a table of int8 values: weight j the low nibble of byte j, weight
+// j + 16 the high one) as Q8_0 (d, the 32 values).
+static void iq4_nl_as_q8_0(const uint8_t *in, uint8_t *out) {
+    static const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    memcpy(out, in, 2);
+    for (int j = 0; j < 16; j++) {
+        out[2 + j] = (uint8_t)values[in[2 + j] & 15];
+        out[18 + j] = (uint8_t)values[in[2 + j] >> 4];
+    }
+}
+
+
+// n blocks of type `from` (Q3_K, else IQ4_NL) as the blocks of the kernel type that holds their values exactly
+// (Q6_K, Q8_0).
+void flock_transcode(int32_t from, const uint8_t *in, int64_t n, uint8_t *out, int32_t threads) {
+#pragma omp parallel for num_threads(threads) if(threads > 1 && n >= 4096)
+    for (int64_t b = 0; b < n; b++) {
+        if (from == Q3_K) q3_k_as_q6_k(in + b * 110, out + b * 210);
+        else iq4_nl_as_q8_0(in + b * 18, out + b * 34);
+    }
 }
 
 // Where block b of row j starts, and the row's lane in its interleaved super-block (-1: rows layout).
