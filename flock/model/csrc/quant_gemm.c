@@ -626,6 +626,14 @@ AI __m256i products(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// Whether a Q6_K sub-block's 16 products sum before its scale: in int32 lanes (VNNI) they fit; int16 lanes hold 4
+// products of at most 63 * 127, each half's, scaled on its own.
+#ifdef DPBUSD
+#define WHOLE_SUB_BLOCKS 1
+#else
+#define WHOLE_SUB_BLOCKS 0
+#endif
+
 AI __m256i scaled(__m256i sums, __m256i pairs) {
 #ifdef DPBUSD
     return _mm256_mullo_epi32(sums, _mm256_srai_epi32(pairs, 16));
@@ -881,17 +889,18 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
                 const int sb = 2 * p + h;
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qh);
                 const __m256i scale = pair_scale(pairs, h);
+                __m256i sums[MT];
                 for (int half = 0; half < 2; half++) {  // weights 8 v + t, then 8 v + 4 + t, of vectors v = 2 half, + 1
                     const __m256i ql = _mm256_loadu_si256((const __m256i *)blk->sub[sb].qs[half]);
                     const __m256i hi = half ? qh : _mm256_slli_epi16(qh, 4);
                     const __m256i g0 = _mm256_or_si256(_mm256_and_si256(ql, low4), _mm256_and_si256(hi, top2));
                     const __m256i g1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), low4),
                                                        _mm256_and_si256(_mm256_srli_epi16(hi, 2), top2));
-                    for (int r = 0; r < R; r++) {  // 4 products of at most 63 * 127 per int16 before the scale
+                    for (int r = 0; r < R; r++) {
                         const int8_t *a = x[r][b].q + 16 * sb + 8 * half;
-                        const __m256i sums =
-                            products(products(_mm256_setzero_si256(), g0, bcast4(a)), g1, bcast4(a + 4));
-                        isum[r] = _mm256_add_epi32(isum[r], scaled(sums, scale));
+                        const __m256i from = half && WHOLE_SUB_BLOCKS ? sums[r] : _mm256_setzero_si256();
+                        sums[r] = products(products(from, g0, bcast4(a)), g1, bcast4(a + 4));
+                        if (half || !WHOLE_SUB_BLOCKS) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
                         settle(&isum[r]);
                     }
                 }

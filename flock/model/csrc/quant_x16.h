@@ -160,10 +160,11 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
             for (int r = 0; r < R; r++)
                 isum[r] = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(
                     _mm512_madd_epi16(pairs, bcast4_x16((const int8_t *)(x[r][b].bsums + 2 * p))), 5));
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < 2; h++) {  // a sub-block's 16 products in one int32 chain, then its scale
                 const int sb = 2 * p + h;
                 const __m512i qh = join32(ba->sub[sb].qh, bb->sub[sb].qh);
-                const __m512i scale = pair_scale_x16(pairs, h);
+                __m512i sums[MT];
+                for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
                 for (int half = 0; half < 2; half++) {
                     const __m512i ql = join32(ba->sub[sb].qs[half], bb->sub[sb].qs[half]);
                     const __m512i hi = half ? qh : _mm512_slli_epi16(qh, 4);
@@ -172,12 +173,13 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
                                                        _mm512_and_si512(_mm512_srli_epi16(hi, 2), top2));
                     for (int r = 0; r < R; r++) {
                         const int8_t *a = x[r][b].q + 16 * sb + 8 * half;
-                        const __m512i sums = _mm512_dpbusd_epi32(
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), g0, bcast4_x16(a)), g1, bcast4_x16(a + 4));
-                        isum[r] = _mm512_add_epi32(isum[r], scaled_x16(sums, scale));
-                        settle_x16(&isum[r]);
+                        sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[r], g0, bcast4_x16(a)), g1,
+                                                      bcast4_x16(a + 4));
+                        settle_x16(&sums[r]);
                     }
                 }
+                const __m512i scale = pair_scale_x16(pairs, h);
+                for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], scaled_x16(sums[r], scale));
             }
         }
         const __m512 d = join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d);
