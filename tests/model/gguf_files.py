@@ -176,7 +176,8 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     except (NotImplementedError, gguf.quants.QuantError):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         if qtype in K_QUANT_SCALES or qtype == Q.IQ4_NL:
-            return random_blocks(qtype, w.shape[0], w.shape[1], float(np.abs(w).mean()))
+            rows = random_blocks(qtype, int(np.prod(w.shape[:-1])), w.shape[-1], float(np.abs(w).mean()))
+            return rows.reshape(*w.shape[:-1], -1)  # a mixture's [experts, rows, cols] too
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
 
 

@@ -92,21 +92,24 @@ def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
     assert_close_to_the_dequantized(prompt_logprobs(gguf_models[case], "auto"), prompt_logprobs(gguf_models[case], "none"))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.IQ4_NL], ids=["Q3_K", "IQ4_NL"])
-def test_q3_k_and_iq4_nl_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, qtype):
-    """Q3_K and IQ4_NL projections run as the Q6_K and Q8_0 blocks of their values, rewritten at load, in 1.91x
-    and 1.89x the file's bytes: every weight the value the gguf package dequantizes from the file."""
-    path = write_gguf(hf_folders["llama256" if qtype == Q.Q3_K else "llama"], tmp_path / "t.gguf", qtype)
+@pytest.mark.parametrize("kind, qtype", [("llama256", Q.Q3_K), ("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL)],
+                         ids=["Q3_K", "IQ4_NL", "Qwen3-MoE IQ4_NL"])
+def test_q3_k_and_iq4_nl_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, kind, qtype):
+    """Q3_K and IQ4_NL projections (a mixture's experts too) run as the Q6_K and Q8_0 blocks of their values,
+    rewritten at load, in 1.91x and 1.89x the file's bytes: every weight the value the gguf package dequantizes
+    from the file."""
+    path = write_gguf(hf_folders[kind], tmp_path / "t.gguf", qtype)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     target = quant.TRANSCODED[qtype.name][3]
     assert set(llm.engine.runner.model.quantized_types()) == {target}
-    held = {id(m.qweight): m.qweight for m in layers(llm).values()}
-    stored = sum(n for name, n in file_bytes(path).items() if not name.endswith("norm.weight"))
+    blocks = {name: m for name, m in layers(llm).items() if not name.endswith(".mlp.gate")}  # routers: floats
+    held = {id(m.qweight): m.qweight for m in blocks.values()}
+    stored = sum(n for name, n in file_bytes(path).items() if not name.endswith(("norm.weight", "gate_inp.weight")))
     ratio = KERNEL_TYPES[target][2] / quant.TRANSCODED[qtype.name][2]
     assert sum(w.nbytes for w in held.values()) == pytest.approx(ratio * stored, rel=0.01)
     monkeypatch.setattr(quant, "BLOCK_TYPES", {spec[0] for spec in KERNEL_TYPES.values()})  # gguf's dequantizer
     expected = layers(LLM(str(path), dtype="float32", quantization="none", ops="torch", kv_cache_memory_bytes=1 << 20))
-    for name, layer in layers(llm).items():
+    for name, layer in blocks.items():
         assert torch.equal(quant.dequantize(layer.qweight), expected[name].weight), name
 
 
