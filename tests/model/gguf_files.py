@@ -165,7 +165,8 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
-K_QUANT_SCALES = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 scales
+# byte offsets of a block's float16 scales
+K_QUANT_SCALES = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:

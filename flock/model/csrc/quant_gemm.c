@@ -392,7 +392,6 @@ static void iq4_nl_as_q8_0(const uint8_t *in, uint8_t *out) {
     }
 }
 
-
 // n blocks of type `from` (Q3_K, else IQ4_NL) as the blocks of the kernel type that holds their values exactly
 // (Q6_K, Q8_0).
 void flock_transcode(int32_t from, const uint8_t *in, int64_t n, uint8_t *out, int32_t threads) {
