@@ -3,6 +3,7 @@ GGUF files, llama-bench (single-stream decode), llama-server (parallel slots, dr
 and llama-perplexity. `LlamaCpp.find(DIR)` checks that the binaries are there and says how to build them."""
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -92,6 +93,9 @@ class LlamaCpp:
     # -- files ---------------------------------------------------------------------------------------------------
     def convert(self, hf_folder: Path, out: Path, outtype: str = "f16") -> Path:
         """A GGUF file of an HF folder (convert_hf_to_gguf.py, with the tree's own gguf-py)."""
+        if importlib.util.find_spec("sentencepiece") is None:  # a Llama vocabulary's first try imports it
+            raise ModuleNotFoundError("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: "
+                                      "pip install sentencepiece")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(self.tree / "gguf-py"),
                                                                             os.environ.get("PYTHONPATH")]))}
         _run([sys.executable, self.converter, hf_folder, "--outfile", out, "--outtype", outtype], env=env)
