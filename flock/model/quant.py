@@ -3,7 +3,7 @@
 
 A `QuantWeight` holds a layer's weight as the file's bytes: one `QuantTensor` per quant type, stacked on rows
 (a fused qkv whose v part is Q6_K and q, k Q4_K). `linear` quantizes the activations per row to int8 (blocks of
-32, or super-blocks of 256 for the K-quants, as llama.cpp does) and multiplies them by the blocks in integer
+32, or super-blocks of 256 for the K-quants and IQ4_XS, as llama.cpp does) and multiplies them by the blocks in integer
 dot products; `dequantize_rows` looks embedding rows up. `for_kernels` interleaves the rows 8 at a time for the
 kernels' 8-row layout (as llama.cpp repacks them). `quantize` makes Q8_0 / Q4_0 blocks from float weights with
 the gguf package's quantizer, for models that come as floats. The kernels are built for AMX-INT8 (tiles for
@@ -24,7 +24,8 @@ from flock.model import gemm, huge_pages
 
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
-                "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+                "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+                "IQ4_XS": (23, 256, 136)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
@@ -33,7 +34,8 @@ BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values()
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
-X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
+X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
+            "IQ4_XS": 138}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -80,10 +82,13 @@ KERNEL = native.Library(
                 "flock_qmoe": gemm.MOE_SIGNATURE, "flock_qmoe_op": ([_ptr], _i32),
                 "flock_qgemm_level": ([], _i32), "flock_qgemm_op": ([_ptr], _i32), "flock_qgemm_init": ([], _i32)})
 # The VNNI kernels built for AVX2 with vpdpbusd emulated exactly (path EMULATED_VNNI), and the AMX tiles built
-# for AVX2 with the tile operations in portable C (EMULATED_AMX): how CPUs without VNNI or AMX test them.
-EMULATED_VNNI, EMULATED_AMX = "avx2-emulated-vnni", "avx2-emulated-amx"
-_EMULATED = {name: replace(KERNEL, flags=(*KERNEL.flags, flag), paths=("avx2",))
-             for name, flag in ((EMULATED_VNNI, "-DFLOCK_EMULATED_VNNI"), (EMULATED_AMX, "-DFLOCK_EMULATED_AMX"))}
+# for AVX2 with the tile operations in portable C (EMULATED_AMX): how CPUs without VNNI or AMX test them. Built for
+# AVX512-VNNI (EMULATED_AMX_512), the tiles' unpacking and float steps are the amxint8 build's AVX-512 code.
+EMULATED_VNNI, EMULATED_AMX, EMULATED_AMX_512 = "avx2-emulated-vnni", "avx2-emulated-amx", "avx512vnni-emulated-amx"
+_EMULATED = {name: (replace(KERNEL, flags=(*KERNEL.flags, flag), paths=(base,)), base)
+             for name, flag, base in ((EMULATED_VNNI, "-DFLOCK_EMULATED_VNNI", "avx2"),
+                                      (EMULATED_AMX, "-DFLOCK_EMULATED_AMX", "avx2"),
+                                      (EMULATED_AMX_512, "-DFLOCK_EMULATED_AMX", "avx512vnni"))}
 
 
 @functools.cache
@@ -116,7 +121,10 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def _lib(path: str | None):
-    return _EMULATED[path].load("avx2") if path in _EMULATED else KERNEL.load(path or isa())
+    if path in _EMULATED:
+        library, base = _EMULATED[path]
+        return library.load(base)
+    return KERNEL.load(path or isa())
 
 
 @dataclass

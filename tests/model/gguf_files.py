@@ -169,9 +169,32 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
 K_QUANT_SCALES = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks of float rows [..., k] (k a multiple of 256), which the gguf package cannot write: each 32
+    weights' scale maps the largest of them to the table's -127, a 256-block's 6-bit scales share its d, and each
+    weight takes the nearest value of the table."""
+    values = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    subs = w.reshape(-1, 32).astype(np.float32)
+    scale = (subs[np.arange(len(subs)), np.abs(subs).argmax(1)] / -127).reshape(-1, 8)
+    d = (np.abs(scale).max(1) / 31).astype(np.float16)
+    ls = np.clip(np.round(scale / np.where(d > 0, d, 1).astype(np.float32)[:, None]), -32, 31).astype(np.int64)
+    dl = (d.astype(np.float32)[:, None] * ls).reshape(-1, 1, 1)
+    idx = np.abs(subs[:, :, None] - dl * values).argmin(-1).astype(np.uint8).reshape(-1, 8, 32)
+    u = (ls + 32).astype(np.uint16)
+    out = np.zeros((len(d), 136), np.uint8)
+    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = ((u >> 4) << (2 * np.arange(8))).sum(1).astype(np.uint16).reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = (u[:, 0::2] & 15) | (u[:, 1::2] & 15) << 4
+    out[:, 8:] = (idx[:, :, :16] | idx[:, :, 16:] << 4).reshape(-1, 128)
+    return out.reshape(*w.shape[:-1], -1)
+
+
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """gguf's quantizer; for the K-quants and IQ4_NL, which it cannot write, random blocks (weights unrelated to w,
-    of its size); zero blocks for other types it cannot write (a type Flock must refuse)."""
+    """gguf's quantizer (quantize_iq4_xs for IQ4_XS); for the K-quants and IQ4_NL, which it cannot write, random
+    blocks (weights unrelated to w, of its size); zero blocks for other types it cannot write (a type Flock must
+    refuse)."""
+    if qtype == Q.IQ4_XS:
+        return quantize_iq4_xs(w)
     try:
         return gguf.quants.quantize(w, qtype)
     except (NotImplementedError, gguf.quants.QuantError):

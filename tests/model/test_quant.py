@@ -13,11 +13,13 @@ from tests.model import gguf_files
 TYPES = list(KERNEL_TYPES)
 RUNNABLE = quant.KERNEL.runnable()
 # the VNNI kernels run everywhere AVX2 does, natively or with vpdpbusd emulated; the AMX tiles (calls of 16+
-# rows) too, with the tile operations emulated (TILE_PATHS: they give the AVX2 kernel's bits)
+# rows) too, with the tile operations emulated (TILE_PATHS: they give the AVX2 kernel's bits), their AVX-512 steps
+# on AVX512-VNNI CPUs
 PATHS = RUNNABLE + [quant.EMULATED_VNNI] * ("avx2" in RUNNABLE)
-LEVELS = {"amxint8": 3, quant.EMULATED_AMX: 3, "avx512vnni": 2, "avxvnni": 2, quant.EMULATED_VNNI: 2, "avx2": 1,
-          "baseline": 0}
-TILE_PATHS = [p for p in RUNNABLE if LEVELS[p] == 3] + [quant.EMULATED_AMX] * ("avx2" in RUNNABLE)
+LEVELS = {"amxint8": 3, quant.EMULATED_AMX: 3, quant.EMULATED_AMX_512: 3, "avx512vnni": 2, "avxvnni": 2,
+          quant.EMULATED_VNNI: 2, "avx2": 1, "baseline": 0}
+TILE_PATHS = ([p for p in RUNNABLE if LEVELS[p] == 3] + [quant.EMULATED_AMX] * ("avx2" in RUNNABLE)
+              + [quant.EMULATED_AMX_512] * ("avx512vnni" in RUNNABLE))
 # every type in its file's row layout, and the types the 8-row kernels also take interleaved
 LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8_BYTES]
 

@@ -18,6 +18,7 @@ K_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.
          "blk.1.ffn_up.weight": Q.Q5_K, "token_embd.weight": Q.Q6_K}  # Q4_K_M's kind of mix, and more
 CASES = {"Q8_0": ("llama", Q.Q8_0, None), "Q4_0": ("llama", Q.Q4_0, None), "Q4_1": ("qwen2", Q.Q4_1, None),
          "Q5_0": ("llama", Q.Q5_0, None), "Q5_1": ("llama", Q.Q5_1, None), "K-quants": ("llama256", Q.Q4_K, K_MIX),
+         "IQ4_XS": ("llama256", Q.IQ4_XS, None),
          "Gemma 3 Q8_0": ("gemma3", Q.Q8_0, None),  # GeGLU: its gate_up GEMM gives both halves
          "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None),  # each expert a slice of its layer's 3D tensor
          "Qwen2-MoE Q8_0": ("qwen2_moe", Q.Q8_0, None),  # a shared expert beside them
@@ -75,7 +76,9 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
     """int8 activations cost a little precision, never more: every prompt token's logprob within 2% of the
-    same weights' dequantized one, 0.5% on average (a wrong block layout or row order is off by whole nats)."""
+    same weights' dequantized one (3% where the activations' blocks are 256 values, as llama.cpp's K-quants and
+    IQ4_XS meet them: their step is about 1.5x a 32-block's), 0.5% on average (a wrong block layout or row order
+    is off by whole nats)."""
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(seed=5) if len(p) > 4]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     got = {}
@@ -84,7 +87,8 @@ def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
         outs = llm.generate(prompts, params, use_tqdm=False)
         got[quantization] = np.array([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
     diff, size = np.abs(got["auto"] - got["none"]), np.abs(got["none"])
-    assert (diff <= 0.02 * size + 0.01).all() and diff.max() > 0
+    bound = 0.03 if KERNEL_TYPES[CASES[case][1].name][1] == 256 else 0.02
+    assert (diff <= bound * size + 0.01).all() and diff.max() > 0
     assert diff.mean() < 0.005 * size.mean()
 
 

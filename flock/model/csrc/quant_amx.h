@@ -4,9 +4,10 @@
 // block the task's weights are unpacked once into B tiles, which every 16-row activation tile of the chunk then
 // meets in _tile_dpbsud / _tile_dpbssd (A tiles read in place from the activation blocks), and one float step per
 // block adds the int32 sums times the scales while the next tile's products run.
-// - The K-quants (Q4_K, Q5_K, Q6_K): the B tiles already carry each sub-block's integer scale. Weight x scale fits
-//   13 bits (Q6_K's offset 32 subtracted first), so it is split into its low byte (unsigned) and the rest (a small
-//   byte, signed for Q6_K): two products over the super-block's 256 values whose sums add up as low + 256 high.
+// - The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS: the B tiles already carry each sub-block's integer scale. Weight x
+//   scale fits 13 bits (Q6_K's offset 32 subtracted first; IQ4_XS's values are signed), so it is split into its low
+//   byte (unsigned) and the rest (a small byte, signed for Q6_K and IQ4_XS): two products over the super-block's
+//   256 values whose sums add up as low + 256 high.
 //   Q4_K / Q5_K's minimums times the activations' sums of 32 join in the float step (vpmaddwd).
 // - The 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the weights as stored (Q8_0 plus 128) or their nibbles, one
 //   product of 32 values per block; the offsets (Q8_0's 128, Q4_0's 8, a minimum) come from the activation sums.
@@ -58,9 +59,8 @@ static void amx_configure(int kbytes, int rows) {
 // The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums).
 // Every build of this file has AVX2 and F16C.
 static void group_scales(int type, const uint8_t *blk, int g, BlockScales *s) {
-    const f16 *d = type == Q6_K ? ((const blk_q6_Kx8 *)blk)->d : ((const blk_q4_Kx8 *)blk)->d;
-    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
-    if (type == Q6_K) return;
+    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));  // every type's d[8] first
+    if (!has_k_minimums(type)) return;
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
     _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q->dmin)));
     for (int p = 0; p < 4; p++)
@@ -119,20 +119,28 @@ static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512
     _mm512_store_si512(b[HIGH][tile][row], _mm512_mask_shuffle_epi8(odd, ~odd_bytes, even, down));
 }
 
-// Values 64 j .. of Q4_K / Q5_K super-blocks of the tile's groups a and b into b: sub-block sb is values
-// 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2
+// Values 64 j .. of Q4_K / Q5_K / IQ4_XS super-blocks of the tile's groups a and b into b: sub-block sb is values
+// 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2. IQ4_XS's indices are looked up as their values plus 128,
+// less the offset 128 before the (signed) scale.
 static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
-    const blk_q4_Kx8 *qa = (const blk_q4_Kx8 *)ba, *qb = (const blk_q4_Kx8 *)bb;
+    const int iq4 = type == IQ4_XS, offset = iq4 ? 128 : 0;
+    const int64_t qs_at = iq4 ? offsetof(blk_iq4_xsx8, qs) : offsetof(blk_q4_Kx8, qs);
+    const int64_t sc_at = iq4 ? offsetof(blk_iq4_xsx8, sc) : offsetof(blk_q4_Kx8, sc);
+    const uint8_t(*qa)[4][32] = (const void *)(ba + qs_at), (*qb)[4][32] = (const void *)(bb + qs_at);
+    __attribute__((aligned(16))) uint8_t plus128[16];
+    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)plus128));
     for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
-        const RowScales scale = row_scales(qa->sc[sb / 2], qb->sc[sb / 2], sb % 2, 0, 0);
+        const RowScales scale = row_scales(ba + sc_at + 16 * (sb / 2), bb + sc_at + 16 * (sb / 2), sb % 2, iq4, offset);
         const __m512i h = type == Q5_K ? both(((const blk_q5_Kx8 *)ba)->qh[sb], ((const blk_q5_Kx8 *)bb)->qh[sb])
                                        : _mm512_setzero_si512();
         for (int v = 0; v < 4; v++) {
             __m512i lo, hi;
-            nibbles(both(qa->qs[sb][v], qb->qs[sb][v]), type == Q5_K ? &h : NULL, v, &lo, &hi);
-            scaled_row(b, tile, base + 2 * v, lo, &scale, 0);
-            scaled_row(b, tile, base + 2 * v + 1, hi, &scale, 0);
+            nibbles(both(qa[sb][v], qb[sb][v]), type == Q5_K ? &h : NULL, v, &lo, &hi);
+            if (iq4) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+            scaled_row(b, tile, base + 2 * v, lo, &scale, offset);
+            scaled_row(b, tile, base + 2 * v + 1, hi, &scale, offset);
         }
     }
 }
@@ -173,14 +181,19 @@ static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, 
 }
 
 static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, int j, BTiles b) {
+    const int iq4 = type == IQ4_XS;  // its indices as their values, its scales signed
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
+    const blk_iq4_xsx8 *x = (const blk_iq4_xsx8 *)blk;
     for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
         const uint8_t *qh = type == Q5_K ? ((const blk_q5_Kx8 *)blk)->qh[sb] : NULL;
         int16_t scale[32], lo[32], hi[32];
-        for (int i = 0; i < 32; i++) scale[i] = q->sc[sb / 2][i / 4][sb % 2];
+        for (int i = 0; i < 32; i++) scale[i] = iq4 ? x->sc[sb / 2][i / 4][sb % 2] : q->sc[sb / 2][i / 4][sb % 2];
         for (int v = 0; v < 4; v++) {
-            for (int i = 0; i < 32; i++) nibble_pair(q->qs[sb][v], qh, v, i, &lo[i], &hi[i]);
+            for (int i = 0; i < 32; i++) {
+                nibble_pair(iq4 ? x->qs[sb][v] : q->qs[sb][v], qh, v, i, &lo[i], &hi[i]);
+                if (iq4) lo[i] = IQ4_VALUES[lo[i]], hi[i] = IQ4_VALUES[hi[i]];
+            }
             scaled_half_row(b, tile, half, base + 2 * v, lo, scale);
             scaled_half_row(b, tile, half, base + 2 * v + 1, hi, scale);
         }
@@ -278,18 +291,18 @@ static inline void amx_zero_sums(void) {
 
 // One activation tile's 64 values (16 rows of act_row bytes from a) times their B tiles b, added to the sums.
 static inline void amx_products_64(int type, const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
-    const int six = type == Q6_K;  // Q6_K's high bytes are signed
+    const int signed_high = !has_k_minimums(type);  // Q6_K's and IQ4_XS's high bytes are signed
     TILE_LOAD(0, a, act_row);
     TILE_LOAD(1, b[LOW][0], 64);
     TILE_DPBSUD(2, 0, 1);
     TILE_LOAD(1, b[HIGH][0], 64);
-    if (six) TILE_DPBSSD(3, 0, 1);
+    if (signed_high) TILE_DPBSSD(3, 0, 1);
     else TILE_DPBSUD(3, 0, 1);
     if (tiles < 2) return;
     TILE_LOAD(1, b[LOW][1], 64);
     TILE_DPBSUD(4, 0, 1);
     TILE_LOAD(1, b[HIGH][1], 64);
-    if (six) TILE_DPBSSD(5, 0, 1);
+    if (signed_high) TILE_DPBSSD(5, 0, 1);
     else TILE_DPBSUD(5, 0, 1);
 }
 
@@ -444,7 +457,7 @@ static void unpack_small_block(int type, const uint8_t *w, int64_t row_bytes, in
 // and an unpacking into tiles just read waited for those loads).
 static void amx_task_row(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x,
                          int64_t act_row, int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
-    const int tiles = (groups + 1) / 2, mins = type != Q6_K;
+    const int tiles = (groups + 1) / 2, mins = has_k_minimums(type);
     const int64_t act_size = sizeof(act256), steps = 4 * nb;
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     unpack_kq_64(type, w, row_bytes, groups, 0, nb, 0, s->b[0], &s->sc[0]);
@@ -468,7 +481,7 @@ static void amx_task_row(int type, const uint8_t *w, int64_t row_bytes, int grou
 // next tile's products are under way.
 static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
                      int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
-    const int kq = type >= Q4_K, mins = kq && type != Q6_K;
+    const int kq = type >= Q4_K, mins = has_k_minimums(type);
     if (kq && rows <= 16) {
         amx_task_row(type, w, row_bytes, groups, x, act_row, nb, rows, s, acc);
         return;

@@ -1,6 +1,6 @@
 // GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q4_K, Q5_K, Q6_K (super-blocks of 256), row-major, each row
-// its K / block blocks.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), row-major, each
+// row its K / block blocks.
 //
 // As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
@@ -58,6 +58,10 @@ typedef struct { f16 d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } blk_q6_K;
+// IQ4_XS: 8 sub-blocks of 32, each a 6-bit scale (less 32: low 4 bits in scales_l, top 2 in scales_h) times the
+// int8 values its 4-bit indices pick from IQ4_VALUES (weight i the low nibble of qs[16 j + i], i + 16 the high one)
+typedef struct { f16 d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } blk_iq4_xs;
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // 8 rows interleaved (x8): pair p of sub-blocks holds, per row, the sub-blocks 2p and 2p + 1's byte scales
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
@@ -70,6 +74,8 @@ typedef struct { blk_q4_Kx8 low; uint8_t qh[8][32]; } blk_q5_Kx8;
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
 typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
 typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
+// IQ4_XS: Q4_K's layout of the indices, the scales less 32 as signed bytes, no minimums
+typedef struct { f16 d[8]; int8_t sc[4][8][2]; uint8_t qs[8][4][32]; } blk_iq4_xsx8;
 // The 32-blocks, after the 8 rows' scales d (and minimums m): Q8_0's vector v holds at byte 4 r + t weight 4 v + t
 // of row r plus 128 (unsigned); the 4- and 5-bit types' vector v holds the low 4 bits of weights 8 v + t and
 // 8 v + 4 + t as a Q4_K sub-block's do, and bits 2 v and 2 v + 1 of qh byte 4 r + t their fifth bits.
@@ -83,7 +89,7 @@ typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
 
 // ggml's type ids
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
 enum { Q3_K = 11, IQ4_NL = 20 };  // flock_transcode's
 
 #define NT 16  // weight rows of a tile
@@ -135,7 +141,14 @@ static inline void k_scales(const uint8_t *s, uint8_t out[16]) {
     memcpy(out, o, 16);
 }
 
+// IQ4_XS: the 8 sub-blocks' scales less 32
+static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
+    for (int j = 0; j < 8; j++)
+        out[j] = (int8_t)((((b->scales_l[j / 2] >> (4 * (j % 2))) & 0xf) | ((b->scales_h >> (2 * j)) & 3) << 4) - 32);
+}
+
 static int block_size(int type) { return type >= Q4_K ? 256 : 32; }
+static inline int has_k_minimums(int type) { return type == Q4_K || type == Q5_K; }
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -147,6 +160,7 @@ static int64_t block_bytes(int type) {
         case Q4_K: return sizeof(blk_q4_K);
         case Q5_K: return sizeof(blk_q5_K);
         case Q6_K: return sizeof(blk_q6_K);
+        case IQ4_XS: return sizeof(blk_iq4_xs);
         default: return 0;
     }
 }
@@ -157,6 +171,7 @@ static int64_t x8_row_bytes(int type) {
         case Q4_K: return sizeof(blk_q4_Kx8) / 8;
         case Q5_K: return sizeof(blk_q5_Kx8) / 8;
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
+        case IQ4_XS: return sizeof(blk_iq4_xsx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
@@ -230,6 +245,18 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
             for (int t = 0; t < 16; t++) s[t] = d * b->scales[t], o[t] = -32 * s[t];
             return;
         }
+        case IQ4_XS: {  // the values plus 128
+            const blk_iq4_xs *b = (const blk_iq4_xs *)blk;
+            int8_t sc[8];
+            iq4_xs_scales(b, sc);
+            for (int j = 0; j < 8; j++)
+                for (int i = 0; i < 16; i++) {
+                    u[32 * j + i] = (uint8_t)(IQ4_VALUES[b->qs[16 * j + i] & 0xf] + 128);
+                    u[32 * j + 16 + i] = (uint8_t)(IQ4_VALUES[b->qs[16 * j + i] >> 4] + 128);
+                }
+            for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t / 2], o[t] = -128 * s[t];
+            return;
+        }
     }
 }
 
@@ -253,6 +280,18 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             }
         s[0] = s[1] = f16_to_f32(((const f16 *)blk)[lane]);
         o[0] = o[1] = has_min(type) ? f16_to_f32(((const f16 *)blk)[8 + lane]) : x8_offset(type) * s[0];
+    } else if (type == IQ4_XS) {
+        const blk_iq4_xsx8 *b = (const blk_iq4_xsx8 *)blk;
+        for (int sb = 0; sb < 8; sb++) {
+            for (int v = 0; v < 4; v++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t q = b->qs[sb][v][4 * lane + t];
+                    u[32 * sb + 8 * v + t] = (uint8_t)(IQ4_VALUES[q & 0xf] + 128);
+                    u[32 * sb + 8 * v + 4 + t] = (uint8_t)(IQ4_VALUES[q >> 4] + 128);
+                }
+            s[2 * sb] = s[2 * sb + 1] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2];
+            o[2 * sb] = o[2 * sb + 1] = -128 * s[2 * sb];
+        }
     } else if (type == Q4_K || type == Q5_K) {
         const blk_q4_Kx8 *b = (const blk_q4_Kx8 *)blk;
         const float d = f16_to_f32(b->d[lane]), dmin = f16_to_f32(b->dmin[lane]);
@@ -301,6 +340,22 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : (lo & 0xf) | (hi & 0xf) << 4;
                     if (has_qh(type)) qh[4 * lane + t] |= (lo >> 4) << (2 * v) | (hi >> 4) << (2 * v + 1);
                 }
+        } else if (type == IQ4_XS) {  // the indices, not the values decode_block gave
+            const blk_iq4_xs *src = (const blk_iq4_xs *)row + b;
+            blk_iq4_xsx8 *dst = (blk_iq4_xsx8 *)out + b;
+            int8_t sc[8];
+            iq4_xs_scales(src, sc);
+            dst->d[lane] = src->d;
+            for (int sb = 0; sb < 8; sb++) {
+                dst->sc[sb / 2][lane][sb % 2] = sc[sb];
+                for (int v = 0; v < 4; v++)
+                    for (int t = 0; t < 4; t++) {
+                        const int i = 8 * v + t;  // weights i and i + 4 of the sub-block: nibbles of bytes i % 16
+                        const uint8_t lo = (src->qs[16 * sb + i % 16] >> (4 * (i / 16))) & 0xf;
+                        const uint8_t hi = (src->qs[16 * sb + (i + 4) % 16] >> (4 * ((i + 4) / 16))) & 0xf;
+                        dst->qs[sb][v][4 * lane + t] = (uint8_t)(lo | hi << 4);
+                    }
+            }
         } else if (type == Q4_K || type == Q5_K) {  // Q5_K's d, dmin and scales where Q4_K has them
             const blk_q4_K *src = (const blk_q4_K *)(row + b * block_bytes(type));
             uint8_t *at = out + b * 8 * x8_row_bytes(type);
@@ -808,6 +863,38 @@ AI void dot_q6_K(const int R, const int stream, const uint8_t *w, const act256 *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
+// IQ4_XS: the values looked up (vpshufb) as signed bytes; their sizes times the activations with the values' signs
+// (as dot_small's Q8_0), each sub-block's pairs then into int32 with its scale.
+AI void dot_iq4_xs(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (stream) prefetch_ahead(w + b * sizeof(blk_iq4_xs), sizeof(blk_iq4_xs));
+        const blk_iq4_xs *blk = (const blk_iq4_xs *)w + b;
+        int8_t sc[8];
+        iq4_xs_scales(blk, sc);
+        __m256i sum[MT];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(blk->qs + 16 * j));
+            const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+            const __m256i v = _mm256_shuffle_epi8(table, idx), size = _mm256_sign_epi8(v, v);
+            const __m256i scale = _mm256_set1_epi16(sc[j]);
+            for (int r = 0; r < R; r++) {
+                const __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[r][b].q + 32 * j)), v);
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(size, a), scale));
+                settle(&sum[r]);
+            }
+        }
+        const float d = f16_to_f32(blk->d);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
 // ---- 8 interleaved rows with R activation rows: acc[r] gets the 8 rows' dot products with row r ---------------
 static inline __m256i bcast4(const int8_t *q) {  // 4 activation bytes to each 32-bit lane
     int32_t v;
@@ -903,6 +990,70 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
                         settle(&isum[r]);
                     }
                 }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+    }
+}
+
+// IQ4_XS: the values plus 128 looked up (vpshufb) as unsigned bytes, times the activations, less 128 times each
+// sub-block's activation sum (as Q6_K's offset 32). On AVX2 the int16 pairs of bytes up to 241 would saturate, so
+// each value is looked up as its two nibbles (as Q8_0 splits its bytes), which meet the same broadcast activations.
+AI void dot_iq4_xs_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb,
+                      __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    __attribute__((aligned(16))) uint8_t plus128[16];
+    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)plus128));
+#ifndef DPBUSD
+    const __m256i table_lo = _mm256_and_si256(table, low4);
+    const __m256i table_hi = _mm256_and_si256(_mm256_srli_epi16(table, 4), low4);
+#endif
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_iq4_xsx8 *blk = (const blk_iq4_xsx8 *)w + b;
+        if (stream) prefetch_ahead(blk, sizeof(*blk));
+        __m256i isum[MT], pairs[4];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+            pairs[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->sc[p]));
+            for (int r = 0; r < R; r++)  // the offset 128: -128 sum(scale * sum of 32)
+                isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(
+                    _mm256_madd_epi16(pairs[p], bcast4((const int8_t *)(x[r][b].sums32 + 2 * p))), 7));
+        }
+        for (int sb = 0; sb < 8; sb++) {
+            const __m256i scale = pair_scale(pairs[sb / 2], sb % 2);
+            __m256i sums[MT], high[MT];  // per int16 (AVX2) at most 16 products of 15 * 127
+            for (int r = 0; r < R; r++) sums[r] = high[r] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
+                const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+#ifdef DPBUSD
+                const __m256i wl = _mm256_shuffle_epi8(table, lo), wh = _mm256_shuffle_epi8(table, hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
+                    sums[r] = products(products(sums[r], wl, bcast4(a)), wh, bcast4(a + 4));
+                    settle(&sums[r]);
+                }
+#else
+                const __m256i ll = _mm256_shuffle_epi8(table_lo, lo), lh = _mm256_shuffle_epi8(table_hi, lo);
+                const __m256i hl = _mm256_shuffle_epi8(table_lo, hi), hh = _mm256_shuffle_epi8(table_hi, hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
+                    const __m256i a0 = bcast4(a), a4 = bcast4(a + 4);
+                    sums[r] = products(products(sums[r], ll, a0), hl, a4);
+                    high[r] = products(products(high[r], lh, a0), hh, a4);
+                    settle(&sums[r]), settle(&high[r]);
+                }
+#endif
+            }
+            for (int r = 0; r < R; r++) {
+#ifndef DPBUSD
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_slli_epi32(scaled(high[r], scale), 4));
+#endif
+                isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
@@ -1036,6 +1187,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 #define SMALL(r, T) dot_small(r, stream, T, w, (const act32 *const *)x, nb, out)
 #define K45(r, T) dot_q45_K(r, stream, T, w, (const act256 *const *)x, nb, out)
 #define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
+#define IQ4(r, T) dot_iq4_xs(r, stream, w, (const act256 *const *)x, nb, out)
     switch (type) {
         case Q8_0: ROWS(SMALL, Q8_0)
         case Q4_0: ROWS(SMALL, Q4_0)
@@ -1044,6 +1196,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
         case Q5_1: ROWS(SMALL, Q5_1)
         case Q4_K: ROWS(K45, Q4_K)
         case Q5_K: ROWS(K45, Q5_K)
+        case IQ4_XS: ROWS(IQ4, IQ4_XS)
         default: ROWS(K6, Q6_K)
     }
 #else
@@ -1060,6 +1213,7 @@ static void dot_octet(int R, int stream, int type, const uint8_t *w, const void 
         case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
+        case IQ4_XS: dot_iq4_xs_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;     \
         case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \
         case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
         case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \

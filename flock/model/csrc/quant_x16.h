@@ -188,6 +188,46 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
     }
 }
 
+AI void dot_iq4_xs_x16(const int R, const uint8_t *wa, const uint8_t *wb, const act256 *const *x, int64_t nb,
+                       __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi8(0xf);
+    __attribute__((aligned(16))) uint8_t plus128[16];
+    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)plus128));
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_iq4_xsx8 *ba = (const blk_iq4_xsx8 *)wa + b, *bb = (const blk_iq4_xsx8 *)wb + b;
+        __m512i isum[MT], pairs[4];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) {
+            pairs[p] = join16_epi16(ba->sc[p], bb->sc[p], 1);
+            for (int r = 0; r < R; r++)
+                isum[r] = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(
+                    _mm512_madd_epi16(pairs[p], bcast4_x16((const int8_t *)(x[r][b].sums32 + 2 * p))), 7));
+        }
+        for (int sb = 0; sb < 8; sb++) {
+            __m512i sums[MT];
+            for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                const __m512i q = join32(ba->qs[sb][v], bb->qs[sb][v]);
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+                const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = x[r][b].q + 32 * sb + 8 * v;
+                    sums[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums[r], lo, bcast4_x16(a)), hi,
+                                                  bcast4_x16(a + 4));
+                    settle_x16(&sums[r]);
+                }
+            }
+            const __m512i scale = pair_scale_x16(pairs[sb / 2], sb % 2);
+            for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], scaled_x16(sums[r], scale));
+        }
+        const __m512 d = join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r][b].d)), acc[r]);
+    }
+}
+
 // The dot products of 16 interleaved rows (octets at wa and wb) with R activation rows: out[16 r + i] for row i.
 // 0 where this build has no 512-bit kernels (the caller then runs each octet).
 static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const void *const *x, int64_t nb,
@@ -198,6 +238,7 @@ static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const 
         case Q4_K: dot_q45_K_x16(r, Q4_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q5_K: dot_q45_K_x16(r, Q5_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q6_K: dot_q6_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;        \
+        case IQ4_XS: dot_iq4_xs_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;    \
         case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;         \
         case Q4_0: dot_q45_x16(r, Q4_0, wa, wb, (const act32 *const *)x, nb, acc); break;    \
         case Q4_1: dot_q45_x16(r, Q4_1, wa, wb, (const act32 *const *)x, nb, acc); break;    \
