@@ -127,9 +127,7 @@ static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int til
     const int64_t qs_at = iq4 ? offsetof(blk_iq4_xsx8, qs) : offsetof(blk_q4_Kx8, qs);
     const int64_t sc_at = iq4 ? offsetof(blk_iq4_xsx8, sc) : offsetof(blk_q4_Kx8, sc);
     const uint8_t(*qa)[4][32] = (const void *)(ba + qs_at), (*qb)[4][32] = (const void *)(bb + qs_at);
-    __attribute__((aligned(16))) uint8_t plus128[16];
-    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)plus128));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
     for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
         const RowScales scale = row_scales(ba + sc_at + 16 * (sb / 2), bb + sc_at + 16 * (sb / 2), sb % 2, iq4, offset);

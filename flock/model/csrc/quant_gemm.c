@@ -62,6 +62,7 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } bl
 // int8 values its 4-bit indices pick from IQ4_VALUES (weight i the low nibble of qs[16 j + i], i + 16 the high one)
 typedef struct { f16 d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } blk_iq4_xs;
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const uint8_t IQ4_PLUS_128[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 // 8 rows interleaved (x8): pair p of sub-blocks holds, per row, the sub-blocks 2p and 2p + 1's byte scales
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
@@ -251,8 +252,8 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
             iq4_xs_scales(b, sc);
             for (int j = 0; j < 8; j++)
                 for (int i = 0; i < 16; i++) {
-                    u[32 * j + i] = (uint8_t)(IQ4_VALUES[b->qs[16 * j + i] & 0xf] + 128);
-                    u[32 * j + 16 + i] = (uint8_t)(IQ4_VALUES[b->qs[16 * j + i] >> 4] + 128);
+                    u[32 * j + i] = IQ4_PLUS_128[b->qs[16 * j + i] & 0xf];
+                    u[32 * j + 16 + i] = IQ4_PLUS_128[b->qs[16 * j + i] >> 4];
                 }
             for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t / 2], o[t] = -128 * s[t];
             return;
@@ -286,8 +287,8 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             for (int v = 0; v < 4; v++)
                 for (int t = 0; t < 4; t++) {
                     const uint8_t q = b->qs[sb][v][4 * lane + t];
-                    u[32 * sb + 8 * v + t] = (uint8_t)(IQ4_VALUES[q & 0xf] + 128);
-                    u[32 * sb + 8 * v + 4 + t] = (uint8_t)(IQ4_VALUES[q >> 4] + 128);
+                    u[32 * sb + 8 * v + t] = IQ4_PLUS_128[q & 0xf];
+                    u[32 * sb + 8 * v + 4 + t] = IQ4_PLUS_128[q >> 4];
                 }
             s[2 * sb] = s[2 * sb + 1] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2];
             o[2 * sb] = o[2 * sb + 1] = -128 * s[2 * sb];
@@ -439,11 +440,10 @@ static void q3_k_as_q6_k(const uint8_t *in, uint8_t *out) {
 // IQ4_NL (d, 16 bytes of 4-bit indices into a table of int8 values: weight j the low nibble of byte j, weight
 // j + 16 the high one) as Q8_0 (d, the 32 values).
 static void iq4_nl_as_q8_0(const uint8_t *in, uint8_t *out) {
-    static const int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
     memcpy(out, in, 2);
     for (int j = 0; j < 16; j++) {
-        out[2 + j] = (uint8_t)values[in[2 + j] & 15];
-        out[18 + j] = (uint8_t)values[in[2 + j] >> 4];
+        out[2 + j] = (uint8_t)IQ4_VALUES[in[2 + j] & 15];
+        out[18 + j] = (uint8_t)IQ4_VALUES[in[2 + j] >> 4];
     }
 }
 
@@ -1004,9 +1004,7 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
 AI void dot_iq4_xs_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb,
                       __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0xf);
-    __attribute__((aligned(16))) uint8_t plus128[16];
-    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)plus128));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
 #ifndef DPBUSD
     const __m256i table_lo = _mm256_and_si256(table, low4);
     const __m256i table_hi = _mm256_and_si256(_mm256_srli_epi16(table, 4), low4);

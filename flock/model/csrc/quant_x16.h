@@ -191,9 +191,7 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
 AI void dot_iq4_xs_x16(const int R, const uint8_t *wa, const uint8_t *wb, const act256 *const *x, int64_t nb,
                        __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(0xf);
-    __attribute__((aligned(16))) uint8_t plus128[16];
-    for (int i = 0; i < 16; i++) plus128[i] = (uint8_t)(IQ4_VALUES[i] + 128);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)plus128));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_iq4_xsx8 *ba = (const blk_iq4_xsx8 *)wa + b, *bb = (const blk_iq4_xsx8 *)wb + b;
