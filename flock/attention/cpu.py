@@ -3,7 +3,8 @@
 The kernel (`csrc/cascade_cpu.c`) is one source built once per ISA path, the best one this CPU runs chosen at
 run time (FLOCK_CPU_ISA forces one): `amx` (bf16 products on AMX tiles), `avx512bf16` (bf16 products by
 vdpbf16ps), `avx512` (AVX-512F) or `avx2` (AVX2 + FMA), each for bf16 and fp32. EMULATED_AMX is the
-`amx` path built on AVX2 with its tile operations in portable C, how CPUs without AMX test it. Work comes as the
+`amx` path built on AVX2 with its tile operations in portable C, how CPUs without AMX test it; EMULATED_AMX_512
+the same on AVX512-BF16, which runs the `amx` build's own AVX-512 code around the tiles. Work comes as the
 step's segments (`segments.py`: each group's stacked queries against its shared prefix, each request's queries
 against the rest of its context, causal), KV read from the paged blocks in place, the partials merged by
 log-sum-exp in the same call; a segment that would keep one thread busy alone (one long context, few KV heads)
@@ -109,8 +110,10 @@ KERNEL = native.Library(
                 "flock_cpu_plan": ([_p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p], _int),
                 "flock_cpu_write_kv_op": ([_p], ctypes.c_int32), "flock_cpu_cascade_op": ([_p], ctypes.c_int32)})
 PATHS = KERNEL.paths
-EMULATED_AMX = "avx2-emulated-amx"
-_EMULATED = replace(KERNEL, flags=(*KERNEL.flags, "-DFLOCK_EMULATED_AMX"), paths=("avx2",))
+EMULATED_AMX, EMULATED_AMX_512 = "avx2-emulated-amx", "avx512bf16-emulated-amx"
+# each emulated path's build and the ISA path it is built for
+_EMULATED = {name: (replace(KERNEL, flags=(*KERNEL.flags, "-DFLOCK_EMULATED_AMX"), paths=(base,)), base)
+             for name, base in ((EMULATED_AMX, "avx2"), (EMULATED_AMX_512, "avx512bf16"))}
 
 
 def forced_isa() -> str | None:
@@ -133,11 +136,11 @@ def chosen_isa() -> str | None:
 
 
 def _library(isa: str) -> tuple[native.Library, str]:
-    return (_EMULATED, "avx2") if isa == EMULATED_AMX else (KERNEL, isa)
+    return _EMULATED.get(isa, (KERNEL, isa))
 
 
 def kernel_library(isa: str) -> ctypes.CDLL:
-    """The kernel's library of path `isa` (or EMULATED_AMX), loaded."""
+    """The kernel's library of path `isa` (or an emulated AMX one), loaded."""
     library, path = _library(isa)
     return library.load(path)
 
@@ -207,9 +210,9 @@ class CpuCascadeBackend(TorchCascadeBackend):
     name = "cpu"
 
     def __init__(self, *args, isa: str | None = None, **kwargs):
-        """`isa`: a path of PATHS (or EMULATED_AMX) to take, if this CPU runs it; default: chosen_isa()."""
+        """`isa`: a path of PATHS (or an emulated AMX one) to take, if this CPU runs it; default: chosen_isa()."""
         super().__init__(*args, **kwargs)
-        runs = isa in isa_paths() or isa == EMULATED_AMX and "avx2" in isa_paths()
+        runs = (isa in _EMULATED and _EMULATED[isa][1] or isa) in isa_paths()
         self.isa = chosen_isa() if isa is None else isa if runs else None
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 

@@ -7,7 +7,8 @@ over the threads; bench/step_profile.py times them against oneDNN's prepacked li
 keep oneDNN. `isa()` says which runs here, `unavailable()` why none does, `takes(k)` which widths the one here
 takes (AMX: multiples of 32). A Llama MLP's gate_up weight packed with `glu` gives silu(gate) * up straight from
 the GEMM's fp32 sums. EMULATED_AMX names the AMX kernel built with its tile operations in portable C: how
-CPUs without AMX test its layouts.
+CPUs without AMX test its layouts; EMULATED_AMX_512 the same built for AVX512-BF16, with the amx build's own
+AVX-512 epilogues (`emulated_paths()`: those this CPU runs).
 """
 
 import ctypes
@@ -23,7 +24,7 @@ from flock.model import huge_pages
 
 BLOCK = 64  # output columns of a packed weight block (32 with glu: each a gate and an up column)
 OUT_BF16, OUT_F32, OUT_GLU = 0, 1, 2  # what flock_gemm writes (csrc/gemm_lora.h also adds to a bf16 output)
-EMULATED_AMX = "emulated-amx"
+EMULATED_AMX, EMULATED_AMX_512 = "emulated-amx", "avx512bf16-emulated-amx"
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _GEMM = ([_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], _i32)
@@ -54,7 +55,9 @@ def _amx_ready(lib: ctypes.CDLL) -> str | None:
 AMX = native.Library(_CSRC / "gemm_amx.c", "the AMX bf16 GEMM", paths=("amx",), ready=_amx_ready,
                      flags=("-O3", "-fopenmp", "-fno-math-errno"),
                      signatures={"flock_amx_gemm_init": ([], _i32), **_SIGNATURES})
-_EMULATED = replace(AMX, flags=(*AMX.flags, "-DFLOCK_EMULATED_AMX"), paths=("baseline",))
+# each emulated path's build and the ISA path it is built for
+_EMULATED = {name: (replace(AMX, flags=(*AMX.flags, "-DFLOCK_EMULATED_AMX"), paths=(base,)), base)
+             for name, base in ((EMULATED_AMX, "baseline"), (EMULATED_AMX_512, "avx512bf16"))}
 
 
 @functools.cache
@@ -78,13 +81,19 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 def takes(k: int, path: str | None = None) -> bool:
     """Whether the GEMM of `path` (default: the one here) takes an input width of k."""
-    return k % (32 if (path or isa()) in ("amx", EMULATED_AMX) else 2) == 0
+    return k % (32 if (path or isa()) in ("amx", *_EMULATED) else 2) == 0
+
+
+def emulated_paths() -> list[str]:
+    """The emulated AMX GEMMs this CPU runs (test paths)."""
+    return [name for name, (library, base) in _EMULATED.items() if base in library.runnable()]
 
 
 def _lib(path: str | None) -> ctypes.CDLL:
     path = path or isa()
-    if path == EMULATED_AMX:
-        return _EMULATED.load("baseline")
+    if path in _EMULATED:
+        library, base = _EMULATED[path]
+        return library.load(base)
     return (AMX if path == "amx" else KERNEL).load(path)
 
 

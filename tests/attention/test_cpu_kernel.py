@@ -20,9 +20,11 @@ from flock.model.config import ModelConfig
 from tests.attention import test_backends as tb
 from tests.engine.test_parity import references  # noqa: F401 (a fixture)
 
-# every path, and the amx path with its tiles emulated (on any AVX2 CPU); a path that cannot run here says why
+# every path, and the amx path with its tiles emulated (on any AVX2 CPU; and on AVX512-BF16 ones with the amx
+# build's own AVX-512 code); a path that cannot run here says why
+EMULATED = (cpu.EMULATED_AMX, cpu.EMULATED_AMX_512)
 PATHS = [p if (why := cpu.kernel_unavailable(p)) is None else pytest.param(p, marks=pytest.mark.skip(reason=why))
-         for p in (*cpu.PATHS, cpu.EMULATED_AMX)]
+         for p in (*cpu.PATHS, *EMULATED)]
 SHAPES = {"bs4-d32": (4, 32), "bs16-d64": (16, 64), "bs8-d128": (8, 128), "bs8-d80": (8, 80)}
 FP32_TOL = 1e-5
 _references: dict = {}
@@ -56,7 +58,7 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype) -> None:
 
 
 def run_cpu(isa, monkeypatch, heads, kv_heads, layout, inputs):
-    if isa == cpu.EMULATED_AMX:  # no FLOCK_CPU_ISA for it: a test path
+    if isa in EMULATED:  # no FLOCK_CPU_ISA for it: a test path
         backend = CpuCascadeBackend(heads, kv_heads, inputs[0].shape[-1], None, inputs[0].dtype, isa=isa)
     else:
         monkeypatch.setenv(native.ISA_ENV, isa)
@@ -310,7 +312,7 @@ def test_a_sliding_window_on_the_kernel(monkeypatch, isa, dtype, window, shape):
     q, k, v, k_cache, v_cache = inputs
     _, _, kc, vc = tb.run_backend("torch", tb.config(4, 2), layout, q, k, v, k_cache, v_cache)
     expected = tb.reference(q, kc, vc, layout, 2, window)
-    if isa == cpu.EMULATED_AMX:
+    if isa in EMULATED:
         backend = CpuCascadeBackend(4, 2, q.shape[-1], window, dtype, isa=isa)
     else:
         monkeypatch.setenv(native.ISA_ENV, isa)
@@ -334,7 +336,7 @@ def test_capped_scores_on_the_kernel(monkeypatch, isa, dtype, window, shape):
     q = (3 * q.double()).to(dtype)
     _, _, kc, vc = tb.run_backend("torch", tb.config(4, 2), layout, q, k, v, k_cache, v_cache)
     expected = tb.reference(q, kc, vc, layout, 2, window, softcap=2.0)
-    if isa == cpu.EMULATED_AMX:
+    if isa in EMULATED:
         backend = CpuCascadeBackend(4, 2, q.shape[-1], window, dtype, isa=isa, softcap=2.0)
     else:
         monkeypatch.setenv(native.ISA_ENV, isa)
@@ -503,7 +505,7 @@ def test_sampled_rows_plan_with_draft_rows(monkeypatch, isa, dtype, shape):
     layout, inputs, expected = case("several groups", 4, 2, dtype, *shape)
     layout = dataclasses.replace(layout, sampled=np.arange(len(layout.seq_lens)),
                                  sample_counts=np.minimum(layout.query_lens, np.arange(len(layout.seq_lens)) % 3 + 1))
-    if isa == cpu.EMULATED_AMX:
+    if isa in EMULATED:
         backend = CpuCascadeBackend(4, 2, inputs[0].shape[-1], None, dtype, isa=isa)
     else:
         monkeypatch.setenv(native.ISA_ENV, isa)

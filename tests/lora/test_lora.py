@@ -154,7 +154,7 @@ def test_steps_with_adapters_run_in_the_step_program(hf_folders, adapters, dtype
     assert with_program[0::2] != with_program[1::2]
 
 
-@pytest.mark.parametrize("path", sorted({gemm.isa(), gemm.EMULATED_AMX} - {None}))
+@pytest.mark.parametrize("path", sorted({gemm.isa(), *gemm.emulated_paths()} - {None}))
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_c_update_equals_float_products_rounded_as_bf16(path, masked):
     """y += mask(x A^T) B^T (gemm.add_lora): x A^T rounded to bf16, y plus its product rounded once; rows whose

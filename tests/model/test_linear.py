@@ -46,8 +46,9 @@ def test_unavailable_names_the_reason():
 
 GEMM_WHY = gemm.unavailable(torch.bfloat16, CPU)
 NATIVE = pytest.mark.skipif(GEMM_WHY is not None, reason=f"bf16 GEMM: {GEMM_WHY}")
-# the GEMM this CPU runs (None), and the AMX kernel with its tiles emulated, on every CPU
-PATHS = [pytest.param(None, marks=NATIVE, id=gemm.isa() or "native"), gemm.EMULATED_AMX]
+# the GEMM this CPU runs (None), and the AMX kernel with its tiles emulated, on every CPU (on AVX512-BF16 ones also
+# with the amx build's own epilogues)
+PATHS = [pytest.param(None, marks=NATIVE, id=gemm.isa() or "native"), *gemm.emulated_paths()]
 
 
 def packed_product(x, weight, path, bias=None, dtype=torch.bfloat16, glu=False):

@@ -9,7 +9,7 @@ from flock.model import gemm, moe, quant
 from flock.model.quant import QuantWeight
 from tests.model.test_quant import PATHS, TILE_PATHS, random_blocks
 
-BF16_PATHS = [gemm.isa()] * (gemm.isa() is not None) + [gemm.EMULATED_AMX]
+BF16_PATHS = [gemm.isa()] * (gemm.isa() is not None) + gemm.emulated_paths()
 
 HIDDEN = 256
 # [gate | up] type, down type, inter width, interleaved
