@@ -25,7 +25,7 @@ from flock.model import gemm, huge_pages
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-                "IQ4_XS": (23, 256, 136)}
+                "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
@@ -35,7 +35,7 @@ LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize flo
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
-            "IQ4_XS": 138}
+            "IQ4_XS": 138, "Q2_K": 84}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 

@@ -166,7 +166,7 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
 
 
 # byte offsets of a block's float16 scales
-K_QUANT_SCALES = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ K_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.
          "blk.1.ffn_up.weight": Q.Q5_K, "token_embd.weight": Q.Q6_K}  # Q4_K_M's kind of mix, and more
 CASES = {"Q8_0": ("llama", Q.Q8_0, None), "Q4_0": ("llama", Q.Q4_0, None), "Q4_1": ("qwen2", Q.Q4_1, None),
          "Q5_0": ("llama", Q.Q5_0, None), "Q5_1": ("llama", Q.Q5_1, None), "K-quants": ("llama256", Q.Q4_K, K_MIX),
-         "IQ4_XS": ("llama256", Q.IQ4_XS, None),
+         "IQ4_XS": ("llama256", Q.IQ4_XS, None), "Q2_K": ("llama256", Q.Q2_K, None),
          "Gemma 3 Q8_0": ("gemma3", Q.Q8_0, None),  # GeGLU: its gate_up GEMM gives both halves
          "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None),  # each expert a slice of its layer's 3D tensor
          "Qwen2-MoE Q8_0": ("qwen2_moe", Q.Q8_0, None),  # a shared expert beside them

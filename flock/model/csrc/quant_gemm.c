@@ -1,6 +1,6 @@
 // GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), row-major, each
-// row its K / block blocks.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), row-major,
+// each row its K / block blocks.
 //
 // As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
@@ -55,6 +55,9 @@ typedef struct { f16 d; uint8_t qs[16]; } blk_q4_0;
 typedef struct { f16 d, m; uint8_t qs[16]; } blk_q4_1;
 typedef struct { f16 d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;
 typedef struct { f16 d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
+// Q2_K: 16 sub-blocks of 16, each a byte of 4-bit scale (low) and minimum (high); weight 128 h + 32 j + l is bits
+// 2 j of qs[32 h + l]
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; f16 d, dmin; } blk_q2_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } blk_q6_K;
@@ -75,6 +78,9 @@ typedef struct { blk_q4_Kx8 low; uint8_t qh[8][32]; } blk_q5_Kx8;
 // and 8 v + 4 + t as Q4_K's do, and bits 2 g of qh byte 4 r + t the top 2 bits of weight 4 g + t.
 typedef struct { uint8_t qs[2][32], qh[32]; } q6_sub;
 typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
+// Q2_K: the file's scale-and-minimum bytes of sub-blocks 2 p and 2 p + 1 per row; bits 2 g of byte 4 r + t of
+// sub-block sb's vector hold weight 4 g + t of the sub-block in row r.
+typedef struct { f16 d[8], dmin[8]; uint8_t sm[8][8][2]; uint8_t qs[16][32]; } blk_q2_Kx8;
 // IQ4_XS: Q4_K's layout of the indices, the scales less 32 as signed bytes, no minimums
 typedef struct { f16 d[8]; int8_t sc[4][8][2]; uint8_t qs[8][4][32]; } blk_iq4_xsx8;
 // The 32-blocks, after the 8 rows' scales d (and minimums m): Q8_0's vector v holds at byte 4 r + t weight 4 v + t
@@ -90,7 +96,7 @@ typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
 
 // ggml's type ids
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
 enum { Q3_K = 11, IQ4_NL = 20 };  // flock_transcode's
 
 #define NT 16  // weight rows of a tile
@@ -148,7 +154,7 @@ static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
         out[j] = (int8_t)((((b->scales_l[j / 2] >> (4 * (j % 2))) & 0xf) | ((b->scales_h >> (2 * j)) & 3) << 4) - 32);
 }
 
-static int block_size(int type) { return type >= Q4_K ? 256 : 32; }
+static int block_size(int type) { return type >= Q2_K ? 256 : 32; }
 static inline int has_k_minimums(int type) { return type == Q4_K || type == Q5_K; }
 
 static int64_t block_bytes(int type) {
@@ -162,6 +168,7 @@ static int64_t block_bytes(int type) {
         case Q5_K: return sizeof(blk_q5_K);
         case Q6_K: return sizeof(blk_q6_K);
         case IQ4_XS: return sizeof(blk_iq4_xs);
+        case Q2_K: return sizeof(blk_q2_K);
         default: return 0;
     }
 }
@@ -173,6 +180,7 @@ static int64_t x8_row_bytes(int type) {
         case Q5_K: return sizeof(blk_q5_Kx8) / 8;
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
         case IQ4_XS: return sizeof(blk_iq4_xsx8) / 8;
+        case Q2_K: return sizeof(blk_q2_Kx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
@@ -246,6 +254,13 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
             for (int t = 0; t < 16; t++) s[t] = d * b->scales[t], o[t] = -32 * s[t];
             return;
         }
+        case Q2_K: {
+            const blk_q2_K *b = (const blk_q2_K *)blk;
+            for (int i = 0; i < 256; i++) u[i] = (b->qs[32 * (i / 128) + i % 32] >> (2 * (i % 128 / 32))) & 3;
+            for (int t = 0; t < 16; t++)
+                s[t] = f16_to_f32(b->d) * (b->scales[t] & 0xf), o[t] = -f16_to_f32(b->dmin) * (b->scales[t] >> 4);
+            return;
+        }
         case IQ4_XS: {  // the values plus 128
             const blk_iq4_xs *b = (const blk_iq4_xs *)blk;
             int8_t sc[8];
@@ -281,6 +296,13 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             }
         s[0] = s[1] = f16_to_f32(((const f16 *)blk)[lane]);
         o[0] = o[1] = has_min(type) ? f16_to_f32(((const f16 *)blk)[8 + lane]) : x8_offset(type) * s[0];
+    } else if (type == Q2_K) {
+        const blk_q2_Kx8 *b = (const blk_q2_Kx8 *)blk;
+        for (int sb = 0; sb < 16; sb++) {
+            for (int i = 0; i < 16; i++) u[16 * sb + i] = (b->qs[sb][4 * lane + i % 4] >> (2 * (i / 4))) & 3;
+            const uint8_t sm = b->sm[sb / 2][lane][sb % 2];
+            s[sb] = f16_to_f32(b->d[lane]) * (sm & 0xf), o[sb] = -f16_to_f32(b->dmin[lane]) * (sm >> 4);
+        }
     } else if (type == IQ4_XS) {
         const blk_iq4_xsx8 *b = (const blk_iq4_xsx8 *)blk;
         for (int sb = 0; sb < 8; sb++) {
@@ -341,6 +363,18 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     qs[v][4 * lane + t] = type == Q8_0 ? u[4 * v + t] : (lo & 0xf) | (hi & 0xf) << 4;
                     if (has_qh(type)) qh[4 * lane + t] |= (lo >> 4) << (2 * v) | (hi >> 4) << (2 * v + 1);
                 }
+        } else if (type == Q2_K) {
+            const blk_q2_K *src = (const blk_q2_K *)row + b;
+            blk_q2_Kx8 *dst = (blk_q2_Kx8 *)out + b;
+            dst->d[lane] = src->d, dst->dmin[lane] = src->dmin;
+            for (int sb = 0; sb < 16; sb++) {
+                dst->sm[sb / 2][lane][sb % 2] = src->scales[sb];
+                for (int t = 0; t < 4; t++) {
+                    uint8_t q = 0;
+                    for (int g = 0; g < 4; g++) q |= (uint8_t)(u[16 * sb + 4 * g + t] << (2 * g));
+                    dst->qs[sb][4 * lane + t] = q;
+                }
+            }
         } else if (type == IQ4_XS) {  // the indices, not the values decode_block gave
             const blk_iq4_xs *src = (const blk_iq4_xs *)row + b;
             blk_iq4_xsx8 *dst = (blk_iq4_xsx8 *)out + b;
@@ -863,6 +897,43 @@ AI void dot_q6_K(const int R, const int stream, const uint8_t *w, const act256 *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
+// Q2_K: each 32 weights of a 2-bit plane two sub-blocks, the low and the high 128 bits of a vector
+AI void dot_q2_K(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+    const __m256i three = _mm256_set1_epi8(3), low4 = _mm256_set1_epi8(0xf);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (stream) prefetch_ahead(w + b * sizeof(blk_q2_K), sizeof(blk_q2_K));
+        const blk_q2_K *blk = (const blk_q2_K *)w + b;
+        const __m128i sm = _mm_loadu_si128((const __m128i *)blk->scales);
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), _mm256_castsi256_si128(low4)));
+        __attribute__((aligned(16))) uint8_t sc[16];
+        _mm_store_si128((__m128i *)sc, _mm_and_si128(sm, _mm256_castsi256_si128(low4)));
+        __m256i sum[MT];
+        for (int r = 0; r < R; r++) sum[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
+                const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]),
+                                                       _mm_set1_epi16(sc[8 * h + 2 * j]));
+                for (int r = 0; r < R; r++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * j));
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scale));
+                    settle(&sum[r]);
+                }
+            }
+        }
+        const float d = f16_to_f32(blk->d), dmin = f16_to_f32(blk->dmin);
+        for (int r = 0; r < R; r++) {
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r][b].bsums), mins);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x[r][b].d), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
 // IQ4_XS: the values looked up (vpshufb) as signed bytes; their sizes times the activations with the values' signs
 // (as dot_small's Q8_0), each sub-block's pairs then into int32 with its scale.
 AI void dot_iq4_xs(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
@@ -995,6 +1066,51 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+    }
+}
+
+// Q2_K: a sub-block's 4 planes of 2-bit weights (4 g + t at bits 2 g) against the activations 4 g .. 4 g + 3, its
+// 16 products summed before its scale; the minimums times the activations' sums of 16.
+AI void dot_q2_K_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk_q2_Kx8 *blk = (const blk_q2_Kx8 *)w + b;
+        if (stream) prefetch_ahead(blk, sizeof(*blk));
+        __m256i isum[MT], mins[MT];
+        for (int r = 0; r < R; r++) isum[r] = mins[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            const __m128i sm = _mm_loadu_si128((const __m128i *)blk->sm[p]);
+            const __m256i pairs = _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4));
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4));
+            for (int r = 0; r < R; r++) {
+                const __m256i sums16 = bcast4((const int8_t *)(x[r][b].bsums + 2 * p));
+                mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mn, sums16));
+            }
+            for (int h = 0; h < 2; h++) {
+                const int sb = 2 * p + h;
+                const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb]);
+                __m256i sums[MT];  // per int16 (AVX2) at most 8 products of 3 * 127
+                for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+                for (int g = 0; g < 4; g++) {
+                    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
+                    for (int r = 0; r < R; r++) {
+                        sums[r] = products(sums[r], u, bcast4(x[r][b].q + 16 * sb + 4 * g));
+                        settle(&sums[r]);
+                    }
+                }
+                const __m256i scale = pair_scale(pairs, h);
+                for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
+        for (int r = 0; r < R; r++) {
+            const __m256 xd = _mm256_set1_ps(x[r][b].d);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, xd), acc[r]);
+        }
     }
 }
 
@@ -1186,6 +1302,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 #define K45(r, T) dot_q45_K(r, stream, T, w, (const act256 *const *)x, nb, out)
 #define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
 #define IQ4(r, T) dot_iq4_xs(r, stream, w, (const act256 *const *)x, nb, out)
+#define K2(r, T) dot_q2_K(r, stream, w, (const act256 *const *)x, nb, out)
     switch (type) {
         case Q8_0: ROWS(SMALL, Q8_0)
         case Q4_0: ROWS(SMALL, Q4_0)
@@ -1195,6 +1312,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
         case Q4_K: ROWS(K45, Q4_K)
         case Q5_K: ROWS(K45, Q5_K)
         case IQ4_XS: ROWS(IQ4, IQ4_XS)
+        case Q2_K: ROWS(K2, Q2_K)
         default: ROWS(K6, Q6_K)
     }
 #else
@@ -1212,6 +1330,7 @@ static void dot_octet(int R, int stream, int type, const uint8_t *w, const void 
         case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
         case IQ4_XS: dot_iq4_xs_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;     \
+        case Q2_K: dot_q2_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
         case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \
         case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
         case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
@@ -1304,6 +1423,11 @@ static inline void write_row(void *y, int64_t at, const float *v, int cols, int 
 
 #ifdef AMX_TILES
 #include "quant_amx.h"
+// Whether a call of `rows` rows takes the tiles: on interleaved weights of a type they take (Q2_K's 2-bit weights
+// stay on the vector kernels)
+#define ON_TILES(type, x8, rows) ((x8) && (rows) >= AMX_ROWS && (type) != Q2_K)
+#else
+#define ON_TILES(type, x8, rows) 0
 #endif
 
 // 0 where the kernels may run (AMX builds: Linux granted the tile state)
@@ -1383,7 +1507,7 @@ int32_t flock_qgemm(int32_t type, int32_t x8, const uint8_t *w, int64_t row_byte
         }
         int tiled = 0;
 #ifdef AMX_TILES
-        if (x8 && m >= AMX_ROWS) {
+        if (ON_TILES(type, x8, m)) {
             tiled = 1;
             const int code = amx_gemm(type, w, row_bytes, n, xq, act_row, nb, m, y, ldy, out_bf16, glu);
             if (code) {

@@ -15,12 +15,6 @@ typedef struct {
     MoeRouter router;
 } MoeLayer;
 
-#ifdef AMX_TILES
-#define ON_TILES(x8, rows) ((x8) && (rows) >= AMX_ROWS)
-#else
-#define ON_TILES(x8, rows) 0
-#endif
-
 // One GEMM of every run's pairs by its expert's weights (`w`: each expert's blocks; n outputs, k inputs), inside
 // the parallel region: xq's pair rows (act_row bytes each) in, y's out (dtype rows of n). Runs of AMX_ROWS pairs
 // or more take the AMX tiles (AMX builds); the rest, bands of one expert's weights, go to the vector tiles as
@@ -32,7 +26,7 @@ static int experts_gemm(const MoeRoute *R, int type, int x8, const int64_t *w, i
 #ifdef AMX_TILES
     for (int64_t r = 0; r < R->runs; r++) {
         const int64_t p0 = R->run_start[r], rows = R->run_start[r + 1] - p0;
-        if (!ON_TILES(x8, rows)) continue;
+        if (!ON_TILES(type, x8, rows)) continue;
         const uint8_t *we = (const uint8_t *)(intptr_t)w[R->run_expert[r]];
         const int code = amx_gemm(type, we, row_bytes, n, xq + p0 * act_row, act_row, nb, rows,
                                   (uint8_t *)y + p0 * n * (out_bf16 ? 2 : 4), n, out_bf16, glu);
@@ -44,7 +38,7 @@ static int experts_gemm(const MoeRoute *R, int type, int x8, const int64_t *w, i
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t i = 0; i < units; i++) {
         const int64_t r = i / bands, n0 = i % bands * NT, p0 = R->run_start[r], p1 = R->run_start[r + 1];
-        if (ON_TILES(x8, p1 - p0)) continue;
+        if (ON_TILES(type, x8, p1 - p0)) continue;
         const uint8_t *we = (const uint8_t *)(intptr_t)w[R->run_expert[r]];
         for (int64_t m0 = p0; m0 < p1; m0 += MT) {
             const int rows = p1 - m0 < MT ? (int)(p1 - m0) : MT;
