@@ -29,7 +29,8 @@ KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
-TRANSCODED = {"Q3_K": (11, 256, 110, "Q6_K"), "IQ4_NL": (20, 32, 18, "Q8_0")}
+TRANSCODED = {"Q3_K": (11, 256, 110, "Q6_K"), "IQ4_NL": (20, 32, 18, "Q8_0"), "IQ3_XXS": (18, 256, 98, "Q6_K"),
+              "IQ3_S": (21, 256, 110, "Q6_K")}
 BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values())}  # the ids kept as blocks
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
@@ -214,13 +215,26 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     return QuantTensor(tensor.qtype, out, interleaved=True)
 
 
+def transcodes_exactly(qtype: int, blocks: np.ndarray) -> bool:
+    """Whether `transcode` holds these blocks' values exactly (all but IQ3_XXS blocks whose d / 2 is no fp16
+    value: flock.model.iq3)."""
+    from flock.model import iq3
+
+    return qtype not in iq3.TYPES or iq3.exact(qtype, blocks)
+
+
 def transcode(qtype: int, blocks: torch.Tensor) -> QuantTensor:
     """Rows of blocks of a kernel type as they are; of a TRANSCODED type as the blocks of its kernel type that hold
-    the same values (Q3_K as Q6_K: 1.9x the bytes; IQ4_NL as Q8_0), whose integer products are the same."""
+    the same values (Q3_K as Q6_K: 1.9x the bytes; IQ4_NL as Q8_0; IQ3_XXS and IQ3_S as Q6_K, flock.model.iq3),
+    whose integer products are the same."""
+    from flock.model import iq3
+
     name = next((n for n, spec in TRANSCODED.items() if spec[0] == qtype), None)
     if name is None:
         return QuantTensor(qtype, blocks)
     _, _, size, target = TRANSCODED[name]
+    if qtype in iq3.TYPES:
+        return QuantTensor(KERNEL_TYPES[target][0], torch.from_numpy(iq3.as_q6_k(qtype, blocks.numpy())))
     blocks = blocks.contiguous()
     out = torch.empty(blocks.shape[0], blocks.shape[1] // size * KERNEL_TYPES[target][2], dtype=torch.uint8)
     _lib(None).flock_transcode(qtype, blocks.data_ptr(), blocks.numel() // size, out.data_ptr(),

@@ -190,17 +190,19 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """gguf's quantizer (quantize_iq4_xs for IQ4_XS); for the K-quants and IQ4_NL, which it cannot write, random
-    blocks (weights unrelated to w, of its size); zero blocks for other types it cannot write (a type Flock must
-    refuse)."""
+    """gguf's quantizer (quantize_iq4_xs for IQ4_XS); for the K-quants, IQ4_NL and the IQ3 types, which it cannot
+    write, random blocks (weights unrelated to w, of its size); zero blocks for other types it cannot write (a type
+    Flock must refuse)."""
     if qtype == Q.IQ4_XS:
         return quantize_iq4_xs(w)
     try:
         return gguf.quants.quantize(w, qtype)
     except (NotImplementedError, gguf.quants.QuantError):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        if qtype in K_QUANT_SCALES or qtype == Q.IQ4_NL:
+        if qtype in K_QUANT_SCALES or qtype in (Q.IQ4_NL, Q.IQ3_XXS, Q.IQ3_S):
             rows = random_blocks(qtype, int(np.prod(w.shape[:-1])), w.shape[-1], float(np.abs(w).mean()))
+            if qtype == Q.IQ3_XXS:  # d / 2 an fp16 value, as llama.cpp's d of normal weights
+                rows.reshape(-1, size)[:, 0] &= 0xFE
             return rows.reshape(*w.shape[:-1], -1)  # a mixture's [experts, rows, cols] too
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
 

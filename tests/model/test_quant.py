@@ -187,10 +187,12 @@ def test_activations_quantize_alike_on_every_path(dtype):
 
 @pytest.mark.parametrize("name", list(quant.TRANSCODED))
 def test_transcoded_blocks_hold_the_files_values(name):
-    """Q3_K / IQ4_NL blocks (every bit pattern but the scales random) rewritten as Q6_K / Q8_0: the gguf package's
-    values of the file's blocks, and Flock's of the rewritten ones, equal."""
+    """Q3_K / IQ4_NL / IQ3_XXS / IQ3_S blocks (every bit pattern but the scales random) rewritten as Q6_K / Q8_0:
+    the gguf package's values of the file's blocks, and Flock's of the rewritten ones, equal."""
     qtype = gguf.GGMLQuantizationType[name]
     blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)
+    if name == "IQ3_XXS":  # d / 2 an fp16 value (the next test)
+        blocks.reshape(-1, 98)[:, 0] &= 0xFE
     t = quant.transcode(int(qtype), torch.from_numpy(blocks))
     assert t.name == quant.TRANSCODED[name][3] and t.k == 1024
     expected = gguf.quants.dequantize(blocks, qtype)
@@ -198,6 +200,19 @@ def test_transcoded_blocks_hold_the_files_values(name):
     np.testing.assert_array_equal(reference(t), expected)
     kept = quant.transcode(t.qtype, t.blocks)  # a kernel type as it is
     assert kept.qtype == t.qtype and kept.blocks is t.blocks
+
+
+def test_iq3_xxs_blocks_whose_half_d_is_no_fp16_value_are_not_rewritten():
+    """IQ3_XXS runs as Q6_K with d / 2 as its d: an odd subnormal d has no such half, and its blocks are refused
+    (the loader dequantizes their tensor)."""
+    iq3_xxs = int(gguf.GGMLQuantizationType.IQ3_XXS)
+    blocks = gguf_files.random_blocks(gguf.GGMLQuantizationType.IQ3_XXS, 2, 512, seed=4)
+    blocks.reshape(-1, 98)[:, 0] &= 0xFE
+    assert quant.transcodes_exactly(iq3_xxs, blocks)
+    blocks.reshape(-1, 98)[3, :2] = np.array([1], np.uint16).view(np.uint8)  # the smallest subnormal
+    assert not quant.transcodes_exactly(iq3_xxs, blocks)
+    with pytest.raises(ValueError, match="d / 2"):
+        quant.transcode(iq3_xxs, torch.from_numpy(blocks))
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -2,6 +2,7 @@
 memory, agreement with the same file dequantized, results no scheduler or chunk size changes, and weights
 quantized at load."""
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -92,12 +93,13 @@ def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
     assert diff.mean() < 0.005 * size.mean()
 
 
-@pytest.mark.parametrize("kind, qtype", [("llama256", Q.Q3_K), ("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL)],
-                         ids=["Q3_K", "IQ4_NL", "Qwen3-MoE IQ4_NL"])
-def test_q3_k_and_iq4_nl_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, kind, qtype):
-    """Q3_K and IQ4_NL projections (a mixture's experts too) run as the Q6_K and Q8_0 blocks of their values,
-    rewritten at load, in 1.91x and 1.89x the file's bytes: every weight the value the gguf package dequantizes
-    from the file."""
+@pytest.mark.parametrize("kind, qtype", [("llama256", Q.Q3_K), ("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL),
+                                         ("llama256", Q.IQ3_XXS), ("llama256", Q.IQ3_S)],
+                         ids=["Q3_K", "IQ4_NL", "Qwen3-MoE IQ4_NL", "IQ3_XXS", "IQ3_S"])
+def test_transcoded_types_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, kind, qtype):
+    """Q3_K, IQ4_NL, IQ3_XXS and IQ3_S projections (a mixture's experts too) run as the Q6_K / Q8_0 blocks of their
+    values, rewritten at load, in 1.91x, 1.89x, 2.14x and 1.91x the file's bytes: every weight the value the gguf
+    package dequantizes from the file."""
     path = write_gguf(hf_folders[kind], tmp_path / "t.gguf", qtype)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     target = quant.TRANSCODED[qtype.name][3]
@@ -111,6 +113,24 @@ def test_q3_k_and_iq4_nl_run_as_the_blocks_of_the_same_values(hf_folders, tmp_pa
     expected = layers(LLM(str(path), dtype="float32", quantization="none", ops="torch", kv_cache_memory_bytes=1 << 20))
     for name, layer in blocks.items():
         assert torch.equal(quant.dequantize(layer.qweight), expected[name].weight), name
+
+
+def test_an_iq3_xxs_tensor_without_q6_k_blocks_of_its_values_is_dequantized(hf_folders, tmp_path, caplog):
+    """A block whose d / 2 is no fp16 value (an odd subnormal d) keeps its layer off the kernels: that layer's
+    weights are the gguf package's values as floats, the other layers still run on the blocks."""
+    from gguf import GGUFReader
+
+    path = write_gguf(hf_folders["llama256"], tmp_path / "t.gguf", Q.IQ3_XXS)
+    odd = next(t for t in GGUFReader(str(path), "r+").tensors if t.name == "blk.1.attn_output.weight")
+    odd.data.reshape(-1, 98)[5, :2] = np.array([1], np.uint16).view(np.uint8)
+    expected = gguf.quants.dequantize(np.array(odd.data), Q.IQ3_XXS)
+    del odd
+    with caplog.at_level("INFO", logger="flock"):
+        found = layers(LLM(str(path), dtype="float32", ops="torch", kv_cache_memory_bytes=1 << 20))
+    assert "blk.1.attn_output.weight dequantized at load" in caplog.text
+    assert found["layers.1.self_attn.o_proj"].qweight is None
+    assert found["layers.0.self_attn.o_proj"].qweight is not None
+    assert torch.equal(found["layers.1.self_attn.o_proj"].weight, torch.from_numpy(expected))
 
 
 @pytest.mark.parametrize("config", [dict(scheduler="batchllm"), dict(scheduler="feather"),
