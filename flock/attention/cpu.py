@@ -212,7 +212,7 @@ class CpuCascadeBackend(TorchCascadeBackend):
     def __init__(self, *args, isa: str | None = None, **kwargs):
         """`isa`: a path of PATHS (or an emulated AMX one) to take, if this CPU runs it; default: chosen_isa()."""
         super().__init__(*args, **kwargs)
-        runs = (isa in _EMULATED and _EMULATED[isa][1] or isa) in isa_paths()
+        runs = isa is not None and _library(isa)[1] in isa_paths()
         self.isa = chosen_isa() if isa is None else isa if runs else None
         self.partials = PartialBuffers(self.num_heads, self.head_dim)
 
