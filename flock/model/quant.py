@@ -50,7 +50,8 @@ def _ready(lib: ctypes.CDLL) -> str | None:
         return None
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((16, 256), dtype=np.float32))
-    for name, d_at in (("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,)), ("IQ4_XS", (0,))):  # small scales
+    checks = (("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,)), ("IQ4_XS", (0,)), ("Q2_K", (80, 82)))
+    for name, d_at in checks:  # random blocks, small scales
         qtype, values, size = KERNEL_TYPES[name]
         blocks = rng.integers(0, 256, (16, 256 // values, size), dtype=np.uint8)
         for at in d_at:

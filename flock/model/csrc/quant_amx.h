@@ -4,11 +4,12 @@
 // block the task's weights are unpacked once into B tiles, which every 16-row activation tile of the chunk then
 // meets in _tile_dpbsud / _tile_dpbssd (A tiles read in place from the activation blocks), and one float step per
 // block adds the int32 sums times the scales while the next tile's products run.
-// - The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS: the B tiles already carry each sub-block's integer scale. Weight x
-//   scale fits 13 bits (Q6_K's offset 32 subtracted first; IQ4_XS's values are signed), so it is split into its low
-//   byte (unsigned) and the rest (a small byte, signed for Q6_K and IQ4_XS): two products over the super-block's
-//   256 values whose sums add up as low + 256 high.
-//   Q4_K / Q5_K's minimums times the activations' sums of 32 join in the float step (vpmaddwd).
+// - The K-quants (Q2_K, Q4_K, Q5_K, Q6_K) and IQ4_XS: the B tiles already carry each sub-block's integer scale.
+//   Weight x scale fits 13 bits (Q6_K's offset 32 subtracted first; IQ4_XS's values are signed), so it is split
+//   into its low byte (unsigned) and the rest (a small byte, signed for Q6_K and IQ4_XS; Q2_K's is 0): two products
+//   over the super-block's 256 values whose sums add up as low + 256 high.
+//   Q4_K / Q5_K's minimums times the activations' sums of 32 join in the float step (vpmaddwd), Q2_K's times the
+//   sums of 16.
 // - The 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the weights as stored (Q8_0 plus 128) or their nibbles, one
 //   product of 32 values per block; the offsets (Q8_0's 128, Q4_0's 8, a minimum) come from the activation sums.
 // The integers are those of the vector kernels (dot_*_x8) and the float operations theirs, in their order, so a
@@ -31,7 +32,7 @@ typedef uint8_t BTiles[2][2][16][64];  // 64 values' B tiles: kind, column tile 
 
 typedef struct {  // what a block's float step needs of its columns
     float d[TASK_COLS], dmin[TASK_COLS];  // each column's scale, and its minimum's scale (Q4_1 / Q5_1: minimum)
-    int16_t mn[4][TASK_COLS][2];          // Q4_K / Q5_K: each column's minimums of sub-blocks 2 p and 2 p + 1
+    int16_t mn[8][TASK_COLS][2];          // each column's minimums of sub-blocks 2 p and 2 p + 1 (minimum_pairs)
 } BlockScales;
 
 typedef struct {
@@ -56,16 +57,19 @@ static void amx_configure(int kbytes, int rows) {
     TILE_CONFIG(&cfg);
 }
 
-// The scales each super-block's float step needs, of group g's columns: d (and Q4_K / Q5_K's dmin and minimums).
-// Every build of this file has AVX2 and F16C.
+// The scales each super-block's float step needs, of group g's columns: d (and the dmin and minimums of the types
+// with minimums: Q2_K's the high nibbles of its scale bytes). Every build of this file has AVX2 and F16C.
 static void group_scales(int type, const uint8_t *blk, int g, BlockScales *s) {
-    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)));  // every type's d[8] first
-    if (!has_k_minimums(type)) return;
-    const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
-    _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q->dmin)));
-    for (int p = 0; p < 4; p++)
-        _mm256_storeu_si256((__m256i *)s->mn[p][8 * g],
-                            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q->mn[p])));
+    const f16 *d = (const f16 *)blk;  // every type's d[8] first, then Q2_K's, Q4_K's and Q5_K's dmin[8]
+    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+    if (!minimum_pairs(type)) return;
+    _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8))));
+    for (int p = 0; p < minimum_pairs(type); p++) {
+        const __m128i bytes = type == Q2_K ? _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)
+                                  ((const blk_q2_Kx8 *)blk)->sm[p]), 4), _mm_set1_epi8(0xf))
+                                           : _mm_loadu_si128((const __m128i *)((const blk_q4_Kx8 *)blk)->mn[p]);
+        _mm256_storeu_si256((__m256i *)s->mn[p][8 * g], _mm256_cvtepu8_epi16(bytes));
+    }
 }
 
 #ifdef AVX512_STEPS
@@ -160,6 +164,23 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, B
         }
     }
 }
+
+// Values 64 j .. of Q2_K super-blocks of the tile's groups a and b into b: sub-block sb is values 16 sb ..: B row
+// 4 (sb % 4) + g its 2-bit plane g (weights 4 g ..), times the low nibbles of its scale bytes
+static void unpack_q2_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
+    const blk_q2_Kx8 *qa = (const blk_q2_Kx8 *)ba, *qb = (const blk_q2_Kx8 *)bb;
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    for (int sb = 4 * j; sb < 4 * j + 4; sb++) {
+        __attribute__((aligned(16))) uint8_t sa[16], sc[16];
+        _mm_store_si128((__m128i *)sa, _mm_and_si128(_mm_loadu_si128((const __m128i *)qa->sm[sb / 2]), low4));
+        _mm_store_si128((__m128i *)sc, _mm_and_si128(_mm_loadu_si128((const __m128i *)qb->sm[sb / 2]), low4));
+        const RowScales scale = row_scales(sa, sc, sb % 2, 0, 0);
+        const __m512i q = both(qa->qs[sb], qb->qs[sb]);
+        for (int g = 0; g < 4; g++)
+            scaled_row(b, tile, 4 * (sb % 4) + g, _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three), &scale, 0);
+    }
+}
 #else
 // Byte i's low and high nibbles (weights 8 v + t and 8 v + 4 + t) with, where qh is given, their fifth bits
 static inline void nibble_pair(const uint8_t *q, const uint8_t *qh, int v, int i, int16_t *lo, int16_t *hi) {
@@ -214,9 +235,26 @@ static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, int j, BTil
     }
 }
 
+static void unpack_q2_K_half(const uint8_t *blk, int tile, int half, int j, BTiles b) {
+    const blk_q2_Kx8 *q = (const blk_q2_Kx8 *)blk;
+    for (int sb = 4 * j; sb < 4 * j + 4; sb++) {
+        int16_t scale[32], u[32];
+        for (int i = 0; i < 32; i++) scale[i] = q->sm[sb / 2][i / 4][sb % 2] & 0xf;
+        for (int g = 0; g < 4; g++) {
+            for (int i = 0; i < 32; i++) u[i] = (q->qs[sb][i] >> (2 * g)) & 3;
+            scaled_half_row(b, tile, half, 4 * (sb % 4) + g, u, scale);
+        }
+    }
+}
+
 static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
     unpack_q45_K_half(type, ba, tile, 0, j, b);
     unpack_q45_K_half(type, bb, tile, 1, j, b);
+}
+
+static void unpack_q2_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
+    unpack_q2_K_half(ba, tile, 0, j, b);
+    unpack_q2_K_half(bb, tile, 1, j, b);
 }
 
 static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
@@ -289,7 +327,7 @@ static inline void amx_zero_sums(void) {
 
 // One activation tile's 64 values (16 rows of act_row bytes from a) times their B tiles b, added to the sums.
 static inline void amx_products_64(int type, const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
-    const int signed_high = !has_k_minimums(type);  // Q6_K's and IQ4_XS's high bytes are signed
+    const int signed_high = type == Q6_K || type == IQ4_XS;  // their high bytes are signed
     TILE_LOAD(0, a, act_row);
     TILE_LOAD(1, b[LOW][0], 64);
     TILE_DPBSUD(2, 0, 1);
@@ -318,18 +356,19 @@ static inline void amx_store_sums(int tiles, int high, TileScratch *s) {  // til
     if (high) TILE_STORE(5, s->c[HIGH][1], 64);
 }
 
-// The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of dot_q45_K_x8 / dot_q6_K_x8,
-// with Q4_K / Q5_K's minimums times the activations' sums of 32 (mins).
+// The stored sums of `rows` activation rows (act256 x[r]) into acc: the float step of the K-quants' 8-row kernels,
+// with `mins` pairs of minimums times the activations' sums of 32 (4: Q4_K / Q5_K) or of 16 (8: Q2_K).
 static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, int rows, int tiles,
                                   const TileScratch *restrict s, const BlockScales *restrict sc,
                                   float (*restrict acc)[TASK_COLS]) {
     for (int r = 0; r < rows; r++) {
         const act256 *xr = (const act256 *)(x + r * act_row);
+        const int16_t *part = mins == 8 ? xr->bsums : xr->sums32;  // the activations' sums the minimums meet
 #ifdef AVX512_STEPS
-        __m512i sums[4];  // the activations' sums of 32, pairs p in each 32-bit lane
-        for (int p = 0; p < 4; p++) {
+        __m512i sums[8];  // pairs p of those sums in each 32-bit lane
+        for (int p = 0; p < mins; p++) {
             int32_t pair;
-            memcpy(&pair, xr->sums32 + 2 * p, 4);
+            memcpy(&pair, part + 2 * p, 4);
             sums[p] = _mm512_set1_epi32(pair);
         }
 #endif
@@ -344,7 +383,8 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
                                        _mm512_loadu_ps(a));
             if (mins) {
                 __m512i m = _mm512_setzero_si512();
-                for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(sc->mn[p][16 * t]), sums[p]);
+                for (int p = 0; p < mins; p++)
+                    m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(sc->mn[p][16 * t]), sums[p]);
                 v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(_mm512_loadu_ps(dmin), xd), v);
             }
             _mm512_storeu_ps(a, v);
@@ -352,8 +392,8 @@ static inline void amx_float_step(int mins, const uint8_t *x, int64_t act_row, i
             for (int e = 0; e < 16; e++) {
                 const float v = fmaf((float)(lo[e] + 256 * hi[e]), d[e] * xr->d, a[e]);
                 int32_t m = 0;
-                for (int p = 0; p < 4; p++)
-                    m += sc->mn[p][16 * t + e][0] * xr->sums32[2 * p] + sc->mn[p][16 * t + e][1] * xr->sums32[2 * p + 1];
+                for (int p = 0; p < mins; p++)
+                    m += sc->mn[p][16 * t + e][0] * part[2 * p] + sc->mn[p][16 * t + e][1] * part[2 * p + 1];
                 a[e] = mins ? fmaf(-(float)m, dmin[e] * xr->d, v) : v;
             }
 #endif
@@ -425,6 +465,7 @@ static void unpack_kq_64(int type, const uint8_t *w, int64_t row_bytes, int grou
             if (gb != zero_group) prefetch_bytes(gb + blk_bytes + at, n);
         }
         if (type == Q6_K) unpack_q6_K(ga, gb, t, j, dst);
+        else if (type == Q2_K) unpack_q2_K(ga, gb, t, j, dst);
         else unpack_q45_K(type, ga, gb, t, j, dst);
         if (j == 0) group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
     }
@@ -455,7 +496,7 @@ static void unpack_small_block(int type, const uint8_t *w, int64_t row_bytes, in
 // and an unpacking into tiles just read waited for those loads).
 static void amx_task_row(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x,
                          int64_t act_row, int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
-    const int tiles = (groups + 1) / 2, mins = has_k_minimums(type);
+    const int tiles = (groups + 1) / 2, mins = minimum_pairs(type);
     const int64_t act_size = sizeof(act256), steps = 4 * nb;
     memset(acc, 0, (size_t)rows * sizeof acc[0]);
     unpack_kq_64(type, w, row_bytes, groups, 0, nb, 0, s->b[0], &s->sc[0]);
@@ -479,7 +520,7 @@ static void amx_task_row(int type, const uint8_t *w, int64_t row_bytes, int grou
 // next tile's products are under way.
 static void amx_task(int type, const uint8_t *w, int64_t row_bytes, int groups, const uint8_t *x, int64_t act_row,
                      int64_t nb, int rows, TileScratch *s, float (*acc)[TASK_COLS]) {
-    const int kq = type >= Q4_K, mins = has_k_minimums(type);
+    const int kq = block_size(type) == 256, mins = minimum_pairs(type);
     if (kq && rows <= 16) {
         amx_task_row(type, w, row_bytes, groups, x, act_row, nb, rows, s, acc);
         return;
@@ -523,7 +564,7 @@ static int amx_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
         if (!s || !sums) continue;
-        if (!configured) amx_configure(type >= Q4_K ? 64 : 32, m < 16 ? (int)m : 16), configured = 1;
+        if (!configured) amx_configure(block_size(type) == 256 ? 64 : 32, m < 16 ? (int)m : 16), configured = 1;
         const int64_t n0 = i % blocks * TASK_COLS, m0 = i / blocks * TASK_ROWS;  // a chunk's rows stay in L2
         const int rows = m - m0 < TASK_ROWS ? (int)(m - m0) : TASK_ROWS;
         const int groups = n - n0 < TASK_COLS ? (int)(n - n0) / 8 : TASK_COLS / 8, cols = 8 * groups;

@@ -155,7 +155,8 @@ static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
 }
 
 static int block_size(int type) { return type >= Q2_K ? 256 : 32; }
-static inline int has_k_minimums(int type) { return type == Q4_K || type == Q5_K; }
+// The pairs of minimums a K-quant super-block has: Q4_K / Q5_K 4 (per 32 values), Q2_K 8 (per 16), else 0
+static inline int minimum_pairs(int type) { return type == Q2_K ? 8 : type == Q4_K || type == Q5_K ? 4 : 0; }
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -1423,9 +1424,8 @@ static inline void write_row(void *y, int64_t at, const float *v, int cols, int 
 
 #ifdef AMX_TILES
 #include "quant_amx.h"
-// Whether a call of `rows` rows takes the tiles: on interleaved weights of a type they take (Q2_K's 2-bit weights
-// stay on the vector kernels)
-#define ON_TILES(type, x8, rows) ((x8) && (rows) >= AMX_ROWS && (type) != Q2_K)
+// Whether a call of `rows` rows takes the tiles: on interleaved weights
+#define ON_TILES(type, x8, rows) ((x8) && (rows) >= AMX_ROWS)
 #else
 #define ON_TILES(type, x8, rows) 0
 #endif
