@@ -802,6 +802,17 @@ AI void dot_small(const int R, const int stream, int type,
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + off[r];
 }
 
+// A K-quant block's float step in the file-row kernels: the integer sums times d, less the minimums (an int16 per
+// activation sum of 16, `mins`) times dmin
+AI void k_block_step(const int R, __m256 *acc, const __m256i *sum, __m256i mins, float d, float dmin,
+                     const act256 *const *x, int64_t b) {
+    for (int r = 0; r < R; r++) {
+        const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r][b].bsums), mins);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x[r][b].d), acc[r]);
+    }
+}
+
 // Q4_K and Q5_K
 AI void dot_q45_K(const int R, const int stream, int type,
                   const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
@@ -846,11 +857,7 @@ AI void dot_q45_K(const int R, const int stream, int type,
                 settle(&sum[r]);
             }
         }
-        for (int r = 0; r < R; r++) {
-            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r][b].bsums), mins);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x[r][b].d), acc[r]);
-        }
+        k_block_step(R, acc, sum, mins, d, dmin, x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -926,11 +933,7 @@ AI void dot_q2_K(const int R, const int stream, const uint8_t *w, const act256 *
             }
         }
         const float d = f16_to_f32(blk->d), dmin = f16_to_f32(blk->dmin);
-        for (int r = 0; r < R; r++) {
-            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x[r][b].bsums), mins);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x[r][b].d), acc[r]);
-        }
+        k_block_step(R, acc, sum, mins, d, dmin, x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -1140,8 +1143,12 @@ AI void dot_iq4_xs_x8(const int R, const int stream, const uint8_t *w, const act
         }
         for (int sb = 0; sb < 8; sb++) {
             const __m256i scale = pair_scale(pairs[sb / 2], sb % 2);
-            __m256i sums[MT], high[MT];  // per int16 (AVX2) at most 16 products of 15 * 127
-            for (int r = 0; r < R; r++) sums[r] = high[r] = _mm256_setzero_si256();
+            __m256i sums[MT];  // per int16 (AVX2) at most 16 products of 15 * 127
+            for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+#ifndef DPBUSD
+            __m256i high[MT];  // the high nibbles' products
+            for (int r = 0; r < R; r++) high[r] = _mm256_setzero_si256();
+#endif
             for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb][v]);
                 const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
