@@ -31,7 +31,8 @@ from flock import native
 from flock.model import huge_pages, quant
 
 # the float16 fields' offsets
-SCALE_AT = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+SCALE_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2),
+            "Q5_1": (0, 2)}
 
 
 def random_weight(name: str, n: int, k: int, seed: int = 0) -> quant.QuantTensor:

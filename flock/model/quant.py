@@ -25,18 +25,17 @@ from flock.model import gemm, huge_pages
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-                "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84)}
+                "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
-TRANSCODED = {"Q3_K": (11, 256, 110, "Q6_K"), "IQ4_NL": (20, 32, 18, "Q8_0"), "IQ3_XXS": (18, 256, 98, "Q6_K"),
-              "IQ3_S": (21, 256, 110, "Q6_K")}
+TRANSCODED = {"IQ4_NL": (20, 32, 18, "Q8_0"), "IQ3_XXS": (18, 256, 98, "Q6_K"), "IQ3_S": (21, 256, 110, "Q6_K")}
 BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values())}  # the ids kept as blocks
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
-            "IQ4_XS": 138, "Q2_K": 84}
+            "IQ4_XS": 138, "Q2_K": 84, "Q3_K": 114}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -50,7 +49,8 @@ def _ready(lib: ctypes.CDLL) -> str | None:
         return None
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((16, 256), dtype=np.float32))
-    checks = (("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,)), ("IQ4_XS", (0,)), ("Q2_K", (80, 82)))
+    checks = (("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q8_0", (0,)), ("IQ4_XS", (0,)), ("Q2_K", (80, 82)),
+              ("Q3_K", (108,)))
     for name, d_at in checks:  # random blocks, small scales
         qtype, values, size = KERNEL_TYPES[name]
         blocks = rng.integers(0, 256, (16, 256 // values, size), dtype=np.uint8)
@@ -226,7 +226,7 @@ def transcodes_exactly(qtype: int, blocks: np.ndarray) -> bool:
 
 def transcode(qtype: int, blocks: torch.Tensor) -> QuantTensor:
     """Rows of blocks of a kernel type as they are; of a TRANSCODED type as the blocks of its kernel type that hold
-    the same values (Q3_K as Q6_K: 1.9x the bytes; IQ4_NL as Q8_0; IQ3_XXS and IQ3_S as Q6_K, flock.model.iq3),
+    the same values (IQ4_NL as Q8_0; IQ3_XXS and IQ3_S as Q6_K, flock.model.iq3),
     whose integer products are the same."""
     from flock.model import iq3
 

@@ -187,7 +187,7 @@ def test_activations_quantize_alike_on_every_path(dtype):
 
 @pytest.mark.parametrize("name", list(quant.TRANSCODED))
 def test_transcoded_blocks_hold_the_files_values(name):
-    """Q3_K / IQ4_NL / IQ3_XXS / IQ3_S blocks (every bit pattern but the scales random) rewritten as Q6_K / Q8_0:
+    """IQ4_NL / IQ3_XXS / IQ3_S blocks (every bit pattern but the scales random) rewritten as Q8_0 / Q6_K:
     the gguf package's values of the file's blocks, and Flock's of the rewritten ones, equal."""
     qtype = gguf.GGMLQuantizationType[name]
     blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)

@@ -19,7 +19,7 @@ K_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.
          "blk.1.ffn_up.weight": Q.Q5_K, "token_embd.weight": Q.Q6_K}  # Q4_K_M's kind of mix, and more
 CASES = {"Q8_0": ("llama", Q.Q8_0, None), "Q4_0": ("llama", Q.Q4_0, None), "Q4_1": ("qwen2", Q.Q4_1, None),
          "Q5_0": ("llama", Q.Q5_0, None), "Q5_1": ("llama", Q.Q5_1, None), "K-quants": ("llama256", Q.Q4_K, K_MIX),
-         "IQ4_XS": ("llama256", Q.IQ4_XS, None), "Q2_K": ("llama256", Q.Q2_K, None),
+         "IQ4_XS": ("llama256", Q.IQ4_XS, None), "Q2_K": ("llama256", Q.Q2_K, None), "Q3_K": ("llama256", Q.Q3_K, None),
          "Gemma 3 Q8_0": ("gemma3", Q.Q8_0, None),  # GeGLU: its gate_up GEMM gives both halves
          "Qwen3-MoE Q8_0": ("qwen3_moe", Q.Q8_0, None),  # each expert a slice of its layer's 3D tensor
          "Qwen2-MoE Q8_0": ("qwen2_moe", Q.Q8_0, None),  # a shared expert beside them
@@ -63,7 +63,8 @@ def test_every_projection_stays_in_the_files_blocks(gguf_models, case):
     assert sum(map(in_file_layout, held.values())) == sum(matrices.values())
     interleaved = [p for w in held.values() for p in w.parts if p.interleaved]
     assert bool(interleaved) == (quant.isa() != "baseline")
-    assert sum(w.nbytes for w in held.values()) <= 1.03 * sum(matrices.values())
+    # the interleaved layouts' unpacked scales: at most 4 bytes more a super-block (Q3_K's 114 for 110)
+    assert sum(w.nbytes for w in held.values()) <= 1.037 * sum(matrices.values())
     types = llm.engine.runner.model.quantized_types()
     if case == "K-quants":
         assert types == {"Q4_K+Q6_K": 1, "Q4_K": 6, "Q5_K": 1, "Q6_K": 1}  # qkv of layer 0 mixes two
@@ -93,13 +94,12 @@ def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
     assert diff.mean() < 0.005 * size.mean()
 
 
-@pytest.mark.parametrize("kind, qtype", [("llama256", Q.Q3_K), ("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL),
-                                         ("llama256", Q.IQ3_XXS), ("llama256", Q.IQ3_S)],
-                         ids=["Q3_K", "IQ4_NL", "Qwen3-MoE IQ4_NL", "IQ3_XXS", "IQ3_S"])
+@pytest.mark.parametrize("kind, qtype", [("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL), ("llama256", Q.IQ3_XXS),
+                                         ("llama256", Q.IQ3_S)], ids=["IQ4_NL", "Qwen3-MoE IQ4_NL", "IQ3_XXS", "IQ3_S"])
 def test_transcoded_types_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, kind, qtype):
-    """Q3_K, IQ4_NL, IQ3_XXS and IQ3_S projections (a mixture's experts too) run as the Q6_K / Q8_0 blocks of their
-    values, rewritten at load, in 1.91x, 1.89x, 2.14x and 1.91x the file's bytes: every weight the value the gguf
-    package dequantizes from the file."""
+    """IQ4_NL, IQ3_XXS and IQ3_S projections (a mixture's experts too) run as the Q8_0 / Q6_K blocks of their values,
+    rewritten at load, in 1.89x, 2.14x and 1.91x the file's bytes: every weight the value the gguf package
+    dequantizes from the file."""
     path = write_gguf(hf_folders[kind], tmp_path / "t.gguf", qtype)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     target = quant.TRANSCODED[qtype.name][3]

@@ -1,6 +1,6 @@
 // GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), row-major,
-// each row its K / block blocks.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256),
+// row-major, each row its K / block blocks.
 //
 // As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
@@ -58,6 +58,9 @@ typedef struct { f16 d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
 // Q2_K: 16 sub-blocks of 16, each a byte of 4-bit scale (low) and minimum (high); weight 128 h + 32 j + l is bits
 // 2 j of qs[32 h + l]
 typedef struct { uint8_t scales[16]; uint8_t qs[64]; f16 d, dmin; } blk_q2_K;
+// Q3_K: weight 128 h + 32 j + l is u - 4, u its bits 2 j of qs[32 h + l] and, as bit 2, bit 4 h + j of hmask[l],
+// times its sub-block of 16's 6-bit scale less 32 (q3_k_scales) and d
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; f16 d; } blk_q3_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { f16 d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } blk_q6_K;
@@ -81,6 +84,9 @@ typedef struct { f16 d[8]; int8_t sc[8][8][2]; q6_sub sub[16]; } blk_q6_Kx8;
 // Q2_K: the file's scale-and-minimum bytes of sub-blocks 2 p and 2 p + 1 per row; bits 2 g of byte 4 r + t of
 // sub-block sb's vector hold weight 4 g + t of the sub-block in row r.
 typedef struct { f16 d[8], dmin[8]; uint8_t sm[8][8][2]; uint8_t qs[16][32]; } blk_q2_Kx8;
+// Q3_K: Q2_K's planes of the low 2 bits, the scales less 32 as signed bytes; bits g (sub-block 2 p) and 4 + g
+// (2 p + 1) of byte 4 r + t of qh[p] the third bits of weights 4 g + t.
+typedef struct { f16 d[8]; int8_t sc[8][8][2]; uint8_t qs[16][32]; uint8_t qh[8][32]; } blk_q3_Kx8;
 // IQ4_XS: Q4_K's layout of the indices, the scales less 32 as signed bytes, no minimums
 typedef struct { f16 d[8]; int8_t sc[4][8][2]; uint8_t qs[8][4][32]; } blk_iq4_xsx8;
 // The 32-blocks, after the 8 rows' scales d (and minimums m): Q8_0's vector v holds at byte 4 r + t weight 4 v + t
@@ -96,8 +102,9 @@ typedef struct { float d, s; int8_t q[32]; } act32;  // s = d * sum(q)
 typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;  // the sums of each 16, 32 of q
 
 // ggml's type ids
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
-enum { Q3_K = 11, IQ4_NL = 20 };  // flock_transcode's
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+       IQ4_XS = 23 };
+enum { IQ4_NL = 20 };  // flock_transcode's
 
 #define NT 16  // weight rows of a tile
 #define MT 4   // activation rows of a tile
@@ -148,6 +155,20 @@ static inline void k_scales(const uint8_t *s, uint8_t out[16]) {
     memcpy(out, o, 16);
 }
 
+// Q3_K: the 16 sub-blocks' 6-bit scales less 32. Sub-blocks 0-7 take the low nibbles of bytes 0-7, 8-15 their
+// high nibbles; above each nibble, 2 bits of bytes 8-11.
+static inline void q3_k_scales(const uint8_t *s, int8_t out[16]) {
+    uint32_t a[3], o[4];
+    memcpy(a, s, 12);
+    const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+    o[0] = (a[0] & four) | (a[2] & two) << 4;
+    o[1] = (a[1] & four) | ((a[2] >> 2) & two) << 4;
+    o[2] = ((a[0] >> 4) & four) | ((a[2] >> 4) & two) << 4;
+    o[3] = ((a[1] >> 4) & four) | ((a[2] >> 6) & two) << 4;
+    memcpy(out, o, 16);
+    for (int t = 0; t < 16; t++) out[t] = (int8_t)(out[t] - 32);
+}
+
 // IQ4_XS: the 8 sub-blocks' scales less 32
 static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
     for (int j = 0; j < 8; j++)
@@ -155,7 +176,8 @@ static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
 }
 
 static int block_size(int type) { return type >= Q2_K ? 256 : 32; }
-// The pairs of minimums a K-quant super-block has: Q4_K / Q5_K 4 (per 32 values), Q2_K 8 (per 16), else 0
+// The pairs of minimums a K-quant super-block has: Q4_K / Q5_K 4 (per 32 values), Q2_K 8 (per 16), else 0 (Q3_K's
+// offset 4 is its weights')
 static inline int minimum_pairs(int type) { return type == Q2_K ? 8 : type == Q4_K || type == Q5_K ? 4 : 0; }
 
 static int64_t block_bytes(int type) {
@@ -170,6 +192,7 @@ static int64_t block_bytes(int type) {
         case Q6_K: return sizeof(blk_q6_K);
         case IQ4_XS: return sizeof(blk_iq4_xs);
         case Q2_K: return sizeof(blk_q2_K);
+        case Q3_K: return sizeof(blk_q3_K);
         default: return 0;
     }
 }
@@ -182,6 +205,7 @@ static int64_t x8_row_bytes(int type) {
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
         case IQ4_XS: return sizeof(blk_iq4_xsx8) / 8;
         case Q2_K: return sizeof(blk_q2_Kx8) / 8;
+        case Q3_K: return sizeof(blk_q3_Kx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
@@ -262,6 +286,17 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
                 s[t] = f16_to_f32(b->d) * (b->scales[t] & 0xf), o[t] = -f16_to_f32(b->dmin) * (b->scales[t] >> 4);
             return;
         }
+        case Q3_K: {
+            const blk_q3_K *b = (const blk_q3_K *)blk;
+            int8_t sc[16];
+            q3_k_scales(b->scales, sc);
+            for (int i = 0; i < 256; i++) {
+                const int h = i / 128, j = i % 128 / 32, l = i % 32;
+                u[i] = (uint8_t)(((b->qs[32 * h + l] >> (2 * j)) & 3) | ((b->hmask[l] >> (4 * h + j)) & 1) << 2);
+            }
+            for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t], o[t] = -4 * s[t];
+            return;
+        }
         case IQ4_XS: {  // the values plus 128
             const blk_iq4_xs *b = (const blk_iq4_xs *)blk;
             int8_t sc[8];
@@ -303,6 +338,15 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             for (int i = 0; i < 16; i++) u[16 * sb + i] = (b->qs[sb][4 * lane + i % 4] >> (2 * (i / 4))) & 3;
             const uint8_t sm = b->sm[sb / 2][lane][sb % 2];
             s[sb] = f16_to_f32(b->d[lane]) * (sm & 0xf), o[sb] = -f16_to_f32(b->dmin[lane]) * (sm >> 4);
+        }
+    } else if (type == Q3_K) {
+        const blk_q3_Kx8 *b = (const blk_q3_Kx8 *)blk;
+        for (int sb = 0; sb < 16; sb++) {
+            for (int i = 0; i < 16; i++) {
+                const int at = 4 * lane + i % 4, g = i / 4, third = (b->qh[sb / 2][at] >> (4 * (sb % 2) + g)) & 1;
+                u[16 * sb + i] = (uint8_t)(((b->qs[sb][at] >> (2 * g)) & 3) | third << 2);
+            }
+            s[sb] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2], o[sb] = -4 * s[sb];
         }
     } else if (type == IQ4_XS) {
         const blk_iq4_xsx8 *b = (const blk_iq4_xsx8 *)blk;
@@ -376,6 +420,26 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     dst->qs[sb][4 * lane + t] = q;
                 }
             }
+        } else if (type == Q3_K) {
+            const blk_q3_K *src = (const blk_q3_K *)row + b;
+            blk_q3_Kx8 *dst = (blk_q3_Kx8 *)out + b;
+            int8_t sc[16];
+            q3_k_scales(src->scales, sc);
+            dst->d[lane] = src->d;
+            for (int t = 0; t < 4; t++)
+                for (int p = 0; p < 8; p++) dst->qh[p][4 * lane + t] = 0;
+            for (int sb = 0; sb < 16; sb++) {
+                dst->sc[sb / 2][lane][sb % 2] = sc[sb];
+                for (int t = 0; t < 4; t++) {
+                    uint8_t q = 0;
+                    for (int g = 0; g < 4; g++) {
+                        const uint8_t v = u[16 * sb + 4 * g + t];
+                        q |= (uint8_t)((v & 3) << (2 * g));
+                        dst->qh[sb / 2][4 * lane + t] |= (uint8_t)((v >> 2) << (4 * (sb % 2) + g));
+                    }
+                    dst->qs[sb][4 * lane + t] = q;
+                }
+            }
         } else if (type == IQ4_XS) {  // the indices, not the values decode_block gave
             const blk_iq4_xs *src = (const blk_iq4_xs *)row + b;
             blk_iq4_xsx8 *dst = (blk_iq4_xsx8 *)out + b;
@@ -441,37 +505,6 @@ void flock_interleave(int32_t type, const uint8_t *w, int64_t row_bytes, int64_t
 }
 
 // ---- types the kernels take as another type's blocks of the same values ----------------------------------------
-// Q3_K (hmask[32], qs[64], 12 bytes of 6-bit scales, d): weight i of a super-block is u - 4, u its 2 bits in qs and
-// its bit in hmask, times (scale - 32) d; as Q6_K (ql[128], qh[64], int8 scales[16], d) it is q - 32 with q = u + 28.
-// The same integers meet the activations, so the same products and sums as llama.cpp's Q3_K kernels.
-static void q3_k_as_q6_k(const uint8_t *in, uint8_t *out) {
-    const uint8_t *hmask = in, *qs = in + 32;
-    uint32_t aux[4], tmp;  // the scales unpacked as llama.cpp does
-    memcpy(aux, in + 96, 12);
-    tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
-    aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
-    aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
-    aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
-    const uint8_t *scales = (const uint8_t *)aux;
-    uint8_t q[256];  // value 128 h + 32 j + l: bits 2 j of qs[32 h + l], bit 4 h + j of hmask[l]
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l++)
-                q[128 * h + 32 * j + l] = (uint8_t)(((qs[32 * h + l] >> (2 * j)) & 3) +
-                                                    ((hmask[l] >> (4 * h + j)) & 1 ? 32 : 28));
-    uint8_t *ql = out, *qh = out + 128;
-    for (int h = 0; h < 2; h++)  // Q6_K's order (dequantize_row_q6_K)
-        for (int l = 0; l < 32; l++) {
-            const uint8_t *v = q + 128 * h + l;
-            ql[64 * h + l] = (uint8_t)((v[0] & 15) | (v[64] & 15) << 4);
-            ql[64 * h + 32 + l] = (uint8_t)((v[32] & 15) | (v[96] & 15) << 4);
-            qh[32 * h + l] = (uint8_t)(v[0] >> 4 | (v[32] >> 4) << 2 | (v[64] >> 4) << 4 | (v[96] >> 4) << 6);
-        }
-    for (int i = 0; i < 16; i++) out[192 + i] = (uint8_t)(scales[i] - 32);
-    memcpy(out + 208, in + 108, 2);
-}
-
 // IQ4_NL (d, 16 bytes of 4-bit indices into a table of int8 values: weight j the low nibble of byte j, weight
 // j + 16 the high one) as Q8_0 (d, the 32 values).
 static void iq4_nl_as_q8_0(const uint8_t *in, uint8_t *out) {
@@ -482,14 +515,11 @@ static void iq4_nl_as_q8_0(const uint8_t *in, uint8_t *out) {
     }
 }
 
-// n blocks of type `from` (Q3_K, else IQ4_NL) as the blocks of the kernel type that holds their values exactly
-// (Q6_K, Q8_0).
+// n blocks of type `from` (IQ4_NL) as the blocks of the kernel type that holds their values exactly (Q8_0).
 void flock_transcode(int32_t from, const uint8_t *in, int64_t n, uint8_t *out, int32_t threads) {
+    if (from != IQ4_NL) return;
 #pragma omp parallel for num_threads(threads) if(threads > 1 && n >= 4096)
-    for (int64_t b = 0; b < n; b++) {
-        if (from == Q3_K) q3_k_as_q6_k(in + b * 110, out + b * 210);
-        else iq4_nl_as_q8_0(in + b * 18, out + b * 34);
-    }
+    for (int64_t b = 0; b < n; b++) iq4_nl_as_q8_0(in + b * 18, out + b * 34);
 }
 
 // Where block b of row j starts, and the row's lane in its interleaved super-block (-1: rows layout).
@@ -938,6 +968,52 @@ AI void dot_q2_K(const int R, const int stream, const uint8_t *w, const act256 *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
+// Q3_K's third bits: bit `bit` of each byte of h as bit 2 (the word shifts' bits from the next byte masked off)
+AI __m256i third_bits(__m256i h, int bit) {
+    return _mm256_and_si256(bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit),
+                            _mm256_set1_epi8(4));
+}
+
+// Q3_K: as Q2_K, the third bits from hmask; the offset 4 as Q6_K's 32: -4 sum(scale * bsum)
+AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (stream) prefetch_ahead(w + b * sizeof(blk_q3_K), sizeof(blk_q3_K));
+        const blk_q3_K *blk = (const blk_q3_K *)w + b;
+        int8_t sc8[16];
+        q3_k_scales(blk->scales, sc8);
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
+        __attribute__((aligned(32))) int16_t sc[16];
+        _mm256_store_si256((__m256i *)sc, scales);
+        __m256i sum[MT];
+        for (int r = 0; r < R; r++) {
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
+            sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales), 2));
+        }
+        const __m256i hmask = _mm256_loadu_si256((const __m256i *)blk->hmask);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
+                                                  third_bits(hmask, 4 * h + j));
+                const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]),
+                                                       _mm_set1_epi16(sc[8 * h + 2 * j]));
+                for (int r = 0; r < R; r++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * j));
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scale));
+                    settle(&sum[r]);
+                }
+            }
+        }
+        const float d = f16_to_f32(blk->d);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
 // IQ4_XS: the values looked up (vpshufb) as signed bytes; their sizes times the activations with the values' signs
 // (as dot_small's Q8_0), each sub-block's pairs then into int32 with its scale.
 AI void dot_iq4_xs(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
@@ -1073,32 +1149,39 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
     }
 }
 
-// Q2_K: a sub-block's 4 planes of 2-bit weights (4 g + t at bits 2 g) against the activations 4 g .. 4 g + 3, its
-// 16 products summed before its scale; the minimums times the activations' sums of 16.
-AI void dot_q2_K_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, __m256 *acc) {
+// Q2_K and Q3_K: a sub-block's 4 planes of 2-bit weights (4 g + t at bits 2 g; Q3_K's third bits from qh) against
+// the activations 4 g .. 4 g + 3, its 16 products summed before its scale; Q2_K's minimums, and Q3_K's offset 4
+// times its scales, against the activations' sums of 16.
+AI void dot_q23_K_x8(const int R, const int stream, int type, const uint8_t *w, const act256 *const *x, int64_t nb,
+                     __m256 *acc) {
+    const int q3 = type == Q3_K;
     const __m256i three = _mm256_set1_epi8(3);
     const __m128i low4 = _mm_set1_epi8(0xf);
+    const int64_t bytes = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const blk_q2_Kx8 *blk = (const blk_q2_Kx8 *)w + b;
-        if (stream) prefetch_ahead(blk, sizeof(*blk));
+        const blk_q2_Kx8 *b2 = (const blk_q2_Kx8 *)(w + b * bytes);
+        const blk_q3_Kx8 *b3 = (const blk_q3_Kx8 *)b2;
+        if (stream) prefetch_ahead(b2, bytes);
         __m256i isum[MT], mins[MT];
         for (int r = 0; r < R; r++) isum[r] = mins[r] = _mm256_setzero_si256();
         for (int p = 0; p < 8; p++) {
-            const __m128i sm = _mm_loadu_si128((const __m128i *)blk->sm[p]);
-            const __m256i pairs = _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4));
-            const __m256i mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4));
+            const __m128i sm = _mm_loadu_si128((const __m128i *)(q3 ? (const void *)b3->sc[p] : b2->sm[p]));
+            const __m256i pairs = q3 ? _mm256_cvtepi8_epi16(sm) : _mm256_cvtepu8_epi16(_mm_and_si128(sm, low4));
+            const __m256i mn = q3 ? pairs : _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), low4));
+            const __m256i qh = q3 ? _mm256_loadu_si256((const __m256i *)b3->qh[p]) : _mm256_setzero_si256();
             for (int r = 0; r < R; r++) {
                 const __m256i sums16 = bcast4((const int8_t *)(x[r][b].bsums + 2 * p));
                 mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mn, sums16));
             }
             for (int h = 0; h < 2; h++) {
                 const int sb = 2 * p + h;
-                const __m256i q = _mm256_loadu_si256((const __m256i *)blk->qs[sb]);
-                __m256i sums[MT];  // per int16 (AVX2) at most 8 products of 3 * 127
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(q3 ? b3->qs[sb] : b2->qs[sb]));
+                __m256i sums[MT];  // per int16 (AVX2) at most 8 products of 7 * 127
                 for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
                 for (int g = 0; g < 4; g++) {
-                    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
+                    __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
+                    if (q3) u = _mm256_or_si256(u, third_bits(qh, 4 * h + g));
                     for (int r = 0; r < R; r++) {
                         sums[r] = products(sums[r], u, bcast4(x[r][b].q + 16 * sb + 4 * g));
                         settle(&sums[r]);
@@ -1108,12 +1191,13 @@ AI void dot_q2_K_x8(const int R, const int stream, const uint8_t *w, const act25
                 for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b2->d));
+        const __m256 dmin = q3 ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b2->dmin));
         for (int r = 0; r < R; r++) {
             const __m256 xd = _mm256_set1_ps(x[r][b].d);
+            if (q3) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(mins[r], 2));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, xd), acc[r]);
+            if (!q3) acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, xd), acc[r]);
         }
     }
 }
@@ -1311,6 +1395,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 #define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
 #define IQ4(r, T) dot_iq4_xs(r, stream, w, (const act256 *const *)x, nb, out)
 #define K2(r, T) dot_q2_K(r, stream, w, (const act256 *const *)x, nb, out)
+#define K3(r, T) dot_q3_K(r, stream, w, (const act256 *const *)x, nb, out)
     switch (type) {
         case Q8_0: ROWS(SMALL, Q8_0)
         case Q4_0: ROWS(SMALL, Q4_0)
@@ -1321,6 +1406,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
         case Q5_K: ROWS(K45, Q5_K)
         case IQ4_XS: ROWS(IQ4, IQ4_XS)
         case Q2_K: ROWS(K2, Q2_K)
+        case Q3_K: ROWS(K3, Q3_K)
         default: ROWS(K6, Q6_K)
     }
 #else
@@ -1338,7 +1424,8 @@ static void dot_octet(int R, int stream, int type, const uint8_t *w, const void 
         case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
         case IQ4_XS: dot_iq4_xs_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;     \
-        case Q2_K: dot_q2_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
+        case Q2_K: dot_q23_K_x8(r, stream, Q2_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q3_K: dot_q23_K_x8(r, stream, Q3_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \
         case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
         case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \

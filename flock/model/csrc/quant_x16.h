@@ -226,28 +226,37 @@ AI void dot_iq4_xs_x16(const int R, const uint8_t *wa, const uint8_t *wb, const 
     }
 }
 
-AI void dot_q2_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const act256 *const *x, int64_t nb,
-                     __m512 *acc) {
-    const __m512i three = _mm512_set1_epi8(3), low4 = _mm512_set1_epi16(0xf);
+AI void dot_q23_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *wb, const act256 *const *x,
+                      int64_t nb, __m512 *acc) {
+    const int q3 = type == Q3_K;
+    const __m512i three = _mm512_set1_epi8(3), low4 = _mm512_set1_epi16(0xf), four = _mm512_set1_epi8(4);
+    const int64_t bytes = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const blk_q2_Kx8 *ba = (const blk_q2_Kx8 *)wa + b, *bb = (const blk_q2_Kx8 *)wb + b;
+        const blk_q2_Kx8 *ba = (const blk_q2_Kx8 *)(wa + b * bytes), *bb = (const blk_q2_Kx8 *)(wb + b * bytes);
+        const blk_q3_Kx8 *ta = (const blk_q3_Kx8 *)ba, *tb = (const blk_q3_Kx8 *)bb;
         __m512i isum[MT], mins[MT];
         for (int r = 0; r < R; r++) isum[r] = mins[r] = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) {
-            const __m512i sm = join16_epi16(ba->sm[p], bb->sm[p], 0);
-            const __m512i pairs = _mm512_and_si512(sm, low4), mn = _mm512_srli_epi16(sm, 4);
+            const __m512i sm = q3 ? join16_epi16(ta->sc[p], tb->sc[p], 1) : join16_epi16(ba->sm[p], bb->sm[p], 0);
+            const __m512i pairs = q3 ? sm : _mm512_and_si512(sm, low4), mn = q3 ? sm : _mm512_srli_epi16(sm, 4);
+            const __m512i qh = q3 ? join32(ta->qh[p], tb->qh[p]) : _mm512_setzero_si512();
             for (int r = 0; r < R; r++) {
                 const __m512i sums16 = bcast4_x16((const int8_t *)(x[r][b].bsums + 2 * p));
                 mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(mn, sums16));
             }
             for (int h = 0; h < 2; h++) {
                 const int sb = 2 * p + h;
-                const __m512i q = join32(ba->qs[sb], bb->qs[sb]);
+                const __m512i q = q3 ? join32(ta->qs[sb], tb->qs[sb]) : join32(ba->qs[sb], bb->qs[sb]);
                 __m512i sums[MT];
                 for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
                 for (int g = 0; g < 4; g++) {
-                    const __m512i u = _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three);
+                    __m512i u = _mm512_and_si512(_mm512_srli_epi16(q, 2 * g), three);
+                    if (q3) {  // as third_bits
+                        const int bit = 4 * h + g;
+                        u = _mm512_or_si512(u, _mm512_and_si512(bit >= 2 ? _mm512_srli_epi16(qh, bit - 2)
+                                                                         : _mm512_slli_epi16(qh, 2 - bit), four));
+                    }
                     for (int r = 0; r < R; r++) {
                         sums[r] = _mm512_dpbusd_epi32(sums[r], u, bcast4_x16(x[r][b].q + 16 * sb + 4 * g));
                         settle_x16(&sums[r]);
@@ -258,11 +267,12 @@ AI void dot_q2_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
             }
         }
         const __m512 d = join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d);
-        const __m512 dmin = join_halves((const uint8_t *)ba->dmin, (const uint8_t *)bb->dmin);
+        const __m512 dmin = q3 ? d : join_halves((const uint8_t *)ba->dmin, (const uint8_t *)bb->dmin);
         for (int r = 0; r < R; r++) {
             const __m512 xd = _mm512_set1_ps(x[r][b].d);
+            if (q3) isum[r] = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(mins[r], 2));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, xd), acc[r]);
+            if (!q3) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, xd), acc[r]);
         }
     }
 }
@@ -278,7 +288,8 @@ static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const 
         case Q5_K: dot_q45_K_x16(r, Q5_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q6_K: dot_q6_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;        \
         case IQ4_XS: dot_iq4_xs_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;    \
-        case Q2_K: dot_q2_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;        \
+        case Q2_K: dot_q23_K_x16(r, Q2_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
+        case Q3_K: dot_q23_K_x16(r, Q3_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;         \
         case Q4_0: dot_q45_x16(r, Q4_0, wa, wb, (const act32 *const *)x, nb, acc); break;    \
         case Q4_1: dot_q45_x16(r, Q4_1, wa, wb, (const act32 *const *)x, nb, acc); break;    \
