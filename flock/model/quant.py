@@ -25,17 +25,23 @@ from flock.model import gemm, huge_pages
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-                "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110)}
+                "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110),
+                # IQ4_XS's blocks with a lattice type's table of values (flock.model.iq_grids), Flock's own ids
+                "IQ3_S@IQ4_XS": (121, 256, 136), "IQ3_XXS@IQ4_XS": (118, 256, 136), "IQ2_XXS@IQ4_XS": (116, 256, 136),
+                "IQ1_S@IQ4_XS": (119, 256, 136)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
-TRANSCODED = {"IQ4_NL": (20, 32, 18, "Q8_0"), "IQ3_XXS": (18, 256, 98, "Q6_K"), "IQ3_S": (21, 256, 110, "Q6_K")}
+TRANSCODED = {"IQ4_NL": (20, 32, 18, "Q8_0"),
+              **{name: (KERNEL_TYPES[name + "@IQ4_XS"][0] - 100, 256, size, name + "@IQ4_XS")
+                 for name, size in (("IQ3_S", 110), ("IQ3_XXS", 98), ("IQ2_XXS", 66), ("IQ1_S", 50))}}
 BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values())}  # the ids kept as blocks
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
-            "IQ4_XS": 138, "Q2_K": 84, "Q3_K": 114}
+            "IQ4_XS": 138, "Q2_K": 84, "Q3_K": 114,
+            **{name: 138 for name in KERNEL_TYPES if name.endswith("@IQ4_XS")}}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -78,6 +84,7 @@ KERNEL = native.Library(
                                  _i32], _i32),
                 "flock_interleave": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _i32], None),
                 "flock_transcode": ([_i32, _ptr, _i64, _ptr, _i32], None),
+                "flock_table_values": ([_i32, _ptr], None),
                 "flock_quantize_rows": ([_ptr, _i64, _i32, _i64, _i64, _i32, _ptr, _i32], None),
                 "flock_dequantize_rows": ([_i32, _i32, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], None),
                 "flock_qdot_scalar": ([_i32, _ptr, _ptr, _i64, _ptr], None),
@@ -217,25 +224,34 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
 
 
 def transcodes_exactly(qtype: int, blocks: np.ndarray) -> bool:
-    """Whether `transcode` holds these blocks' values exactly (all but IQ3_XXS blocks whose d / 2 is no fp16
-    value: flock.model.iq3)."""
-    from flock.model import iq3
+    """Whether `transcode` holds these blocks' values exactly (all but lattice IQ blocks whose d / m is no fp16
+    value: flock.model.iq_grids)."""
+    from flock.model import iq_grids
 
-    return qtype not in iq3.TYPES or iq3.exact(qtype, blocks)
+    return qtype not in iq_grids.TYPES or iq_grids.exact(qtype, blocks)
+
+
+def table_values(qtype: int) -> np.ndarray:
+    """The 16 int8 values the 4-bit indices of IQ4_XS's blocks of this type pick from."""
+    out = np.empty(16, np.int8)
+    _lib(None).flock_table_values(qtype, out.ctypes.data)
+    return out
 
 
 def transcode(qtype: int, blocks: torch.Tensor) -> QuantTensor:
     """Rows of blocks of a kernel type as they are; of a TRANSCODED type as the blocks of its kernel type that hold
-    the same values (IQ4_NL as Q8_0; IQ3_XXS and IQ3_S as Q6_K, flock.model.iq3),
-    whose integer products are the same."""
-    from flock.model import iq3
+    the same values (IQ4_NL as Q8_0; the lattice IQ types as IQ4_XS's blocks with their own table of values,
+    flock.model.iq_grids), whose integer products are the same."""
+    from flock.model import iq_grids
 
     name = next((n for n, spec in TRANSCODED.items() if spec[0] == qtype), None)
     if name is None:
         return QuantTensor(qtype, blocks)
     _, _, size, target = TRANSCODED[name]
-    if qtype in iq3.TYPES:
-        return QuantTensor(KERNEL_TYPES[target][0], torch.from_numpy(iq3.as_q6_k(qtype, blocks.numpy())))
+    if qtype in iq_grids.TYPES:
+        target_id = KERNEL_TYPES[target][0]
+        rewritten = iq_grids.as_iq4_xs(qtype, blocks.numpy(), table_values(target_id))
+        return QuantTensor(target_id, torch.from_numpy(rewritten))
     blocks = blocks.contiguous()
     out = torch.empty(blocks.shape[0], blocks.shape[1] // size * KERNEL_TYPES[target][2], dtype=torch.uint8)
     _lib(None).flock_transcode(qtype, blocks.data_ptr(), blocks.numel() // size, out.data_ptr(),

@@ -165,6 +165,8 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
+# the lattice IQ types run as d / m times their table's values (flock.model.iq_grids)
+LATTICE_M = {Q.IQ3_S: 1, Q.IQ3_XXS: 2, Q.IQ2_XXS: 8, Q.IQ1_S: 8}
 # byte offsets of a block's float16 scales
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
@@ -190,19 +192,16 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """gguf's quantizer (quantize_iq4_xs for IQ4_XS); for the K-quants, IQ4_NL and the IQ3 types, which it cannot
-    write, random blocks (weights unrelated to w, of its size); zero blocks for other types it cannot write (a type
-    Flock must refuse)."""
+    """gguf's quantizer (quantize_iq4_xs for IQ4_XS); for the K-quants, IQ4_NL and the lattice IQ types, which it
+    cannot write, random blocks (weights unrelated to w, of its size); zero blocks for other types it cannot write."""
     if qtype == Q.IQ4_XS:
         return quantize_iq4_xs(w)
     try:
         return gguf.quants.quantize(w, qtype)
     except (NotImplementedError, gguf.quants.QuantError):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        if qtype in K_QUANT_SCALES or qtype in (Q.IQ4_NL, Q.IQ3_XXS, Q.IQ3_S):
+        if qtype in K_QUANT_SCALES or qtype in (Q.IQ4_NL, *LATTICE_M):
             rows = random_blocks(qtype, int(np.prod(w.shape[:-1])), w.shape[-1], float(np.abs(w).mean()))
-            if qtype == Q.IQ3_XXS:  # d / 2 an fp16 value, as llama.cpp's d of normal weights
-                rows.reshape(-1, size)[:, 0] &= 0xFE
             return rows.reshape(*w.shape[:-1], -1)  # a mixture's [experts, rows, cols] too
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
 
@@ -221,7 +220,19 @@ def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0
     for at in K_QUANT_SCALES.get(qtype, (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)):
         scales = blocks[:, :, at:at + 2].copy().view(np.float16) * np.float16(size / mean)
         blocks[:, :, at:at + 2] = scales.view(np.uint8)
+    blocks[:, :, 0] &= 0xFF ^ (LATTICE_M.get(qtype, 1) - 1)  # d / m an fp16 value, as llama.cpp's d of normal weights
     return blocks.reshape(rows, -1)
+
+
+def iq4_xs_layout_values(blocks: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The weights of IQ4_XS's blocks ([rows, blocks x 136]) whose indices pick from `values`, in float64."""
+    b = blocks.reshape(-1, 136)
+    d = b[:, :2].copy().view(np.float16)[:, 0].astype(np.float64)
+    high, low, j = b[:, 2:4].copy().view(np.uint16), b[:, 4:8], np.arange(8)
+    scales = ((low[:, j // 2] >> (4 * (j % 2))) & 15 | ((high >> (2 * j)) & 3) << 4).astype(np.int64) - 32
+    q = b[:, 8:].reshape(-1, 8, 16)
+    idx = np.concatenate([q & 15, q >> 4], axis=2)  # weight i of each 32: byte i % 16's low or high nibble
+    return (d[:, None, None] * scales[:, :, None] * values.astype(np.int64)[idx]).reshape(len(blocks), -1)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:

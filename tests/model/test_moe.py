@@ -14,7 +14,7 @@ BF16_PATHS = [gemm.isa()] * (gemm.isa() is not None) + gemm.emulated_paths()
 HIDDEN = 256
 # [gate | up] type, down type, inter width, interleaved
 SHAPES = [("Q4_K", "Q6_K", 256, True), ("Q8_0", "Q4_0", 64, False), ("Q4_K", "Q8_0", 96, True),
-          ("IQ4_XS", "IQ4_XS", 256, True), ("Q2_K", "Q3_K", 256, True)]
+          ("IQ4_XS", "IQ4_XS", 256, True), ("Q2_K", "Q3_K", 256, True), ("IQ3_S@IQ4_XS", "IQ2_XXS@IQ4_XS", 256, True)]
 
 
 def make_experts(gu: str, down: str, inter: int, interleaved: bool, count: int = 6, seed: int = 0):

@@ -25,8 +25,10 @@ LAYOUTS = [(name, False) for name in TYPES] + [(name, True) for name in quant.X8
 
 
 def random_blocks(name: str, rows: int, k: int, seed: int = 0, interleaved: bool = False) -> QuantTensor:
-    qtype = gguf.GGMLQuantizationType[name]
-    t = QuantTensor(int(qtype), torch.from_numpy(gguf_files.random_blocks(qtype, rows, k, 0.02, seed)))
+    """Random blocks of a kernel type; of a lattice IQ type's table type, that type's random blocks rewritten as
+    at load."""
+    qtype = gguf.GGMLQuantizationType[name.split("@")[0]]
+    t = quant.transcode(int(qtype), torch.from_numpy(gguf_files.random_blocks(qtype, rows, k, 0.02, seed)))
     if interleaved:
         x8 = quant.interleave(t)
         assert x8.interleaved and x8.k == k and x8.rows == rows
@@ -36,6 +38,8 @@ def random_blocks(name: str, rows: int, k: int, seed: int = 0, interleaved: bool
 
 def reference(t: QuantTensor) -> np.ndarray:
     assert not t.interleaved
+    if "@" in t.name:
+        return gguf_files.iq4_xs_layout_values(t.blocks.numpy(), quant.table_values(t.qtype))
     return gguf.quants.dequantize(t.blocks.numpy(), gguf.GGMLQuantizationType(t.qtype)).astype(np.float64)
 
 
@@ -187,12 +191,11 @@ def test_activations_quantize_alike_on_every_path(dtype):
 
 @pytest.mark.parametrize("name", list(quant.TRANSCODED))
 def test_transcoded_blocks_hold_the_files_values(name):
-    """IQ4_NL / IQ3_XXS / IQ3_S blocks (every bit pattern but the scales random) rewritten as Q8_0 / Q6_K:
-    the gguf package's values of the file's blocks, and Flock's of the rewritten ones, equal."""
+    """IQ4_NL / IQ3_S / IQ3_XXS / IQ2_XXS / IQ1_S blocks (every bit pattern but the scales random) rewritten as
+    Q8_0 / IQ4_XS's blocks with their own values: the gguf package's values of the file's blocks, and Flock's of the
+    rewritten ones, equal."""
     qtype = gguf.GGMLQuantizationType[name]
-    blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)
-    if name == "IQ3_XXS":  # d / 2 an fp16 value (the next test)
-        blocks.reshape(-1, 98)[:, 0] &= 0xFE
+    blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)  # d / m an fp16 value (the next test)
     t = quant.transcode(int(qtype), torch.from_numpy(blocks))
     assert t.name == quant.TRANSCODED[name][3] and t.k == 1024
     expected = gguf.quants.dequantize(blocks, qtype)
@@ -202,17 +205,18 @@ def test_transcoded_blocks_hold_the_files_values(name):
     assert kept.qtype == t.qtype and kept.blocks is t.blocks
 
 
-def test_iq3_xxs_blocks_whose_half_d_is_no_fp16_value_are_not_rewritten():
-    """IQ3_XXS runs as Q6_K with d / 2 as its d: an odd subnormal d has no such half, and its blocks are refused
-    (the loader dequantizes their tensor)."""
-    iq3_xxs = int(gguf.GGMLQuantizationType.IQ3_XXS)
-    blocks = gguf_files.random_blocks(gguf.GGMLQuantizationType.IQ3_XXS, 2, 512, seed=4)
-    blocks.reshape(-1, 98)[:, 0] &= 0xFE
-    assert quant.transcodes_exactly(iq3_xxs, blocks)
-    blocks.reshape(-1, 98)[3, :2] = np.array([1], np.uint16).view(np.uint8)  # the smallest subnormal
-    assert not quant.transcodes_exactly(iq3_xxs, blocks)
-    with pytest.raises(ValueError, match="d / 2"):
-        quant.transcode(iq3_xxs, torch.from_numpy(blocks))
+@pytest.mark.parametrize("name, m", [("IQ3_XXS", 2), ("IQ2_XXS", 8), ("IQ1_S", 8)])
+def test_lattice_blocks_whose_d_over_m_is_no_fp16_value_are_not_rewritten(name, m):
+    """These types run with d / m as their d: a subnormal d whose low bits are not zero has no such d, and its
+    blocks are refused (the loader dequantizes their tensor)."""
+    qtype = gguf.GGMLQuantizationType[name]
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = gguf_files.random_blocks(qtype, 2, 512, seed=4)
+    assert quant.transcodes_exactly(int(qtype), blocks)
+    blocks.reshape(-1, size)[3, :2] = np.array([m + 1], np.uint16).view(np.uint8)  # a subnormal d, m + 1 steps
+    assert not quant.transcodes_exactly(int(qtype), blocks)
+    with pytest.raises(ValueError, match=f"d / {m}"):
+        quant.transcode(int(qtype), torch.from_numpy(blocks))
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -127,11 +127,12 @@ static inline void scaled_row(uint8_t (*b)[2][16][64], int tile, int row, __m512
 // 32 sb ..: B rows 8 (sb % 2) .. of 64-block sb / 2. IQ4_XS's indices are looked up as their values plus 128,
 // less the offset 128 before the (signed) scale.
 static void unpack_q45_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
-    const int iq4 = type == IQ4_XS, offset = iq4 ? 128 : 0;
+    const int iq4 = is_table(type), offset = iq4 ? 128 : 0;
     const int64_t qs_at = iq4 ? offsetof(blk_iq4_xsx8, qs) : offsetof(blk_q4_Kx8, qs);
     const int64_t sc_at = iq4 ? offsetof(blk_iq4_xsx8, sc) : offsetof(blk_q4_Kx8, sc);
     const uint8_t(*qa)[4][32] = (const void *)(ba + qs_at), (*qb)[4][32] = (const void *)(bb + qs_at);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
+    const __m512i table = _mm512_xor_si512(  // the values plus 128
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table_values(type))), _mm512_set1_epi8(-128));
     for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
         const int base = 8 * (sb % 2);
         const RowScales scale = row_scales(ba + sc_at + 16 * (sb / 2), bb + sc_at + 16 * (sb / 2), sb % 2, iq4, offset);
@@ -214,7 +215,8 @@ static inline void scaled_half_row(uint8_t (*b)[2][16][64], int tile, int half, 
 }
 
 static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, int j, BTiles b) {
-    const int iq4 = type == IQ4_XS;  // its indices as their values, its scales signed
+    const int iq4 = is_table(type);  // its indices as their values, its scales signed
+    const int8_t *values = table_values(type);
     const blk_q4_Kx8 *q = (const blk_q4_Kx8 *)blk;
     const blk_iq4_xsx8 *x = (const blk_iq4_xsx8 *)blk;
     for (int sb = 2 * j; sb < 2 * j + 2; sb++) {
@@ -225,7 +227,7 @@ static void unpack_q45_K_half(int type, const uint8_t *blk, int tile, int half, 
         for (int v = 0; v < 4; v++) {
             for (int i = 0; i < 32; i++) {
                 nibble_pair(iq4 ? x->qs[sb][v] : q->qs[sb][v], qh, v, i, &lo[i], &hi[i]);
-                if (iq4) lo[i] = IQ4_VALUES[lo[i]], hi[i] = IQ4_VALUES[hi[i]];
+                if (iq4) lo[i] = values[lo[i]], hi[i] = values[hi[i]];
             }
             scaled_half_row(b, tile, half, base + 2 * v, lo, scale);
             scaled_half_row(b, tile, half, base + 2 * v + 1, hi, scale);
@@ -350,7 +352,7 @@ static inline void amx_zero_sums(void) {
 
 // One activation tile's 64 values (16 rows of act_row bytes from a) times their B tiles b, added to the sums.
 static inline void amx_products_64(int type, const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
-    const int signed_high = type == Q3_K || type == Q6_K || type == IQ4_XS;  // their high bytes are signed
+    const int signed_high = type == Q3_K || type == Q6_K || is_table(type);  // their high bytes are signed
     TILE_LOAD(0, a, act_row);
     TILE_LOAD(1, b[LOW][0], 64);
     TILE_DPBSUD(2, 0, 1);

@@ -1,6 +1,7 @@
 // GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256),
-// row-major, each row its K / block blocks.
+// row-major, each row its K / block blocks; also IQ4_XS's blocks with another table of values (the lattice IQ
+// types, rewritten so at load: flock/model/iq_grids.py).
 //
 // As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
@@ -68,7 +69,6 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16 d; } bl
 // int8 values its 4-bit indices pick from IQ4_VALUES (weight i the low nibble of qs[16 j + i], i + 16 the high one)
 typedef struct { f16 d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } blk_iq4_xs;
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-static const uint8_t IQ4_PLUS_128[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 // 8 rows interleaved (x8): pair p of sub-blocks holds, per row, the sub-blocks 2p and 2p + 1's byte scales
 // (and minimums); a vector v of sub-block s holds, at byte 4 r + t, the weights 8 v + t (low nibble) and
@@ -105,6 +105,29 @@ typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
        IQ4_XS = 23 };
 enum { IQ4_NL = 20 };  // flock_transcode's
+// Flock's own ids (100 + the type's ggml id): IQ4_XS's blocks holding a lattice IQ type's weights, d / m x an odd
+// scale x one of at most 16 integers (flock/model/iq_grids.py), which index these tables
+enum { IQ2_XXS_T = 116, IQ3_XXS_T = 118, IQ1_S_T = 119, IQ3_S_T = 121 };
+static const int8_t IQ3_S_VALUES[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
+static const int8_t IQ3_XXS_VALUES[16] = {-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31};
+static const int8_t IQ2_XXS_VALUES[16] = {-43, -25, -8, 8, 25, 43};
+static const int8_t IQ1_S_VALUES[16] = {-9, -7, -1, 1, 7, 9};
+
+// Whether the type's blocks are IQ4_XS's: indices into its table of values
+static inline int is_table(int type) { return type == IQ4_XS || type > 100; }
+
+static inline const int8_t *table_values(int type) {
+    switch (type) {
+        case IQ3_S_T: return IQ3_S_VALUES;
+        case IQ3_XXS_T: return IQ3_XXS_VALUES;
+        case IQ2_XXS_T: return IQ2_XXS_VALUES;
+        case IQ1_S_T: return IQ1_S_VALUES;
+        default: return IQ4_VALUES;
+    }
+}
+
+// The type's 16 values (flock/model/iq_grids.py reads the lattice types' here)
+void flock_table_values(int32_t type, int8_t *out) { memcpy(out, table_values(type), 16); }
 
 #define NT 16  // weight rows of a tile
 #define MT 4   // activation rows of a tile
@@ -190,10 +213,9 @@ static int64_t block_bytes(int type) {
         case Q4_K: return sizeof(blk_q4_K);
         case Q5_K: return sizeof(blk_q5_K);
         case Q6_K: return sizeof(blk_q6_K);
-        case IQ4_XS: return sizeof(blk_iq4_xs);
         case Q2_K: return sizeof(blk_q2_K);
         case Q3_K: return sizeof(blk_q3_K);
-        default: return 0;
+        default: return is_table(type) ? (int64_t)sizeof(blk_iq4_xs) : 0;
     }
 }
 
@@ -203,7 +225,6 @@ static int64_t x8_row_bytes(int type) {
         case Q4_K: return sizeof(blk_q4_Kx8) / 8;
         case Q5_K: return sizeof(blk_q5_Kx8) / 8;
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
-        case IQ4_XS: return sizeof(blk_iq4_xsx8) / 8;
         case Q2_K: return sizeof(blk_q2_Kx8) / 8;
         case Q3_K: return sizeof(blk_q3_Kx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
@@ -211,7 +232,7 @@ static int64_t x8_row_bytes(int type) {
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
         case Q5_0: return sizeof(blk_q5_0x8) / 8;
         case Q5_1: return sizeof(blk_q5_1x8) / 8;
-        default: return 0;
+        default: return is_table(type) ? (int64_t)sizeof(blk_iq4_xsx8) / 8 : 0;
     }
 }
 
@@ -297,14 +318,15 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
             for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t], o[t] = -4 * s[t];
             return;
         }
-        case IQ4_XS: {  // the values plus 128
+        default: {  // IQ4_XS's blocks: the values plus 128
             const blk_iq4_xs *b = (const blk_iq4_xs *)blk;
+            const int8_t *values = table_values(type);
             int8_t sc[8];
             iq4_xs_scales(b, sc);
             for (int j = 0; j < 8; j++)
                 for (int i = 0; i < 16; i++) {
-                    u[32 * j + i] = IQ4_PLUS_128[b->qs[16 * j + i] & 0xf];
-                    u[32 * j + 16 + i] = IQ4_PLUS_128[b->qs[16 * j + i] >> 4];
+                    u[32 * j + i] = (uint8_t)(values[b->qs[16 * j + i] & 0xf] + 128);
+                    u[32 * j + 16 + i] = (uint8_t)(values[b->qs[16 * j + i] >> 4] + 128);
                 }
             for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t / 2], o[t] = -128 * s[t];
             return;
@@ -348,14 +370,15 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             }
             s[sb] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2], o[sb] = -4 * s[sb];
         }
-    } else if (type == IQ4_XS) {
+    } else if (is_table(type)) {
         const blk_iq4_xsx8 *b = (const blk_iq4_xsx8 *)blk;
+        const int8_t *values = table_values(type);
         for (int sb = 0; sb < 8; sb++) {
             for (int v = 0; v < 4; v++)
                 for (int t = 0; t < 4; t++) {
                     const uint8_t q = b->qs[sb][v][4 * lane + t];
-                    u[32 * sb + 8 * v + t] = IQ4_PLUS_128[q & 0xf];
-                    u[32 * sb + 8 * v + 4 + t] = IQ4_PLUS_128[q >> 4];
+                    u[32 * sb + 8 * v + t] = (uint8_t)(values[q & 0xf] + 128);
+                    u[32 * sb + 8 * v + 4 + t] = (uint8_t)(values[q >> 4] + 128);
                 }
             s[2 * sb] = s[2 * sb + 1] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2];
             o[2 * sb] = o[2 * sb + 1] = -128 * s[2 * sb];
@@ -440,7 +463,7 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     dst->qs[sb][4 * lane + t] = q;
                 }
             }
-        } else if (type == IQ4_XS) {  // the indices, not the values decode_block gave
+        } else if (is_table(type)) {  // the indices, not the values decode_block gave
             const blk_iq4_xs *src = (const blk_iq4_xs *)row + b;
             blk_iq4_xsx8 *dst = (blk_iq4_xsx8 *)out + b;
             int8_t sc[8];
@@ -1014,11 +1037,12 @@ AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
-// IQ4_XS: the values looked up (vpshufb) as signed bytes; their sizes times the activations with the values' signs
-// (as dot_small's Q8_0), each sub-block's pairs then into int32 with its scale.
-AI void dot_iq4_xs(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
+// IQ4_XS's blocks: the values looked up (vpshufb) as signed bytes; their sizes times the activations with the
+// values' signs (as dot_small's Q8_0), each sub-block's pairs then into int32 with its scale.
+AI void dot_iq4_xs(const int R, const int stream, int type, const uint8_t *w, const act256 *const *x, int64_t nb,
+                   float *out) {
     const __m256i low4 = _mm256_set1_epi8(0xf);
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table_values(type)));
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1205,10 +1229,11 @@ AI void dot_q23_K_x8(const int R, const int stream, int type, const uint8_t *w, 
 // IQ4_XS: the values plus 128 looked up (vpshufb) as unsigned bytes, times the activations, less 128 times each
 // sub-block's activation sum (as Q6_K's offset 32). On AVX2 the int16 pairs of bytes up to 241 would saturate, so
 // each value is looked up as its two nibbles (as Q8_0 splits its bytes), which meet the same broadcast activations.
-AI void dot_iq4_xs_x8(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb,
+AI void dot_iq4_xs_x8(const int R, const int stream, int type, const uint8_t *w, const act256 *const *x, int64_t nb,
                       __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0xf);
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
+    const __m256i table = _mm256_xor_si256(  // the values plus 128
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table_values(type))), _mm256_set1_epi8(-128));
 #ifndef DPBUSD
     const __m256i table_lo = _mm256_and_si256(table, low4);
     const __m256i table_hi = _mm256_and_si256(_mm256_srli_epi16(table, 4), low4);
@@ -1393,7 +1418,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 #define SMALL(r, T) dot_small(r, stream, T, w, (const act32 *const *)x, nb, out)
 #define K45(r, T) dot_q45_K(r, stream, T, w, (const act256 *const *)x, nb, out)
 #define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
-#define IQ4(r, T) dot_iq4_xs(r, stream, w, (const act256 *const *)x, nb, out)
+#define IQ4(r, T) dot_iq4_xs(r, stream, type, w, (const act256 *const *)x, nb, out)
 #define K2(r, T) dot_q2_K(r, stream, w, (const act256 *const *)x, nb, out)
 #define K3(r, T) dot_q3_K(r, stream, w, (const act256 *const *)x, nb, out)
     switch (type) {
@@ -1404,7 +1429,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
         case Q5_1: ROWS(SMALL, Q5_1)
         case Q4_K: ROWS(K45, Q4_K)
         case Q5_K: ROWS(K45, Q5_K)
-        case IQ4_XS: ROWS(IQ4, IQ4_XS)
+        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T: ROWS(IQ4, IQ4_XS)
         case Q2_K: ROWS(K2, Q2_K)
         case Q3_K: ROWS(K3, Q3_K)
         default: ROWS(K6, Q6_K)
@@ -1423,7 +1448,8 @@ static void dot_octet(int R, int stream, int type, const uint8_t *w, const void 
         case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
-        case IQ4_XS: dot_iq4_xs_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;     \
+        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:                \
+            dot_iq4_xs_x8(r, stream, type, w, (const act256 *const *)x, nb, acc); break;        \
         case Q2_K: dot_q23_K_x8(r, stream, Q2_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q3_K: dot_q23_K_x8(r, stream, Q3_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \

@@ -188,10 +188,11 @@ AI void dot_q6_K_x16(const int R, const uint8_t *wa, const uint8_t *wb, const ac
     }
 }
 
-AI void dot_iq4_xs_x16(const int R, const uint8_t *wa, const uint8_t *wb, const act256 *const *x, int64_t nb,
-                       __m512 *acc) {
+AI void dot_iq4_xs_x16(const int R, int type, const uint8_t *wa, const uint8_t *wb, const act256 *const *x,
+                       int64_t nb, __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(0xf);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_PLUS_128));
+    const __m512i table = _mm512_xor_si512(  // the values plus 128
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table_values(type))), _mm512_set1_epi8(-128));
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const blk_iq4_xsx8 *ba = (const blk_iq4_xsx8 *)wa + b, *bb = (const blk_iq4_xsx8 *)wb + b;
@@ -287,7 +288,8 @@ static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const 
         case Q4_K: dot_q45_K_x16(r, Q4_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q5_K: dot_q45_K_x16(r, Q5_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q6_K: dot_q6_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;        \
-        case IQ4_XS: dot_iq4_xs_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;    \
+        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:             \
+            dot_iq4_xs_x16(r, type, wa, wb, (const act256 *const *)x, nb, acc); break;       \
         case Q2_K: dot_q23_K_x16(r, Q2_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q3_K: dot_q23_K_x16(r, Q3_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
         case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;         \
