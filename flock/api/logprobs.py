@@ -5,6 +5,11 @@ from __future__ import annotations
 from flock.sample.logprobs import TokenLogprobs
 
 
+def finite(logprob: float) -> float:
+    """A logprob for JSON: a token the grammar or a logit bias ruled out (-inf) as -9999.0, as vLLM gives it."""
+    return max(logprob, -9999.0)
+
+
 class TokenText:
     """Each token id's own text (as vLLM's decoded_token), decoded once per id; with `as_ids`, "token_id:N"
     instead (vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay unambiguous)."""
@@ -36,8 +41,8 @@ def completion_logprobs(text: TokenText, token_ids: list[int], entries: list[Tok
         tokens.append(token)
         offsets.append(text_offset)
         text_offset += len(token)
-        logprobs.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {text(t): lp for t, lp in e.top} | {token: e.logprob})
+        logprobs.append(None if e is None else finite(e.logprob))
+        tops.append(None if e is None else {text(t): finite(lp) for t, lp in e.top} | {token: finite(e.logprob)})
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -48,7 +53,7 @@ def chat_logprobs(text: TokenText, entries: list[TokenLogprobs]) -> dict:
 
 
 def _chat_item(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode())}
+    return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
 
 
 def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None]) -> list[dict | None]:
@@ -61,5 +66,6 @@ def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLo
             continue
         ranks = {t: i + 1 for i, (t, _) in enumerate(e.top)}
         items = {t: (lp, ranks[t]) for t, lp in e.top} | {token_id: (e.logprob, e.rank)}
-        out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": text(t)} for t, (lp, r) in items.items()})
+        out.append({str(t): {"logprob": finite(lp), "rank": r, "decoded_token": text(t)}
+                    for t, (lp, r) in items.items()})
     return out

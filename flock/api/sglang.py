@@ -13,7 +13,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from flock.api.logprobs import TokenText
+from flock.api.logprobs import TokenText, finite
 from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
@@ -267,14 +267,14 @@ def _logprobs(req: NativeRequest, prompt_ids: list[int], entries: list[TokenLogp
     start = len(prompt_ids) - 1 if req.logprob_start_len == -1 else req.logprob_start_len
     known = prompt_entries if prompt_entries is not None else [None] * len(prompt_ids)
     prompt = list(zip(prompt_ids[start:], known[start:]))
-    out = {"input_token_logprobs": [[None if i == 0 or e is None else e.logprob, t, text(t)]
+    out = {"input_token_logprobs": [[None if i == 0 or e is None else finite(e.logprob), t, text(t)]
                                     for i, (t, e) in enumerate(prompt)],
-           "output_token_logprobs": [[e.logprob, e.token_id, text(e.token_id)] for e in entries]}
+           "output_token_logprobs": [[finite(e.logprob), e.token_id, text(e.token_id)] for e in entries]}
     if req.top_logprobs_num or req.token_ids_logprob:
         kind = "token_ids" if req.token_ids_logprob else "top"
-        out[f"input_{kind}_logprobs"] = [None if i == 0 or e is None else [[lp, t, text(t)] for t, lp in e.top]
+        out[f"input_{kind}_logprobs"] = [None if i == 0 or e is None else [[finite(lp), t, text(t)] for t, lp in e.top]
                                          for i, (_, e) in enumerate(prompt)]
-        out[f"output_{kind}_logprobs"] = [[[lp, t, text(t)] for t, lp in e.top] for e in entries]
+        out[f"output_{kind}_logprobs"] = [[[finite(lp), t, text(t)] for t, lp in e.top] for e in entries]
     return out
 
 
