@@ -34,6 +34,17 @@ def _xgrammar():
     return xgrammar
 
 
+def _canonical(schema, properties: bool = False):
+    """A JSON schema with every object's keys sorted but those of a `properties` map, whose order the output's
+    keys follow (two schemas that differ only there compile apart)."""
+    if isinstance(schema, dict):
+        items = schema.items() if properties else sorted(schema.items())
+        return {k: _canonical(v, not properties and k == "properties") for k, v in items}
+    if isinstance(schema, list):
+        return [_canonical(v) for v in schema]
+    return schema
+
+
 class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer, each distinct spec once."""
 
@@ -72,7 +83,7 @@ class GrammarCompiler:
     def _key(self, spec: StructuredOutputsParams) -> tuple:
         value = getattr(spec, spec.kind)
         if spec.kind == "json" and isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
+            value = json.dumps(_canonical(value))
         elif spec.kind == "choice":
             value = tuple(value)
         any_whitespace = self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
