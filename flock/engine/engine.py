@@ -328,13 +328,16 @@ class LLMEngine:
         return finished
 
     def _append(self, req: Request, tokens: list[int], logprobs: list) -> bool:
-        """Give the request its new tokens, one by one until one stops it (True then: the rest are dropped)."""
+        """Give the request its new tokens, one by one until one stops it (True then: the rest are dropped). A
+        token its grammar refuses (the request's other filters, allowed_token_ids or bad_words, left none that it
+        allows) is not given: the request ends there, finish_reason "abort"."""
         for token, entry in zip(tokens, logprobs):
+            if req.grammar is not None and not req.grammar.is_terminated() and not req.grammar.accept_token(token):
+                req.finish_reason = "abort"
+                return True
             req.token_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(entry)
-            if req.grammar is not None and not req.grammar.is_terminated():
-                req.grammar.accept_token(token)
             if req.thinking is not None:
                 req.thinking = req.thinking.after([token])
             self.stats.generated_tokens += 1
