@@ -15,7 +15,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from flock.api.protocol import APIError, Choice, GenerationRequest, parse_request, typed_field, with_defaults
+from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, reject_unknown, typed_field,
+                                 with_defaults)
 from flock.sample.thinking import ThinkMarkers
 
 # fields a body may carry as a chat body carries them (vLLM's extra sampling fields among them)
@@ -109,9 +110,7 @@ def parse_messages(body, tokenizer, tool_parser: str | None = None, reasoning_pa
     Messages field at fault."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - MESSAGES_FIELDS - set(_HOSTED))
-    if unknown:
-        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    reject_unknown(body, MESSAGES_FIELDS | set(_HOSTED))
     for name, what in _HOSTED.items():
         if body.get(name) is not None:
             raise APIError(f"{name}: {what} are Anthropic's hosted features; not supported", param=name)

@@ -49,8 +49,8 @@ _NOT_WITH_BEAMS = ("stream", "echo", "logprobs", "top_logprobs", "prompt_logprob
 _COMMON_FIELDS = _SAMPLING_FIELDS | _IGNORED_FIELDS | set(_NEUTRAL_FIELDS) | {
     "use_beam_search", "length_penalty", "model", "n", "stream", "stream_options", "logprobs", "prompt_logprobs", "response_format", "structured_outputs",
     *GUIDED_FIELDS,
-    "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "suffix", "add_special_tokens"}
+    "echo", "return_token_ids", "request_id", "return_tokens_as_token_ids", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
                                 "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
@@ -158,10 +158,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     thinking split off with `reasoning_parser` (`flock.api.reasoning.REASONING_PARSERS`)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    reject_unknown(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
     _check_unsupported(body)
     bad = lone_surrogate(body)
     if bad:
@@ -586,6 +583,14 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
     except ValueError as e:
         raise APIError(str(e), param=str(e).split()[0]) from None
     return params
+
+
+def reject_unknown(body: dict, allowed) -> None:
+    """An APIError naming the body's fields outside `allowed`; a null one counts as absent (clients and proxies
+    send them, and vLLM ignores them)."""
+    unknown = sorted(name for name, value in body.items() if name not in allowed and value is not None)
+    if unknown:
+        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
 
 
 def typed_field(body: dict, name: str, kind: type, default):

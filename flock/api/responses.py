@@ -15,7 +15,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flock.api.protocol import APIError, Choice, GenerationRequest, parse_request, typed_field, with_defaults
+from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, reject_unknown, typed_field,
+                                 with_defaults)
 from flock.api.reasoning import answer_start
 
 # chat fields a Responses body may carry as they are (vLLM's extra sampling fields among them)
@@ -135,9 +136,7 @@ def parse_responses(body, tokenizer, tool_parser: str | None = None, reasoning_p
     model's generation config). Raises APIError naming the Responses field at fault."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - RESPONSES_FIELDS)
-    if unknown:
-        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+    reject_unknown(body, RESPONSES_FIELDS)
     _check_unsupported(body, history)
     messages = copy.deepcopy(history or []) + input_messages(body)
     chat = {k: body[k] for k in _CHAT_FIELDS if k in body} | {"messages": _instructions(body) + messages}

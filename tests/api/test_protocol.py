@@ -1,3 +1,4 @@
+import json
 import re
 
 import pytest
@@ -135,6 +136,7 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("completion", {"prompt": ["a", "b"], "n": 65}, "n"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
     ("completion", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ("completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("completion", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -182,6 +184,37 @@ def test_bad_bodies_name_the_parameter(tok, kind, body, param):
         parse_request(kind, body, tok)
     assert e.value.param == param and e.value.status == 400
     assert e.value.body()["error"]["message"]
+
+
+def test_null_fields_count_as_absent(tok):
+    """OpenAI's SDKs and proxies send fields Flock does not take as null: ignored, as vLLM ignores them; best_of 1
+    on chat too. A field with a value it does not take is still a named error."""
+    user = [{"role": "user", "content": "x"}]
+    nulls = {"functions": None, "function_call": None, "audio": None, "web_search_options": None, "best_of": None}
+    plain = parse_request("chat", {"messages": user}, tok)
+    for extra in (nulls, {"best_of": 1}):
+        got = parse_request("chat", {"messages": user} | extra, tok)
+        assert got.prompts == plain.prompts and got.params == plain.params
+    with pytest.raises(APIError) as e:
+        parse_request("chat", {"messages": user, "functions": []}, tok)
+    assert e.value.param == "functions"
+
+
+def test_logprobs_a_grammar_rules_out_are_finite_in_json():
+    """A token masked to -inf (a grammar, a logit bias) among the top alternatives: -9999.0 in every API shape, as
+    vLLM gives it, so that the body stays JSON (no -Infinity)."""
+    from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+    from flock.api.sglang import NativeRequest, _logprobs
+    from flock.sample.logprobs import TokenLogprobs
+
+    text = TokenText(type("Tok", (), {"decode": staticmethod(lambda ids: f"<{ids[0]}>")})())
+    entries = [TokenLogprobs(7, -0.5, 1, [(7, -0.5), (3, float("-inf"))]), TokenLogprobs(3, float("-inf"), 2, [])]
+    bodies = [completion_logprobs(text, [7, 3], entries), chat_logprobs(text, entries),
+              prompt_logprobs(text, [1, 7, 3], [None, *entries]),
+              _logprobs(NativeRequest(True, [], [], top_logprobs_num=2), [1, 7, 3], entries, [None, *entries], text)]
+    for body in bodies:
+        dumped = json.dumps(body, allow_nan=False)
+        assert "-9999.0" in dumped
 
 
 def test_response_shapes():

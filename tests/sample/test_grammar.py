@@ -140,6 +140,28 @@ def test_each_distinct_spec_compiles_once(tiny):
     assert len(g.cache) == before + 1
 
 
+def test_schemas_that_differ_in_their_properties_order_keep_it(tiny):
+    """The output's keys come in the schema's order, so two schemas that differ only there are two grammars."""
+    props = {"m1": {"enum": ["a", "b"]}, "k1": {"type": "integer", "minimum": 0, "maximum": 9}}
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": dict(order), "required": ["m1", "k1"],
+                                           "additionalProperties": False})
+             for order in (props.items(), reversed(props.items()))]
+    outs = tiny.generate(["a", "a"], [constrained(s) for s in specs], use_tqdm=False)
+    assert [list(json.loads(o.outputs[0].text)) for o in outs] == [["m1", "k1"], ["k1", "m1"]]
+
+
+def test_a_grammar_left_nothing_by_the_other_filters_ends_the_request(tiny):
+    """allowed_token_ids with no token the grammar allows: no token leaves the grammar, the request ends
+    ("abort"), the other rows run on."""
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    other = tiny.get_tokenizer().encode("zebra", add_special_tokens=False)[0]
+    params = [constrained(spec, allowed_token_ids=[other], temperature=t, seed=1) for t in (0, 1)]
+    outs = tiny.generate(["Is it?"] * 3, params + [constrained(spec)], use_tqdm=False)
+    for o in outs[:2]:
+        assert o.outputs[0].finish_reason == "abort" and o.outputs[0].text == ""
+    assert outs[2].outputs[0].text in spec.choice and outs[2].outputs[0].finish_reason == "stop"
+
+
 def test_a_grammar_that_can_only_end_ends_within_min_tokens(tiny):
     spec = StructuredOutputsParams(choice=["yes", "no"])
     outs = tiny.generate(PROMPTS, [constrained(spec, min_tokens=5, temperature=t, seed=1) for t in (0, 1, 0, 1)],
