@@ -855,6 +855,22 @@ AI void dot_small(const int R, const int stream, int type,
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + off[r];
 }
 
+// 32 unsigned weights u of a file row's block times each activation row's values at `at`, pairs scaled (`scale`,
+// int16) into the int32 sums
+AI void row_products(const int R, __m256i *sum, __m256i u, __m256i scale, const act256 *const *x, int64_t b, int at) {
+    for (int r = 0; r < R; r++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + at));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scale));
+        settle(&sum[r]);
+    }
+}
+
+// A block's float step in the file-row kernels of the types without minimums: the integer sums times d
+AI void block_step(const int R, __m256 *acc, const __m256i *sum, float d, const act256 *const *x, int64_t b) {
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+}
+
 // A K-quant block's float step in the file-row kernels: the integer sums times d, less the minimums (an int16 per
 // activation sum of 16, `mins`) times dmin
 AI void k_block_step(const int R, __m256 *acc, const __m256i *sum, __m256i mins, float d, float dmin,
@@ -952,8 +968,7 @@ AI void dot_q6_K(const int R, const int stream, const uint8_t *w, const act256 *
                     settle(&sum[r]);
                 }
         }
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+        block_step(R, acc, sum, d, x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -978,11 +993,7 @@ AI void dot_q2_K(const int R, const int stream, const uint8_t *w, const act256 *
                 const __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
                 const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]),
                                                        _mm_set1_epi16(sc[8 * h + 2 * j]));
-                for (int r = 0; r < R; r++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * j));
-                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scale));
-                    settle(&sum[r]);
-                }
+                row_products(R, sum, u, scale, x, b, 128 * h + 32 * j);
             }
         }
         const float d = f16_to_f32(blk->d), dmin = f16_to_f32(blk->dmin);
@@ -1023,16 +1034,10 @@ AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *
                                                   third_bits(hmask, 4 * h + j));
                 const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]),
                                                        _mm_set1_epi16(sc[8 * h + 2 * j]));
-                for (int r = 0; r < R; r++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(x[r][b].q + 128 * h + 32 * j));
-                    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), scale));
-                    settle(&sum[r]);
-                }
+                row_products(R, sum, u, scale, x, b, 128 * h + 32 * j);
             }
         }
-        const float d = f16_to_f32(blk->d);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+        block_step(R, acc, sum, f16_to_f32(blk->d), x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -1063,9 +1068,7 @@ AI void dot_iq4_xs(const int R, const int stream, int type, const uint8_t *w, co
                 settle(&sum[r]);
             }
         }
-        const float d = f16_to_f32(blk->d);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * x[r][b].d), acc[r]);
+        block_step(R, acc, sum, f16_to_f32(blk->d), x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
