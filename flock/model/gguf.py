@@ -340,14 +340,13 @@ def quantized_layers(model, ckpt: GGUFCheckpoint) -> dict[str, list[str]]:
     """The projections and the embedding whose every part the file stores in a type the int8 kernels take:
     module name -> its GGUF tensor names in row order. `load_gguf_weights` keeps them quantized."""
     from flock.model.loader import hf_tensor_slots, layer_parts
-    from flock.model.quant import BLOCK_TYPES, transcodes_exactly
+    from flock.model.quant import BLOCK_TYPES
 
     slots = hf_tensor_slots(model)
     names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     tensors = {names[t.name]: t for t in ckpt.tensors if t.name in names}
     return {layer: [tensors[p].name for p in parts] for layer, parts in layer_parts(model, slots).items()
             if all(p in tensors and int(tensors[p].tensor_type) in BLOCK_TYPES
-                   and transcodes_exactly(int(tensors[p].tensor_type), tensors[p].data)
                    and tensors[p].data.shape[0] == slots[p].rows for p in parts)}
 
 
@@ -355,13 +354,13 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     """Load every tensor into `model`, q/k rows un-permuted (`_hf_rows`): those of `quantized` layers
     (`quantized_layers`) as their blocks, the others dequantized (converted to the model's dtype)."""
     from flock.model.loader import copy_into, hf_tensor_slots, missing_tensors
-    from flock.model.quant import KERNEL_TYPES, TRANSCODED, transcodes_exactly
+    from flock.model.quant import KERNEL_TYPES, TRANSCODED
 
     quantized = quantized or {}
     slots = hf_tensor_slots(model)
     names = gguf_to_hf_names(ckpt.architecture, model.config.num_hidden_layers, slots)
     in_blocks = {name for parts in quantized.values() for name in parts}
-    loaded, expanded, inexact = {names[name] for name in in_blocks}, set(), []
+    loaded, expanded = {names[name] for name in in_blocks}, set()
     for tensor in ckpt.tensors:
         if tensor.name in CONFIG_TENSORS:
             continue
@@ -372,8 +371,6 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
             continue
         if tensor.tensor_type.name not in (*KERNEL_TYPES, *TRANSCODED, *FLOATS):
             expanded.add(tensor.tensor_type.name)
-        elif not transcodes_exactly(int(tensor.tensor_type), tensor.data):
-            inexact.append(tensor.name)
         try:
             values = dequantize(tensor)
         except NotImplementedError:
@@ -395,9 +392,6 @@ def load_gguf_weights(model, ckpt: GGUFCheckpoint, quantized: dict[str, list[str
     if expanded:
         log.info("%s: tensors of type %s are dequantized at load (Flock has no kernel for them)", ckpt.path.name,
                  ", ".join(sorted(expanded)))
-    if inexact:
-        log.info("%s: %s dequantized at load (no kernel type's blocks hold their values exactly)", ckpt.path.name,
-                 ", ".join(inexact))
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -408,8 +402,7 @@ def dequantize(tensor) -> np.ndarray:
     from flock.model import quant
 
     qtype = int(tensor.tensor_type)
-    if (qtype not in quant.BLOCK_TYPES or not quant.transcodes_exactly(qtype, tensor.data)
-            or quant.unavailable(torch.float32, torch.device("cpu")) is not None):
+    if qtype not in quant.BLOCK_TYPES or quant.unavailable(torch.float32, torch.device("cpu")) is not None:
         return dequantize(tensor.data, tensor.tensor_type)
     blocks = torch.from_numpy(np.require(tensor.data, requirements="W"))
     return quant.dequantize(quant.QuantWeight([quant.transcode(qtype, blocks)])).numpy()

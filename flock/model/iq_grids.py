@@ -1,36 +1,23 @@
-"""The lattice IQ types (IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: llama.cpp's grids of 4 or 8 weights) rewritten as blocks
-of IQ4_XS's layout with a table of values of their own, which the int8 kernels take (flock.model.quant.transcode).
+"""The lattice IQ types (IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: llama.cpp's grids of 4 or 8 weights) rewritten as blocks of
+IQ4_XS's layout with a table of values of their own, which the int8 kernels take (flock.model.quant.transcode).
 
 Each 32 weights of these types are d times an odd integer scale 1 + 2 ls times signed grid values: IQ3_S's odd values
 1..15; IQ3_XXS's even values 4..62 at a quarter of the scale; IQ2_XXS's 8, 25 and 43 at an eighth; IQ1_S's -1, 0 and 1
-plus or minus 1/8. With m 1, 2, 8 and 8 they are (d / m) (1 + 2 ls) v, v one of at most 16 integers (the type's
-table in csrc/quant_gemm.c: IQ3_XXS's values halved, IQ1_S's 8 g +- 1): an IQ4_XS block (an fp16 d, a 6-bit scale
-less 32 per 32 weights, 4-bit indices into 16 int8 values) of d / m, 1 + 2 ls and the values' indices. That holds
-where d / m is an fp16 value (`exact`). The grids, signs and deltas are the gguf package's: its dequantizer gives
-v / m for blocks whose d is 1 and whose scales are 0.
+plus or minus 1/8. With m 1, 2, 8 and 8 they are (d / m) (1 + 2 ls) v, v one of at most 16 integers (the type's table in
+csrc/quant_gemm.c: IQ3_XXS's values halved, IQ1_S's 8 g +- 1): an IQ4_XS block (an fp16 d, a 6-bit scale less 32 per 32
+weights, 4-bit indices into 16 int8 values) of d, 1 + 2 ls and the values' indices, whose kernels multiply d by 1 / m (a
+power of two: exact, where d / m itself might be no fp16 value). The grids, signs and deltas are the gguf package's: its
+dequantizer gives v / m for blocks whose d is 1 and whose scales are 0.
 """
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-# type id -> bytes a block, m, and the id of IQ4_XS's blocks with its values (csrc/quant_gemm.c)
+# type id -> bytes a block, m, and the id of IQ4_XS's blocks with its values (csrc/quant_gemm.c: its d_scale is 1 / m)
 TYPES = {int(T.IQ3_S): (110, 1, 121), int(T.IQ3_XXS): (98, 2, 118), int(T.IQ2_XXS): (66, 8, 116),
          int(T.IQ1_S): (50, 8, 119)}
 IQ4_XS_BYTES = 136
-
-
-def _scaled_d(blocks: np.ndarray, m: int) -> np.ndarray:
-    """d / m of each block, as float32 (NaN where it is no fp16 value)."""
-    d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
-    scaled = (d / m).astype(np.float16).astype(np.float32)
-    return np.where(scaled * m == d, scaled, np.nan)
-
-
-def exact(qtype: int, data: np.ndarray) -> bool:
-    """Whether every block of `data` (blocks of a lattice type, any shape) has an IQ4_XS block of its values."""
-    size, m, _ = TYPES[qtype]
-    return m == 1 or not np.isnan(_scaled_d(data.reshape(-1, size), m)).any()
 
 
 def _take_scales(qtype: int, blocks: np.ndarray) -> np.ndarray:
@@ -59,10 +46,7 @@ def as_iq4_xs(qtype: int, data: np.ndarray, values: np.ndarray) -> np.ndarray:
     size, m, _ = TYPES[qtype]
     blocks = np.ascontiguousarray(data).reshape(-1, size).copy()
     n = len(blocks)
-    d = _scaled_d(blocks, m)
-    if np.isnan(d).any():
-        raise ValueError(f"{T(qtype).name} blocks whose d / {m} is no fp16 value have no IQ4_XS blocks of their "
-                         "values")
+    d = blocks[:, :2].copy()
     ls = _take_scales(qtype, blocks)
     blocks[:, :2] = np.array([1.0], np.float16).view(np.uint8)
     v = np.rint(quants.dequantize(blocks, T(qtype)).reshape(n, 256) * m).astype(np.int16)
@@ -72,7 +56,7 @@ def as_iq4_xs(qtype: int, data: np.ndarray, values: np.ndarray) -> np.ndarray:
     if (idx == 255).any():
         raise ValueError(f"{T(qtype).name} values outside its table: {sorted(set(v[idx == 255].tolist()))}")
     out = np.empty((n, IQ4_XS_BYTES), np.uint8)
-    out[:, :2] = d.astype(np.float16).reshape(n, 1).view(np.uint8)
+    out[:, :2] = d
     stored = (1 + 2 * ls.astype(np.uint16)) + 32  # the scale plus 32, 6 bits
     out[:, 2:4] = (stored >> 4 << (2 * np.arange(8, dtype=np.uint16))).sum(1, dtype=np.uint16).reshape(n, 1) \
         .view(np.uint8)

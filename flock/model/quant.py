@@ -223,14 +223,6 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
     return QuantTensor(tensor.qtype, out, interleaved=True)
 
 
-def transcodes_exactly(qtype: int, blocks: np.ndarray) -> bool:
-    """Whether `transcode` holds these blocks' values exactly (all but lattice IQ blocks whose d / m is no fp16
-    value: flock.model.iq_grids)."""
-    from flock.model import iq_grids
-
-    return qtype not in iq_grids.TYPES or iq_grids.exact(qtype, blocks)
-
-
 def table_values(qtype: int) -> np.ndarray:
     """The 16 int8 values the 4-bit indices of IQ4_XS's blocks of this type pick from."""
     out = np.empty(16, np.int8)

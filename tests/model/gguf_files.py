@@ -165,8 +165,7 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
-# the lattice IQ types run as d / m times their table's values (flock.model.iq_grids)
-LATTICE_M = {Q.IQ3_S: 1, Q.IQ3_XXS: 2, Q.IQ2_XXS: 8, Q.IQ1_S: 8}
+LATTICE = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S)  # what flock.model.iq_grids rewrites
 # byte offsets of a block's float16 scales
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
@@ -200,7 +199,7 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
         return gguf.quants.quantize(w, qtype)
     except (NotImplementedError, gguf.quants.QuantError):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        if qtype in K_QUANT_SCALES or qtype in (Q.IQ4_NL, *LATTICE_M):
+        if qtype in K_QUANT_SCALES or qtype in (Q.IQ4_NL, *LATTICE):
             rows = random_blocks(qtype, int(np.prod(w.shape[:-1])), w.shape[-1], float(np.abs(w).mean()))
             return rows.reshape(*w.shape[:-1], -1)  # a mixture's [experts, rows, cols] too
         return np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
@@ -220,7 +219,6 @@ def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0
     for at in K_QUANT_SCALES.get(qtype, (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)):
         scales = blocks[:, :, at:at + 2].copy().view(np.float16) * np.float16(size / mean)
         blocks[:, :, at:at + 2] = scales.view(np.uint8)
-    blocks[:, :, 0] &= 0xFF ^ (LATTICE_M.get(qtype, 1) - 1)  # d / m an fp16 value, as llama.cpp's d of normal weights
     return blocks.reshape(rows, -1)
 
 

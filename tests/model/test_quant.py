@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flock.model import quant
+from flock.model import iq_grids, quant
 from flock.model.quant import KERNEL_TYPES, QuantTensor, QuantWeight
 from tests.model import gguf_files
 
@@ -38,8 +38,9 @@ def random_blocks(name: str, rows: int, k: int, seed: int = 0, interleaved: bool
 
 def reference(t: QuantTensor) -> np.ndarray:
     assert not t.interleaved
-    if "@" in t.name:
-        return gguf_files.iq4_xs_layout_values(t.blocks.numpy(), quant.table_values(t.qtype))
+    if "@" in t.name:  # d times 1 / m
+        m = iq_grids.TYPES[t.qtype - 100][1]
+        return gguf_files.iq4_xs_layout_values(t.blocks.numpy(), quant.table_values(t.qtype)) / m
     return gguf.quants.dequantize(t.blocks.numpy(), gguf.GGMLQuantizationType(t.qtype)).astype(np.float64)
 
 
@@ -195,7 +196,7 @@ def test_transcoded_blocks_hold_the_files_values(name):
     Q8_0 / IQ4_XS's blocks with their own values: the gguf package's values of the file's blocks, and Flock's of the
     rewritten ones, equal."""
     qtype = gguf.GGMLQuantizationType[name]
-    blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)  # d / m an fp16 value (the next test)
+    blocks = gguf_files.random_blocks(qtype, 24, 1024, seed=3)
     t = quant.transcode(int(qtype), torch.from_numpy(blocks))
     assert t.name == quant.TRANSCODED[name][3] and t.k == 1024
     expected = gguf.quants.dequantize(blocks, qtype)
@@ -205,18 +206,17 @@ def test_transcoded_blocks_hold_the_files_values(name):
     assert kept.qtype == t.qtype and kept.blocks is t.blocks
 
 
-@pytest.mark.parametrize("name, m", [("IQ3_XXS", 2), ("IQ2_XXS", 8), ("IQ1_S", 8)])
-def test_lattice_blocks_whose_d_over_m_is_no_fp16_value_are_not_rewritten(name, m):
-    """These types run with d / m as their d: a subnormal d whose low bits are not zero has no such d, and its
-    blocks are refused (the loader dequantizes their tensor)."""
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ2_XXS", "IQ1_S"])
+def test_lattice_blocks_of_any_d_keep_their_values(name):
+    """These types run with d times 1 / m in float32, so subnormal d's whose d / m no fp16 holds keep their values."""
     qtype = gguf.GGMLQuantizationType[name]
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = gguf_files.random_blocks(qtype, 2, 512, seed=4)
-    assert quant.transcodes_exactly(int(qtype), blocks)
-    blocks.reshape(-1, size)[3, :2] = np.array([m + 1], np.uint16).view(np.uint8)  # a subnormal d, m + 1 steps
-    assert not quant.transcodes_exactly(int(qtype), blocks)
-    with pytest.raises(ValueError, match=f"d / {m}"):
-        quant.transcode(int(qtype), torch.from_numpy(blocks))
+    blocks.reshape(-1, size)[:3, :2] = np.array([1, 9, 1023], np.uint16).view(np.uint8).reshape(3, 2)
+    t = quant.transcode(int(qtype), torch.from_numpy(blocks))
+    expected = gguf.quants.dequantize(blocks, qtype)
+    np.testing.assert_array_equal(quant.dequantize(QuantWeight([t])).numpy(), expected)
+    np.testing.assert_array_equal(reference(t), expected)
 
 
 @pytest.mark.parametrize("path", PATHS)

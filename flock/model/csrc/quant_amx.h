@@ -57,11 +57,13 @@ static void amx_configure(int kbytes, int rows) {
     TILE_CONFIG(&cfg);
 }
 
-// The scales each super-block's float step needs, of group g's columns: d (and the dmin and minimums of the types
-// with minimums: Q2_K's the high nibbles of its scale bytes). Every build of this file has AVX2 and F16C.
+// The scales each super-block's float step needs, of group g's columns: d (the lattice types' times 1 / m) and the
+// dmin and minimums of the types with minimums (Q2_K's the high nibbles of its scale bytes). Every build of this
+// file has AVX2 and F16C.
 static void group_scales(int type, const uint8_t *blk, int g, BlockScales *s) {
     const f16 *d = (const f16 *)blk;  // every type's d[8] first, then Q2_K's, Q4_K's and Q5_K's dmin[8]
-    _mm256_storeu_ps(s->d + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+    const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    _mm256_storeu_ps(s->d + 8 * g, _mm256_mul_ps(scales, _mm256_set1_ps(d_scale(type))));
     if (!minimum_pairs(type)) return;
     _mm256_storeu_ps(s->dmin + 8 * g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 8))));
     for (int p = 0; p < minimum_pairs(type); p++) {

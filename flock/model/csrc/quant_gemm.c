@@ -106,7 +106,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
        IQ4_XS = 23 };
 enum { IQ4_NL = 20 };  // flock_transcode's
 // Flock's own ids (100 + the type's ggml id): IQ4_XS's blocks holding a lattice IQ type's weights, d / m x an odd
-// scale x one of at most 16 integers (flock/model/iq_grids.py), which index these tables
+// scale x one of at most 16 integers (flock/model/iq_grids.py), which index these tables; d as the file has it,
+// 1 / m applied to it as a float (a power of two: exact)
 enum { IQ2_XXS_T = 116, IQ3_XXS_T = 118, IQ1_S_T = 119, IQ3_S_T = 121 };
 static const int8_t IQ3_S_VALUES[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
 static const int8_t IQ3_XXS_VALUES[16] = {-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31};
@@ -124,6 +125,11 @@ static inline const int8_t *table_values(int type) {
         case IQ1_S_T: return IQ1_S_VALUES;
         default: return IQ4_VALUES;
     }
+}
+
+// What the type's d is multiplied by: 1 / m (1 for every other type)
+static inline float d_scale(int type) {
+    return type == IQ3_XXS_T ? 0.5f : type == IQ2_XXS_T || type == IQ1_S_T ? 0.125f : 1.0f;
 }
 
 // The type's 16 values (flock/model/iq_grids.py reads the lattice types' here)
@@ -328,7 +334,7 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
                     u[32 * j + i] = (uint8_t)(values[b->qs[16 * j + i] & 0xf] + 128);
                     u[32 * j + 16 + i] = (uint8_t)(values[b->qs[16 * j + i] >> 4] + 128);
                 }
-            for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t / 2], o[t] = -128 * s[t];
+            for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * d_scale(type) * sc[t / 2], o[t] = -128 * s[t];
             return;
         }
     }
@@ -380,7 +386,7 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
                     u[32 * sb + 8 * v + t] = (uint8_t)(values[q & 0xf] + 128);
                     u[32 * sb + 8 * v + 4 + t] = (uint8_t)(values[q >> 4] + 128);
                 }
-            s[2 * sb] = s[2 * sb + 1] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2];
+            s[2 * sb] = s[2 * sb + 1] = f16_to_f32(b->d[lane]) * d_scale(type) * b->sc[sb / 2][lane][sb % 2];
             o[2 * sb] = o[2 * sb + 1] = -128 * s[2 * sb];
         }
     } else if (type == Q4_K || type == Q5_K) {
@@ -1068,7 +1074,7 @@ AI void dot_iq4_xs(const int R, const int stream, int type, const uint8_t *w, co
                 settle(&sum[r]);
             }
         }
-        block_step(R, acc, sum, f16_to_f32(blk->d), x, b);
+        block_step(R, acc, sum, f16_to_f32(blk->d) * d_scale(type), x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -1237,6 +1243,7 @@ AI void dot_iq4_xs_x8(const int R, const int stream, int type, const uint8_t *w,
     const __m256i low4 = _mm256_set1_epi8(0xf);
     const __m256i table = _mm256_xor_si256(  // the values plus 128
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table_values(type))), _mm256_set1_epi8(-128));
+    const __m256 d_scale8 = _mm256_set1_ps(d_scale(type));
 #ifndef DPBUSD
     const __m256i table_lo = _mm256_and_si256(table, low4);
     const __m256i table_hi = _mm256_and_si256(_mm256_srli_epi16(table, 4), low4);
@@ -1290,7 +1297,7 @@ AI void dot_iq4_xs_x8(const int R, const int stream, int type, const uint8_t *w,
                 isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d)), d_scale8);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
     }

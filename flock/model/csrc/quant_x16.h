@@ -221,7 +221,8 @@ AI void dot_iq4_xs_x16(const int R, int type, const uint8_t *wa, const uint8_t *
             const __m512i scale = pair_scale_x16(pairs[sb / 2], sb % 2);
             for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], scaled_x16(sums[r], scale));
         }
-        const __m512 d = join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d);
+        const __m512 d = _mm512_mul_ps(join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d),
+                                       _mm512_set1_ps(d_scale(type)));
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x[r][b].d)), acc[r]);
     }
