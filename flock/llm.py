@@ -57,6 +57,9 @@ class LLM:
         for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True). All
         prompts and parameters are checked before any work starts: a bad one raises ValueError naming its index
         and field."""
+        if not isinstance(prompts, (str, dict, Sequence)):
+            raise TypeError(f"prompts must be a string, a dict, a list of token ids or a list of those, not "
+                            f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,

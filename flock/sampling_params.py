@@ -1,3 +1,4 @@
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -193,6 +194,10 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):  # what does not convert stays as it is, for validate() to name
             self.logit_bias = {_token_id(t) if _converts(t) else t: _clamp_bias(b) if _bias(b) else b
                                for t, b in self.logit_bias.items()}
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's), whose lists and dicts the caller may change."""
+        return copy.deepcopy(self)
 
     def samples(self) -> list["SamplingParams"]:
         """The params of each of the n samples, one engine request each."""

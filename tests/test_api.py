@@ -62,6 +62,18 @@ def test_bad_request_is_named_before_any_work(llm, prompt, params, message):
     assert_clean(llm)
 
 
+def test_a_prompt_of_another_type_is_named(llm):
+    with pytest.raises(TypeError, match="not int"):
+        llm.generate(123, use_tqdm=False)
+
+
+def test_sampling_params_clone_as_vllm():
+    params = SamplingParams(stop=["x"], logit_bias={5: 1.0})
+    copied = params.clone()
+    copied.stop.append("y")
+    assert copied == SamplingParams(stop=["x", "y"], logit_bias={5: 1.0}) and params.stop == ["x"]
+
+
 def test_unknown_engine_argument():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM("flock/tiny", max_num_seq=4)
