@@ -1,6 +1,6 @@
 """GGUF checkpoints (the llama.cpp / Ollama format): the config and the weights, quantized ones kept in their
-blocks where Flock has kernels for their type (flock.model.quant; IQ4_NL, IQ3_XXS and IQ3_S rewritten as the Q8_0
-and Q6_K blocks of the same values), the rest dequantized at load (the tokenizer: flock/tokenizer.py).
+blocks where Flock has kernels for their type (flock.model.quant; IQ4_NL and the lattice IQ types rewritten as Q8_0's
+and IQ4_XS's blocks of the same values), the rest dequantized at load (the tokenizer: flock/tokenizer.py).
 
 The file is read with the `gguf` package (llama.cpp's reader; the config and tensor table it gives are kept on
 disk, `gguf_table`) and converted the way `transformers` converts it: its config-key mapping, the gguf package's
