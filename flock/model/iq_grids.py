@@ -14,9 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-# type id -> bytes a block, m, and the id of IQ4_XS's blocks with its values (csrc/quant_gemm.c: its d_scale is 1 / m)
-TYPES = {int(T.IQ3_S): (110, 1, 121), int(T.IQ3_XXS): (98, 2, 118), int(T.IQ2_XXS): (66, 8, 116),
-         int(T.IQ1_S): (50, 8, 119)}
+# type id -> bytes a block, m (csrc/quant_gemm.c's d_scale of its IQ4_XS blocks is 1 / m)
+TYPES = {int(T.IQ3_S): (110, 1), int(T.IQ3_XXS): (98, 2), int(T.IQ2_XXS): (66, 8), int(T.IQ1_S): (50, 8)}
 IQ4_XS_BYTES = 136
 
 
@@ -43,7 +42,7 @@ def _take_scales(qtype: int, blocks: np.ndarray) -> np.ndarray:
 def as_iq4_xs(qtype: int, data: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Blocks of a lattice type ([..., bytes]) as IQ4_XS's blocks of the same weights whose indices pick from
     `values` (the type's 16 int8 values), [..., blocks x 136]."""
-    size, m, _ = TYPES[qtype]
+    size, m = TYPES[qtype]
     blocks = np.ascontiguousarray(data).reshape(-1, size).copy()
     n = len(blocks)
     d = blocks[:, :2].copy()

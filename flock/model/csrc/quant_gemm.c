@@ -871,6 +871,16 @@ AI void row_products(const int R, __m256i *sum, __m256i u, __m256i scale, const 
     }
 }
 
+// The integer sums' start in the file-row kernels of the types whose weights are stored plus an offset 2^shift
+// (Q3_K's 4, Q6_K's 32): -offset sum(scale * the activations' sum of 16)
+AI void offset_sums(const int R, __m256i *sum, __m256i scales, int shift, const act256 *const *x, int64_t b) {
+    for (int r = 0; r < R; r++) {
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
+        sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_sll_epi32(_mm256_madd_epi16(bsums, scales),
+                                                                         _mm_cvtsi32_si128(shift)));
+    }
+}
+
 // A block's float step in the file-row kernels of the types without minimums: the integer sums times d
 AI void block_step(const int R, __m256 *acc, const __m256i *sum, float d, const act256 *const *x, int64_t b) {
     for (int r = 0; r < R; r++)
@@ -947,10 +957,7 @@ AI void dot_q6_K(const int R, const int stream, const uint8_t *w, const act256 *
         const float d = f16_to_f32(blk->d);
         const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
         __m256i sum[MT];
-        for (int r = 0; r < R; r++) {  // the offset 32: -32 sum(scale * bsum)
-            const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
-            sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales), 5));
-        }
+        offset_sums(R, sum, scales, 5, x, b);
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
@@ -1028,10 +1035,7 @@ AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *
         __attribute__((aligned(32))) int16_t sc[16];
         _mm256_store_si256((__m256i *)sc, scales);
         __m256i sum[MT];
-        for (int r = 0; r < R; r++) {
-            const __m256i bsums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
-            sum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(bsums, scales), 2));
-        }
+        offset_sums(R, sum, scales, 2, x, b);
         const __m256i hmask = _mm256_loadu_si256((const __m256i *)blk->hmask);
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * h));
