@@ -20,28 +20,30 @@ import numpy as np
 import torch
 
 from flock import native
-from flock.model import gemm, huge_pages
+from flock.model import gemm, huge_pages, iq_grids
 
 # ggml's quant types the kernels take: name -> (type id, values per block, bytes per block)
 KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                 "Q5_1": (7, 32, 24), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
                 "IQ4_XS": (23, 256, 136), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110),
-                # IQ4_XS's blocks with a lattice type's table of values (flock.model.iq_grids), Flock's own ids
+                # IQ4_XS's or Q3_K's blocks with a lattice type's table of values (flock.model.iq_grids), Flock's
+                # own ids
                 "IQ3_S@IQ4_XS": (121, 256, 136), "IQ3_XXS@IQ4_XS": (118, 256, 136), "IQ2_XXS@IQ4_XS": (116, 256, 136),
-                "IQ1_S@IQ4_XS": (119, 256, 136)}
+                "IQ1_S@IQ4_XS": (119, 256, 136), "IQ2_XS@Q3_K": (117, 256, 110), "IQ2_S@Q3_K": (122, 256, 110),
+                "IQ1_M@Q3_K": (129, 256, 110)}
 TYPE_NAMES = {spec[0]: name for name, spec in KERNEL_TYPES.items()}
 # types the kernels take once their blocks are rewritten as a kernel type's of the same values (`transcode`): their
 # id, values and bytes a block, and that type
 TRANSCODED = {"IQ4_NL": (20, 32, 18, "Q8_0"),
-              **{name: (KERNEL_TYPES[name + "@IQ4_XS"][0] - 100, 256, size, name + "@IQ4_XS")
-                 for name, size in (("IQ3_S", 110), ("IQ3_XXS", 98), ("IQ2_XXS", 66), ("IQ1_S", 50))}}
+              **{name.split("@")[0]: (spec[0] - 100, 256, iq_grids.TYPES[spec[0] - 100][0], name)
+                 for name, spec in KERNEL_TYPES.items() if "@" in name}}
 BLOCK_TYPES = {spec[0] for spec in (*KERNEL_TYPES.values(), *TRANSCODED.values())}  # the ids kept as blocks
 LOAD_TYPES = ("q8_0", "q4_0")  # what EngineConfig.quantization can quantize float weights to
 ACT_BYTES = {32: 40, 256: 308}  # an activation block: its scale (and sums) and int8 values
 # a row's share of 8 rows' interleaved blocks (every kernel type has the layout)
 X8_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210,
             "IQ4_XS": 138, "Q2_K": 84, "Q3_K": 114,
-            **{name: 138 for name in KERNEL_TYPES if name.endswith("@IQ4_XS")}}
+            **{name: 138 if name.endswith("@IQ4_XS") else 114 for name in KERNEL_TYPES if "@" in name}}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -224,7 +226,8 @@ def interleave(tensor: QuantTensor, path: str | None = None) -> QuantTensor:
 
 
 def table_values(qtype: int) -> np.ndarray:
-    """The 16 int8 values the 4-bit indices of IQ4_XS's blocks of this type pick from."""
+    """The 16 int8 values the 4-bit indices of IQ4_XS's blocks of this type pick from (Q3_K's 3-bit indices: the
+    first 8)."""
     out = np.empty(16, np.int8)
     _lib(None).flock_table_values(qtype, out.ctypes.data)
     return out
@@ -232,17 +235,15 @@ def table_values(qtype: int) -> np.ndarray:
 
 def transcode(qtype: int, blocks: torch.Tensor) -> QuantTensor:
     """Rows of blocks of a kernel type as they are; of a TRANSCODED type as the blocks of its kernel type that hold
-    the same values (IQ4_NL as Q8_0; the lattice IQ types as IQ4_XS's blocks with their own table of values,
-    flock.model.iq_grids), whose integer products are the same."""
-    from flock.model import iq_grids
-
+    the same values (IQ4_NL as Q8_0; the lattice IQ types as IQ4_XS's or Q3_K's blocks with their own table of
+    values, flock.model.iq_grids), whose integer products are the same."""
     name = next((n for n, spec in TRANSCODED.items() if spec[0] == qtype), None)
     if name is None:
         return QuantTensor(qtype, blocks)
     _, _, size, target = TRANSCODED[name]
     if qtype in iq_grids.TYPES:
         target_id = KERNEL_TYPES[target][0]
-        rewritten = iq_grids.as_iq4_xs(qtype, blocks.numpy(), table_values(target_id))
+        rewritten = iq_grids.rewrite(qtype, blocks.numpy(), table_values(target_id))
         return QuantTensor(target_id, torch.from_numpy(rewritten))
     blocks = blocks.contiguous()
     out = torch.empty(blocks.shape[0], blocks.shape[1] // size * KERNEL_TYPES[target][2], dtype=torch.uint8)

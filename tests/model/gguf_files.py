@@ -165,7 +165,7 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
     return np.array(factors, dtype=np.float32)
 
 
-LATTICE = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S)  # what flock.model.iq_grids rewrites
+LATTICE = (Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M)  # flock.model.iq_grids rewrites them
 # byte offsets of a block's float16 scales
 K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
@@ -211,6 +211,10 @@ def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed + rows + k)
     blocks = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
+    if qtype == Q.IQ1_M:  # its d: the top nibbles of its 4 uint16 scale words
+        d = rng.uniform(-1, 1, (rows, k // block)).astype(np.float16)
+        d *= np.float16(size / np.abs(gguf.quants.dequantize(iq1_m_with_d(blocks, d), qtype)).mean())
+        return iq1_m_with_d(blocks, d).reshape(rows, -1)
     for at in K_QUANT_SCALES.get(qtype, (0, 2) if qtype in (Q.Q4_1, Q.Q5_1) else (0,)):
         scales = rng.uniform(-1, 1, (rows, k // block)).astype(np.float16)
         blocks[:, :, at:at + 2] = scales.view(np.uint8).reshape(rows, k // block, 2)
@@ -220,6 +224,29 @@ def random_blocks(qtype: Q, rows: int, k: int, size: float = 0.05, seed: int = 0
         scales = blocks[:, :, at:at + 2].copy().view(np.float16) * np.float16(size / mean)
         blocks[:, :, at:at + 2] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def iq1_m_with_d(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks [..., 56] with their fp16 d set to `d` [...] (nibble k of d the top nibble of scale word k)."""
+    out = blocks.copy()
+    words = out[..., 48:56].copy().view(np.uint16)
+    nibbles = (d.view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)
+    out[..., 48:56] = ((words & np.uint16(0x0FFF)) | nibbles << np.uint16(12)).view(np.uint8)
+    return out
+
+
+def q3_k_layout_values(blocks: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The weights of Q3_K's blocks ([rows, blocks x 110]) whose 3-bit indices pick from `values`, in float64."""
+    b = blocks.reshape(-1, 110)
+    d = b[:, 108:110].copy().view(np.float16)[:, 0].astype(np.float64)
+    t = np.arange(16)
+    low, high = (b[:, 96 + t % 8] >> (4 * (t // 8))) & 15, (b[:, 104 + t % 4] >> (2 * (t // 4))) & 3
+    scales = (low | high << 4).astype(np.int64)
+    i = np.arange(256)
+    h, j, l = i // 128, i % 128 // 32, i % 32
+    idx = (b[:, 32 + 32 * h + l] >> (2 * j)) & 3 | ((b[:, l] >> (4 * h + j)) & 1) << 2
+    weights = d[:, None] * (scales - 32)[:, i // 16] * values.astype(np.int64)[idx]
+    return weights.reshape(len(blocks), -1)
 
 
 def iq4_xs_layout_values(blocks: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -40,7 +40,8 @@ def reference(t: QuantTensor) -> np.ndarray:
     assert not t.interleaved
     if "@" in t.name:  # d times 1 / m
         m = iq_grids.TYPES[t.qtype - 100][1]
-        return gguf_files.iq4_xs_layout_values(t.blocks.numpy(), quant.table_values(t.qtype)) / m
+        layout_values = gguf_files.iq4_xs_layout_values if t.name.endswith("IQ4_XS") else gguf_files.q3_k_layout_values
+        return layout_values(t.blocks.numpy(), quant.table_values(t.qtype)) / m
     return gguf.quants.dequantize(t.blocks.numpy(), gguf.GGMLQuantizationType(t.qtype)).astype(np.float64)
 
 

@@ -13,6 +13,7 @@ from flock.model.linear import Embedding, Linear
 from flock.model.llama import SparseMoE
 from flock.model.quant import KERNEL_TYPES, QuantWeight
 from tests.engine.test_parity import flock_greedy, shared_prefix_prompts
+from tests.model import gguf_files
 from tests.model.gguf_files import Q, write_gguf
 
 K_MIX = {"blk.0.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.1.ffn_gate.weight": Q.Q5_K,
@@ -94,14 +95,14 @@ def test_quantized_logprobs_close_to_the_dequantized_file(gguf_models, case):
     assert diff.mean() < 0.005 * size.mean()
 
 
-@pytest.mark.parametrize("kind, qtype", [("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL), ("llama256", Q.IQ3_XXS),
-                                         ("llama256", Q.IQ3_S), ("llama256", Q.IQ2_XXS), ("llama256", Q.IQ1_S)],
-                         ids=["IQ4_NL", "Qwen3-MoE IQ4_NL", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S"])
+@pytest.mark.parametrize("kind, qtype", [("llama", Q.IQ4_NL), ("qwen3_moe", Q.IQ4_NL),
+                                         *(("llama256", qtype) for qtype in gguf_files.LATTICE)],
+                         ids=["IQ4_NL", "Qwen3-MoE IQ4_NL", *(qtype.name for qtype in gguf_files.LATTICE)])
 def test_transcoded_types_run_as_the_blocks_of_the_same_values(hf_folders, tmp_path, monkeypatch, kind, qtype):
     """IQ4_NL projections (a mixture's experts too) run as the Q8_0 blocks of their values, and the lattice IQ types'
-    as IQ4_XS's blocks with their own table of values, rewritten at load, in 1.89x (IQ4_NL), 1.39x (IQ3_XXS), 1.24x
-    (IQ3_S), 2.06x (IQ2_XXS) and 2.72x (IQ1_S) the file's bytes: every weight the value the gguf package
-    dequantizes from the file."""
+    as IQ4_XS's or Q3_K's blocks with their own table of values, rewritten at load, in 1.89x (IQ4_NL), 1.39x
+    (IQ3_XXS), 1.24x (IQ3_S), 2.06x (IQ2_XXS), 2.72x (IQ1_S), 1.49x (IQ2_XS), 1.34x (IQ2_S) and 1.96x (IQ1_M) the
+    file's bytes: every weight the value the gguf package dequantizes from the file."""
     path = write_gguf(hf_folders[kind], tmp_path / "t.gguf", qtype)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     target = quant.TRANSCODED[qtype.name][3]
@@ -109,7 +110,8 @@ def test_transcoded_types_run_as_the_blocks_of_the_same_values(hf_folders, tmp_p
     blocks = {name: m for name, m in layers(llm).items() if not name.endswith(".mlp.gate")}  # routers: floats
     held = {id(m.qweight): m.qweight for m in blocks.values()}
     stored = sum(n for name, n in file_bytes(path).items() if not name.endswith(("norm.weight", "gate_inp.weight")))
-    ratio = KERNEL_TYPES[target][2] / quant.TRANSCODED[qtype.name][2]  # interleaved: 138 bytes for IQ4_XS's 136
+    per_block = quant.X8_BYTES[target] if quant.isa() != "baseline" else KERNEL_TYPES[target][2]  # interleaved
+    ratio = per_block / quant.TRANSCODED[qtype.name][2]
     assert sum(w.nbytes for w in held.values()) == pytest.approx(ratio * stored, rel=0.02)
     monkeypatch.setattr(quant, "BLOCK_TYPES", {spec[0] for spec in KERNEL_TYPES.values()})  # gguf's dequantizer
     expected = layers(LLM(str(path), dtype="float32", quantization="none", ops="torch", kv_cache_memory_bytes=1 << 20))

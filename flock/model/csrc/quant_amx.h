@@ -5,9 +5,9 @@
 // meets in _tile_dpbsud / _tile_dpbssd (A tiles read in place from the activation blocks), and one float step per
 // block adds the int32 sums times the scales while the next tile's products run.
 // - The K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS: the B tiles already carry each sub-block's integer
-//   scale. Weight x scale fits 13 bits (Q3_K's offset 4 and Q6_K's 32 subtracted first; IQ4_XS's values are signed),
-//   so it is split into its low byte (unsigned) and the rest (a small byte, signed for Q3_K, Q6_K and IQ4_XS; Q2_K's
-//   is 0): two products over the super-block's 256 values whose sums add up as low + 256 high.
+//   scale. Weight x scale fits 13 bits (Q3_K's offset 4 and Q6_K's 32 subtracted first; the tables' values are
+//   signed), so it is split into its low byte (unsigned) and the rest (a small byte, signed for Q3_K, Q6_K and the
+//   tables; Q2_K's is 0): two products over the super-block's 256 values whose sums add up as low + 256 high.
 //   Q4_K / Q5_K's minimums times the activations' sums of 32 join in the float step (vpmaddwd), Q2_K's times the
 //   sums of 16.
 // - The 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the weights as stored (Q8_0 plus 128) or their nibbles, one
@@ -169,10 +169,11 @@ static void unpack_q6_K(const uint8_t *ba, const uint8_t *bb, int tile, int j, B
 }
 
 // Values 64 j .. of Q2_K / Q3_K super-blocks of the tile's groups a and b into b: sub-block sb is values 16 sb ..:
-// B row 4 (sb % 4) + g its plane g (weights 4 g ..; Q3_K's with their third bits, less its offset 4) times its
-// scale (Q2_K's the low nibbles of its scale bytes)
+// B row 4 (sb % 4) + g its plane g (weights 4 g ..; Q3_K's with their third bits, less its offset 4; a Q3_K table's
+// values looked up plus Q3_TABLE_OFFSET, less that) times its scale (Q2_K's the low nibbles of its scale bytes)
 static void unpack_q23_K(int type, const uint8_t *ba, const uint8_t *bb, int tile, int j, BTiles b) {
-    const int q3 = type == Q3_K;
+    const int q3 = is_q3(type), table = is_q3_table(type);
+    const __m512i values = _mm512_broadcast_i32x4(_mm256_castsi256_si128(q3_table(type)));
     const blk_q2_Kx8 *qa = (const blk_q2_Kx8 *)ba, *qb = (const blk_q2_Kx8 *)bb;
     const blk_q3_Kx8 *ta = (const blk_q3_Kx8 *)ba, *tb = (const blk_q3_Kx8 *)bb;
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
@@ -183,7 +184,7 @@ static void unpack_q23_K(int type, const uint8_t *ba, const uint8_t *bb, int til
             _mm_store_si128((__m128i *)sa, _mm_and_si128(_mm_loadu_si128((const __m128i *)qa->sm[sb / 2]), low4));
             _mm_store_si128((__m128i *)sc, _mm_and_si128(_mm_loadu_si128((const __m128i *)qb->sm[sb / 2]), low4));
         }
-        const RowScales scale = q3 ? row_scales(ta->sc[sb / 2], tb->sc[sb / 2], sb % 2, 1, 4)
+        const RowScales scale = q3 ? row_scales(ta->sc[sb / 2], tb->sc[sb / 2], sb % 2, 1, q3_offset(type))
                                    : row_scales(sa, sc, sb % 2, 0, 0);
         const __m512i q = q3 ? both(ta->qs[sb], tb->qs[sb]) : both(qa->qs[sb], qb->qs[sb]);
         const __m512i qh = q3 ? both(ta->qh[sb / 2], tb->qh[sb / 2]) : _mm512_setzero_si512();
@@ -194,6 +195,7 @@ static void unpack_q23_K(int type, const uint8_t *ba, const uint8_t *bb, int til
                 u = _mm512_or_si512(u, _mm512_and_si512(bit >= 2 ? _mm512_srli_epi16(qh, bit - 2)
                                                                  : _mm512_slli_epi16(qh, 2 - bit), four));
             }
+            if (table) u = _mm512_shuffle_epi8(values, u);
             scaled_row(b, tile, 4 * (sb % 4) + g, u, &scale, q3);
         }
     }
@@ -253,14 +255,14 @@ static void unpack_q6_K_half(const uint8_t *blk, int tile, int half, int j, BTil
     }
 }
 
-// Q3_K's weight u - 4 at byte i of plane g of sub-block sb
-static inline int16_t q3_weight(const blk_q3_Kx8 *t, int sb, int g, int i) {
+// Q3_K's weight u - 4 (a table type's value of index u) at byte i of plane g of sub-block sb
+static inline int16_t q3_weight(int type, const blk_q3_Kx8 *t, int sb, int g, int i) {
     const int third = (t->qh[sb / 2][i] >> (4 * (sb % 2) + g)) & 1;
-    return (int16_t)((((t->qs[sb][i] >> (2 * g)) & 3) | third << 2) - 4);
+    return (int16_t)(q3_value(type, ((t->qs[sb][i] >> (2 * g)) & 3) | third << 2) - q3_offset(type));
 }
 
 static void unpack_q23_K_half(int type, const uint8_t *blk, int tile, int half, int j, BTiles b) {
-    const int q3 = type == Q3_K;
+    const int q3 = is_q3(type);
     const blk_q2_Kx8 *q = (const blk_q2_Kx8 *)blk;
     const blk_q3_Kx8 *t = (const blk_q3_Kx8 *)blk;
     for (int sb = 4 * j; sb < 4 * j + 4; sb++) {
@@ -268,7 +270,7 @@ static void unpack_q23_K_half(int type, const uint8_t *blk, int tile, int half, 
         for (int i = 0; i < 32; i++) scale[i] = q3 ? t->sc[sb / 2][i / 4][sb % 2] : q->sm[sb / 2][i / 4][sb % 2] & 0xf;
         for (int g = 0; g < 4; g++) {
             for (int i = 0; i < 32; i++)
-                u[i] = q3 ? q3_weight(t, sb, g, i) : (int16_t)((q->qs[sb][i] >> (2 * g)) & 3);
+                u[i] = q3 ? q3_weight(type, t, sb, g, i) : (int16_t)((q->qs[sb][i] >> (2 * g)) & 3);
             scaled_half_row(b, tile, half, 4 * (sb % 4) + g, u, scale);
         }
     }
@@ -354,7 +356,7 @@ static inline void amx_zero_sums(void) {
 
 // One activation tile's 64 values (16 rows of act_row bytes from a) times their B tiles b, added to the sums.
 static inline void amx_products_64(int type, const uint8_t *a, int64_t act_row, int tiles, const BTiles b) {
-    const int signed_high = type == Q3_K || type == Q6_K || is_table(type);  // their high bytes are signed
+    const int signed_high = is_q3(type) || type == Q6_K || is_table(type);  // their high bytes are signed
     TILE_LOAD(0, a, act_row);
     TILE_LOAD(1, b[LOW][0], 64);
     TILE_DPBSUD(2, 0, 1);
@@ -492,7 +494,7 @@ static void unpack_kq_64(int type, const uint8_t *w, int64_t row_bytes, int grou
             if (gb != zero_group) prefetch_bytes(gb + blk_bytes + at, n);
         }
         if (type == Q6_K) unpack_q6_K(ga, gb, t, j, dst);
-        else if (type == Q2_K || type == Q3_K) unpack_q23_K(type, ga, gb, t, j, dst);
+        else if (type == Q2_K || is_q3(type)) unpack_q23_K(type, ga, gb, t, j, dst);
         else unpack_q45_K(type, ga, gb, t, j, dst);
         if (j == 0) group_scales(type, ga, 2 * t, sc), group_scales(type, gb, 2 * t + 1, sc);
     }

@@ -1,7 +1,7 @@
 // GEMMs on GGUF's quantized weight blocks, kept as llama.cpp stores them: y[M][N] = x[M][K] W^T, W [N][K] of
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256),
-// row-major, each row its K / block blocks; also IQ4_XS's blocks with another table of values (the lattice IQ
-// types, rewritten so at load: flock/model/iq_grids.py).
+// row-major, each row its K / block blocks; also IQ4_XS's and Q3_K's blocks whose indices pick from another table
+// of values (the lattice IQ types, rewritten so at load: flock/model/iq_grids.py).
 //
 // As in llama.cpp, the activations are quantized per row to int8 first, in the same call: blocks of 32 with
 // a float scale and the scaled sum of their values for the 32-weight types, super-blocks of 256 with a float
@@ -105,31 +105,40 @@ typedef struct { float d; int16_t bsums[16], sums32[8]; int8_t q[256]; } act256;
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
        IQ4_XS = 23 };
 enum { IQ4_NL = 20 };  // flock_transcode's
-// Flock's own ids (100 + the type's ggml id): IQ4_XS's blocks holding a lattice IQ type's weights, d / m x an odd
-// scale x one of at most 16 integers (flock/model/iq_grids.py), which index these tables; d as the file has it,
-// 1 / m applied to it as a float (a power of two: exact)
+// Flock's own ids (100 + the type's ggml id): IQ4_XS's blocks (a scale per 32 weights) or Q3_K's (per 16) holding
+// a lattice IQ type's weights, d / m x an odd scale x one of at most 16 (Q3_K's: 8) integers (flock/model/iq_grids.py),
+// which index these tables; d as the file has it, 1 / m applied to it as a float (a power of two: exact)
 enum { IQ2_XXS_T = 116, IQ3_XXS_T = 118, IQ1_S_T = 119, IQ3_S_T = 121 };
+enum { IQ2_XS_T = 117, IQ2_S_T = 122, IQ1_M_T = 129 };
 static const int8_t IQ3_S_VALUES[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
 static const int8_t IQ3_XXS_VALUES[16] = {-31, -26, -22, -18, -14, -10, -6, -2, 2, 6, 10, 14, 18, 22, 26, 31};
 static const int8_t IQ2_XXS_VALUES[16] = {-43, -25, -8, 8, 25, 43};
 static const int8_t IQ1_S_VALUES[16] = {-9, -7, -1, 1, 7, 9};
 
 // Whether the type's blocks are IQ4_XS's: indices into its table of values
-static inline int is_table(int type) { return type == IQ4_XS || type > 100; }
+static inline int is_table(int type) {
+    return type == IQ4_XS || type == IQ3_S_T || type == IQ3_XXS_T || type == IQ2_XXS_T || type == IQ1_S_T;
+}
+// Whether they are Q3_K's whose 3-bit indices u pick from a table (Q3_K's own weights are u - 4)
+static inline int is_q3_table(int type) { return type == IQ2_XS_T || type == IQ2_S_T || type == IQ1_M_T; }
+static inline int is_q3(int type) { return type == Q3_K || is_q3_table(type); }
+// A Q3_K table's values are looked up plus this offset (unsigned bytes), taken off as Q3_K's 4 is
+#define Q3_TABLE_SHIFT 6
+#define Q3_TABLE_OFFSET (1 << Q3_TABLE_SHIFT)
 
 static inline const int8_t *table_values(int type) {
     switch (type) {
         case IQ3_S_T: return IQ3_S_VALUES;
         case IQ3_XXS_T: return IQ3_XXS_VALUES;
-        case IQ2_XXS_T: return IQ2_XXS_VALUES;
-        case IQ1_S_T: return IQ1_S_VALUES;
+        case IQ2_XXS_T: case IQ2_XS_T: case IQ2_S_T: return IQ2_XXS_VALUES;
+        case IQ1_S_T: case IQ1_M_T: return IQ1_S_VALUES;
         default: return IQ4_VALUES;
     }
 }
 
 // What the type's d is multiplied by: 1 / m (1 for every other type)
 static inline float d_scale(int type) {
-    return type == IQ3_XXS_T ? 0.5f : type == IQ2_XXS_T || type == IQ1_S_T ? 0.125f : 1.0f;
+    return type == IQ3_XXS_T ? 0.5f : type > 100 && type != IQ3_S_T ? 0.125f : 1.0f;
 }
 
 // The type's 16 values (flock/model/iq_grids.py reads the lattice types' here)
@@ -198,6 +207,20 @@ static inline void q3_k_scales(const uint8_t *s, int8_t out[16]) {
     for (int t = 0; t < 16; t++) out[t] = (int8_t)(out[t] - 32);
 }
 
+// Q3_K: each weight's 3 bits u (as Q3_K's weight u - 4)
+static inline void q3_k_indices(const blk_q3_K *b, uint8_t u[256]) {
+    for (int i = 0; i < 256; i++) {
+        const int h = i / 128, j = i % 128 / 32, l = i % 32;
+        u[i] = (uint8_t)(((b->qs[32 * h + l] >> (2 * j)) & 3) | ((b->hmask[l] >> (4 * h + j)) & 1) << 2);
+    }
+}
+
+// Q3_K's blocks: what index u stands for, plus the offset it is stored with (q3_offset: Q3_K's 4)
+static inline int q3_offset(int type) { return is_q3_table(type) ? Q3_TABLE_OFFSET : 4; }
+static inline uint8_t q3_value(int type, int u) {
+    return is_q3_table(type) ? (uint8_t)(table_values(type)[u] + Q3_TABLE_OFFSET) : (uint8_t)u;
+}
+
 // IQ4_XS: the 8 sub-blocks' scales less 32
 static inline void iq4_xs_scales(const blk_iq4_xs *b, int8_t out[8]) {
     for (int j = 0; j < 8; j++)
@@ -220,7 +243,7 @@ static int64_t block_bytes(int type) {
         case Q5_K: return sizeof(blk_q5_K);
         case Q6_K: return sizeof(blk_q6_K);
         case Q2_K: return sizeof(blk_q2_K);
-        case Q3_K: return sizeof(blk_q3_K);
+        case Q3_K: case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T: return sizeof(blk_q3_K);
         default: return is_table(type) ? (int64_t)sizeof(blk_iq4_xs) : 0;
     }
 }
@@ -232,7 +255,7 @@ static int64_t x8_row_bytes(int type) {
         case Q5_K: return sizeof(blk_q5_Kx8) / 8;
         case Q6_K: return sizeof(blk_q6_Kx8) / 8;
         case Q2_K: return sizeof(blk_q2_Kx8) / 8;
-        case Q3_K: return sizeof(blk_q3_Kx8) / 8;
+        case Q3_K: case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T: return sizeof(blk_q3_Kx8) / 8;
         case Q8_0: return sizeof(blk_q8_0x8) / 8;
         case Q4_0: return sizeof(blk_q4_0x8) / 8;
         case Q4_1: return sizeof(blk_q4_1x8) / 8;
@@ -313,15 +336,14 @@ static void decode_block(int type, const uint8_t *blk, uint8_t *u, float *s, flo
                 s[t] = f16_to_f32(b->d) * (b->scales[t] & 0xf), o[t] = -f16_to_f32(b->dmin) * (b->scales[t] >> 4);
             return;
         }
-        case Q3_K: {
+        case Q3_K: case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T: {
             const blk_q3_K *b = (const blk_q3_K *)blk;
             int8_t sc[16];
             q3_k_scales(b->scales, sc);
-            for (int i = 0; i < 256; i++) {
-                const int h = i / 128, j = i % 128 / 32, l = i % 32;
-                u[i] = (uint8_t)(((b->qs[32 * h + l] >> (2 * j)) & 3) | ((b->hmask[l] >> (4 * h + j)) & 1) << 2);
-            }
-            for (int t = 0; t < 16; t++) s[t] = f16_to_f32(b->d) * sc[t], o[t] = -4 * s[t];
+            q3_k_indices(b, u);
+            for (int i = 0; i < 256; i++) u[i] = q3_value(type, u[i]);
+            for (int t = 0; t < 16; t++)
+                s[t] = f16_to_f32(b->d) * d_scale(type) * sc[t], o[t] = -q3_offset(type) * s[t];
             return;
         }
         default: {  // IQ4_XS's blocks: the values plus 128
@@ -367,14 +389,15 @@ static void decode_x8(int type, const uint8_t *blk, int lane, uint8_t *u, float 
             const uint8_t sm = b->sm[sb / 2][lane][sb % 2];
             s[sb] = f16_to_f32(b->d[lane]) * (sm & 0xf), o[sb] = -f16_to_f32(b->dmin[lane]) * (sm >> 4);
         }
-    } else if (type == Q3_K) {
+    } else if (is_q3(type)) {
         const blk_q3_Kx8 *b = (const blk_q3_Kx8 *)blk;
         for (int sb = 0; sb < 16; sb++) {
             for (int i = 0; i < 16; i++) {
                 const int at = 4 * lane + i % 4, g = i / 4, third = (b->qh[sb / 2][at] >> (4 * (sb % 2) + g)) & 1;
-                u[16 * sb + i] = (uint8_t)(((b->qs[sb][at] >> (2 * g)) & 3) | third << 2);
+                u[16 * sb + i] = q3_value(type, ((b->qs[sb][at] >> (2 * g)) & 3) | third << 2);
             }
-            s[sb] = f16_to_f32(b->d[lane]) * b->sc[sb / 2][lane][sb % 2], o[sb] = -4 * s[sb];
+            s[sb] = f16_to_f32(b->d[lane]) * d_scale(type) * b->sc[sb / 2][lane][sb % 2];
+            o[sb] = -q3_offset(type) * s[sb];
         }
     } else if (is_table(type)) {
         const blk_iq4_xsx8 *b = (const blk_iq4_xsx8 *)blk;
@@ -449,11 +472,12 @@ static void interleave_row(int type, const uint8_t *row, int64_t nb, int lane, u
                     dst->qs[sb][4 * lane + t] = q;
                 }
             }
-        } else if (type == Q3_K) {
+        } else if (is_q3(type)) {  // the indices, not the values decode_block gave
             const blk_q3_K *src = (const blk_q3_K *)row + b;
             blk_q3_Kx8 *dst = (blk_q3_Kx8 *)out + b;
             int8_t sc[16];
             q3_k_scales(src->scales, sc);
+            q3_k_indices(src, u);
             dst->d[lane] = src->d;
             for (int t = 0; t < 4; t++)
                 for (int p = 0; p < 8; p++) dst->qh[p][4 * lane + t] = 0;
@@ -1015,15 +1039,25 @@ AI void dot_q2_K(const int R, const int stream, const uint8_t *w, const act256 *
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
+// A Q3_K table type's 8 values plus Q3_TABLE_OFFSET in each lane (zeros for Q3_K)
+AI __m256i q3_table(int type) {
+    if (!is_q3_table(type)) return _mm256_setzero_si256();
+    return _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table_values(type))),
+                           _mm256_set1_epi8(Q3_TABLE_OFFSET));
+}
+
 // Q3_K's third bits: bit `bit` of each byte of h as bit 2 (the word shifts' bits from the next byte masked off)
 AI __m256i third_bits(__m256i h, int bit) {
     return _mm256_and_si256(bit >= 2 ? _mm256_srli_epi16(h, bit - 2) : _mm256_slli_epi16(h, 2 - bit),
                             _mm256_set1_epi8(4));
 }
 
-// Q3_K: as Q2_K, the third bits from hmask; the offset 4 as Q6_K's 32: -4 sum(scale * bsum)
-AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *const *x, int64_t nb, float *out) {
-    const __m256i three = _mm256_set1_epi8(3);
+// Q3_K: as Q2_K, the third bits from hmask; the offset 4 as Q6_K's 32: -4 sum(scale * bsum). Its table types'
+// indices looked up (vpshufb) as their values plus Q3_TABLE_OFFSET, taken off alike.
+AI void dot_q3_K(const int R, const int stream, int type, const uint8_t *w, const act256 *const *x, int64_t nb,
+                 float *out) {
+    const int table = is_q3_table(type);
+    const __m256i three = _mm256_set1_epi8(3), values = q3_table(type);
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1035,19 +1069,20 @@ AI void dot_q3_K(const int R, const int stream, const uint8_t *w, const act256 *
         __attribute__((aligned(32))) int16_t sc[16];
         _mm256_store_si256((__m256i *)sc, scales);
         __m256i sum[MT];
-        offset_sums(R, sum, scales, 2, x, b);
+        offset_sums(R, sum, scales, table ? Q3_TABLE_SHIFT : 2, x, b);
         const __m256i hmask = _mm256_loadu_si256((const __m256i *)blk->hmask);
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
-                                                  third_bits(hmask, 4 * h + j));
+                __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three),
+                                            third_bits(hmask, 4 * h + j));
+                if (table) u = _mm256_shuffle_epi8(values, u);
                 const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * j + 1]),
                                                        _mm_set1_epi16(sc[8 * h + 2 * j]));
                 row_products(R, sum, u, scale, x, b, 128 * h + 32 * j);
             }
         }
-        block_step(R, acc, sum, f16_to_f32(blk->d), x, b);
+        block_step(R, acc, sum, f16_to_f32(blk->d) * d_scale(type), x, b);
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
@@ -1186,13 +1221,15 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
     }
 }
 
-// Q2_K and Q3_K: a sub-block's 4 planes of 2-bit weights (4 g + t at bits 2 g; Q3_K's third bits from qh) against
-// the activations 4 g .. 4 g + 3, its 16 products summed before its scale; Q2_K's minimums, and Q3_K's offset 4
-// times its scales, against the activations' sums of 16.
-AI void dot_q23_K_x8(const int R, const int stream, int type, const uint8_t *w, const act256 *const *x, int64_t nb,
-                     __m256 *acc) {
-    const int q3 = type == Q3_K;
-    const __m256i three = _mm256_set1_epi8(3);
+// Q2_K and Q3_K (`form`; `type` Q3_K or one of its table types): a sub-block's 4 planes of 2-bit weights (4 g + t
+// at bits 2 g; Q3_K's third bits from qh) against the activations 4 g .. 4 g + 3, its 16 products summed before its
+// scale; Q2_K's minimums, and Q3_K's offset 4 (a table's Q3_TABLE_OFFSET) times its scales, against the
+// activations' sums of 16.
+AI void dot_q23_K_x8(const int R, const int stream, const int form, int type, const uint8_t *w,
+                     const act256 *const *x, int64_t nb, __m256 *acc) {
+    const int q3 = form == Q3_K, table = q3 && is_q3_table(type);
+    const __m256i three = _mm256_set1_epi8(3), values = q3_table(type);
+    const __m256 d_scale8 = _mm256_set1_ps(d_scale(type));
     const __m128i low4 = _mm_set1_epi8(0xf);
     const int64_t bytes = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -1214,25 +1251,31 @@ AI void dot_q23_K_x8(const int R, const int stream, int type, const uint8_t *w, 
             for (int h = 0; h < 2; h++) {
                 const int sb = 2 * p + h;
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(q3 ? b3->qs[sb] : b2->qs[sb]));
+                const __m256i scale = pair_scale(pairs, h);
                 __m256i sums[MT];  // per int16 (AVX2) at most 8 products of 7 * 127
                 for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
                 for (int g = 0; g < 4; g++) {
                     __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * g), three);
                     if (q3) u = _mm256_or_si256(u, third_bits(qh, 4 * h + g));
+                    if (table) u = _mm256_shuffle_epi8(values, u);
                     for (int r = 0; r < R; r++) {
                         sums[r] = products(sums[r], u, bcast4(x[r][b].q + 16 * sb + 4 * g));
                         settle(&sums[r]);
                     }
+                    for (int r = 0; table && !WHOLE_SUB_BLOCKS && r < R; r++) {  // int16 lanes: a pair of 107 * 127
+                        isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
+                        sums[r] = _mm256_setzero_si256();
+                    }
                 }
-                const __m256i scale = pair_scale(pairs, h);
                 for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], scaled(sums[r], scale));
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b2->d));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b2->d)), d_scale8);
         const __m256 dmin = q3 ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b2->dmin));
         for (int r = 0; r < R; r++) {
             const __m256 xd = _mm256_set1_ps(x[r][b].d);
-            if (q3) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(mins[r], 2));
+            if (q3) isum[r] = _mm256_sub_epi32(isum[r], table ? _mm256_slli_epi32(mins[r], Q3_TABLE_SHIFT)
+                                                              : _mm256_slli_epi32(mins[r], 2));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, xd), acc[r]);
             if (!q3) acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(dmin, xd), acc[r]);
         }
@@ -1434,7 +1477,8 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 #define K6(r, T) dot_q6_K(r, stream, w, (const act256 *const *)x, nb, out)
 #define IQ4(r, T) dot_iq4_xs(r, stream, type, w, (const act256 *const *)x, nb, out)
 #define K2(r, T) dot_q2_K(r, stream, w, (const act256 *const *)x, nb, out)
-#define K3(r, T) dot_q3_K(r, stream, w, (const act256 *const *)x, nb, out)
+#define K3(r, T) dot_q3_K(r, stream, T, w, (const act256 *const *)x, nb, out)
+#define K3T(r, T) dot_q3_K(r, stream, type, w, (const act256 *const *)x, nb, out)
     switch (type) {
         case Q8_0: ROWS(SMALL, Q8_0)
         case Q4_0: ROWS(SMALL, Q4_0)
@@ -1446,6 +1490,7 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
         case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T: ROWS(IQ4, IQ4_XS)
         case Q2_K: ROWS(K2, Q2_K)
         case Q3_K: ROWS(K3, Q3_K)
+        case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T: ROWS(K3T, Q3_K)
         default: ROWS(K6, Q6_K)
     }
 #else
@@ -1457,20 +1502,22 @@ static void dot_rows(int R, int stream, int type, const uint8_t *w, const void *
 static void dot_octet(int R, int stream, int type, const uint8_t *w, const void *const *x, int64_t nb, float *out) {
 #ifdef __AVX2__
     __m256 acc[MT];
-#define OCTET(r)                                                                                \
-    switch (type) {                                                                             \
-        case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;         \
-        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:                \
-            dot_iq4_xs_x8(r, stream, type, w, (const act256 *const *)x, nb, acc); break;        \
-        case Q2_K: dot_q23_K_x8(r, stream, Q2_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q3_K: dot_q23_K_x8(r, stream, Q3_K, w, (const act256 *const *)x, nb, acc); break;  \
-        case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;          \
-        case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;     \
-        case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;     \
-        case Q5_0: dot_q45_x8(r, stream, Q5_0, w, (const act32 *const *)x, nb, acc); break;     \
-        default: dot_q45_x8(r, stream, Q5_1, w, (const act32 *const *)x, nb, acc); break;       \
+#define OCTET(r)                                                                                      \
+    switch (type) {                                                                                   \
+        case Q4_K: dot_q45_K_x8(r, stream, Q4_K, w, (const act256 *const *)x, nb, acc); break;        \
+        case Q5_K: dot_q45_K_x8(r, stream, Q5_K, w, (const act256 *const *)x, nb, acc); break;        \
+        case Q6_K: dot_q6_K_x8(r, stream, w, (const act256 *const *)x, nb, acc); break;               \
+        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:                      \
+            dot_iq4_xs_x8(r, stream, type, w, (const act256 *const *)x, nb, acc); break;              \
+        case Q2_K: dot_q23_K_x8(r, stream, Q2_K, Q2_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case Q3_K: dot_q23_K_x8(r, stream, Q3_K, Q3_K, w, (const act256 *const *)x, nb, acc); break;  \
+        case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T:                                                    \
+            dot_q23_K_x8(r, stream, Q3_K, type, w, (const act256 *const *)x, nb, acc); break;         \
+        case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;                \
+        case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;           \
+        case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;           \
+        case Q5_0: dot_q45_x8(r, stream, Q5_0, w, (const act32 *const *)x, nb, acc); break;           \
+        default: dot_q45_x8(r, stream, Q5_1, w, (const act32 *const *)x, nb, acc); break;             \
     }
     switch (R) {
         case 1: OCTET(1); break;

@@ -228,10 +228,11 @@ AI void dot_iq4_xs_x16(const int R, int type, const uint8_t *wa, const uint8_t *
     }
 }
 
-AI void dot_q23_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *wb, const act256 *const *x,
-                      int64_t nb, __m512 *acc) {
-    const int q3 = type == Q3_K;
+AI void dot_q23_K_x16(const int R, const int form, int type, const uint8_t *wa, const uint8_t *wb,
+                      const act256 *const *x, int64_t nb, __m512 *acc) {
+    const int q3 = form == Q3_K, table = q3 && is_q3_table(type);
     const __m512i three = _mm512_set1_epi8(3), low4 = _mm512_set1_epi16(0xf), four = _mm512_set1_epi8(4);
+    const __m512i values = _mm512_broadcast_i32x4(_mm256_castsi256_si128(q3_table(type)));
     const int64_t bytes = 8 * x8_row_bytes(type);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -259,6 +260,7 @@ AI void dot_q23_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *w
                         u = _mm512_or_si512(u, _mm512_and_si512(bit >= 2 ? _mm512_srli_epi16(qh, bit - 2)
                                                                          : _mm512_slli_epi16(qh, 2 - bit), four));
                     }
+                    if (table) u = _mm512_shuffle_epi8(values, u);
                     for (int r = 0; r < R; r++) {
                         sums[r] = _mm512_dpbusd_epi32(sums[r], u, bcast4_x16(x[r][b].q + 16 * sb + 4 * g));
                         settle_x16(&sums[r]);
@@ -268,11 +270,13 @@ AI void dot_q23_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *w
                 for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(isum[r], scaled_x16(sums[r], scale));
             }
         }
-        const __m512 d = join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d);
+        const __m512 d = _mm512_mul_ps(join_halves((const uint8_t *)ba->d, (const uint8_t *)bb->d),
+                                       _mm512_set1_ps(d_scale(type)));
         const __m512 dmin = q3 ? d : join_halves((const uint8_t *)ba->dmin, (const uint8_t *)bb->dmin);
         for (int r = 0; r < R; r++) {
             const __m512 xd = _mm512_set1_ps(x[r][b].d);
-            if (q3) isum[r] = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(mins[r], 2));
+            if (q3) isum[r] = _mm512_sub_epi32(isum[r], table ? _mm512_slli_epi32(mins[r], Q3_TABLE_SHIFT)
+                                                              : _mm512_slli_epi32(mins[r], 2));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, xd), acc[r]);
             if (!q3) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, xd), acc[r]);
         }
@@ -284,20 +288,22 @@ AI void dot_q23_K_x16(const int R, int type, const uint8_t *wa, const uint8_t *w
 static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const void *const *x, int64_t nb,
                    float *out) {
     __m512 acc[MT];
-#define X16_TYPES(r)                                                                         \
-    switch (type) {                                                                          \
-        case Q4_K: dot_q45_K_x16(r, Q4_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
-        case Q5_K: dot_q45_K_x16(r, Q5_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
-        case Q6_K: dot_q6_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;        \
-        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:             \
-            dot_iq4_xs_x16(r, type, wa, wb, (const act256 *const *)x, nb, acc); break;       \
-        case Q2_K: dot_q23_K_x16(r, Q2_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
-        case Q3_K: dot_q23_K_x16(r, Q3_K, wa, wb, (const act256 *const *)x, nb, acc); break; \
-        case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;         \
-        case Q4_0: dot_q45_x16(r, Q4_0, wa, wb, (const act32 *const *)x, nb, acc); break;    \
-        case Q4_1: dot_q45_x16(r, Q4_1, wa, wb, (const act32 *const *)x, nb, acc); break;    \
-        case Q5_0: dot_q45_x16(r, Q5_0, wa, wb, (const act32 *const *)x, nb, acc); break;    \
-        default: dot_q45_x16(r, Q5_1, wa, wb, (const act32 *const *)x, nb, acc); break;      \
+#define X16_TYPES(r)                                                                                \
+    switch (type) {                                                                                 \
+        case Q4_K: dot_q45_K_x16(r, Q4_K, wa, wb, (const act256 *const *)x, nb, acc); break;        \
+        case Q5_K: dot_q45_K_x16(r, Q5_K, wa, wb, (const act256 *const *)x, nb, acc); break;        \
+        case Q6_K: dot_q6_K_x16(r, wa, wb, (const act256 *const *)x, nb, acc); break;               \
+        case IQ4_XS: case IQ3_S_T: case IQ3_XXS_T: case IQ2_XXS_T: case IQ1_S_T:                    \
+            dot_iq4_xs_x16(r, type, wa, wb, (const act256 *const *)x, nb, acc); break;              \
+        case Q2_K: dot_q23_K_x16(r, Q2_K, Q2_K, wa, wb, (const act256 *const *)x, nb, acc); break;  \
+        case Q3_K: dot_q23_K_x16(r, Q3_K, Q3_K, wa, wb, (const act256 *const *)x, nb, acc); break;  \
+        case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T:                                                  \
+            dot_q23_K_x16(r, Q3_K, type, wa, wb, (const act256 *const *)x, nb, acc); break;         \
+        case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;                \
+        case Q4_0: dot_q45_x16(r, Q4_0, wa, wb, (const act32 *const *)x, nb, acc); break;           \
+        case Q4_1: dot_q45_x16(r, Q4_1, wa, wb, (const act32 *const *)x, nb, acc); break;           \
+        case Q5_0: dot_q45_x16(r, Q5_0, wa, wb, (const act32 *const *)x, nb, acc); break;           \
+        default: dot_q45_x16(r, Q5_1, wa, wb, (const act32 *const *)x, nb, acc); break;             \
     }
     switch (R) {
         case 1: X16_TYPES(1); break;
