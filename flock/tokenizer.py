@@ -62,6 +62,8 @@ def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     messages = [assistant_tool_calls(m) for m in messages]
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    if any(m.get("role") == "developer" for m in messages) and not knows_developer(template or tokenizer.chat_template):
+        messages = developer_as_system(messages)
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(kwargs.keys() & {"conversation", "messages", "chat_template", "tokenize", "tools",
                                        "add_generation_prompt", "continue_final_message", "return_dict"})
@@ -73,6 +75,29 @@ def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
                                              continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
+
+
+def knows_developer(template) -> bool:
+    """Whether a chat template (a string, or a dict of named templates) writes OpenAI's developer role."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any('"developer"' in t or "'developer'" in t for t in texts)
+
+
+def developer_as_system(messages: list[dict]) -> list[dict]:
+    """Developer messages as system messages, every system message's text merged into one first (as vLLM does for
+    templates that know no developer role: some templates take a system message only first)."""
+    messages = [m | {"role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [m for m in messages if m.get("role") == "system"]
+    if len(systems) == 1 and messages[0] is systems[0]:
+        return messages
+    texts = [t for t in (_text_of(m.get("content")) for m in systems) if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m.get("role") != "system")]
+
+
+def _text_of(content) -> str:
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content or ""
 
 
 def assistant_tool_calls(message: dict) -> dict:

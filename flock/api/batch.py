@@ -206,7 +206,7 @@ class BatchJob:
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
             gen.use_lora(self.loras.get(gen.model))
-            gen.truncate(self.engine.max_model_len)
+            gen.fit(self.engine.max_model_len)
             for ids in gen.prompts:
                 self.engine.check_request(ids, gen.params)
             if gen.beam is not None:

@@ -35,11 +35,16 @@ _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     *LLAMA_CPP_SAMPLING}
 # OpenAI fields that do not change what is generated: accepted and not used (vLLM's spaces_between_special_tokens
 # changes only slow tokenizers' decoding; Flock's and vLLM's incremental detokenizers take fast ones; OpenAI's
-# prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints)
+# prompt caching keys, predicted outputs and GPT-5's verbosity hint are routing and latency hints; vLLM's session_id
+# routes, its mm_payload and return_mm_kwargs shape only its /render endpoint's answers)
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_special_tokens", "prompt_cache_key",
-                   "prompt_cache_retention", "safety_identifier", "prediction", "verbosity", "guided_decoding_backend"}
-# fields accepted at the one value Flock runs with (text only; JSON's whitespace as structured outputs allow it)
-_NEUTRAL_FIELDS = {"modalities": ["text"], "guided_whitespace_pattern": None}
+                   "prompt_cache_retention", "safety_identifier", "prediction", "verbosity", "guided_decoding_backend",
+                   "session_id", "mm_payload", "return_mm_kwargs"}
+# fields accepted at the one value Flock runs with (text only; JSON's whitespace as structured outputs allow it;
+# vLLM's fields at their defaults: what its SDK-built requests send)
+_NEUTRAL_FIELDS = {"modalities": ["text"], "guided_whitespace_pattern": None, "vllm_xargs": {},
+                   "return_token_offsets": False, "routed_experts_prompt_start": 0}
+_CHAT_NEUTRAL_FIELDS = {"return_prompt_text": False, "mm_processor_kwargs": {}, "media_io_kwargs": {}}
 # vLLM's guided decoding fields before structured_outputs (removed in vLLM 0.12): the kind each sets; the backend
 # it named is xgrammar's here, whatever it says
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -54,7 +59,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
                                 "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
-                                "reasoning_effort"}
+                                "reasoning_effort", *_CHAT_NEUTRAL_FIELDS}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -99,6 +104,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: n beams (max_tokens 0: up to max_model_len)
+    max_tokens_field: str | None = None  # the field that set max_tokens (max_tokens, max_completion_tokens), if any
     extra: dict = field(default_factory=dict)
 
     @property
@@ -118,9 +124,12 @@ class GenerationRequest:
         if self.beam is not None:
             self.beam.lora_request = lora
 
-    def truncate(self, max_model_len: int) -> None:
-        """Apply truncate_prompt_tokens now, so that usage, returned ids and a completion's echo show the prompts
-        that run (a chat's echo stays its last message)."""
+    def fit(self, max_model_len: int) -> None:
+        """Refuse a max_tokens beyond max_model_len (as vLLM), and apply truncate_prompt_tokens now, so that usage,
+        returned ids and a completion's echo show the prompts that run (a chat's echo stays its last message)."""
+        if self.max_tokens_field and self.params.max_tokens > max_model_len:
+            raise APIError(f"{self.max_tokens_field}={self.params.max_tokens} cannot be greater than max_model_len="
+                           f"{max_model_len}; request fewer output tokens", param=self.max_tokens_field)
         for i, ids in enumerate(self.prompts):
             try:
                 kept = self.params.truncated(ids, max_model_len)
@@ -159,7 +168,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     reject_unknown(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
-    _check_unsupported(body)
+    _check_unsupported(body, kind)
     bad = lone_surrogate(body)
     if bad:
         raise APIError(f"the request body {bad}")
@@ -190,6 +199,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     params.logprobs = _logprobs(body, kind)
     params.logprob_token_ids = _logprob_token_ids(body, params.logprobs, echo_only)
     params.prompt_logprobs = _bounded(body, "prompt_logprobs")
+    if stream and params.prompt_logprobs:  # as vLLM: 0 (the sampled token's alone) is allowed
+        raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if echo and kind == "completion" and params.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     params.structured_outputs, structured_param = _structured_outputs(body)
@@ -209,7 +220,15 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              return_token_ids=typed_field(body, "return_token_ids", bool, False),
                              reasoning=reasoning, include_reasoning=include_reasoning,
                              request_id=typed_field(body, "request_id", str, None),
-                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False), beam=beam)
+                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False), beam=beam,
+                             max_tokens_field=_max_tokens_field(body, kind))
+
+
+def _max_tokens_field(body: dict, kind: str) -> str | None:
+    """The field the request's max_tokens came from (chat's max_completion_tokens wins), None where it sets none."""
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens" if body.get("max_tokens") is not None else None
 
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
@@ -291,8 +310,9 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
     return beam
 
 
-def _check_unsupported(body: dict) -> None:
-    for name, value in _NEUTRAL_FIELDS.items():
+def _check_unsupported(body: dict, kind: str) -> None:
+    neutral = _NEUTRAL_FIELDS | (_CHAT_NEUTRAL_FIELDS if kind == "chat" else {})
+    for name, value in neutral.items():
         if body.get(name) is not None and body[name] != value:
             raise APIError(f"{name}={body[name]!r} is not supported (Flock runs {name}={value!r})", param=name)
     if typed_field(body, "best_of", int, 1) != 1:
@@ -440,20 +460,27 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+# the content parts vLLM reads as text, and the key of their text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
 def _content(content, i: int) -> str | list[dict]:
-    """A message's text (text parts joined, as vLLM joins them), or, where it holds images, its parts as sent
-    (text and image_url)."""
+    """A message's text (text parts joined, as vLLM joins them), or, where it holds images, its parts (image_url
+    as sent, the others as text parts)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "image_url" and (kind != "text" or not isinstance(part.get("text"), str)):
-                raise APIError(f"messages[{i}].content: only text and image_url parts are supported",
-                               param=f"messages[{i}].content")
-        if any(part["type"] == "image_url" for part in content):
-            return content
-        return "\n".join(part["text"] for part in content)
+            if kind != "image_url" and not (kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str)):
+                raise APIError(f"messages[{i}].content: only image_url and text parts ({', '.join(_TEXT_PARTS)}, "
+                               "with their text) are supported", param=f"messages[{i}].content")
+        parts = [p if p["type"] == "image_url" else {"type": "text", "text": p[_TEXT_PARTS[p["type"]]]}
+                 for p in content]
+        if any(part["type"] == "image_url" for part in parts):
+            return parts
+        return "\n".join(part["text"] for part in parts)
     raise APIError(f"messages[{i}].content must be a string or a list of content parts", param=f"messages[{i}].content")
 
 

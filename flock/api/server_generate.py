@@ -95,7 +95,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                         reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
     gen.use_lora(ctx.loras.get(gen.model))
-    gen.truncate(ctx.engine.max_model_len)
+    gen.fit(ctx.engine.max_model_len)
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
     reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()))
     if gen.beam is not None:
@@ -223,7 +223,7 @@ async def respond(raw: Request, ctx: ServerContext):
     gen.use_lora(ctx.loras.get(body.get("model")))
     req.storable = ctx.responses.capacity > 0
     try:
-        gen.truncate(ctx.engine.max_model_len)
+        gen.fit(ctx.engine.max_model_len)
     except APIError as e:
         raise renamed(e) from None
     streams = await _submit(gen.engine_requests(), ctx, lambda e: renamed(engine_error(e, gen)))

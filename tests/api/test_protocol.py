@@ -329,3 +329,63 @@ def test_stream_interval(tok):
         with pytest.raises(APIError) as e:
             parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "stream_interval": bad}, tok)
         assert e.value.param == "stream_interval"
+
+
+def test_developer_messages_become_one_first_system_message_where_the_template_has_no_developer_role(tok):
+    """As vLLM: a template that never names "developer" gets the developer text as its system message (merged with
+    any system messages, first), not a role it does not know beside its default system prompt."""
+    user = {"role": "user", "content": "hi"}
+    dev = parse_request("chat", {"messages": [{"role": "developer", "content": "Answer in French."}, user]}, tok)
+    assert dev.prompts[0] == encode_messages(tok, [{"role": "system", "content": "Answer in French."}, user])
+    mixed = [{"role": "system", "content": "A."}, user,
+             {"role": "developer", "content": [{"type": "text", "text": "B."}]}]
+    assert parse_request("chat", {"messages": mixed}, tok).prompts[0] == encode_messages(
+        tok, [{"role": "system", "content": "A.\n\nB."}, user])
+    import copy
+
+    knows = copy.copy(tok)
+    knows.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}{# 'developer' #}"
+    assert tok.decode(parse_request("chat", {"messages": mixed}, knows).prompts[0]) == "system:A.;user:hi;developer:B.;"
+
+
+def test_text_like_content_parts_read_as_text(tok):
+    """vLLM's text parts: input_text and output_text (the Responses API's), refusal and thinking, each its text."""
+    parts = [{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"},
+             {"type": "refusal", "refusal": "c"}, {"type": "thinking", "thinking": "d"}]
+    got = parse_request("chat", {"messages": [{"role": "user", "content": parts}]}, tok)
+    assert got.prompts[0] == encode_messages(tok, [{"role": "user", "content": "a\nb\nc\nd"}])
+    with pytest.raises(APIError) as e:
+        parse_request("chat", {"messages": [{"role": "user", "content": [{"type": "refusal", "text": "c"}]}]}, tok)
+    assert e.value.param == "messages[0].content"
+
+
+def test_vllm_request_fields_at_their_defaults_and_stream_limits(tok):
+    """What a client serializing vLLM's request models sends (its fields at their defaults) is accepted; other
+    values are refused by name; prompt_logprobs (but 0) with stream, and max_tokens beyond max_model_len, are 400s
+    as in vLLM."""
+    user = [{"role": "user", "content": "x"}]
+    defaults = {"vllm_xargs": {}, "session_id": "s", "return_token_offsets": False, "mm_payload": "tensors",
+                "return_mm_kwargs": False, "routed_experts_prompt_start": 0}
+    plain = parse_request("chat", {"messages": user}, tok)
+    chat = parse_request("chat", {"messages": user, "return_prompt_text": False, "mm_processor_kwargs": {},
+                                  "media_io_kwargs": {}} | defaults, tok)
+    assert chat.prompts == plain.prompts and chat.params == plain.params
+    assert parse_request("completion", {"prompt": "a"} | defaults, tok).prompts
+    for kind, body, param in (("completion", {"prompt": "a", "vllm_xargs": {"k": 1}}, "vllm_xargs"),
+                              ("chat", {"messages": user, "mm_processor_kwargs": {"max_pixels": 9}},
+                               "mm_processor_kwargs"),
+                              ("completion", {"prompt": "a", "return_prompt_text": False}, "return_prompt_text"),
+                              ("completion", {"prompt": "a", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+                              ("chat", {"messages": user, "stream": True, "prompt_logprobs": -1}, "prompt_logprobs")):
+        with pytest.raises(APIError) as e:
+            parse_request(kind, body, tok)
+        assert e.value.param == param
+    assert parse_request("completion", {"prompt": "a", "stream": True, "prompt_logprobs": 0}, tok).stream
+    for body, param in (({"messages": user, "max_tokens": 65}, "max_tokens"),
+                        ({"messages": user, "max_tokens": 1, "max_completion_tokens": 65}, "max_completion_tokens")):
+        gen = parse_request("chat", body, tok)
+        with pytest.raises(APIError, match="cannot be greater than max_model_len=64") as e:
+            gen.fit(64)
+        assert e.value.param == param
+    parse_request("chat", {"messages": user, "max_tokens": 64}, tok).fit(64)
+    parse_request("completion", {"prompt": "a"}, tok, default_max_tokens=16).fit(8)  # a default is not refused

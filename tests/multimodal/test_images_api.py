@@ -84,7 +84,7 @@ def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
     messages = [b.json()["error"]["message"] for b in bad]
     assert "not valid base64" in messages[0]
     assert "only data: and http(s): URLs" in messages[1] and "only data: and http(s): URLs" in messages[2]
-    assert "text and image_url parts" in messages[3]
+    assert "only image_url and text parts" in messages[3]
 
 
 def test_a_text_only_model_refuses_images(hf_folders):
