@@ -2,8 +2,8 @@
 group is the unit of admission. A group's shared prefix is prefilled once by a prefix-only pseudo-request
 whose blocks stay pinned until the group's last member finishes; the members then start from those blocks.
 
-Each step fills three queues in order, under a token budget and a KV-memory bound (no cap on requests):
-decode tokens; prefill chunks of members of groups whose prefix is done; prefix chunks of the next groups.
+Each step fills three queues in order, under a token budget, a KV-memory bound and `max_num_seqs` running
+members: decode tokens; prefill chunks of members of groups whose prefix is done; prefix chunks of the next groups.
 When decode growth runs out of blocks, the newest group gives way (recompute): its newest members first,
 its pinned prefix only once none of its members runs; a group that alone exceeds the KV cache gives up its
 own newest members and admits them again later.
@@ -43,6 +43,7 @@ class BatchLLMScheduler(Scheduler):
         self.active: list[GroupState] = []
         self.group_of: dict[int, GroupState] = {}
         self._pseudo_ids = 0
+        self._room = 0  # members the step may still admit (max_num_seqs less those running)
 
     def add(self, req: Request) -> None:
         self.unplanned.append(req)
@@ -110,6 +111,7 @@ class BatchLLMScheduler(Scheduler):
 
     def _fill(self) -> StepPlan:
         plan = StepPlan()
+        self._room = self.config.max_num_seqs - sum(len(g.admitted) for g in self.active)
         budget = self._decode(plan, self.config.max_num_batched_tokens)
         for g in list(self.active):
             if g.prefix_done:
@@ -119,7 +121,9 @@ class BatchLLMScheduler(Scheduler):
                 budget = self._prefix(g, plan, budget)
         # next groups start while the budget lasts and their prefix chunks keep KV use under the bound; if
         # pinned prefixes ever leave no room for any member, `schedule` gives the newest idle one up
-        while budget > 0 and self.pending and (plan.scheduled or not any(g.waiting for g in self.active)):
+        while budget > 0 and self._room > 0 and self.pending:
+            if not plan.scheduled and any(g.waiting for g in self.active):
+                break
             g = self.pending.popleft()
             self.active.append(g)
             if g.prefix_len:
@@ -157,7 +161,7 @@ class BatchLLMScheduler(Scheduler):
                 return budget
             plan.scheduled.append((req, n))
             budget -= n
-        while g.waiting and budget > 0:
+        while g.waiting and budget > 0 and self._room > 0:
             req = g.waiting[0]
             cached = self._shared_blocks(g, req)
             start = self.kv.prefix_tokens(cached)
@@ -169,6 +173,7 @@ class BatchLLMScheduler(Scheduler):
                 req.num_cached_tokens = self.kv.prefix_tokens(cached)
             g.waiting.popleft()
             g.admitted.append(req)
+            self._room -= 1
             req.status = RequestStatus.RUNNING
             plan.scheduled.append((req, n))
             budget -= n

@@ -126,3 +126,22 @@ def test_sharing_below_the_first_level_reaches_the_multi_level_bound():
     _, stats = run(prompts, scheduler="batchllm")
     assert stats["computed_prefill_tokens"] == 16 + 2 * 32 + 6 * 8
     assert stats["saving_rate"] == pytest.approx(1 - 128 / 336)
+
+
+def test_max_num_seqs_caps_the_running_members(mixed):
+    """As every scheduler (and vLLM's): at most max_num_seqs members run at once, so a big job's answers come as
+    they finish rather than all in its last steps; the tokens are FCFS's."""
+    prompts, expected = mixed
+    llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", max_num_seqs=3)
+    scheduler, running = llm.engine.scheduler, []
+    planned = scheduler._schedule
+
+    def counted():
+        plan = planned()
+        running.append(sum(len(g.admitted) for g in scheduler.active))
+        return plan
+
+    scheduler._schedule = counted
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(running) == 3 and len(running) > len(prompts) // 3 * GREEDY.max_tokens
