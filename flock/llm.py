@@ -27,6 +27,7 @@ from flock.outputs import (
 )
 from flock.pooling_params import TASKS, PoolingParams, cross_encoder_prompt, pair_scores
 from flock.request import Request
+from flock.sample.logprobs import with_texts
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import chat_text, encode_chat
 
@@ -43,38 +44,45 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
         outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams) and,
         for a vision-language model, vLLM's `multi_modal_data` {"image": one or a list of PIL images, URLs or
         paths} beside a text `prompt` that marks each image with the model's image token; a `lora_request` (one
-        for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True). All
-        prompts and parameters are checked before any work starts: a bad one raises ValueError naming its index
-        and field."""
+        for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True);
+        `priority` (one for all, or one each) sets their params' priority. All prompts and parameters are checked
+        before any work starts: a bad one raises ValueError naming its index and field."""
         if not isinstance(prompts, (str, dict, Sequence)):
             raise TypeError(f"prompts must be a string, a dict, a list of token ids or a list of those, not "
                             f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
-                              use_tqdm, lora_request)
+                              use_tqdm, lora_request, priority)
 
     def _generate(self, encoded: list[tuple], prompts: Sequence[Prompt], sampling_params, use_tqdm: bool,
-                  lora_request) -> list[RequestOutput]:
+                  lora_request, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Run prompts encoded as (text, token ids, ImageInputs or None)."""
         params = [replace(p, cache_salt=prompt["cache_salt"]) if isinstance(prompt, dict) and "cache_salt" in prompt
                   else p for p, prompt in zip(self._params_per_prompt(sampling_params, len(prompts)), prompts)]
-        if lora_request is not None:
-            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
-            params = [replace(p, lora_request=lora) for p, lora in zip(params, loras)]
+        for name, given, kind in (("lora_request", lora_request, LoRARequest), ("priority", priority, int)):
+            if given is not None:
+                values = [given] * len(prompts) if isinstance(given, kind) else list(given)
+                if len(values) != len(prompts):
+                    raise ValueError(f"got {len(values)} values of {name} for {len(prompts)} prompts")
+                params = [replace(p, **{name: value}) for p, value in zip(params, values)]
         texts, token_ids, images = zip(*encoded) if encoded else ((), (), ())
         params = [p if im is None else replace(p, multi_modal=im) for p, im in zip(params, images)]
         self._check_all(token_ids, params)
@@ -166,8 +174,8 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (flock/beam_search.py): each prompt's best `params.beam_width` sequences, best
-        first, in input order. All prompts' beams go through the engine together, a token a step. A dict prompt
-        may carry `multi_modal_data`, as in `generate`."""
+        first, in input order (each one's `text` the prompt's and its own, as vLLM's). All prompts' beams go
+        through the engine together, a token a step. A dict prompt may carry `multi_modal_data`, as in `generate`."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params.validate()
@@ -187,8 +195,8 @@ class LLM:
         outputs = []
         for search in searches:
             best = search.result()
-            for beam in best:
-                beam.text = self.engine.tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
+            for beam in best:  # as vLLM's: the prompt's text and the beam's
+                beam.text = self.engine.tokenizer.decode(beam.tokens, skip_special_tokens=True)
             outputs.append(BeamSearchOutput(best))
         return outputs
 
@@ -258,20 +266,29 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate the assistant's next message for one conversation (a list of {"role", "content"} dicts) or
-        for a list of them, through the tokenizer's chat template, as vLLM's `LLM.chat` (whose template options
-        it takes: `tools` are shown to the template; their calls come back as text)."""
+        for a list of them, through the tokenizer's chat template (or `chat_template`), as vLLM's `LLM.chat` (whose
+        template options it takes: `tools` are shown to the template; their calls come back as text). Text
+        content parts reach the template joined into one string ("auto", "string"), or as text parts
+        ("openai")."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       tools=tools, chat_template_kwargs=chat_template_kwargs)
+                       tools=tools, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+                       join_text_parts=chat_template_content_format != "openai")
         encoded = []
         for i, conversation in enumerate(conversations):
             try:
                 encoded.append(self._encode_chat(conversation, options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        return self._generate(encoded, [{}] * len(encoded), sampling_params, use_tqdm, lora_request)
+        return self._generate(encoded, [{}] * len(encoded), sampling_params, use_tqdm, lora_request, priority)
 
     def _encode_chat(self, conversation: list[dict], options: dict) -> tuple[str, list[int], ImageInputs | None]:
         """A conversation's prompt text, token ids and images (its content parts of type image_url, image_pil or
@@ -348,6 +365,11 @@ class LLM:
         raise ValueError(f"request {index}: prompt must be a string, a token-id list or a dict, not {type(prompt).__name__}")
 
     def _output(self, samples: list[Request], prompt: str | None) -> RequestOutput:
+        if samples[0].params.detokenize:
+            texts = {}
+            for req in samples:
+                with_texts(req.logprobs or [], self.engine.tokenizer, texts)
+            with_texts(samples[0].prompt_logprobs or [], self.engine.tokenizer, texts)
         completions = [CompletionOutput(
             index=j,
             text=self.engine.decode(req),

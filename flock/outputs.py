@@ -16,6 +16,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs, when they are asked
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

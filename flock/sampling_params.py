@@ -181,6 +181,11 @@ class SamplingParams:
     def __post_init__(self):
         if self.thinking_token_budget == -1:
             self.thinking_token_budget = None
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: no seed
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: the chosen token's and the most likely one's
+                setattr(self, name, 1)
         if hasattr(self.prompt_logprob_token_ids, "tolist"):  # vLLM's type: an integer array [rows, ids]
             self.prompt_logprob_token_ids = self.prompt_logprob_token_ids.tolist()
         if isinstance(self.repetition_detection, dict):  # unknown keys stay for validate() to name
@@ -324,9 +329,10 @@ class SamplingParams:
         self._validate_logit_bias(vocab_size)
         allowed = self.allowed_token_ids
         if allowed is not None and (not isinstance(allowed, list) or not allowed or not all(
-                isinstance(t, int) and not isinstance(t, bool) and (vocab_size is None or 0 <= t < vocab_size)
-                for t in allowed)):
+                _is_token(t, vocab_size) for t in allowed)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids in the vocabulary, got {allowed!r}")
+        if not all(_is_token(t, vocab_size) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in the vocabulary, got {self.stop_token_ids!r}")
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
@@ -433,6 +439,10 @@ def _token_id(t) -> int:
     if isinstance(t, bool) or not isinstance(t, (int, str)):
         raise TypeError(t)
     return int(t)
+
+
+def _is_token(t, vocab_size: int | None) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
 
 
 def _converts(t) -> bool:

@@ -45,23 +45,27 @@ def read_chat_template(template: str) -> str:
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
-                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a chat through the tokenizer's chat template (the ChatML fallback when it has none): ready
-    for the assistant's answer, or, with continue_final_message, continuing the last message (as vLLM's).
-    `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as objects;
+                chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                chat_template: str | None = None, join_text_parts: bool = True) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template (or `chat_template`; the ChatML fallback when
+    there is none): ready for the assistant's answer, or, with continue_final_message, continuing the last message
+    (as vLLM's). `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as
+    objects; a content of text parts (TEXT_PARTS) as one string (join_text_parts), else as text parts;
     add_special_tokens adds the tokenizer's (a BOS) to what the template writes."""
-    text = chat_text(tokenizer, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+    text = chat_text(tokenizer, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
+                     chat_template, join_text_parts)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
               continue_final_message: bool = False, tools: list[dict] | None = None,
-              chat_template_kwargs: dict | None = None) -> str:
+              chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+              join_text_parts: bool = True) -> str:
     """The text the chat template writes for a chat (see encode_chat)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-    messages = [assistant_tool_calls(m) for m in messages]
-    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    messages = [assistant_tool_calls(text_content(m, join_text_parts)) for m in messages]
+    template = chat_template or (None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE)
     if any(m.get("role") == "developer" for m in messages) and not knows_developer(template or tokenizer.chat_template):
         messages = developer_as_system(messages)
     kwargs = dict(chat_template_kwargs or {})
@@ -77,6 +81,21 @@ def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
         raise ValueError(f"chat template failed: {e}") from None
 
 
+# the content parts vLLM reads as text, and the key of their text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def text_content(message: dict, join: bool = True) -> dict:
+    """A message whose content is a list of text parts (TEXT_PARTS) with its text joined by newlines (as vLLM's
+    "string" content format), or with `join` false as {"type": "text"} parts; any other message as it is."""
+    content = message.get("content")
+    if not isinstance(content, list) or not content or not all(
+            isinstance(p, dict) and isinstance(p.get(TEXT_PARTS.get(p.get("type"), "")), str) for p in content):
+        return message
+    texts = [p[TEXT_PARTS[p["type"]]] for p in content]
+    return message | {"content": "\n".join(texts) if join else [{"type": "text", "text": t} for t in texts]}
+
+
 def knows_developer(template) -> bool:
     """Whether a chat template (a string, or a dict of named templates) writes OpenAI's developer role."""
     texts = template.values() if isinstance(template, dict) else [template or ""]
@@ -90,14 +109,8 @@ def developer_as_system(messages: list[dict]) -> list[dict]:
     systems = [m for m in messages if m.get("role") == "system"]
     if len(systems) == 1 and messages[0] is systems[0]:
         return messages
-    texts = [t for t in (_text_of(m.get("content")) for m in systems) if t]
+    texts = [t for t in (text_content(m)["content"] for m in systems) if isinstance(t, str) and t]
     return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m.get("role") != "system")]
-
-
-def _text_of(content) -> str:
-    if isinstance(content, list):
-        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return content or ""
 
 
 def assistant_tool_calls(message: dict) -> dict:

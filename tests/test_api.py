@@ -47,6 +47,9 @@ def test_string_and_token_prompts_in_input_order(llm):
         ("ok", SamplingParams(temperature=float("nan")), "temperature"),
         ("ok", SamplingParams(min_p=-0.1), "min_p"),
         ({"text": "no prompt field"}, SamplingParams(), "'prompt' or 'prompt_token_ids'"),
+        ("ok", SamplingParams(stop_token_ids=["a"]), "stop_token_ids"),
+        ("ok", SamplingParams(stop_token_ids=[-5]), "stop_token_ids"),
+        ("ok", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
     ],
 )
 def test_bad_request_is_named_before_any_work(llm, prompt, params, message):
@@ -161,3 +164,46 @@ def test_vllm_engine_keywords_flock_already_runs_as():
     assert llm.generate("a", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         LLM("flock/tiny", tensor_parallel_size=2)
+
+
+def test_chat_reads_text_parts_and_takes_vllms_template_arguments(llm):
+    """Text-only content parts join (vLLM's "string" content format) or reach the template as text parts
+    ("openai"); chat_template and priority per call; the engine as `llm_engine`."""
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a"},
+                                          {"type": "input_text", "text": "colour."}]}]
+    joined = [{"role": "user", "content": "Name a\ncolour."}]
+    assert llm.chat(parts, greedy, use_tqdm=False)[0].prompt_token_ids == \
+        llm.chat(joined, greedy, use_tqdm=False)[0].prompt_token_ids
+    template = "{% for m in messages %}[{{ m['content'] if m['content'] is string else m['content'][1]['text'] }}]" \
+               "{% endfor %}"
+    for fmt, expected in (("string", "[Name a\ncolour.]"), ("openai", "[colour.]")):
+        out = llm.chat(parts, greedy, use_tqdm=False, chat_template=template, chat_template_content_format=fmt)[0]
+        assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(parts, greedy, use_tqdm=False, chat_template_content_format="xml")
+    with pytest.raises(ValueError, match="priority must be 0 unless"):
+        llm.chat(parts, greedy, use_tqdm=False, priority=2)
+    with pytest.raises(ValueError, match="got 1 values of priority for 2 prompts"):
+        llm.generate(["a", "b"], greedy, use_tqdm=False, priority=[0])
+    assert llm.generate(["a", "b"], greedy, use_tqdm=False, priority=[0, 0])[1].outputs[0].finished()
+    assert llm.llm_engine is llm.engine
+
+
+def test_logprobs_read_as_vllms_dicts_of_logprob(llm):
+    """vLLM code reads `logprobs[i][token_id].logprob` (`.rank`, `.decoded_token`): each entry is also a mapping
+    of the chosen token and its alternatives; logprobs=True means 1, seed=-1 no seed (as vLLM's)."""
+    out = llm.generate("The cache", SamplingParams(temperature=0, max_tokens=3, logprobs=True, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    for entry, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+        assert list(entry)[0] == token and len(entry) in (1, 2) and entry[token].logprob == entry.logprob
+        assert entry[token].rank == 1 and entry[token].decoded_token == tok.decode([token])
+    first = out.prompt_logprobs[1]
+    ranks = [lp.rank for t, lp in first.items() if t != first.token_id]
+    assert ranks == [i + 1 for i, (t, _) in enumerate(first.top) if t != first.token_id]
+    assert all(lp.decoded_token == tok.decode([t]) for t, lp in first.items())
+    listed = llm.generate("The cache", SamplingParams(max_tokens=1, logprob_token_ids=[7, 3]), use_tqdm=False)[0]
+    entry = listed.outputs[0].logprobs[0]
+    assert [entry[t].rank for t in (7, 3) if t != entry.token_id] == [None] * len({7, 3} - {entry.token_id})
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1

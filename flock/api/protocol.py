@@ -21,7 +21,7 @@ from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
+from flock.tokenizer import TEXT_PARTS, bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -460,11 +460,6 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-# the content parts vLLM reads as text, and the key of their text
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking"}
-
-
 def _content(content, i: int) -> str | list[dict]:
     """A message's text (text parts joined, as vLLM joins them), or, where it holds images, its parts (image_url
     as sent, the others as text parts)."""
@@ -473,10 +468,10 @@ def _content(content, i: int) -> str | list[dict]:
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "image_url" and not (kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str)):
-                raise APIError(f"messages[{i}].content: only image_url and text parts ({', '.join(_TEXT_PARTS)}, "
+            if kind != "image_url" and not (kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str)):
+                raise APIError(f"messages[{i}].content: only image_url and text parts ({', '.join(TEXT_PARTS)}, "
                                "with their text) are supported", param=f"messages[{i}].content")
-        parts = [p if p["type"] == "image_url" else {"type": "text", "text": p[_TEXT_PARTS[p["type"]]]}
+        parts = [p if p["type"] == "image_url" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]}
                  for p in content]
         if any(part["type"] == "image_url" for part in parts):
             return parts

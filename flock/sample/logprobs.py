@@ -1,7 +1,8 @@
 """Logprobs of chosen tokens: each token's log-probability, its rank and the most likely alternatives, from one
 row of logits each (log-softmax in float32, or float64)."""
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,14 +10,53 @@ from flock.model import fused_ops
 
 
 @dataclass
-class TokenLogprobs:
+class Logprob:
+    """vLLM's: a token's logprob, its rank (1: the most likely; None where unranked) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class TokenLogprobs(Mapping):
     """The chosen token's logprob and rank (1: the most likely), and the `top` alternatives as (token id,
-    logprob), most likely first."""
+    logprob), most likely first (`listed`: the tokens logprob_token_ids asked for, in their order). Also vLLM's view
+    of them: a mapping of token id to Logprob, the chosen token first, then the alternatives (ranked 1.. unless
+    listed), each with its text where `texts` has it (with_texts)."""
 
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+    listed: bool = False
+    texts: dict[int, str] | None = field(default=None, repr=False, compare=False)
+
+    def _entries(self) -> dict[int, Logprob]:
+        text = (self.texts or {}).get
+        entries = {self.token_id: Logprob(self.logprob, self.rank, text(self.token_id))}
+        for i, (token, logprob) in enumerate(self.top):
+            entries.setdefault(token, Logprob(logprob, None if self.listed else i + 1, text(token)))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+
+def with_texts(entries: list["TokenLogprobs | None"], tokenizer, cache: dict[int, str]) -> None:
+    """Give each entry the text of its tokens (vLLM's decoded_token), each token decoded once into `cache`."""
+    for entry in entries:
+        if entry is not None:
+            for token in (entry.token_id, *(t for t, _ in entry.top)):
+                if token not in cache and token >= 0:
+                    cache[token] = tokenizer.decode([token])
+            entry.texts = cache
 
 
 def log_softmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,5 +86,5 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: list[i
         if ids is not None:
             at = torch.tensor(ids, dtype=torch.long, device=row.device)
             values = torch.where(at >= 0, row[at.clamp_min(0)], -torch.inf)  # -1: a padding entry
-            entry.top = list(zip(ids, values.tolist()))
+            entry.top, entry.listed = list(zip(ids, values.tolist())), True
     return out

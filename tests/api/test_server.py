@@ -4,6 +4,7 @@ and by httpx."""
 import asyncio
 import json
 import time
+from functools import partial
 
 import anthropic
 import httpx
@@ -611,7 +612,9 @@ def test_beam_search_as_vllm(client, offline):
     expected = offline.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.8))
     r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=5,
                                   extra_body={"use_beam_search": True, "length_penalty": 0.8})
-    assert [c.text for c in r.choices] == [b.text for b in expected[0].sequences]
+    decode = partial(offline.engine.tokenizer.decode, skip_special_tokens=True)
+    assert [c.text for c in r.choices] == [decode(b.output_token_ids) for b in expected[0].sequences]
+    assert all(b.text == decode(b.tokens) for b in expected[0].sequences)  # vLLM's: the prompt's text too
     assert r.usage.completion_tokens == sum(len(b.output_token_ids) for b in expected[0].sequences)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Beams"}], n=2,
                                           max_tokens=4, extra_body={"use_beam_search": True})

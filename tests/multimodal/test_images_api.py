@@ -76,10 +76,11 @@ def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
     assert [a.json()["choices"][0]["message"]["content"] for a in answers] == expected
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected[1]
-    offline = LLM(str(llava_folder), dtype="float32").beam_search(
-        {"prompt": expected_prompt(llava_folder), "multi_modal_data": {"image": picture(0)}},
-        BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))[0].sequences
-    assert [c["message"]["content"] for c in beams.json()["choices"]] == [b.text for b in offline]
+    llm = LLM(str(llava_folder), dtype="float32")
+    offline = llm.beam_search({"prompt": expected_prompt(llava_folder), "multi_modal_data": {"image": picture(0)}},
+                              BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))[0].sequences
+    assert [c["message"]["content"] for c in beams.json()["choices"]] == [
+        llm.engine.tokenizer.decode(b.output_token_ids, skip_special_tokens=True) for b in offline]
     assert all(b.status_code == 400 for b in bad)
     messages = [b.json()["error"]["message"] for b in bad]
     assert "not valid base64" in messages[0]
