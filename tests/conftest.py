@@ -29,6 +29,11 @@ HF_CONFIGS = {
         model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
     ),
+    "qwen2_yarn": dict(  # Qwen2.5's long-context YaRN: 4 x an original 64 positions (transformers' default betas)
+        model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
     "qwen3": dict(  # heads wider than hidden_size / heads, as Qwen3's
         model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,

@@ -1,5 +1,6 @@
 import gc
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -96,7 +97,10 @@ class LLMEngine:
         resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
-        max_len = config.max_model_len or resolved.config.max_seq_length or resolved.config.max_position_embeddings
+        max_len = config.max_model_len or resolved.config.context_length
+        if max_len > resolved.config.context_length and not os.environ.get("FLOCK_ALLOW_LONG_MAX_MODEL_LEN"):
+            raise ValueError(f"max_model_len={max_len} is longer than the model's {resolved.config.context_length} "
+                             "positions (as vLLM, set FLOCK_ALLOW_LONG_MAX_MODEL_LEN=1 to run past them anyway)")
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
         self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
         self.think_markers = ThinkMarkers.of(self.tokenizer)

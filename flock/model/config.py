@@ -33,6 +33,7 @@ VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llam
                          "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 # text decoders of vision-language checkpoints that are a supported type under another name
 TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # flock/model/rope.py
 QWEN3_VL_MROPE = (24, 20, 20)  # Qwen3VLTextConfig's sections where its rope_parameters name none
 BIDIRECTIONAL_IMAGES = ("gemma3",)  # whose image tokens attend to all of their image's, before and after them
 # a sequence classifier's activation (see ModelConfig.num_labels), as vLLM chooses it from transformers'
@@ -136,6 +137,17 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
         return self.sliding_window if self.sliding_layers is None or self.sliding_layers[layer] else None
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model takes (the default max_model_len), as vLLM derives it: a
+        sentence-transformers folder's limit, else its positions (YaRN's: the original ones times its factor)."""
+        if self.max_seq_length:
+            return self.max_seq_length
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "yarn":
+            return int(s["original_max_position_embeddings"] * s["factor"])
+        return self.max_position_embeddings
 
     @property
     def rotary_dim(self) -> int:
@@ -432,15 +444,20 @@ class ModelConfig:
 
     @staticmethod
     def _rope_scaling(scaling: dict, d: dict, model_type: str) -> dict:
-        """rope_scaling with its rope_type named; LongRoPE's (Phi-3's "su" too) with the lengths it needs."""
+        """rope_scaling with its rope_type named (ValueError for one Flock does not run); LongRoPE's (Phi-3's "su"
+        too) and YaRN's with the lengths they need."""
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "su":
             scaling["rope_type"] = "longrope"
         if scaling["rope_type"] == "mrope":  # Qwen2-VL's older name for its default rope (see mrope_section)
             scaling["rope_type"] = "default"
-        if scaling["rope_type"] == "longrope":
-            original = scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"]
+        if scaling["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported (supported: "
+                             f"{', '.join(ROPE_TYPES[1:])})")
+        if scaling["rope_type"] in ("longrope", "yarn"):
             positions = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])
+            original = (scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+                        or positions)
             scaling |= {"original_max_position_embeddings": original,
                         "factor": scaling.get("factor") or positions / original}
         return scaling

@@ -47,7 +47,7 @@ PERMUTED_QK = ("llama", "granite", "smollm3")
 # Granite's multipliers: config name -> GGUF key (after the architecture's name)
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "logits_scaling": "logit_scale", "attention_multiplier": "attention.scale"}
-ROPE_SCALING_TYPES = ("none", "linear")
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 EXPERT = re.compile(r"\.experts\.(\d+)(?=\.)")
 FLOATS = ("F32", "F16", "BF16", "F64")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency divisors
@@ -230,9 +230,17 @@ def _rope_scaling(reader, arch: str, tensors: set[str], config: dict, path: str)
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     if kind not in ROPE_SCALING_TYPES:
         raise ValueError(f"{path}: rope scaling of type {kind!r} is not supported for GGUF files (none, linear, "
-                         "or llama3 as per-frequency factors)")
+                         "yarn, or llama3 as per-frequency factors)")
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    if kind == "yarn":  # as convert_hf_to_gguf.py writes transformers' rope_scaling
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+                                  "original_max_position_embeddings":
+                                      _field(reader, f"{arch}.rope.scaling.original_context_length")}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            if (value := _field(reader, f"{arch}.rope.scaling.{key}")) is not None:
+                config["rope_scaling"][name] = value
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     rotary = _field(reader, f"{arch}.rope.dimension_count", head_dim)
     if rotary != head_dim:  # Phi-4-mini's: the rotary embedding turns part of each head

@@ -21,7 +21,25 @@ def inv_frequencies(config: ModelConfig, max_positions: int = 0) -> torch.Tensor
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "longrope":
         return 1.0 / (torch.tensor(_longrope_factors(scaling, max_positions), dtype=torch.float32) * powers)
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn_inv_freq(powers, dim, config.rope_theta, scaling)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
+
+
+def _yarn_inv_freq(powers: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN's frequencies, as transformers computes them: the original ones for the fast dimensions, those
+    interpolated by `factor` for the slow ones, a linear ramp between (dimensions turning beta_fast and beta_slow
+    times over the original length, rounded outwards unless `truncate` is false)."""
+    def dimension(rotations: float) -> float:
+        return dim * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(s.get("beta_fast") or 32), dimension(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return 1.0 / (s["factor"] * powers) * (1 - extrapolation) + 1.0 / powers * extrapolation
 
 
 def _longrope_factors(s: dict, max_positions: int) -> list[float]:
@@ -32,14 +50,24 @@ def _longrope_factors(s: dict, max_positions: int) -> list[float]:
 
 
 def attention_factor(config: ModelConfig) -> float:
-    """The scale of LongRoPE's cos and sin tables (1 for the other kinds), as transformers computes it."""
+    """The scale of LongRoPE's and YaRN's cos and sin tables (1 for the other kinds), as transformers computes it."""
     s = config.rope_scaling
-    if s is None or s["rope_type"] != "longrope":
+    if s is None or s["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if s.get("attention_factor") is not None:
         return s["attention_factor"]
     factor = s["factor"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+    if factor <= 1.0:
+        return 1.0
+    if s["rope_type"] == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

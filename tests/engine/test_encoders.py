@@ -124,7 +124,9 @@ def test_sentence_transformers_max_seq_length_is_the_default_limit(tmp_path):
     folder = save_encoder(tmp_path / "st", "bert", pooling="pooling_mode_mean_tokens")
     (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 16, "do_lower_case": false}')
     assert LLM(str(folder)).engine.max_model_len == 16
-    assert LLM(str(folder), max_model_len=64).engine.max_model_len == 64
+    assert LLM(str(folder), max_model_len=12).engine.max_model_len == 12
+    with pytest.raises(ValueError, match="max_model_len=64 is longer than the model's 16 positions"):
+        LLM(str(folder), max_model_len=64)  # as vLLM's, unless FLOCK_ALLOW_LONG_MAX_MODEL_LEN is set
 
 
 def test_sentence_transformers_modules_it_cannot_run_are_refused(tmp_path):

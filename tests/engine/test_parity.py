@@ -74,9 +74,9 @@ BACKENDS = ["torch", "torch-cascade"]
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi3_partial", "granite",
-                                  "gemma", "gemma2", "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe", "mixtral",
-                                  "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen2_yarn", "qwen3", "mistral", "phi3", "phi3_partial",
+                                  "granite", "gemma", "gemma2", "gemma3", "qwen3_moe", "qwen3_moe_dense", "qwen2_moe",
+                                  "mixtral", "smollm3"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(hf_folders, references, kind, prefix_caching, attention):
     prompts, expected = references(kind)

@@ -325,13 +325,22 @@ def test_bad_files_give_clear_errors(hf_folders, tmp_path):
         LLM(str(_two_ggufs(tmp_path)))
 
 
-def test_rope_scaling_linear_or_a_clear_error(hf_folders, tmp_path):
+def test_rope_scaling_linear_yarn_or_a_clear_error(hf_folders, tmp_path):
+    """Linear and YaRN rope scaling as convert_hf_to_gguf.py writes them (YaRN's file gives transformers' tokens
+    on its folder, past the original length); another kind is a clear error."""
     linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
     config = resolve_model(str(write_gguf(hf_folders["llama"], tmp_path / "linear.gguf", metadata=linear))).config
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    yarn = write_gguf(hf_folders["llama"], tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(ValueError, match="yarn.gguf: rope scaling of type 'yarn' is not supported"):
-        LLM(str(yarn))
+    yarn = {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 64}
+    gguf_file = write_gguf(hf_folders["qwen2_yarn"], tmp_path / "yarn.gguf", metadata=yarn)
+    prompts = [[(5 * i + j) % 8192 for i in range(60 + 4 * j)] for j in range(3)]
+    got, llm = flock_greedy(gguf_file, prompts)
+    assert got == hf_greedy(hf_folders["qwen2_yarn"], prompts) and llm.engine.max_model_len == 256
+    assert llm.engine.model_config.rope_scaling["rope_type"] == "yarn"
+    other = write_gguf(hf_folders["llama"], tmp_path / "other.gguf", metadata={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(ValueError, match="other.gguf: rope scaling of type 'longrope' is not supported"):
+        LLM(str(other))
     odd = np.array([1.0, 3.0, 1.5, 8.0, 8.0, 2.0, 8.0, 8.0], dtype=np.float32)
     freqs = write_gguf(hf_folders["llama"], tmp_path / "freqs.gguf", rope_freqs=odd)
     with pytest.raises(ValueError, match=r"freqs.gguf: its per-frequency rope factors \(rope_freqs.weight\) are not"):
