@@ -36,20 +36,21 @@ SCALE_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q
 
 
 def random_weight(name: str, n: int, k: int, seed: int = 0) -> quant.QuantTensor:
-    """Random bytes as blocks of `name`, their float16 scales small and finite (any other bytes are valid)."""
+    """Random bytes as blocks of `name`, their float16 scales small and finite (any other bytes are valid); a type
+    the kernels take rewritten (IQ4_NL, the lattice IQ types) as the blocks it runs as."""
     qtype = GGMLQuantizationType[name]
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     for at in SCALE_AT.get(name, (0,)):
         blocks[:, :, at:at + 2] = rng.uniform(1e-4, 1e-3, (n, k // block, 1)).astype(np.float16).view(np.uint8)
-    return quant.QuantTensor(int(qtype), torch.from_numpy(blocks.reshape(n, -1)))
+    return quant.transcode(int(qtype), torch.from_numpy(blocks.reshape(n, -1)))
 
 
 def layouts(name: str, n: int, k: int) -> dict[str, quant.QuantWeight]:
     rows = random_weight(name, n, k)
     out = {"rows": quant.QuantWeight([rows])}
-    if name in quant.X8_BYTES:
+    if rows.name in quant.X8_BYTES:
         out["x8"] = quant.QuantWeight([quant.interleave(rows)])
     return out
 

@@ -1221,13 +1221,13 @@ AI void dot_q6_K_x8(const int R, const int stream, const uint8_t *w, const act25
     }
 }
 
-// Q2_K and Q3_K (`form`; `type` Q3_K or one of its table types): a sub-block's 4 planes of 2-bit weights (4 g + t
-// at bits 2 g; Q3_K's third bits from qh) against the activations 4 g .. 4 g + 3, its 16 products summed before its
-// scale; Q2_K's minimums, and Q3_K's offset 4 (a table's Q3_TABLE_OFFSET) times its scales, against the
-// activations' sums of 16.
+// Q2_K and Q3_K (`form`, a constant: Q2_K, Q3_K or any of Q3_K's table types, whose values `type` names): a
+// sub-block's 4 planes of 2-bit weights (4 g + t at bits 2 g; Q3_K's third bits from qh) against the activations
+// 4 g .. 4 g + 3, its 16 products summed before its scale; Q2_K's minimums, and Q3_K's offset 4 (a table's
+// Q3_TABLE_OFFSET) times its scales, against the activations' sums of 16.
 AI void dot_q23_K_x8(const int R, const int stream, const int form, int type, const uint8_t *w,
                      const act256 *const *x, int64_t nb, __m256 *acc) {
-    const int q3 = form == Q3_K, table = q3 && is_q3_table(type);
+    const int q3 = form != Q2_K, table = is_q3_table(form);
     const __m256i three = _mm256_set1_epi8(3), values = q3_table(type);
     const __m256 d_scale8 = _mm256_set1_ps(d_scale(type));
     const __m128i low4 = _mm_set1_epi8(0xf);
@@ -1512,7 +1512,7 @@ static void dot_octet(int R, int stream, int type, const uint8_t *w, const void 
         case Q2_K: dot_q23_K_x8(r, stream, Q2_K, Q2_K, w, (const act256 *const *)x, nb, acc); break;  \
         case Q3_K: dot_q23_K_x8(r, stream, Q3_K, Q3_K, w, (const act256 *const *)x, nb, acc); break;  \
         case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T:                                                    \
-            dot_q23_K_x8(r, stream, Q3_K, type, w, (const act256 *const *)x, nb, acc); break;         \
+            dot_q23_K_x8(r, stream, IQ2_XS_T, type, w, (const act256 *const *)x, nb, acc); break;         \
         case Q8_0: dot_q8_0_x8(r, stream, w, (const act32 *const *)x, nb, acc); break;                \
         case Q4_0: dot_q45_x8(r, stream, Q4_0, w, (const act32 *const *)x, nb, acc); break;           \
         case Q4_1: dot_q45_x8(r, stream, Q4_1, w, (const act32 *const *)x, nb, acc); break;           \

@@ -230,7 +230,7 @@ AI void dot_iq4_xs_x16(const int R, int type, const uint8_t *wa, const uint8_t *
 
 AI void dot_q23_K_x16(const int R, const int form, int type, const uint8_t *wa, const uint8_t *wb,
                       const act256 *const *x, int64_t nb, __m512 *acc) {
-    const int q3 = form == Q3_K, table = q3 && is_q3_table(type);
+    const int q3 = form != Q2_K, table = is_q3_table(form);  // as dot_q23_K_x8's
     const __m512i three = _mm512_set1_epi8(3), low4 = _mm512_set1_epi16(0xf), four = _mm512_set1_epi8(4);
     const __m512i values = _mm512_broadcast_i32x4(_mm256_castsi256_si128(q3_table(type)));
     const int64_t bytes = 8 * x8_row_bytes(type);
@@ -298,7 +298,7 @@ static int dot_x16(int R, int type, const uint8_t *wa, const uint8_t *wb, const 
         case Q2_K: dot_q23_K_x16(r, Q2_K, Q2_K, wa, wb, (const act256 *const *)x, nb, acc); break;  \
         case Q3_K: dot_q23_K_x16(r, Q3_K, Q3_K, wa, wb, (const act256 *const *)x, nb, acc); break;  \
         case IQ2_XS_T: case IQ2_S_T: case IQ1_M_T:                                                  \
-            dot_q23_K_x16(r, Q3_K, type, wa, wb, (const act256 *const *)x, nb, acc); break;         \
+            dot_q23_K_x16(r, IQ2_XS_T, type, wa, wb, (const act256 *const *)x, nb, acc); break;         \
         case Q8_0: dot_q8_0_x16(r, wa, wb, (const act32 *const *)x, nb, acc); break;                \
         case Q4_0: dot_q45_x16(r, Q4_0, wa, wb, (const act32 *const *)x, nb, acc); break;           \
         case Q4_1: dot_q45_x16(r, Q4_1, wa, wb, (const act32 *const *)x, nb, acc); break;           \
