@@ -21,7 +21,7 @@ from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import TEXT_PARTS, bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens
+from flock.tokenizer import TEXT_PARTS, bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens, text_content
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -471,11 +471,9 @@ def _content(content, i: int) -> str | list[dict]:
             if kind != "image_url" and not (kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str)):
                 raise APIError(f"messages[{i}].content: only image_url and text parts ({', '.join(TEXT_PARTS)}, "
                                "with their text) are supported", param=f"messages[{i}].content")
-        parts = [p if p["type"] == "image_url" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]}
-                 for p in content]
-        if any(part["type"] == "image_url" for part in parts):
-            return parts
-        return "\n".join(part["text"] for part in parts)
+        if not any(part["type"] == "image_url" for part in content):
+            return text_content({"content": content})["content"]  # joined as LLM.chat joins them
+        return [p if p["type"] == "image_url" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]} for p in content]
     raise APIError(f"messages[{i}].content must be a string or a list of content parts", param=f"messages[{i}].content")
 
 
