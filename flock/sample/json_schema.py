@@ -23,6 +23,11 @@ _LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
             "else", "unevaluatedProperties", "unevaluatedItems")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+# One character of a JSON string as written: printable ASCII but the quote and backslash, a short escape, or a
+# code point's valid UTF-8 spelled as ranges that xgrammar's patterns match bytewise (its `.` and a negated class
+# let overlong and surrogate byte sequences through, which decode to no character)
+JSON_CHAR = (r'(?:[ !#-\[\]-~]|\\["\\/bfnrt]|[\u0080-\u07FF]|[\u0800-\uD7FF]|[\uE000-\uFFFF]|['
+             + chr(0x10000) + "-" + chr(0x10FFFF) + "])")
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
                "array": (list,), "object": (dict,)}
 
@@ -101,11 +106,11 @@ def _undeclared_required(schema: dict) -> list[str]:
 
 def _lengths_as_pattern(schema: dict) -> None:
     """minLength / maxLength alone let xgrammar write raw control characters into the string; the same bounds
-    as a pattern do not."""
+    as a pattern of JSON_CHAR do not."""
     if "pattern" in schema or "format" in schema or not ({"minLength", "maxLength"} & schema.keys()):
         return
     low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
-    schema["pattern"] = f"^.{{{low},{high}}}$"
+    schema["pattern"] = f"^{JSON_CHAR}{{{low},{high}}}$"
 
 
 def _filter_enum(schema: dict, path: str) -> None:
@@ -127,3 +132,23 @@ def _filter_enum(schema: dict, path: str) -> None:
         raise ValueError(f"no value of {key} at {path} has its type {types!r}")
     if key == "enum":
         schema["enum"] = fits
+
+
+_PYTHON_NAMES = {"true": "True", "false": "False", "null": "None"}
+# an EBNF token: a string literal, a character class, or a name (a rule's, or a keyword such as Regex)
+_EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*')
+
+
+def python_literal_rules(schema: dict, rule: str) -> list[str]:
+    """EBNF rules whose `rule` matches the Python literals of a JSON schema's instances: xgrammar's grammar of the
+    schema's compact JSON (so its every keyword as xgrammar enforces it), with True / False / None for JSON's
+    names and each of its rules renamed `rule_...` to sit beside other such grammars. ValueError (or xgrammar's
+    RuntimeError) for a schema it rejects."""
+    import xgrammar
+
+    ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(enforceable(schema)), any_whitespace=False,
+                                                 strict_mode=True))
+    ebnf = re.sub(r'(?<!\\)"(true|false|null)"', lambda m: f'"{_PYTHON_NAMES[m[1]]}"', ebnf)
+    names = set(re.findall(r"^(\w+) ::=", ebnf, re.M))
+    renamed = {name: rule if name == "root" else f"{rule}_{name}" for name in names}
+    return [_EBNF_TOKEN.sub(lambda m: renamed.get(m[0], m[0]), line) for line in ebnf.splitlines() if line.strip()]

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from flock import LLM, SamplingParams, StructuredOutputsParams
-from flock.sample.json_schema import enforceable
+from flock.sample.json_schema import JSON_CHAR, enforceable
 
 
 @pytest.mark.parametrize("schema, where", [
@@ -38,9 +38,9 @@ def test_rewrites_keep_the_meaning_and_leave_the_request_alone():
     before = json.dumps(schema)
     out = enforceable(schema)
     assert json.dumps(schema) == before
-    assert out["properties"]["name"] == {"type": "string", "title": "Name", "pattern": "^.{2,5}$"}
+    assert out["properties"]["name"] == {"type": "string", "title": "Name", "pattern": f"^{JSON_CHAR}{{2,5}}$"}
     assert out["properties"]["tag"]["enum"] == ["a", "b"]
-    assert out["properties"]["note"]["anyOf"][0] == {"type": "string", "pattern": "^.{0,3}$"}
+    assert out["properties"]["note"]["anyOf"][0] == {"type": "string", "pattern": f"^{JSON_CHAR}{{0,3}}$"}
 
 
 def test_bounded_strings_are_json_strings():
@@ -56,3 +56,24 @@ def test_bounded_strings_are_json_strings():
     for out in llm.generate(["Give JSON."] * 12, params, use_tqdm=False):
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+@pytest.mark.parametrize("text, fits", [
+    (b'"ab\xe0\x85\x81"', False),  # an overlong spelling of a character: no UTF-8 (xgrammar's `.` took it)
+    (b'"ab\xed\xa0\x80"', False),  # a surrogate's bytes
+    (b'"ab\x0b"', False),  # a raw control character
+    (b'"a\\"\xf0\x9f\x98\x80"', True),  # an escaped quote and a 4-byte character: 3 characters
+    (b'"\\n\\t\\\\\xc3\xa9\xe4\xb8\xad\xef\xbf\xbf"', True),
+    (b'"abc\\"', False),  # the closing quote escaped
+    (b'"ab"', False), (b'"abcdefg"', False), (b'"abcdef"', True),
+])
+def test_bounded_strings_take_characters_as_json_spells_them(text, fits):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 6}},
+              "required": ["s"]}
+    llm = LLM("flock/tiny", load_format="dummy", dtype="float32")
+    matcher = llm.engine.grammars.matcher(StructuredOutputsParams(json=schema))
+    whole = b'{"s": ' + text + b"}"
+    ends = matcher.accept_string(whole) and matcher.accept_token(llm.engine.grammars.stop_token_ids[0])
+    assert ends is fits
+    if fits:
+        assert 3 <= len(json.loads(whole)["s"]) <= 6
