@@ -18,7 +18,9 @@ class StructuredOutputsParams:
     strings, an EBNF grammar (xgrammar's GBNF dialect), or an xgrammar structural tag (its JSON text: formats such
     as tags around JSON, which tool calls use). JSON has no free whitespace between tokens unless
     `disable_any_whitespace` is False (None: the engine's default, see `--structured-outputs-any-whitespace`),
-    so a small model cannot loop on whitespace."""
+    so a small model cannot loop on whitespace. An object takes only the properties its schema names unless it
+    says otherwise (xgrammar's strict mode, as vLLM runs it: `disable_additional_properties` is accepted and changes
+    nothing); `whitespace_pattern` (vLLM's field, which its xgrammar backend ignores) may only be None."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -27,6 +29,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
     after: str | None = None  # free text up to and including this string comes first (a reasoning model's thinking)
 
     @property
@@ -53,6 +57,12 @@ class StructuredOutputsParams:
         if self.disable_any_whitespace not in (None, True, False):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be a boolean, "
                              f"got {self.disable_any_whitespace!r}")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError(f"structured_outputs.disable_additional_properties must be a boolean, "
+                             f"got {self.disable_additional_properties!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported: JSON's whitespace is set by "
+                             "disable_any_whitespace")
 
 
 @dataclass

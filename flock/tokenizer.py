@@ -87,8 +87,11 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refu
 
 def text_content(message: dict, join: bool = True) -> dict:
     """A message whose content is a list of text parts (TEXT_PARTS) with its text joined by newlines (as vLLM's
-    "string" content format), or with `join` false as {"type": "text"} parts; any other message as it is."""
+    "string" content format), or with `join` false as {"type": "text"} parts; a null or missing content as no parts
+    (as vLLM: templates that test `content is none` then concatenate render); any other message as it is."""
     content = message.get("content")
+    if content is None:
+        return message | {"content": "" if join else []}
     if not isinstance(content, list) or not content or not all(
             isinstance(p, dict) and isinstance(p.get(TEXT_PARTS.get(p.get("type"), "")), str) for p in content):
         return message

@@ -61,7 +61,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpro
                                 "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
                                 "reasoning_effort", *_CHAT_NEUTRAL_FIELDS}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace"}
+STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
 
@@ -238,13 +238,17 @@ def chat_token_ids(body: dict, tokenizer) -> list[int]:
 
 def _tool_constraint(tools: ToolCalling, params: SamplingParams, structured_param: str | None,
                      body: dict) -> str | None:
-    """Constrain a forced tool call (required or named) to its format, in place of a response_format (as vLLM);
-    the field that asked for it, if any. Hermes', Qwen's, Mistral's and Granite's tags may be special tokens: they stay in the text
+    """Constrain a forced tool call (required or named) to its format, in place of a response_format (as vLLM),
+    and strict tools' calls with tool_choice auto where no response_format constrains the answer; the field that
+    asked for it, if any. Hermes', Qwen's, Mistral's and Granite's tags may be special tokens: they stay in the text
     unless the body says otherwise (as vLLM)."""
     if tools.parser in ("hermes", "mistral", "qwen3_coder", "granite") and body.get("skip_special_tokens") is None:
         params.skip_special_tokens = False
-    spec = tools.constraint()
-    if spec is None:
+    try:
+        spec = tools.constraint()
+    except ToolError as e:
+        raise APIError(str(e), param=e.param) from None
+    if spec is None or tools.choice == "auto" and params.structured_outputs is not None:  # auto: the format wins
         return None
     if tools.named and structured_param == "structured_outputs":
         raise APIError("a named tool_choice and structured_outputs cannot both constrain the answer",
@@ -360,6 +364,8 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str
         return _checked(StructuredOutputsParams(**legacy), name), "structured_outputs"
     if fmt is not None and extra is not None and fmt != {"type": "text"}:
         raise APIError("set response_format or structured_outputs, not both", param="structured_outputs")
+    if isinstance(extra, dict):
+        extra = {k: v for k, v in extra.items() if v is not None}  # null is absent, as everywhere in a body
     if extra is not None:
         if not isinstance(extra, dict) or not extra.keys() <= STRUCTURED_FIELDS:
             raise APIError(f"structured_outputs must be an object with some of {sorted(STRUCTURED_FIELDS)}",
@@ -384,6 +390,8 @@ def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str
     if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), (dict, str)):
         raise APIError("response_format.json_schema must be an object with a 'schema' object",
                        param="response_format")
+    if not isinstance(schema.get("name"), str):  # required by OpenAI and vLLM alike
+        raise APIError("response_format.json_schema.name is required (a string)", param="response_format")
     spec = StructuredOutputsParams(json=schema.get("schema", {}))  # no schema: any JSON value
     return _checked(spec, "response_format"), "response_format"
 

@@ -147,6 +147,12 @@ def test_fallback_template_when_tokenizer_has_none(tok):
      "response_format"),
     ("completion", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"xml": "a"}}, "structured_outputs"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}],
+              "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    ("completion", {"prompt": "a", "structured_outputs": {"regex": "a", "whitespace_pattern": " ?"}},
+     "structured_outputs"),
+    ("completion", {"prompt": "a", "structured_outputs": {"regex": "a", "disable_additional_properties": 1}},
+     "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
     ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
@@ -389,3 +395,27 @@ def test_vllm_request_fields_at_their_defaults_and_stream_limits(tok):
         assert e.value.param == param
     parse_request("chat", {"messages": user, "max_tokens": 64}, tok).fit(64)
     parse_request("completion", {"prompt": "a"}, tok, default_max_tokens=16).fit(8)  # a default is not refused
+
+
+def test_null_content_reaches_the_template_as_empty_text(tok):
+    """As vLLM: an assistant turn of tool calls with content null renders in templates that test `content is none`
+    and otherwise concatenate it (the message reaches them with "" rather than without a content)."""
+    import copy
+
+    strict = copy.copy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if m['content'] is none %}N{% else %}{{ 'X' + m['content'] }}"
+                            "{% endif %};{% endfor %}")
+    calls = [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    ids = encode_messages(strict, messages, add_generation_prompt=False)
+    assert strict.decode(ids) == "Xq;X;Xx;"
+
+
+def test_structured_outputs_take_vllm_s_whole_dataclass(tok):
+    """A client that sends every field of vLLM's StructuredOutputsParams (nulls and defaults) gets the one it set."""
+    body = {"prompt": "a", "structured_outputs": {
+        "json": None, "regex": "ab?", "choice": None, "grammar": None, "json_object": None, "structural_tag": None,
+        "disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}}
+    spec = parse_request("completion", body, tok).params.structured_outputs
+    assert spec.kind == "regex" and spec.regex == "ab?" and spec.disable_any_whitespace is False
