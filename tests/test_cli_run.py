@@ -70,6 +70,9 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
     kw = engine_kwargs(args)
     assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \
         ("org/model", "priority", False, 4096, "warning")
+    from flock.api.tools import tool_parser
+
+    assert tool_parser(parser.parse_args(["serve", "--tool-call-parser", "llama4_pythonic"])) == "pythonic"
     default = parser.parse_args(["serve", "--scheduling-policy", "fcfs"])
     apply_vllm_arguments(default)
     assert engine_kwargs(default)["scheduler"] == "feather" and default.model == "flock/smollm2"

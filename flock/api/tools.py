@@ -31,9 +31,12 @@ import uuid
 from dataclasses import dataclass
 
 from flock.api.reasoning import REASONING_PARSERS, held_back
+from flock.sample.grammar import rejection
+from flock.sample.json_schema import enforceable, python_literal_rules
 from flock.sampling_params import StructuredOutputsParams
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json")
+TOOL_PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}  # vLLM's other names of them
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_TAG = "<|python_tag|>"
@@ -49,6 +52,10 @@ _STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_ANY_OBJECT = {"type": "object", "additionalProperties": True}
+# what starts a call in free text, for formats whose calls may follow text (strict tools with tool_choice auto)
+_STRICT_TRIGGERS = {"hermes": [_HERMES_START], "llama3_json": ['{"name": '], "qwen3_coder": [_HERMES_START],
+                    **{parser: [begin.rstrip()] for parser, (_, begin) in _JSON_LISTS.items()}}
 # a format's call as (begin, end) around the arguments, in the forms a model writes it; the separator of calls
 _CALL_FORMS = {"hermes": ([('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>"),
                            ('<tool_call>{{"name": {}, "arguments": ', "}</tool_call>")], ""),
@@ -75,58 +82,102 @@ class ToolCalling:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar of a forced answer (required or named): calls and nothing else; none for auto."""
-        if self.choice == "auto":
+        """The grammar of a forced answer (required or named): calls and nothing else; none for auto. ToolError
+        for a tool whose parameters schema the grammar engine would not enforce."""
+        if self.choice == "auto" and not (self.parser in _STRICT_TRIGGERS and self._any_strict()):
             return None
+        try:
+            return self._auto_constraint() if self.choice == "auto" else self._constraint()
+        except (ValueError, RuntimeError) as e:
+            raise ToolError(f"tools: a function's parameters were rejected: {rejection(e)}", "tools") from None
+
+    def _any_strict(self) -> bool:
+        return any(t["function"].get("strict") is True for t in self.tools)
+
+    def _auto_constraint(self) -> StructuredOutputsParams:
+        """Free text in which a call, once it starts, follows the format (OpenAI's `strict` tools, as vLLM: their
+        arguments follow their schema, the other tools' arguments are any object)."""
+        functions = [f if f.get("strict") is True else f | {"parameters": _ANY_OBJECT} for f in self._functions()]
+        if self.parser == "qwen3_coder":
+            return self._xgrammar_constraint("qwen_3_coder", functions)
+        if self.parser in _JSON_LISTS:
+            tags = [{"type": "tag", "begin": _JSON_LISTS[self.parser][1], "end": "",
+                     "content": {"type": "json_schema", "json_schema": self._call_array(functions)}}]
+        else:
+            tags = self._call_tags(functions)
+        calls = {"type": "triggered_tags", "triggers": _STRICT_TRIGGERS[self.parser], "tags": tags,
+                 "at_least_one": False, "stop_after_first": not self.parallel}
+        return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
+
+    def _functions(self) -> list[dict]:
+        """The functions a forced answer may call, their parameters as the grammar engine enforces them (as a
+        response_format's schema; no parameters: no arguments, as vLLM); a schema it rejects fails here."""
+        import xgrammar
+
+        functions = [f | {"parameters": enforceable(f.get("parameters") or _EMPTY_PARAMETERS)}
+                     for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
+        for f in functions:
+            xgrammar.Grammar.from_json_schema(json.dumps(f["parameters"]))
+        return functions
+
+    def _constraint(self) -> StructuredOutputsParams:
         if self.parser in _JSON_LISTS:
             return self._json_list_constraint()
         if self.parser == "pythonic":
             return self._pythonic_constraint()
         if self.parser == "qwen3_coder":
-            return self._xgrammar_constraint("qwen_3_coder")
-        forms, separator = _CALL_FORMS[self.parser]
-        tags = [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
-                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or _EMPTY_PARAMETERS,
-                             "max_whitespace_cnt": 1}}
-                for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice
-                for begin, end in forms]
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            return self._xgrammar_constraint("qwen_3_coder", self._functions())
+        calls = {"type": "tags_with_separator", "tags": self._call_tags(self._functions()),
+                 "separator": _CALL_FORMS[self.parser][1], "at_least_one": True,
                  "stop_after_first": self.named or not self.parallel}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
 
-    def _json_list_constraint(self) -> StructuredOutputsParams:
-        """The format's marker and a JSON array of calls ({"name", "arguments"}), one when not parallel or named."""
+    def _call_tags(self, functions: list[dict]) -> list[dict]:
+        """Each function's call in each form the format writes it, its arguments following its parameters."""
+        return [{"type": "tag", "begin": begin.format(json.dumps(f["name"], ensure_ascii=False)), "end": end,
+                 "content": {"type": "json_schema", "json_schema": f["parameters"], "max_whitespace_cnt": 1}}
+                for f in functions for begin, end in _CALL_FORMS[self.parser][0]]
+
+    def _call_array(self, functions: list[dict]) -> dict:
+        """The schema of a JSON array of calls ({"name", "arguments"}), one when not parallel or named."""
         calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
-                  "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or _EMPTY_PARAMETERS}}
-                 for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
+                  "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in functions]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.named or not self.parallel:
             array["maxItems"] = 1
+        return array
+
+    def _json_list_constraint(self) -> StructuredOutputsParams:
+        """The format's marker and a JSON array of calls, and nothing else."""
         answer = {"type": "sequence", "elements": [{"type": "const_string", "value": _JSON_LISTS[self.parser][1]},
-                                                   {"type": "json_schema", "json_schema": array,
-                                                    "max_whitespace_cnt": 1}]}
+                                                   {"type": "json_schema", "json_schema": self._call_array(
+                                                       self._functions()), "max_whitespace_cnt": 1}]}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": answer}))
 
     def _pythonic_constraint(self) -> StructuredOutputsParams:
-        """A list of calls, one when not parallel or named: each a tool's name, its required parameters in the
-        schema's order, then any of its others, as keyword arguments whose values are Python literals of the
-        parameter's type (an enum of strings: one of them; other schemas: any literal)."""
-        functions = [f for f in (t["function"] for t in self.tools) if not self.named or f["name"] == self.choice]
+        """A list of calls, one when not parallel or named: each a tool's name and its parameters as keyword
+        arguments in the schema's order (the required ones always), each value a Python literal of an instance of
+        the parameter's schema."""
+        functions = self._functions()
         calls = " | ".join(f"call{i}" for i in range(len(functions)))
         rules = [f"root ::= \"[\" ({calls})" + ("" if self.named or not self.parallel else
                                                 f" (\", \" ({calls}))*") + " \"]\""]
         for i, f in enumerate(functions):
-            rules += _pythonic_call(f"call{i}", f["name"], f.get("parameters") or {})
-        return StructuredOutputsParams(grammar="\n".join(rules + _PYTHON_LITERALS))
+            rules += _pythonic_call(f"call{i}", f["name"], f["parameters"])
+        return StructuredOutputsParams(grammar="\n".join(rules))
 
-    def _xgrammar_constraint(self, model: str) -> StructuredOutputsParams:
-        """Calls and nothing else, one when not parallel or named, each as xgrammar's structural tag of the model
-        family writes it (the thinking before them is Flock's to allow)."""
+    def _xgrammar_constraint(self, model: str, functions: list[dict]) -> StructuredOutputsParams:
+        """The functions' calls as xgrammar's structural tag of the model family writes them (the thinking before
+        them is Flock's to allow): free text around them for auto, else calls and nothing else, one when not
+        parallel or named."""
         import xgrammar
 
-        tools = [t for t in self.tools if not self.named or t["function"]["name"] == self.choice]
-        tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice="required", reasoning="disabled",
-                                                max_whitespace_cnt=1)
+        tools = [{"type": "function", "function": f} for f in functions]
+        choice = "auto" if self.choice == "auto" else "required"
+        tag = xgrammar.get_model_structural_tag(model, tools=tools, tool_choice=choice, reasoning="disabled",
+                                                max_whitespace_cnt=1, parallel_tool_calls=self.parallel)
+        if choice == "auto":
+            return StructuredOutputsParams(structural_tag=json.dumps(tag.model_dump()))
         calls = {"type": "tags_with_separator", "tags": [t.model_dump() for t in tag.format.tags], "separator": "\n",
                  "at_least_one": True, "stop_after_first": self.named or not self.parallel}
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
@@ -281,38 +332,25 @@ def _xml_value(raw: str, schema: dict | None):
 
 
 def _pythonic_call(rule: str, name: str, schema: dict) -> list[str]:
-    """The EBNF rules of one call `name(...)` whose keyword arguments follow `schema` (see _pythonic_constraint)."""
+    """The EBNF rules of one call `name(...)` whose keyword arguments are an instance of the object `schema` (see
+    _pythonic_constraint): `rule_fJ` writes the arguments from the J-th property on when none came before it,
+    `rule_tJ` those after one came; properties the schema does not name only where additionalProperties allows."""
     properties = schema.get("properties") or {}
-    required = [p for p in schema.get("required") or [] if p in properties]
-    optional = [p for p in properties if p not in required]
-
-    def arg(p: str) -> str:
-        return f"{json.dumps(p + '=')} {_literal(properties[p])}"
-
-    head = ' ", " '.join(arg(p) for p in required)
-    more = " | ".join(arg(p) for p in optional)
-    if not properties:  # no schema of its arguments: any keyword arguments
-        more = '[a-zA-Z_] [a-zA-Z0-9_]* "=" value'
-    body = head + (f' (", " ({more}))*' if head and more else f' (({more}) (", " ({more}))*)?' if more else "")
-    return [f"{rule} ::= {json.dumps(name + '(')} {body} \")\""]
-
-
-def _literal(schema: dict) -> str:
-    """The EBNF of a Python literal of a JSON schema's type."""
-    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-        return "(" + " | ".join(json.dumps(json.dumps(v)) for v in schema["enum"]) + ")"
-    return {"boolean": '("True" | "False")', "integer": '"-"? [0-9]+', "number": "number", "string": "string",
-            "array": "list", "object": "dict", "null": '"None"'}.get(schema.get("type"), "value")
-
-
-# Python literals, in xgrammar's EBNF: strings (either quote), numbers, True / False / None, lists, dicts
-_PYTHON_LITERALS = [
-    'value ::= string | number | "True" | "False" | "None" | list | dict',
-    'string ::= "\\"" ([^"\\\\\\n] | "\\\\" [^\\n])* "\\"" | "\'" ([^\'\\\\\\n] | "\\\\" [^\\n])* "\'"',
-    'number ::= "-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?',
-    'list ::= "[" (value (", " value)*)? "]"',
-    'dict ::= "{" (string ": " value (", " string ": " value)*)? "}"',
-]
+    required = set(schema.get("required") or [])
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what the parameters' $refs point into
+    rules = [f"{rule} ::= {json.dumps(name + '(')} {rule}_f0 \")\""]
+    for j, (key, sub) in enumerate(properties.items()):
+        rules += python_literal_rules((sub if isinstance(sub, dict) else {}) | defs, f"{rule}_v{j}")
+        arg, first, tail = f"{json.dumps(key + '=')} {rule}_v{j}", f"{rule}_f{j + 1}", f"{rule}_t{j + 1}"
+        optional = key not in required
+        rules += [f"{rule}_f{j} ::= {arg} {tail}" + (f" | {first}" if optional else ""),
+                  f'{rule}_t{j} ::= ", " {arg} {tail}' + (f" | {tail}" if optional else "")]
+    n, extra = len(properties), schema.get("additionalProperties")
+    if extra in (None, False):
+        return rules + [f'{rule}_f{n} ::= ""', f'{rule}_t{n} ::= ""']
+    rules += python_literal_rules((extra if isinstance(extra, dict) else {}) | defs, f"{rule}_x")
+    keyword = f'[a-zA-Z_] [a-zA-Z0-9_]* "=" {rule}_x'
+    return rules + [f'{rule}_f{n} ::= "" | {keyword} {rule}_t{n}', f'{rule}_t{n} ::= "" | ", " {keyword} {rule}_t{n}']
 
 
 def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, ToolCalling | None]:
@@ -380,11 +418,12 @@ class ToolCallStream:
 
 def add_parser_arguments(p) -> None:
     """`flock serve` / `flock run` flags of the chat answers' parsers, vLLM's names."""
-    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+    p.add_argument("--tool-call-parser", choices=[*TOOL_PARSERS, *TOOL_PARSER_ALIASES],
                    help="parse chat answers' tool calls in this model format (hermes: Qwen2.5, Hermes 2 Pro; "
                         "llama3_json: Llama 3.1 / 3.2; mistral: Mistral 7B v0.3; pythonic: Llama 3.2's pythonic "
                         "template, Llama 4; qwen3_coder: Qwen3-Coder, Qwen3.5; granite: Granite 3.x; "
-                        "phi4_mini_json: Phi-4-mini): tool_choice auto, required and named functions work")
+                        "phi4_mini_json: Phi-4-mini; vLLM's llama4_json and llama4_pythonic are llama3_json and "
+                        "pythonic): tool_choice auto, required and named functions work")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice auto, accepted: with --tool-call-parser auto is on anyway")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
@@ -397,4 +436,4 @@ def tool_parser(args) -> str | None:
     """The parser the flags ask for; ValueError for --enable-auto-tool-choice alone (as vLLM)."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    return args.tool_call_parser
+    return TOOL_PARSER_ALIASES.get(args.tool_call_parser, args.tool_call_parser)

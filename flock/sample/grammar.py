@@ -45,6 +45,12 @@ def _canonical(schema, properties: bool = False):
     return schema
 
 
+def rejection(e: Exception) -> str:
+    """Why xgrammar (or Flock's own check of a schema) rejected a spec, without the C++ source position xgrammar's
+    messages start with."""
+    return re.sub(r"^.*?\.cc:\d+:\s*", "", str(e).strip().rsplit("] ", 1)[-1])
+
+
 class GrammarCompiler:
     """Compiles structured-output specs for one tokenizer, each distinct spec once."""
 
@@ -72,9 +78,9 @@ class GrammarCompiler:
             try:
                 prepared = replace(spec, json=enforceable(spec.json)) if spec.kind == "json" else spec
                 grammar = self._compile(prepared, key[-1])
-            except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors carry its source position first
-                reason = re.sub(r"^.*?\.cc:\d+:\s*", "", str(e).strip().rsplit("] ", 1)[-1])
-                raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: {reason}") from None
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise ValueError(f"structured_outputs.{spec.kind} was rejected by the grammar engine: "
+                                 f"{rejection(e)}") from None
             self.cache[key] = grammar
             while len(self.cache) > MAX_CACHED_GRAMMARS:  # live matchers keep their own reference
                 self.cache.popitem(last=False)

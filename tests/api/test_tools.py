@@ -322,3 +322,80 @@ def test_forced_json_list_calls_follow_the_format(tok, parser):
         spec = gen.params.structured_outputs
         assert grammars.matcher(spec).accept_string(answer) and calls(gen.tools.extract(answer))[1]
         assert not grammars.matcher(spec).accept_string("Sure.")
+
+
+NESTED = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 10, "maximum": 12}, "xs": {"type": "array", "items": {"type": "integer"},
+                                                                     "maxItems": 2},
+    "o": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"], "additionalProperties": False},
+    "s": {"type": "string"}}, "required": ["n", "xs", "o"]}}}
+ANY_ARGS = {"type": "function", "function": {"name": "g", "parameters": {"type": "object",
+                                                                        "additionalProperties": True}}}
+
+
+@pytest.mark.parametrize("answer, fits", [
+    ('[f(n=11, xs=[1, 2], o={"k": True})]', True), ('[f(n=11, xs=[], o={"k": False}, s="hi")]', True),
+    ('[f(n=13, xs=[], o={"k": True})]', False), ('[f(n=11, xs=[1, 2, 3], o={"k": True})]', False),
+    ('[f(n=11, xs=[[1]], o={})]', False), ('[f(n=11, xs=[1], o={"k": true})]', False),
+    ('[f(xs=[1], n=11, o={"k": True})]', False), ('[f(n=11, xs=[1], o={"k": True}, n=12)]', False),
+    ("[now()]", True), ("[now(a=1)]", False),  # no parameters: no arguments, as vLLM's empty object
+    ("[g()]", True), ('[g(a=1, b="x", c=None)]', True)])
+def test_forced_pythonic_arguments_follow_their_schemas(tok, answer, fits):
+    """Each keyword argument's value is a Python literal of an instance of its parameter's schema, every keyword
+    xgrammar enforces in JSON enforced (bounds, item counts, nested objects' required keys)."""
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    gen = parse_request("chat", {"messages": USER, "tools": [NESTED, NOW, ANY_ARGS], "tool_choice": "required"}, tok,
+                        None, "pythonic")
+    matcher = grammars.matcher(gen.params.structured_outputs)
+    assert bool(matcher.accept_string(answer) and matcher.accept_token(tok.eos_token_id)) is fits
+    if fits:
+        assert gen.tools.extract(answer)[1]
+
+
+@pytest.mark.parametrize("parser", ["pythonic", "hermes", "mistral", "qwen3_coder"])
+@pytest.mark.parametrize("parameters, reason", [({"type": "foo"}, "type"),
+                                                 ({"type": "object", "properties": {"xs": {"type": "array",
+                                                                                           "uniqueItems": True}}},
+                                                  "uniqueItems")])
+def test_forced_calls_refuse_parameters_the_grammar_engine_would_not_enforce(tok, parser, parameters, reason):
+    """As a response_format's schema is refused (flock.sample.json_schema), not let through unenforced."""
+    bad = {"type": "function", "function": {"name": "b", "parameters": parameters}}
+    with pytest.raises(APIError) as e:
+        parse_request("chat", {"messages": USER, "tools": [bad], "tool_choice": "required"}, tok, None, parser)
+    assert e.value.param == "tools" and reason in e.value.message
+
+
+STRICT = {"type": "function", "function": {"name": "get_weather", "strict": True,
+                                           "parameters": WEATHER["function"]["parameters"]}}
+LOOSE = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("parser, good, bad, loose", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n</tool_call>',
+     '<tool_call>\n{"name": "count", "arguments": {"n": "x", "m": 1}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "celsius": false}}',
+     '{"name": "get_weather", "parameters": {"city": "Paris"}}', '{"name": "count", "parameters": {"z": []}}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": 1, "celsius": true}}]',
+     '[TOOL_CALLS] [{"name": "count", "arguments": {"q": 2}}]'),
+    ("qwen3_coder", xml_call("get_weather", city="Paris", celsius="true"), xml_call("get_weather", city="Oslo"),
+     xml_call("count", n="7"))])
+def test_strict_tools_constrain_auto_calls_once_they_start(tok, parser, good, bad, loose):
+    """OpenAI's `strict` with tool_choice auto (as vLLM): text stays free, and a call, once begun, follows the
+    format, a strict tool's arguments its schema (the others' any object); no strict tool, no grammar."""
+    from flock.sample.grammar import GrammarCompiler
+
+    grammars = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    gen = parse_request("chat", {"messages": USER, "tools": [STRICT, LOOSE]}, tok, None, parser)
+    for answer, fits in [("It is sunny.", True), ("Let me check. " + good, True), (bad, False), (loose, True)]:
+        matcher = grammars.matcher(gen.params.structured_outputs)
+        assert bool(matcher.accept_string(answer) and matcher.accept_token(tok.eos_token_id)) is fits, answer
+    assert parse_request("chat", {"messages": USER, "tools": [WEATHER, LOOSE]}, tok, None,
+                         parser).params.structured_outputs is None
+    with_format = parse_request("chat", {"messages": USER, "tools": [STRICT], "response_format": {
+        "type": "json_object"}}, tok, None, parser)
+    assert with_format.structured_param == "response_format"
