@@ -4,6 +4,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from flock.api.reasoning import REASONING_PARSERS, THINKING_END, thinking_open
 from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
@@ -32,12 +33,30 @@ from flock.sampling_params import SamplingParams
 from flock.tokenizer import chat_text, encode_chat
 
 Prompt = str | dict | list[int]
+# vLLM's StructuredOutputsConfig fields LLM takes (its disable_additional_properties is the guidance backend's)
+STRUCTURED_OUTPUTS_CONFIG = {"backend", "disable_any_whitespace", "reasoning_parser", "enable_in_reasoning"}
 
 
 class LLM:
     """Offline generation, as in vLLM: `LLM(model, **config).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str = "flock/tiny", **kwargs):
+    def __init__(self, model: str = "flock/tiny", reasoning_parser: str | None = None,
+                 structured_outputs_config: dict | None = None, **kwargs):
+        """`reasoning_parser` (flock.api.reasoning.REASONING_PARSERS; or in vLLM's `structured_outputs_config`,
+        whose `disable_any_whitespace` and `enable_in_reasoning` it also takes): a structured output's grammar
+        applies once the prompt's open thinking has ended, unless enable_in_reasoning."""
+        so = dict(structured_outputs_config or {})
+        unknown = sorted(so.keys() - STRUCTURED_OUTPUTS_CONFIG)
+        if unknown or so.get("backend", "auto") not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config takes {sorted(STRUCTURED_OUTPUTS_CONFIG)} (backend auto or "
+                             f"xgrammar), got {structured_outputs_config!r}")
+        if "disable_any_whitespace" in so:
+            kwargs.setdefault("structured_outputs_any_whitespace", not so["disable_any_whitespace"])
+        self.reasoning_parser = reasoning_parser or so.get("reasoning_parser") or None
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        self.grammar_in_reasoning = bool(so.get("enable_in_reasoning", False))
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = LLMEngine(self.config)
 
@@ -85,11 +104,21 @@ class LLM:
                 params = [replace(p, **{name: value}) for p, value in zip(params, values)]
         texts, token_ids, images = zip(*encoded) if encoded else ((), (), ())
         params = [p if im is None else replace(p, multi_modal=im) for p, im in zip(params, images)]
+        params = [self._after_thinking(p, ids) for p, ids in zip(params, token_ids)]
         self._check_all(token_ids, params)
         self.engine.reset_stats()
         samples = [[self.engine.add_request(ids, s) for s in p.samples()] for ids, p in zip(token_ids, params)]
         self._run([req for reqs in samples for req in reqs], use_tqdm)
         return [self._output(reqs, text) for reqs, text in zip(samples, texts)]
+
+    def _after_thinking(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+        """Params whose grammar waits for the end of the thinking the prompt leaves open (with a reasoning parser,
+        as vLLM's structured outputs)."""
+        spec = params.structured_outputs
+        if self.reasoning_parser is None or self.grammar_in_reasoning or spec is None or spec.after is not None \
+                or not thinking_open(self.engine.tokenizer, prompt_ids):
+            return params
+        return replace(params, structured_outputs=replace(spec, after=THINKING_END))
 
     def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int], ImageInputs | None]:
         """A prompt's text, token ids and images (vLLM's multi_modal_data)."""

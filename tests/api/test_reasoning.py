@@ -110,3 +110,32 @@ def test_reasoning_over_the_api():
         choice = client.chat.completions.create(**hidden).choices[0]
         assert choice.message.content is None and choice.logprobs is None
         assert choice.message.model_dump().get("reasoning") is None
+
+
+def test_offline_structured_outputs_wait_for_the_thinking():
+    """vLLM's LLM(reasoning_parser=...) (or in structured_outputs_config): the grammar applies after the thinking a
+    prompt leaves open, from the first token with enable_in_reasoning, or where the prompt closed the thinking."""
+    from dataclasses import replace
+
+    from flock import LLM, SamplingParams, StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="Yes"))
+    plain = LLM("flock/tiny", load_format="dummy")
+    assert plain._after_thinking(params, [1, 2]) is params
+    for llm in (LLM("flock/tiny", load_format="dummy", reasoning_parser="deepseek_r1"),
+                LLM("flock/tiny", load_format="dummy", structured_outputs_config={"reasoning_parser": "qwen3"})):
+        tok = llm.get_tokenizer()
+        assert llm._after_thinking(params, tok.encode("Q?")).structured_outputs.after == "</think>"
+        assert llm._after_thinking(params, tok.encode("<think>a</think>")) is params
+        out = llm.generate("Q?", replace(params, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert out.text != "Yes"  # the random model never ends its thinking: the grammar never starts
+    eager = LLM("flock/tiny", load_format="dummy", structured_outputs_config={
+        "reasoning_parser": "deepseek_r1", "enable_in_reasoning": True, "backend": "xgrammar"})
+    assert eager._after_thinking(params, [1, 2]) is params
+    import pytest
+
+    for bad in ({"backend": "outlines"}, {"whitespace": 1}):
+        with pytest.raises(ValueError, match="structured_outputs_config"):
+            LLM("flock/tiny", load_format="dummy", structured_outputs_config=bad)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        LLM("flock/tiny", load_format="dummy", reasoning_parser="nope")
