@@ -97,7 +97,7 @@ class LLMEngine:
         resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
-        max_len = config.max_model_len or resolved.config.context_length
+        max_len = config.max_model_len or resolved.config.default_max_model_len
         if max_len > resolved.config.context_length and not os.environ.get("FLOCK_ALLOW_LONG_MAX_MODEL_LEN"):
             raise ValueError(f"max_model_len={max_len} is longer than the model's {resolved.config.context_length} "
                              "positions (as vLLM, set FLOCK_ALLOW_LONG_MAX_MODEL_LEN=1 to run past them anyway)")

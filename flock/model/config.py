@@ -150,6 +150,15 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def default_max_model_len(self) -> int:
+        """max_model_len when none is given, as vLLM defaults it: the context length, but LongRoPE's original
+        length, whose short factors shorter sequences want (flock.model.rope picks the factors by max_model_len)."""
+        s = self.rope_scaling
+        if s is not None and s["rope_type"] == "longrope":
+            return min(s["original_max_position_embeddings"], self.context_length)
+        return self.context_length
+
+    @property
     def rotary_dim(self) -> int:
         """The leading dims of each head the rotary embedding turns, as transformers rounds them."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -93,12 +93,12 @@ def test_greedy_matches_transformers(hf_folders, references, kind, prefix_cachin
 
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
 def test_longrope_factors_follow_max_model_len(hf_folders, references, attention):
-    """LongRoPE (Phi-3-128k): the short factors while max_model_len stays within the original length (transformers
-    uses them for such sequences), the long ones for every position past it (transformers' for a sequence that
+    """LongRoPE (Phi-3-128k): the short factors while max_model_len stays within the original length, its default
+    (transformers uses them for such sequences), the long ones for every position past it (transformers' for a sequence that
     passes it), each with its scaled cos and sin."""
     prompts, expected = references("phi3_longrope")  # at most 58 tokens, within the original 64
-    got, _ = flock_greedy(hf_folders["phi3_longrope"], prompts, max_model_len=64, attention=attention)
-    assert got == expected
+    got, llm = flock_greedy(hf_folders["phi3_longrope"], prompts, attention=attention)
+    assert got == expected and llm.engine.max_model_len == 64  # the default, as vLLM's: the original length
     long = [[(7 * i + j) % 8192 for i in range(70 + j)] for j in range(3)]
     got, _ = flock_greedy(hf_folders["phi3_longrope"], long, max_model_len=256, attention=attention)
     assert got == hf_greedy(hf_folders["phi3_longrope"], long)
