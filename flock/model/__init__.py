@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,9 +81,11 @@ def load_gguf_tokenizer(gguf_file: Path):
         except Exception:  # tokenizers raises its own kinds: a damaged copy, converted again
             shutil.rmtree(kept, ignore_errors=True)
     if tokenizer is None:
-        # the fast class itself: AutoTokenizer would first read the whole file again for its config
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                            local_files_only=True)
+        # the fast class itself: AutoTokenizer would first read the whole file again for its config; from an empty
+        # folder, since transformers prefers a tokenizer.json beside the file to the one inside it
+        with tempfile.TemporaryDirectory() as nothing:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(nothing, gguf_file=str(gguf_file),
+                                                                local_files_only=True)
         split_as_llama_cpp(tokenizer, gguf_file)
         gguf_table.keep_tokenizer(tokenizer, kept)
     tokenizer.name_or_path = str(gguf_file)  # loading it again by this name finds the same file
