@@ -1,3 +1,4 @@
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -7,6 +8,7 @@ from tqdm import tqdm
 from flock.api.reasoning import REASONING_PARSERS, THINKING_END, thinking_open
 from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
+from flock.engine.detokenizer import TokenPieces
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
 from flock.label_scores import LabelQuery
@@ -62,6 +64,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @functools.cached_property
+    def token_pieces(self) -> TokenPieces:
+        """Each token's text for logprobs (vLLM's decoded_token)."""
+        return TokenPieces(self.engine.tokenizer)
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -395,10 +402,8 @@ class LLM:
 
     def _output(self, samples: list[Request], prompt: str | None) -> RequestOutput:
         if samples[0].params.detokenize:
-            texts = {}
-            for req in samples:
-                with_texts(req.logprobs or [], self.engine.tokenizer, texts)
-            with_texts(samples[0].prompt_logprobs or [], self.engine.tokenizer, texts)
+            for entries in [*(req.logprobs for req in samples), samples[0].prompt_logprobs]:
+                with_texts(entries or [], self.token_pieces)
         completions = [CompletionOutput(
             index=j,
             text=self.engine.decode(req),

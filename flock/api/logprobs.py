@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flock.engine.detokenizer import PIECE_CONTEXT_TOKENS, TokenPieces
 from flock.sample.logprobs import TokenLogprobs
 
 
@@ -11,45 +12,54 @@ def finite(logprob: float) -> float:
 
 
 class TokenText:
-    """Each token id's own text (as vLLM's decoded_token), decoded once per id; with `as_ids`, "token_id:N"
-    instead (vLLM's return_tokens_as_token_ids: tokens that do not decode alone stay unambiguous)."""
+    """Each token id's own text after the tokens before it (vLLM's decoded_token, flock.engine.detokenizer's
+    TokenPieces); with `as_ids`, "token_id:N" instead (vLLM's return_tokens_as_token_ids: tokens that do not
+    decode alone stay unambiguous)."""
 
-    def __init__(self, tokenizer, as_ids: bool = False):
+    def __init__(self, tokenizer, as_ids: bool = False, pieces: TokenPieces | None = None):
         self.tokenizer, self.as_ids = tokenizer, as_ids
-        self.cache: dict[int, str] = {}
+        self.pieces = pieces or TokenPieces(tokenizer)
 
-    def __call__(self, token_id: int) -> str:
-        if self.as_ids:
-            return f"token_id:{token_id}"
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+    def __call__(self, token_id: int, context: list[int] = ()) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.pieces(token_id, context)
 
     def for_request(self, as_ids: bool) -> "TokenText":
-        return TokenText(self.tokenizer, as_ids=True) if as_ids else self
+        return TokenText(self.tokenizer, True, self.pieces) if as_ids else self
 
 
 def completion_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None],
-                        text_offset: int = 0) -> dict:
+                        text_offset: int = 0, context: list[int] = ()) -> dict:
     """/v1/completions' `logprobs`: token texts, their logprobs, the top alternatives (the chosen token among
     them, as vLLM gives them) and each token's offset in the text; an entry of None (an echoed prompt's first
-    token) has null logprobs."""
+    token) has null logprobs. `context`: the tokens before token_ids (a stream's earlier ones)."""
     tokens, offsets, logprobs, tops = [], [], [], []
-    for token_id, e in zip(token_ids, entries):
-        token = text(token_id)
+    for i, (token_id, e) in enumerate(zip(token_ids, entries)):
+        before = _before(context, token_ids, i)
+        token = text(token_id, before)
         tokens.append(token)
         offsets.append(text_offset)
         text_offset += len(token)
         logprobs.append(None if e is None else finite(e.logprob))
-        tops.append(None if e is None else {text(t): finite(lp) for t, lp in e.top} | {token: finite(e.logprob)})
+        tops.append(None if e is None else
+                    {text(t, before): finite(lp) for t, lp in e.top} | {token: finite(e.logprob)})
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(text: TokenText, entries: list[TokenLogprobs]) -> dict:
-    """/v1/chat/completions' `logprobs`: {"content": one item per output token}."""
-    return {"content": [_chat_item(text(e.token_id), e.logprob)
-                        | {"top_logprobs": [_chat_item(text(t), lp) for t, lp in e.top]} for e in entries]}
+def chat_logprobs(text: TokenText, entries: list[TokenLogprobs], context: list[int] = ()) -> dict:
+    """/v1/chat/completions' `logprobs`: {"content": one item per output token}; `context`: the output tokens
+    before the entries' (a stream's earlier ones)."""
+    ids = [e.token_id for e in entries]
+    items = []
+    for i, e in enumerate(entries):
+        before = _before(context, ids, i)
+        items.append(_chat_item(text(e.token_id, before), e.logprob)
+                     | {"top_logprobs": [_chat_item(text(t, before), lp) for t, lp in e.top]})
+    return {"content": items}
+
+
+def _before(context: list[int], ids: list[int], i: int) -> list[int]:
+    """The few tokens before ids[i] (context, then ids), that a token's text may complete a character of."""
+    return [*context[-PIECE_CONTEXT_TOKENS:], *ids[max(0, i - PIECE_CONTEXT_TOKENS) : i]][-PIECE_CONTEXT_TOKENS:]
 
 
 def _chat_item(token: str, logprob: float) -> dict:
@@ -60,12 +70,13 @@ def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLo
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
     the prompt's own token and its top alternatives."""
     out = []
-    for token_id, e in zip(token_ids, entries):
+    for i, (token_id, e) in enumerate(zip(token_ids, entries)):
         if e is None:
             out.append(None)
             continue
         ranks = {t: i + 1 for i, (t, _) in enumerate(e.top)}
         items = {t: (lp, ranks[t]) for t, lp in e.top} | {token_id: (e.logprob, e.rank)}
-        out.append({str(t): {"logprob": finite(lp), "rank": r, "decoded_token": text(t)}
+        before = _before((), token_ids, i)
+        out.append({str(t): {"logprob": finite(lp), "rank": r, "decoded_token": text(t, before)}
                     for t, (lp, r) in items.items()})
     return out

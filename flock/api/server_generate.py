@@ -23,6 +23,7 @@ from flock.api.answer_stream import AnswerStream
 from flock.api.generative_scores import parse_label_scores
 from flock.api.infill import parse_infill
 from flock.api.logprobs import TokenText, chat_logprobs, completion_logprobs
+from flock.engine.detokenizer import PIECE_CONTEXT_TOKENS
 from flock.api.pooling import pooling_request
 from flock.api.messages import MessageEvents, MessagesRequest, parse_messages
 from flock.api.messages import renamed as messages_renamed
@@ -247,6 +248,7 @@ async def _response_events(req: ResponsesRequest, streams: list[RequestStream], 
     hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs too (as vLLM)
     logprobs = gen.params.logprobs is not None and not hidden
     token_text = ctx.token_text.for_request(gen.tokens_as_ids)
+    seen: list[int] = []  # the last output tokens, that the next one's text may complete
     try:
         for event in events.start():
             yield _named_sse(event)
@@ -256,7 +258,9 @@ async def _response_events(req: ResponsesRequest, streams: list[RequestStream], 
                     sent = events.failed(out.error)
                 else:
                     reasoning, content, calls, finish_reason = answer.split(out)
-                    entries = chat_logprobs(token_text, out.logprobs)["content"] if logprobs and out.logprobs else None
+                    entries = chat_logprobs(token_text, out.logprobs, seen)["content"] \
+                        if logprobs and out.logprobs else None
+                    seen = [*seen, *(e.token_id for e in out.logprobs or [])][-PIECE_CONTEXT_TOKENS:]
                     sent = events.add("" if hidden else reasoning, content, entries, answer.answer_start)
                     if out.finished:
                         choice = Choice(events.content, finish_reason, tool_calls=calls or None,
@@ -474,6 +478,7 @@ class _StreamedChoice:
         self.usage_so_far: dict | None = None  # with continuous_usage_stats, set by each output
         self.token_text = ctx.token_text.for_request(gen.tokens_as_ids)
         self.offset = 0  # a completion's text_offset of its next token
+        self.context: list[int] = []  # the last tokens sent with logprobs, that the next one's text may complete
         self.answer = AnswerStream(gen, ctx.engine.tokenizer)
         self.hidden = gen.reasoning and not gen.include_reasoning  # the thinking's logprobs and ids too (as vLLM)
 
@@ -511,9 +516,10 @@ class _StreamedChoice:
     def _logprobs(self, ids: list[int], entries) -> dict | None:
         if entries is None:
             return None
+        context, self.context = self.context, [*self.context, *ids][-PIECE_CONTEXT_TOKENS:]
         if self.gen.kind == "chat":
-            return chat_logprobs(self.token_text, entries)
-        shaped = completion_logprobs(self.token_text, ids, entries, self.offset)
+            return chat_logprobs(self.token_text, entries, context)
+        shaped = completion_logprobs(self.token_text, ids, entries, self.offset, context)
         self.offset += sum(len(t) for t in shaped["tokens"])
         return shaped
 

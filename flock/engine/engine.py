@@ -407,8 +407,13 @@ class LLMEngine:
         n = req.params.min_tokens
         if n == 0:
             return 0
-        held = self.tokenizer.decode(req.output_token_ids[:n], skip_special_tokens=req.params.skip_special_tokens)
+        held = self._text(req, stream=False).final(req.output_token_ids[:n])
         return max(0, len(held) - len(stop) + 1)
+
+    def _text(self, req: Request, stream: bool = True) -> IncrementalText:
+        """A fresh incremental text of the request's output after its prompt."""
+        return IncrementalText(self.tokenizer, req.params.skip_special_tokens, self._cleans_up_spaces, stream,
+                               req.prompt_token_ids)
 
     def running_text(self, req: Request) -> str:
         """The output text so far: of a running request, the text of its settled tokens, decoded incrementally
@@ -416,7 +421,7 @@ class LLMEngine:
         if req.is_finished:
             return self.decode(req)
         if req.detokenizer is None:
-            req.detokenizer = IncrementalText(self.tokenizer, req.params.skip_special_tokens, self._cleans_up_spaces)
+            req.detokenizer = self._text(req)
         return req.detokenizer.update(req.output_token_ids)
 
     def decode(self, req: Request) -> str:
@@ -427,7 +432,7 @@ class LLMEngine:
             return ""
         if req.finish_reason == "stop" and not isinstance(req.stop_text, str) and not keep:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        text = self._text(req).final(ids)
         if isinstance(req.stop_text, str) and req.finish_reason == "stop":
             at = text.find(req.stop_text, self._stop_search_start(req, req.stop_text))
             text = text[: at + len(req.stop_text) if keep else at]

@@ -49,14 +49,14 @@ class TokenLogprobs(Mapping):
         return len(self._entries())
 
 
-def with_texts(entries: list["TokenLogprobs | None"], tokenizer, cache: dict[int, str]) -> None:
-    """Give each entry the text of its tokens (vLLM's decoded_token), each token decoded once into `cache`."""
-    for entry in entries:
+def with_texts(entries: list["TokenLogprobs | None"], pieces) -> None:
+    """Give each entry of a sequence the text of its tokens after the sequence's tokens before it (vLLM's
+    decoded_token; `pieces`: a flock.engine.detokenizer.TokenPieces)."""
+    ids = [None if e is None else e.token_id for e in entries]
+    for i, entry in enumerate(entries):
         if entry is not None:
-            for token in (entry.token_id, *(t for t, _ in entry.top)):
-                if token not in cache and token >= 0:
-                    cache[token] = tokenizer.decode([token])
-            entry.texts = cache
+            before = [t for t in ids[max(0, i - pieces.context_tokens) : i] if t is not None]
+            entry.texts = {t: pieces(t, before) for t in (entry.token_id, *(t for t, _ in entry.top)) if t >= 0}
 
 
 def log_softmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

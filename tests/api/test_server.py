@@ -173,7 +173,8 @@ def test_greedy_equals_offline_llm(client):
     prompts = ["Prefix sharing saves work because", SYSTEM + "What is a block table?"]
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         expected = out.outputs[0]
-        assert expected.text == tok.decode(expected.token_ids)
+        full = tok.decode(expected.token_ids)  # but bytes of a character the output leaves unfinished, as vLLM
+        assert full.startswith(expected.text) and set(full[len(expected.text) :]) <= {"\ufffd"}
         ids = tok.encode(prompt, add_special_tokens=True)
         for p in (prompt, ids):  # as text and as the engine tokenizer's token ids
             r = client.completions.create(model=MODEL, prompt=p, max_tokens=12, **GREEDY)
@@ -280,7 +281,8 @@ def test_completion_logprobs_and_echo_equal_offline_llm(client, offline):
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) + 6 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert "".join(lp.tokens) == tok.decode(ids + out.outputs[0].token_ids)
+    full = tok.decode(ids + out.outputs[0].token_ids)  # a character's bytes are the text of the token ending it
+    assert full.startswith("".join(lp.tokens)) and set(full[len("".join(lp.tokens)) :]) <= {"\ufffd"}
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert 3 <= len(top) <= 4 and top[token] == pytest.approx(logprob)

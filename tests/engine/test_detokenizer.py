@@ -43,24 +43,50 @@ def sequences(tok, rng: random.Random) -> list[list[int]]:
 
 @pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "windows"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_text_is_the_decoded_text(tmp_path, skip_special_tokens, stream):
-    """After every update the text is the decoded text of all ids but a few last unsettled ones (a prefix of
-    it), and at the end all of it, for each kind of decoder; only transformers' clean-up may change text
-    already given (a space before a later '.'), so there only the end is compared."""
+@pytest.mark.parametrize("with_prompt", [False, True])
+def test_incremental_text_is_the_decoded_text(tmp_path, skip_special_tokens, stream, with_prompt):
+    """After every update the text is what the output's ids add to their prompt's decoded text (all of their
+    decoded text without a prompt) but for a few last unsettled ones (a prefix of it), and at the end, `final`,
+    all of it, for each kind of decoder, where the ids are characters; only transformers' clean-up may change
+    text already given (a space before a later '.'), so there only the end is compared."""
     rng = random.Random(0)
     for name, tok in tokenizers(tmp_path).items():
         cleans = cleans_up_spaces(tok)
         assert cleans == (name == "WordPiece")
         decode = lambda ids: tok.decode(ids, skip_special_tokens=skip_special_tokens)  # noqa: E731
         for ids in sequences(tok, rng):
-            inc, k, text = IncrementalText(tok, skip_special_tokens, cleans, stream), 0, ""
+            prompt = tok.encode(rng.choice(TEXTS[:2]), add_special_tokens=False)[-5:] if with_prompt else []
+            head, whole = decode(prompt), decode(prompt + ids)
+            expected = whole[len(head) :] if whole.startswith(head) else decode(ids)
+            inc, k, text = IncrementalText(tok, skip_special_tokens, cleans, stream, prompt), 0, ""
             while k < len(ids):
                 k = min(len(ids), k + rng.choice([1, 1, 1, 2, 3]))
                 text = inc.update(ids[:k])
                 assert k - inc.done <= MAX_PENDING_TOKENS
-                assert cleans or decode(ids[:k]).startswith(text), (name, ids[:k], text)
-            full = decode(ids)
-            assert text == full or (full.endswith("\ufffd") and full.startswith(text)), (name, ids, text, full)
+                assert cleans or expected.startswith(text) or "\ufffd" in expected, (name, ids[:k], text)
+            final = inc.final(ids)
+            # bytes that are no UTF-8 decode whole as U+FFFD each, but one by one as far as they are characters
+            assert final == expected or "\ufffd" in expected, (name, prompt, ids, final, expected)
+
+
+def test_an_output_keeps_the_space_its_first_token_starts_with(tmp_path):
+    """As vLLM: a SentencePiece output after its prompt keeps its first token's space ('▁the' is ' the'), which
+    decoding the output alone strips; stop strings see that text too."""
+    from flock import LLM, SamplingParams
+
+    tok = load_tokenizer(write_spm_gguf(tmp_path / "s.gguf"))
+    pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+    word = next(i for i, t in enumerate(pieces) if t.startswith("\u2581") and t[1:].isalpha())
+    text = " " + pieces[word][1:]
+    assert tok.decode([word, word]) == text[1:] + text
+    for stream in (True, False):
+        assert IncrementalText(tok, True, False, stream, tok.encode("Say:")).final([word, word]) == text * 2
+    llm = LLM("flock/tiny", load_format="dummy", dtype="float32", tokenizer=str(tmp_path / "s.gguf"))
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={word: 100}, ignore_eos=True)
+    assert llm.generate(["Say:"], params, use_tqdm=False)[0].outputs[0].text == text * 3
+    params.stop = [text]
+    out = llm.generate(["Say:"], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, len(out.token_ids), out.stop_reason) == ("", 1, text)
 
 
 def test_a_stop_string_split_over_tokens_stops_the_request():
@@ -73,3 +99,22 @@ def test_a_stop_string_split_over_tokens_stops_the_request():
     stop = free.text[at : at + 3]
     out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
     assert (out[0].outputs[0].text, out[0].outputs[0].stop_reason) == (free.text[:at], stop)
+
+
+def test_token_pieces_are_vllms_decoded_tokens(tmp_path):
+    """A lone SentencePiece token keeps its space; the bytes of a character split over tokens are "" until the
+    token that ends it, which takes the whole character: the pieces of a text join into the text."""
+    from flock.engine.detokenizer import TokenPieces
+
+    for name, tok in tokenizers(tmp_path).items():
+        if name == "WordPiece":
+            continue
+        pieces = TokenPieces(tok)
+        for text in ("The café 日本 😀", " x 🙂🙂 ½"):
+            ids = tok.encode(text, add_special_tokens=False)
+            got = [pieces(t, ids[:i]) for i, t in enumerate(ids)]
+            assert "".join(got) == (" " + text if pieces.marker else text), (name, got)
+            assert all("\ufffd" not in g for g in got)
+    spm = TokenPieces(load_tokenizer(write_spm_gguf(tmp_path / "s.gguf")))
+    byte = spm.tokenizer.convert_tokens_to_ids("<0xE6>")
+    assert spm.marker == "\u2581" and spm(byte) == "" and spm(byte, [1]) == ""  # unfinished, whatever came before
