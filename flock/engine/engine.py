@@ -376,7 +376,8 @@ class LLMEngine:
         # as vLLM: no EOS or stop token before min_tokens output tokens, no stop string within them
         stoppable = req.num_output_tokens >= p.min_tokens
         if stoppable and not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
+            # as vLLM: the generation config's other EOS ids are stop tokens, named as the stop reason
+            req.finish_reason, req.stop_text = "stop", None if token == self.tokenizer.eos_token_id else token
         elif req.grammar is not None and req.grammar.is_terminated():  # its stop token ended the grammar
             req.finish_reason = "stop"
         elif stoppable and token in p.stop_token_ids:
@@ -392,14 +393,19 @@ class LLMEngine:
         return req.finish_reason is not None
 
     def _find_stop_string(self, req: Request) -> bool:
+        """Whether the new text holds a stop string (the one that ends first there, the first listed of those, as
+        vLLM picks it)."""
         searched = len(req.detokenizer.text) if req.detokenizer is not None else 0
         text = self.running_text(req)
-        for s in req.params.stop:
+        ends = []
+        for i, s in enumerate(req.params.stop):
             # in the new text and the end of the text before it (one character more: a clean-up may drop a space)
-            if text.find(s, max(self._stop_search_start(req, s), searched - len(s))) >= 0:
-                req.stop_text = s
-                return True
-        return False
+            at = text.find(s, max(self._stop_search_start(req, s), searched - len(s)))
+            if at >= 0:
+                ends.append((at + len(s), i))
+        if ends:
+            req.stop_text = req.params.stop[min(ends)[1]]
+        return bool(ends)
 
     def _stop_search_start(self, req: Request, stop: str) -> int:
         """Where a stop string may begin: anywhere, or, with min_tokens, ending past the text of the first

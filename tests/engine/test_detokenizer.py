@@ -118,3 +118,36 @@ def test_token_pieces_are_vllms_decoded_tokens(tmp_path):
     spm = TokenPieces(load_tokenizer(write_spm_gguf(tmp_path / "s.gguf")))
     byte = spm.tokenizer.convert_tokens_to_ids("<0xE6>")
     assert spm.marker == "\u2581" and spm(byte) == "" and spm(byte, [1]) == ""  # unfinished, whatever came before
+
+
+def test_of_stop_strings_met_in_one_token_the_one_ending_first_stops():
+    """As vLLM: several stop strings completed by the same token stop at the one that ends first in the text
+    (the first listed of those that end together), whatever the list's order."""
+    from flock import LLM, SamplingParams
+
+    llm = LLM("flock/tiny", load_format="dummy", dtype="float32")
+    free = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    for k in range(1, len(free.token_ids)):
+        start = len(tok.decode(free.token_ids[:k]))
+        piece = free.text[start : len(tok.decode(free.token_ids[: k + 1]))]
+        late, early = piece[-2:], piece[:2]
+        if len(piece) >= 4 and free.text.find(early) == start and free.text.find(late) == start + len(piece) - 2:
+            break
+    else:
+        pytest.skip("no token of four characters whose ends first appear in it")
+    out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[late, early]))
+    assert (out[0].outputs[0].text, out[0].outputs[0].stop_reason) == (free.text[:start], early)
+
+
+def test_the_generation_configs_other_eos_ids_are_named_as_the_stop_reason():
+    """As vLLM: an EOS id of the model's config other than the tokenizer's ends the output with it as stop_reason
+    (vLLM makes them stop tokens); the tokenizer's own EOS gives none."""
+    from flock import LLM, SamplingParams
+
+    tiny = LLM("flock/tiny", load_format="dummy", dtype="float32")
+    eos = tiny.get_tokenizer().eos_token_id
+    llm = LLM("flock/tiny", load_format="dummy", dtype="float32", hf_overrides={"eos_token_id": [eos, 42]})
+    for token, reason in ((42, 42), (eos, None)):
+        out = llm.generate(["a b"], SamplingParams(temperature=0, max_tokens=5, logit_bias={token: 100}))[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", reason)
