@@ -116,6 +116,13 @@ class BeamSearch:
         self.beams = candidates[: self.params.beam_width]
         self.steps += 1
 
+    def abort(self) -> None:
+        """End the search where it is (the engine aborted its step): the live beams finish as "abort"."""
+        for beam in self.beams:
+            beam.finish_reason = "abort"
+        self.completed += self.beams
+        self.beams = []
+
     def result(self) -> list[BeamSearchSequence]:
         """The best beam_width of the complete and the live beams, best first."""
         for beam in self.beams:

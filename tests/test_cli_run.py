@@ -65,11 +65,16 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
     args = parser.parse_args(["serve", "org/model", "--scheduling-policy", "priority", "--no-enable-prefix-caching",
                               "--trust-remote-code", "--disable-log-requests", "-tp", "1", "--uvicorn-log-level",
                               "warning", "--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser",
-                              "hermes"])
+                              "hermes", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--enable-log-requests",
+                              "--allowed-origins", '["http://a.example"]', "--root-path", "/llm", "--download-dir",
+                              "/d", "--disable-uvicorn-access-log", "--max-log-len", "100"])
     apply_vllm_arguments(args)
     kw = engine_kwargs(args)
     assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \
         ("org/model", "priority", False, 4096, "warning")
+    assert (args.access_log, args.allowed_origins, args.root_path) == (True, ["http://a.example"], "/llm")
+    with pytest.raises(ValueError, match="tokenizer-mode mistral"):
+        apply_vllm_arguments(parser.parse_args(["serve", "--tokenizer-mode", "mistral"]))
     from flock.api.tools import tool_parser
 
     assert tool_parser(parser.parse_args(["serve", "--tool-call-parser", "llama4_pythonic"])) == "pythonic"

@@ -10,7 +10,9 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (whole or SSE-strea
 """
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 from flock.api.reasoning import THINKING_END
@@ -40,7 +42,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 endpoints")
+    p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
+                   "endpoints, KEY any of these (default: the VLLM_API_KEY environment variable's, as vLLM)")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
     p.add_argument("--stream-interval", type=_positive, default=1,
@@ -76,7 +79,30 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    "(generation and embeddings; a *ForSequenceClassification, or --hf-overrides classifier_from_token: "
                    "classification, score, rerank)")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
-    v.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, help="as --log-level")
+    v.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "critical", "trace"], help="as --log-level")
+    v.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                   help="CORS: the origins browsers may call the API from, a JSON list (as vLLM: any)")
+    v.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: the methods, a JSON list")
+    v.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: the headers, a JSON list")
+    v.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    v.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
+    v.add_argument("--ssl-keyfile", help="serve HTTPS with this key file ...")
+    v.add_argument("--ssl-certfile", help="... and this certificate file")
+    v.add_argument("--ssl-ca-certs", help="CA certificates to check clients' certificates against")
+    v.add_argument("--ssl-cert-reqs", type=int, default=0, help="whether a client certificate is required (Python's "
+                   "ssl.CERT_* value)")
+    v.add_argument("--enable-request-id-headers", action="store_true",
+                   help="each response carries X-Request-Id (the request's own, else a new one)")
+    v.add_argument("--enable-log-requests", action="store_true", help="as --access-log")
+    v.add_argument("--max-log-len", type=int, help="accepted: the access log holds no prompts")
+    v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted: no access log without "
+                   "--access-log")
+    v.add_argument("--enforce-eager", "--enable-chunked-prefill", action="store_true",
+                   help="accepted: Flock runs eagerly, and chunks long prefills always")
+    v.add_argument("--gpu-memory-utilization", type=float, help="accepted: a CPU's KV budget is "
+                   "--kv-cache-memory-bytes (or --num-kv-blocks)")
+    v.add_argument("--download-dir", "--revision", help="accepted: Flock never downloads")
+    v.add_argument("--tokenizer-mode", default="auto", help="auto (or hf): the model's Hugging Face tokenizer")
     v.add_argument("--max-loras", "--max-cpu-loras", type=int,
                    help="accepted: Flock keeps every loaded LoRA adapter in memory and runs any number in one step")
 
@@ -92,14 +118,23 @@ def apply_vllm_arguments(args: argparse.Namespace) -> None:
         args.scheduler = "priority"
     if args.no_enable_prefix_caching:
         args.enable_prefix_caching = False
+    if args.tokenizer_mode not in ("auto", "hf"):
+        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: Flock runs the model's Hugging Face tokenizer "
+                         "(auto)")
     args.log_level = args.uvicorn_log_level or args.log_level
+    args.access_log = args.access_log or args.enable_log_requests
+
+
+def api_keys(args) -> list[str] | None:
+    """The keys that open /v1: --api-key's, else the VLLM_API_KEY environment variable's (as vLLM), else none."""
+    return args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else None)
 
 
 def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flock.api.metrics import Metrics
-    from flock.api.server_app import DrainingServer, build_app
+    from flock.api.server_app import DrainingServer, http_app
     from flock.api.responses import ResponseStore
     from flock.api.server_generate import ServerContext
     from flock.config import EngineConfig
@@ -110,7 +145,8 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level="DEBUG" if args.log_level == "trace" else args.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         parser = tool_parser(args)
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -120,7 +156,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     try:
         names = args.served_model_name or [args.model]
-        ctx = ServerContext(engine, Metrics(engine, names[0]), names, args.api_key, parser, args.reasoning_parser,
+        ctx = ServerContext(engine, Metrics(engine, names[0]), names, api_keys(args), parser, args.reasoning_parser,
                             ResponseStore(max(args.max_stored_responses, 0)), args.batch_dir,
                             lora_requests(config.lora_modules or []))
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
@@ -129,7 +165,9 @@ def serve_main(args: argparse.Namespace) -> int:
             log.warning("--reasoning-parser %s: the tokenizer has no %s token, so every answer that does not write "
                         "the tag is all reasoning (vLLM refuses to start)", args.reasoning_parser, THINKING_END)
         server = DrainingServer(uvicorn.Config(
-            build_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+            http_app(ctx, args), host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+            root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_AFTER_ABORT_S), engine, args.shutdown_timeout)
         server.run()  # after a graceful shutdown uvicorn re-raises SIGTERM / SIGINT
     except KeyboardInterrupt:

@@ -1,10 +1,12 @@
 """The FastAPI app of `flock serve`: routes, API-key check, OpenAI-style errors, metrics."""
 
 import asyncio
+import hashlib
 import hmac
 import os
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 
@@ -13,6 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import flock
 from flock.api.metrics import StatusCounter
@@ -50,6 +53,37 @@ COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/r
                  "/infill", "/generative_scoring", "/pooling"}
 
 
+def http_app(ctx: ServerContext, args) -> FastAPI:
+    """The server's app with the HTTP layers `flock serve`'s flags ask for: CORS (as vLLM's, any origin by
+    default) and X-Request-Id headers."""
+    app = build_app(ctx)
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                       allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    return app
+
+
+class RequestIdHeader:
+    """Each response carries X-Request-Id: the request's own, else a new one (vLLM's
+    --enable-request-id-headers). Plain ASGI, as StatusCounter."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                message = message | {"headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,9 +93,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
 
     app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    batches = BatchService(FileStore(ctx.batch_dir), app, ctx.api_key)
+    batches = BatchService(FileStore(ctx.batch_dir), app, ctx.api_keys[0] if ctx.api_keys else None)
     message_batches = MessageBatches(app, batches.headers)
-    auth = [Depends(_auth(ctx.api_key))] if ctx.api_key else []
+    auth = [Depends(_auth(ctx.api_keys))] if ctx.api_keys else []
     app.include_router(_v1_router(ctx), dependencies=auth)
     app.include_router(_batch_router(batches), dependencies=auth)
     app.include_router(_message_batch_router(message_batches), dependencies=auth)
@@ -358,13 +392,19 @@ def _stored(ctx: ServerContext, response_id: str) -> dict:
     return response
 
 
-def _auth(api_key: str):
-    """The API key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
-    expected = f"Bearer {api_key}".encode()
+def _auth(api_keys: list[str]):
+    """Any of the API keys, as OpenAI's clients send it (Authorization: Bearer KEY, the scheme in any case, as
+    vLLM reads it) or Anthropic's (x-api-key: KEY); each key compared in constant time, by its digest."""
+    expected = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+
+    def known(key: str) -> bool:
+        digest = hashlib.sha256(key.encode()).digest()
+        return any([hmac.compare_digest(digest, e) for e in expected])  # a list: every key compared
 
     async def check(raw: Request) -> None:
-        bearer = hmac.compare_digest(raw.headers.get("authorization", "").encode(), expected)
-        if not bearer and not hmac.compare_digest(raw.headers.get("x-api-key", "").encode(), api_key.encode()):
+        scheme, _, key = raw.headers.get("authorization", "").partition(" ")
+        anthropic = raw.headers.get("x-api-key")
+        if not (scheme.lower() == "bearer" and known(key)) and not (anthropic is not None and known(anthropic)):
             raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            status=401, code="invalid_api_key")
 

@@ -65,7 +65,7 @@ class ServerContext:
     engine: AsyncEngine
     metrics: Metrics
     model_names: list[str]  # the first one is reported in responses
-    api_key: str | None = None
+    api_keys: list[str] | None = None  # any of them opens /v1 (None: no key)
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: no tool calls
     reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
     responses: ResponseStore = field(default_factory=ResponseStore)
@@ -115,10 +115,21 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
     """vLLM's use_beam_search (flock/beam_search.py): each step's requests through the engine."""
     searches = gen.beam_searches(ctx.engine.max_model_len, ctx.engine.eos_token_ids)
     while live := [s for s in searches if not s.done]:
-        streams = await _submit([r for s in live for r in s.requests()], ctx, lambda e: engine_error(e, gen))
+        try:
+            streams = await _submit([r for s in live for r in s.requests()], ctx, lambda e: engine_error(e, gen))
+        except APIError as e:
+            if e.status != 503 or not any(s.steps for s in searches):
+                raise
+            for search in live:  # the engine stopped between steps: the beams as they are
+                search.abort()
+            break
         parts = iter(await _collect(streams, raw, ctx))
         for search in live:
-            search.advance([next(parts).logprobs[0] for _ in search.beams])
+            results = [next(parts).logprobs for _ in search.beams]
+            if all(results):
+                search.advance([r[0] for r in results])
+            else:  # aborted (the client went away, the server stops): the beams as they are
+                search.abort()
     choices, usage_ = gen.beam_choices(searches, ctx.engine.tokenizer)
     return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created)
 
@@ -338,6 +349,11 @@ def reported_model(model: str | None, ctx: ServerContext) -> str:
 
 
 async def json_body(raw: Request):
+    """The request's JSON body; a 400 for another media type (as vLLM: a page's form post is no API call)."""
+    media = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(f"the request body must be sent as application/json, not {media or 'without a type'}",
+                       code="unsupported_media_type")
     try:
         body = await raw.body()
     except ClientDisconnect:  # nobody to answer; not a server error

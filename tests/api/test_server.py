@@ -28,8 +28,9 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence, and never rep
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY,
+    with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY, "sk-second",
                        "--num-kv-blocks", "1024", "--max-model-len", "2048", "--tool-call-parser", "hermes",
+                       "--enable-request-id-headers",
                        env=ONE_THREAD) as s:
         yield s
 
@@ -143,8 +144,21 @@ def test_stop_reason_as_vllm(client, stream):
 
 
 def test_a_body_nested_too_deeply_is_a_400(server):
-    r = httpx.post(f"{server.url}/v1/completions", content="[" * 100_000 + "]" * 100_000, headers=AUTH, timeout=30)
+    r = httpx.post(f"{server.url}/v1/completions", content="[" * 100_000 + "]" * 100_000, timeout=30,
+                   headers=AUTH | {"Content-Type": "application/json"})
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("media", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_sent_as_json_is_a_400(server, media):
+    """As vLLM: a web page's form post (no CORS preflight) is no API call."""
+    headers = AUTH | ({"Content-Type": media} if media else {})
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                   headers=headers)
+    assert r.status_code == 400 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                   headers=AUTH | {"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
 
 
 def test_invalid_json_and_unknown_model(server, client):
@@ -164,6 +178,34 @@ def test_api_key(server):
         r = httpx.request("GET" if path.endswith("models") else "POST", server.url + path, json={"prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200  # open without a key
+    for header in (f"bearer {KEY}", "BEARER sk-second"):  # any of the keys, the scheme in any case (as vLLM)
+        assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": header}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "sk-second"}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
+def test_browsers_preflight_and_responses_carry_their_request_id(server):
+    """vLLM's HTTP layers: CORS for any origin by default (a preflight needs no key), and with
+    --enable-request-id-headers each response's X-Request-Id (the request's own, else a new one)."""
+    r = httpx.options(f"{server.url}/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(f"{server.url}/v1/models", headers=AUTH | {"Origin": "http://example.com", "X-Request-Id": "r-1"})
+    assert r.headers["access-control-allow-origin"] == "*" and r.headers["x-request-id"] == "r-1"
+    assert len(httpx.get(f"{server.url}/health").headers["x-request-id"]) == 32
+
+
+def test_api_keys_from_the_flag_else_vllms_environment_variable(monkeypatch):
+    from types import SimpleNamespace
+
+    from flock.api.server import api_keys
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_keys(SimpleNamespace(api_key=None)) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert api_keys(SimpleNamespace(api_key=None)) == ["from-env"]
+    assert api_keys(SimpleNamespace(api_key=["a", "b"])) == ["a", "b"]
 
 
 def test_greedy_equals_offline_llm(client):

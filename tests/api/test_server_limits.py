@@ -84,15 +84,19 @@ def test_requests_past_the_shutdown_timeout_end_with_what_they_generated():
     with ServerProcess("--model", "flock/tiny", "--shutdown-timeout", "1", env=ONE_THREAD) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
         endless = dict(prompt="go on", max_tokens=4000, **LONG)
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             whole = pool.submit(client.completions.create, **endless)
             streamed = pool.submit(lambda: list(client.completions.create(stream=True, **endless)))
+            beams = pool.submit(client.completions.create, model="flock/tiny", prompt="go on", max_tokens=4000, n=2,
+                                extra_body={"use_beam_search": True, "ignore_eos": True})
             deadline = time.monotonic() + 30
             while health(s)["num_running"] < 2:
                 assert time.monotonic() < deadline and not whole.done()
                 time.sleep(0.02)
+            time.sleep(0.5)  # the beams' steps under way too
             assert s.stop(timeout=60) in (0, -signal.SIGTERM)
-            r, chunks = whole.result(timeout=30), streamed.result(timeout=30)
+            r, chunks, b = whole.result(timeout=30), streamed.result(timeout=30), beams.result(timeout=30)
         assert "Traceback" not in s.logs()
     assert r.choices[0].finish_reason == "abort" and r.usage.completion_tokens > 0 and r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "abort" and "".join(c.choices[0].text for c in chunks)
+    assert [c.finish_reason for c in b.choices] == ["abort", "abort"]  # the beams as they were
