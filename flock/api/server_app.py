@@ -90,6 +90,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         yield
         batches.shutdown()
         message_batches.shutdown()
+        ctx.parse_pool.shutdown(wait=False)
         ctx.engine.shutdown()  # uvicorn has let in-flight requests finish (or cancelled them) by now
 
     app = FastAPI(title="flock", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

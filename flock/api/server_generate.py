@@ -11,8 +11,10 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -72,9 +74,17 @@ class ServerContext:
     batch_dir: str | None = None  # where /v1/files keeps uploads and batch outputs (None: a temporary folder)
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters (--lora-modules) by model name
     token_text: TokenText = field(init=False)
+    # where bodies are parsed (prompts tokenized, chat templates rendered): one thread, off the event loop, so a
+    # huge prompt holds up no other client's stream or /health (vLLM tokenizes on an executor too)
+    parse_pool: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self):
         self.token_text = TokenText(self.engine.tokenizer)
+        self.parse_pool = ThreadPoolExecutor(1, thread_name_prefix="flock-parse")
+
+    async def parsed(self, parse: Callable, *args, **kwargs):
+        """parse(*args, **kwargs) on the parsing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, partial(parse, *args, **kwargs))
 
 
 @dataclass
@@ -91,9 +101,9 @@ class Reply:
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
-    gen = parse_request(kind, with_defaults(await json_body(raw), ctx.engine.sampling_defaults), ctx.engine.tokenizer,
-                        default_max_tokens=16 if kind == "completion" else None, tool_parser=ctx.tool_parser,
-                        reasoning_parser=ctx.reasoning_parser)
+    gen = await ctx.parsed(parse_request, kind, with_defaults(await json_body(raw), ctx.engine.sampling_defaults),
+                           ctx.engine.tokenizer, default_max_tokens=16 if kind == "completion" else None,
+                           tool_parser=ctx.tool_parser, reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
     gen.use_lora(ctx.loras.get(gen.model))
     gen.fit(ctx.engine.max_model_len)
@@ -136,7 +146,7 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
 
 async def generate_native(raw: Request, ctx: ServerContext):
     """SGLang's POST /generate (flock/api/sglang.py)."""
-    req = parse_generate(await json_body(raw), ctx.engine.tokenizer, ctx.loras)
+    req = await ctx.parsed(parse_generate, await json_body(raw), ctx.engine.tokenizer, ctx.loras)
     streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
     start = time.monotonic()
     if req.stream:
@@ -149,8 +159,8 @@ async def generate_native(raw: Request, ctx: ServerContext):
 async def generate_llama_cpp(raw: Request, ctx: ServerContext, infill: bool = False):
     """llama-server's POST /completion (flock/api/llama_cpp.py), or its /infill (flock/api/infill.py)."""
     body, tokenizer = await json_body(raw), ctx.engine.tokenizer
-    req = parse_infill(body, tokenizer, ctx.engine.max_model_len) if infill else \
-        llama_cpp.parse_completion(body, tokenizer)
+    req = await ctx.parsed(parse_infill, body, tokenizer, ctx.engine.max_model_len) if infill else \
+        await ctx.parsed(llama_cpp.parse_completion, body, tokenizer)
     start = time.monotonic()
     streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
     if req.stream:
@@ -204,7 +214,7 @@ async def score_labels(raw: Request, ctx: ServerContext, kind: str = "vllm", bod
     one token after each item, the labels' probabilities from its logprobs."""
     body = check_model(await json_body(raw) if body is None else body, ctx)
     engine = ctx.engine
-    req = parse_label_scores(kind, body, engine.tokenizer, engine.vocab_size, engine.max_model_len)
+    req = await ctx.parsed(parse_label_scores, kind, body, engine.tokenizer, engine.vocab_size, engine.max_model_len)
     req.params.lora_request = ctx.loras.get(body.get("model"))
     streams = await _submit([(ids, req.params) for ids in req.prompts], ctx, req.rejected)
     parts = await _collect(streams, raw, ctx)
@@ -229,8 +239,8 @@ async def respond(raw: Request, ctx: ServerContext):
     """POST /v1/responses (flock/api/responses.py)."""
     body = check_model(await json_body(raw), ctx)
     history = ctx.responses.history(body.get("previous_response_id")) if isinstance(body, dict) else None
-    req = parse_responses(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser, history,
-                          ctx.engine.sampling_defaults)
+    req = await ctx.parsed(parse_responses, body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser,
+                           history, ctx.engine.sampling_defaults)
     gen, model = req.gen, reported_model(body.get("model"), ctx)
     gen.use_lora(ctx.loras.get(body.get("model")))
     req.storable = ctx.responses.capacity > 0
@@ -289,8 +299,8 @@ async def _response_events(req: ResponsesRequest, streams: list[RequestStream], 
 async def answer_messages(raw: Request, ctx: ServerContext):
     """POST /v1/messages (flock/api/messages.py)."""
     body = check_model(await json_body(raw), ctx)
-    req = parse_messages(body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser,
-                         ctx.engine.sampling_defaults)
+    req = await ctx.parsed(parse_messages, body, ctx.engine.tokenizer, ctx.tool_parser, ctx.reasoning_parser,
+                           ctx.engine.sampling_defaults)
     gen, model = req.gen, reported_model(body.get("model"), ctx)
     gen.use_lora(ctx.loras.get(body.get("model")))
     streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)))

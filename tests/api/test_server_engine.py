@@ -266,3 +266,26 @@ def test_pooling_answers_the_models_embeddings(engine):
     pooled, embedded = asyncio.run(go())
     assert [d["data"] for d in pooled["data"]] == [pytest.approx(d["embedding"], abs=1e-6) for d in embedded["data"]]
     assert pooled["usage"] == embedded["usage"] and pooled["object"] == "list"
+
+
+def test_bodies_are_parsed_off_the_event_loop(engine, monkeypatch):
+    """A prompt is tokenized (a chat's template rendered) on the server's parsing thread, so a huge one holds up
+    no other client's stream or /health."""
+    import threading
+
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+    tokenizer, threads = engine.tokenizer, []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: threads.append(threading.current_thread().name)
+                        or encode(*a, **k))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            for path, body in (("/v1/completions", {"prompt": "x"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+                r = await http.post(path, json=body | {"max_tokens": 2})
+                assert r.status_code == 200, r.text
+
+    asyncio.run(go())
+    assert threads and all(name.startswith("flock-parse") for name in threads)
+    wait_idle(engine)
