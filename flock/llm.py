@@ -82,19 +82,27 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
         outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams) and,
         for a vision-language model, vLLM's `multi_modal_data` {"image": one or a list of PIL images, URLs or
         paths} beside a text `prompt` that marks each image with the model's image token; a `lora_request` (one
         for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True);
-        `priority` (one for all, or one each) sets their params' priority. All prompts and parameters are checked
-        before any work starts: a bad one raises ValueError naming its index and field."""
+        `priority` (one for all, or one each) sets their params' priority; `tokenization_kwargs` (vLLM's
+        truncate_prompt_tokens and truncation_side) set their params' fields of those names. All prompts and
+        parameters are checked before any work starts: a bad one raises ValueError naming its index and field."""
         if not isinstance(prompts, (str, dict, Sequence)):
             raise TypeError(f"prompts must be a string, a dict, a list of token ids or a list of those, not "
                             f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        unknown = sorted((tokenization_kwargs or {}).keys() - {"truncate_prompt_tokens", "truncation_side"})
+        if unknown:
+            raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side, got {unknown}")
+        if tokenization_kwargs:
+            sampling_params = [replace(p, **tokenization_kwargs)
+                               for p in self._params_per_prompt(sampling_params, len(prompts))]
         return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
                               use_tqdm, lora_request, priority)
 
@@ -412,6 +420,7 @@ class LLM:
             stop_reason=req.stop_text,
             logprobs=req.logprobs,
             cumulative_logprob=None if req.logprobs is None else sum(e.logprob for e in req.logprobs),
+            lora_request=req.params.lora_request,
         ) for j, req in enumerate(samples)]
         first = samples[0]
         return RequestOutput(
@@ -424,4 +433,5 @@ class LLM:
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             prompt_token_id_logprobs=None if first.prompt_ids is None else
             id_logprobs(first.prompt_logprobs, first.params.prompt_logprob_start or 0),
+            lora_request=first.params.lora_request,
         )

@@ -15,6 +15,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs, when they are asked
+    lora_request: object = None  # the LoRA adapter it ran with (vLLM's field)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -32,6 +33,12 @@ class RequestOutput:
     # of SamplingParams.prompt_logprob_token_ids: [rows, most ids in a row], row i the logprobs of its ids as
     # predictions of prompt token prompt_logprob_start + i + 1 (-inf in padding), float32
     prompt_token_id_logprobs: np.ndarray | None = None
+    lora_request: object = None  # the LoRA adapter it ran with
+    # vLLM's fields a decoder-only engine without per-request stats or KV transfer leaves empty
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    metrics: object = None
+    kv_transfer_params: dict | None = None
 
 
 def id_logprobs(entries: list[TokenLogprobs | None], start: int) -> np.ndarray:

@@ -185,6 +185,20 @@ class SamplingParams:
     # -1: no limit; flock/sample/thinking.py)
     thinking_token_budget: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None  # (or a dict of its fields)
+    # vLLM's fields that change no output here, accepted so that code written for vLLM runs: spaces between
+    # special tokens (slow tokenizers' decoding only; Flock's are fast), how outputs stream (LLM returns whole
+    # ones, streams send deltas), the flat logprobs container (Flock's list of mappings reads the same), a copy
+    # hint, the stop-string buffer, custom logits processors' arguments (Flock runs none)
+    spaces_between_special_tokens: bool = True
+    output_kind: object = None
+    flat_logprobs: bool = False
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
+    extra_args: dict | None = None
+    # vLLM's, accepted at what Flock runs: no watermark, no routing traces, no traced decode tokens
+    watermarking: bool | None = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # the engine's, of bad_words
     dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers
 
@@ -297,6 +311,10 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field (token ids are checked against vocab_size when given)."""
+        for name, runs in (("watermarking", (None, False)), ("routed_experts_prompt_start", (0,)),
+                           ("trace_decode_token_ids", (None, []))):
+            if getattr(self, name) not in runs:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported (Flock runs {name}={runs[0]!r})")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:

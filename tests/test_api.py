@@ -215,3 +215,27 @@ def test_max_model_len_past_the_models_positions_is_refused_unless_allowed(monke
         LLM("flock/tiny", max_model_len=8192)
     monkeypatch.setenv("FLOCK_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM("flock/tiny", max_model_len=8192, num_kv_blocks=600).engine.max_model_len == 8192
+
+
+def test_vllms_other_fields_and_tokenization_kwargs(llm):
+    """Code written for vLLM 0.32 runs: SamplingParams' fields that change no output here are accepted, those
+    Flock does not run refused by name; outputs carry vLLM's fields; generate's tokenization_kwargs truncate."""
+    from flock.outputs import RequestOutput
+
+    params = SamplingParams(temperature=0, max_tokens=2, spaces_between_special_tokens=False, output_kind=2,
+                            flat_logprobs=True, skip_clone=True, output_text_buffer_length=4,
+                            extra_args={"custom": 1}, watermarking=False, routed_experts_prompt_start=0)
+    out = llm.generate("The cache", params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == llm.generate("The cache", SamplingParams(temperature=0, max_tokens=2),
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    assert (out.lora_request, out.outputs[0].lora_request, out.encoder_prompt, out.metrics) == (None,) * 4
+    assert isinstance(out, RequestOutput)
+    for bad in ({"watermarking": True}, {"trace_decode_token_ids": [1]}, {"routed_experts_prompt_start": 3}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.* is not supported"):
+            llm.generate("a", SamplingParams(**bad), use_tqdm=False)
+    ids = llm.get_tokenizer().encode("one two three four five six", add_special_tokens=True)
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False,
+                       tokenization_kwargs={"truncate_prompt_tokens": 3, "truncation_side": "right"})[0]
+    assert cut.prompt_token_ids == ids[:3]
+    with pytest.raises(ValueError, match="tokenization_kwargs takes"):
+        llm.generate("a", SamplingParams(max_tokens=1), use_tqdm=False, tokenization_kwargs={"padding": True})
