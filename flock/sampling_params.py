@@ -315,8 +315,8 @@ class SamplingParams:
                            ("trace_decode_token_ids", (None, []))):
             if getattr(self, name) not in runs:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported (Flock runs {name}={runs[0]!r})")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= 2:  # OpenAI's and vLLM's range
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -53,9 +53,11 @@ class Metrics:
         sync(self.vllm.engine_counts, self.engine.state)
         return generate_latest(self.registry)
 
-    def output(self, out: StreamOutput, new_tokens: int, since_submit: float, since_last: float | None) -> None:
+    def output(self, out: StreamOutput, new_tokens: int, since_submit: float, since_last: float | None,
+               first_token: float | None = None) -> None:
         """One output of a request: `new_tokens` generated since its previous one (`since_last` seconds ago; None:
-        this is its first), `since_submit` seconds after it was submitted."""
+        this is its first), `since_submit` seconds after it was submitted (its first token `first_token` seconds
+        after)."""
         v = self.vllm
         self.generation_tokens.inc(new_tokens)
         v.generation_tokens.inc(new_tokens)
@@ -69,6 +71,8 @@ class Metrics:
             if out.finish_reason in v.success:
                 v.success[out.finish_reason].inc()
             v.e2e.observe(since_submit)
+            if first_token is not None and out.num_output_tokens > 1:
+                v.tpot.observe((since_submit - first_token) / (out.num_output_tokens - 1))
             v.prompt_tokens.inc(out.num_prompt_tokens)
             v.cache_queries.inc(out.num_prompt_tokens)
             v.cache_hits.inc(out.num_cached_tokens)
@@ -121,6 +125,8 @@ class VllmMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                         TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",

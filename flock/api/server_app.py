@@ -125,6 +125,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def ping():
         return _health(ctx)
 
+    @app.post("/invocations", dependencies=auth)  # vLLM's (SageMaker's inference route)
+    async def invocations(raw: Request):
+        body = await json_body(raw)
+        if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
+            raise APIError("/invocations takes a chat completion body (messages) or a completion body (prompt)")
+        return await generate("chat" if "messages" in body else "completion", raw, ctx)
+
     @app.get("/version")
     async def version():
         return {"version": flock.__version__}

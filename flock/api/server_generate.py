@@ -583,10 +583,13 @@ async def _merged(streams: list[RequestStream], metrics: Metrics) -> AsyncIterat
 
 async def _observed(stream: RequestStream, metrics: Metrics) -> AsyncIterator[StreamOutput]:
     """The request's outputs, recorded in the metrics (token counts, latencies, the finish reason)."""
-    seen, last = 0, None
+    seen, last, first = 0, None, None
     async for out in stream:
         now = time.monotonic()
-        metrics.output(out, out.num_output_tokens - seen, now - stream.created, None if last is None else now - last)
+        if first is None and out.num_output_tokens:
+            first = now - stream.created
+        metrics.output(out, out.num_output_tokens - seen, now - stream.created, None if last is None else now - last,
+                       first)
         seen, last = out.num_output_tokens, now
         yield out
 

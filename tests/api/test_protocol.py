@@ -129,6 +129,7 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("completion", {"prompt": [[5, "6"]]}, "prompt"),
     ("completion", {"prompt": "a", "temperature": "hot"}, "temperature"),
     ("completion", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("completion", {"prompt": "a", "temperature": 2.5}, "temperature"),  # OpenAI's and vLLM's [0, 2]
     ("completion", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("completion", {"prompt": "a", "n": 0}, "n"),
     ("completion", {"prompt": "a", "n": "2"}, "n"),

@@ -946,3 +946,4 @@ def test_metrics(server, client):
     assert v["vllm:time_to_first_token_seconds_count"] == m["flock_time_to_first_token_seconds_count"]
     assert v["vllm:inter_token_latency_seconds_count"] > 0 and v["vllm:e2e_request_latency_seconds_count"] > 0
     assert v["vllm:request_generation_tokens_sum"] > 0 and v["vllm:num_preemptions_total"] >= 0
+    assert v["vllm:request_time_per_output_token_seconds_count"] > 0

@@ -289,3 +289,21 @@ def test_bodies_are_parsed_off_the_event_loop(engine, monkeypatch):
     asyncio.run(go())
     assert threads and all(name.startswith("flock-parse") for name in threads)
     wait_idle(engine)
+
+
+def test_sagemakers_invocations_route_answers_chats_and_completions(engine):
+    """vLLM's POST /invocations (SageMaker's inference route, beside /ping): a chat body or a completion body."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            chat = await http.post("/invocations", json={"messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 2})
+            text = await http.post("/invocations", json={"prompt": "x", "max_tokens": 2})
+            neither = await http.post("/invocations", json={"input": "x"})
+            return chat, text, neither
+
+    chat, text, neither = asyncio.run(go())
+    assert chat.json()["object"] == "chat.completion" and text.json()["object"] == "text_completion"
+    assert neither.status_code == 400
+    wait_idle(engine)
