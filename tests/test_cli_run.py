@@ -73,6 +73,12 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
     assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \
         ("org/model", "priority", False, 4096, "warning")
     assert (args.access_log, args.allowed_origins, args.root_path) == (True, ["http://a.example"], "/llm")
+    so = parser.parse_args(["serve", "--structured-outputs-config",
+                            '{"backend": "xgrammar", "disable_any_whitespace": false, "reasoning_parser": "qwen3"}'])
+    apply_vllm_arguments(so)
+    assert (so.structured_outputs_any_whitespace, so.reasoning_parser) == (True, "qwen3")
+    with pytest.raises(ValueError, match="structured-outputs-config takes"):
+        apply_vllm_arguments(parser.parse_args(["serve", "--structured-outputs-config", '{"backend": "outlines"}']))
     with pytest.raises(ValueError, match="tokenizer-mode mistral"):
         apply_vllm_arguments(parser.parse_args(["serve", "--tokenizer-mode", "mistral"]))
     from flock.api.tools import tool_parser
