@@ -5,7 +5,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from flock.api.reasoning import REASONING_PARSERS, THINKING_END, thinking_open
+from flock.api.reasoning import THINKING_END, read_structured_outputs_config, thinking_open
 from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.detokenizer import TokenPieces
@@ -35,8 +35,6 @@ from flock.sampling_params import SamplingParams
 from flock.tokenizer import chat_text, encode_chat
 
 Prompt = str | dict | list[int]
-# vLLM's StructuredOutputsConfig fields LLM takes (its disable_additional_properties is the guidance backend's)
-STRUCTURED_OUTPUTS_CONFIG = {"backend", "disable_any_whitespace", "reasoning_parser", "enable_in_reasoning"}
 
 
 class LLM:
@@ -47,18 +45,12 @@ class LLM:
         """`reasoning_parser` (flock.api.reasoning.REASONING_PARSERS; or in vLLM's `structured_outputs_config`,
         whose `disable_any_whitespace` and `enable_in_reasoning` it also takes): a structured output's grammar
         applies once the prompt's open thinking has ended, unless enable_in_reasoning."""
-        so = dict(structured_outputs_config or {})
-        unknown = sorted(so.keys() - STRUCTURED_OUTPUTS_CONFIG)
-        if unknown or so.get("backend", "auto") not in ("auto", "xgrammar"):
-            raise ValueError(f"structured_outputs_config takes {sorted(STRUCTURED_OUTPUTS_CONFIG)} (backend auto or "
-                             f"xgrammar), got {structured_outputs_config!r}")
-        if "disable_any_whitespace" in so:
-            kwargs.setdefault("structured_outputs_any_whitespace", not so["disable_any_whitespace"])
-        self.reasoning_parser = reasoning_parser or so.get("reasoning_parser") or None
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")
-        self.grammar_in_reasoning = bool(so.get("enable_in_reasoning", False))
+        config = dict(structured_outputs_config or {})
+        if reasoning_parser:
+            config["reasoning_parser"] = reasoning_parser
+        any_whitespace, self.reasoning_parser, self.grammar_in_reasoning = read_structured_outputs_config(config)
+        if any_whitespace is not None:
+            kwargs.setdefault("structured_outputs_any_whitespace", any_whitespace)
         self.config = EngineConfig.from_kwargs(model, **kwargs)
         self.engine = LLMEngine(self.config)
 

@@ -77,7 +77,7 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
                             '{"backend": "xgrammar", "disable_any_whitespace": false, "reasoning_parser": "qwen3"}'])
     apply_vllm_arguments(so)
     assert (so.structured_outputs_any_whitespace, so.reasoning_parser) == (True, "qwen3")
-    with pytest.raises(ValueError, match="structured-outputs-config takes"):
+    with pytest.raises(ValueError, match="structured_outputs_config takes"):
         apply_vllm_arguments(parser.parse_args(["serve", "--structured-outputs-config", '{"backend": "outlines"}']))
     with pytest.raises(ValueError, match="tokenizer-mode mistral"):
         apply_vllm_arguments(parser.parse_args(["serve", "--tokenizer-mode", "mistral"]))

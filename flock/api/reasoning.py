@@ -42,6 +42,25 @@ class ReasoningFormat:
 REASONING_PARSERS = {"deepseek_r1": ReasoningFormat(), "qwen3": ReasoningFormat(("<tool_call>",), "enable_thinking")}
 
 
+# vLLM's StructuredOutputsConfig fields Flock takes (its disable_additional_properties is the guidance backend's)
+STRUCTURED_OUTPUTS_CONFIG = ("backend", "disable_any_whitespace", "reasoning_parser", "enable_in_reasoning")
+
+
+def read_structured_outputs_config(config) -> tuple[bool | None, str | None, bool]:
+    """vLLM's structured_outputs_config (a dict) as Flock runs it: (JSON's any whitespace, None where it does not
+    say; the reasoning parser, if any; whether the grammar applies within the thinking). ValueError naming what
+    Flock cannot run."""
+    if not isinstance(config, dict) or config.keys() - set(STRUCTURED_OUTPUTS_CONFIG) \
+            or config.get("backend", "auto") not in ("auto", "xgrammar"):
+        raise ValueError(f"structured_outputs_config takes {list(STRUCTURED_OUTPUTS_CONFIG)} (backend auto or "
+                         f"xgrammar), got {config!r}")
+    parser = config.get("reasoning_parser") or None
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {parser!r}")
+    any_whitespace = None if "disable_any_whitespace" not in config else not config["disable_any_whitespace"]
+    return any_whitespace, parser, bool(config.get("enable_in_reasoning", False))
+
+
 def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
     """Whether the answer to this prompt starts by thinking: unless the chat template closed the thinking already
     (a `</think>` after its last `<think>`, as templates do to turn thinking off)."""

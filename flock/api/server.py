@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from flock.api.reasoning import REASONING_PARSERS, THINKING_END
+from flock.api.reasoning import THINKING_END, read_structured_outputs_config
 from flock.api.tools import add_parser_arguments, tool_parser
 from flock.engine.args import add_engine_args, engine_kwargs
 from flock.lora import lora_requests
@@ -105,7 +105,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--tokenizer-mode", default="auto", help="auto (or hf): the model's Hugging Face tokenizer")
     v.add_argument("--structured-outputs-config", type=json.loads, default={},
                    help="vLLM's JSON: backend auto or xgrammar, disable_any_whitespace (= not "
-                        "--structured-outputs-any-whitespace), reasoning_parser (= --reasoning-parser)")
+                        "--structured-outputs-any-whitespace), reasoning_parser (= --reasoning-parser), "
+                        "enable_in_reasoning false")
     v.add_argument("--max-loras", "--max-cpu-loras", type=int,
                    help="accepted: Flock keeps every loaded LoRA adapter in memory and runs any number in one step")
 
@@ -130,18 +131,16 @@ def apply_vllm_arguments(args: argparse.Namespace) -> None:
 
 
 def _apply_structured_outputs_config(args: argparse.Namespace) -> None:
-    so = args.structured_outputs_config
-    known = {"backend", "disable_any_whitespace", "reasoning_parser"}
-    if not isinstance(so, dict) or so.keys() - known or so.get("backend", "auto") not in ("auto", "xgrammar"):
-        raise ValueError(f"--structured-outputs-config takes {sorted(known)} (backend auto or xgrammar; the grammar "
-                         f"follows a reasoning parser's thinking), got {so!r}")
-    if "disable_any_whitespace" in so:
-        args.structured_outputs_any_whitespace = not so["disable_any_whitespace"]
-    if so.get("reasoning_parser"):
-        if so["reasoning_parser"] not in REASONING_PARSERS:
-            raise ValueError(f"--structured-outputs-config: reasoning_parser must be one of "
-                             f"{sorted(REASONING_PARSERS)}, got {so['reasoning_parser']!r}")
-        args.reasoning_parser = args.reasoning_parser or so["reasoning_parser"]
+    try:
+        any_whitespace, parser, in_reasoning = read_structured_outputs_config(args.structured_outputs_config)
+    except ValueError as e:
+        raise ValueError(f"--structured-outputs-config: {e}") from None
+    if in_reasoning:
+        raise ValueError("--structured-outputs-config: the server's grammars follow the thinking "
+                         "(enable_in_reasoning false)")
+    if any_whitespace is not None:
+        args.structured_outputs_any_whitespace = any_whitespace
+    args.reasoning_parser = args.reasoning_parser or parser
 
 
 def api_keys(args) -> list[str] | None:

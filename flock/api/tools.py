@@ -82,8 +82,9 @@ class ToolCalling:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar of a forced answer (required or named): calls and nothing else; none for auto. ToolError
-        for a tool whose parameters schema the grammar engine would not enforce."""
+        """The grammar of a forced answer (required or named): calls and nothing else; for auto, none, but with a
+        strict tool the calls' (`_auto_constraint`). ToolError for a tool whose parameters schema the grammar engine
+        would not enforce."""
         if self.choice == "auto" and not (self.parser in _STRICT_TRIGGERS and self._any_strict()):
             return None
         try:
@@ -110,8 +111,9 @@ class ToolCalling:
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": calls}))
 
     def _functions(self) -> list[dict]:
-        """The functions a forced answer may call, their parameters as the grammar engine enforces them (as a
-        response_format's schema; no parameters: no arguments, as vLLM); a schema it rejects fails here."""
+        """The functions the answer may call (a named one: it alone), their parameters as the grammar engine
+        enforces them (as a response_format's schema; no parameters: no arguments, as vLLM); a schema it rejects
+        fails here."""
         import xgrammar
 
         functions = [f | {"parameters": enforceable(f.get("parameters") or _EMPTY_PARAMETERS)}

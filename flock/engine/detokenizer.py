@@ -1,5 +1,7 @@
-"""A running request's output text, at a cost per token that does not grow with the output."""
+"""A running request's output text, at a cost per token that does not grow with the output, and each token's own
+text as logprobs show it."""
 
+import os
 import re
 
 from tokenizers.decoders import DecodeStream
@@ -148,9 +150,7 @@ class TokenPieces:
             while clean > 0 and self.tokenizer.decode([ctx[clean - 1]]).endswith("\ufffd"):
                 clean -= 1
             head = self.tokenizer.decode(ctx[:clean]) if clean else ""
-            common = len(head) if whole.startswith(head) else next(
-                (i for i, (a, b) in enumerate(zip(head, whole)) if a != b), min(len(head), len(whole)))
-            return whole[common:]
+            return whole[len(os.path.commonprefix([head, whole])) :]
         return ""
 
 
