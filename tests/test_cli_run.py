@@ -66,8 +66,9 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
                               "--trust-remote-code", "--disable-log-requests", "-tp", "1", "--uvicorn-log-level",
                               "warning", "--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser",
                               "hermes", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--enable-log-requests",
-                              "--allowed-origins", '["http://a.example"]', "--root-path", "/llm", "--download-dir",
-                              "/d", "--disable-uvicorn-access-log", "--max-log-len", "100"])
+                              "--allowed-origins", '["http://a.example"]', "--return-tokens-as-token-ids",
+                              "--root-path", "/llm", "--download-dir", "/d", "--disable-uvicorn-access-log",
+                              "--max-log-len", "100"])
     apply_vllm_arguments(args)
     kw = engine_kwargs(args)
     assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \

@@ -94,6 +94,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--enable-request-id-headers", action="store_true",
                    help="each response carries X-Request-Id (the request's own, else a new one)")
     v.add_argument("--enable-log-requests", action="store_true", help="as --access-log")
+    v.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs' tokens as 'token_id:N' for requests that do not say (the field of that name)")
     v.add_argument("--max-log-len", type=int, help="accepted: the access log holds no prompts")
     v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted: no access log without "
                    "--access-log")
@@ -176,7 +178,8 @@ def serve_main(args: argparse.Namespace) -> int:
         names = args.served_model_name or [args.model]
         ctx = ServerContext(engine, Metrics(engine, names[0]), names, api_keys(args), parser, args.reasoning_parser,
                             ResponseStore(max(args.max_stored_responses, 0)), args.batch_dir,
-                            lora_requests(config.lora_modules or []))
+                            lora_requests(config.lora_modules or []),
+                            {"return_tokens_as_token_ids": True} if args.return_tokens_as_token_ids else {})
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, engine.state.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

@@ -73,6 +73,8 @@ class ServerContext:
     responses: ResponseStore = field(default_factory=ResponseStore)
     batch_dir: str | None = None  # where /v1/files keeps uploads and batch outputs (None: a temporary folder)
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters (--lora-modules) by model name
+    # completions' and chats' fields a body that leaves them unset gets (vLLM's --return-tokens-as-token-ids)
+    body_defaults: dict = field(default_factory=dict)
     token_text: TokenText = field(init=False)
     # where bodies are parsed (prompts tokenized, chat templates rendered): one thread, off the event loop, so a
     # huge prompt holds up no other client's stream or /health (vLLM tokenizes on an executor too)
@@ -101,7 +103,8 @@ class Reply:
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
-    gen = await ctx.parsed(parse_request, kind, with_defaults(await json_body(raw), ctx.engine.sampling_defaults),
+    defaults = ctx.engine.sampling_defaults | ctx.body_defaults
+    gen = await ctx.parsed(parse_request, kind, with_defaults(await json_body(raw), defaults),
                            ctx.engine.tokenizer, default_max_tokens=16 if kind == "completion" else None,
                            tool_parser=ctx.tool_parser, reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)

@@ -307,3 +307,18 @@ def test_sagemakers_invocations_route_answers_chats_and_completions(engine):
     assert chat.json()["object"] == "chat.completion" and text.json()["object"] == "text_completion"
     assert neither.status_code == 400
     wait_idle(engine)
+
+
+def test_the_servers_body_defaults_apply_where_a_body_is_silent(engine):
+    """vLLM's --return-tokens-as-token-ids: logprobs' tokens as "token_id:N" unless the body says otherwise."""
+    app = build_app(ServerContext(engine, Metrics(engine), ["m"], body_defaults={"return_tokens_as_token_ids": True}))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body = {"prompt": "x", "max_tokens": 2, "logprobs": 1}
+            return [(await http.post("/v1/completions", json=body | extra)).json()["choices"][0]["logprobs"]["tokens"]
+                    for extra in ({}, {"return_tokens_as_token_ids": False})]
+
+    as_ids, as_text = asyncio.run(go())
+    assert all(t.startswith("token_id:") for t in as_ids) and not any(t.startswith("token_id:") for t in as_text)
+    wait_idle(engine)
