@@ -62,7 +62,7 @@ class IncrementalText:
             before = self._before(ids, lead)
             # more context where it decodes to nothing (skipped specials) or starts inside a run of byte tokens,
             # which SentencePiece decodes as one (a run cut short is no UTF-8: every byte a U+FFFD)
-            while (not self._decode(before) or _BYTE_PIECE.fullmatch(self._piece(before[0]))) \
+            while (not self._decode(before) or _BYTE_PIECE.fullmatch(self._vocab_piece(before[0]))) \
                     and lead < self.done + len(self.prompt_ids):
                 lead += CONTEXT_TOKENS
                 before = self._before(ids, lead)
@@ -102,7 +102,8 @@ class IncrementalText:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def _piece(self, token_id: int) -> str:
+    def _vocab_piece(self, token_id: int) -> str:
+        """The token as the vocabulary spells it ("<0xE6>", "▁the"), not decoded."""
         return self.tokenizer.convert_ids_to_tokens(token_id) or ""
 
 
