@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flock.api.protocol import APIError, chat_token_ids, prompt_list, reject_unknown, typed_field
+from flock.api.protocol import APIError, chat_token_ids, prompt_list, check_fields, typed_field
 from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
@@ -48,7 +48,7 @@ def pooled_prompts(body, tokenizer, fields: set[str]) -> list[list[int]]:
     chat = "messages" in body
     if chat and "input" in body:
         raise APIError("a body has a chat's messages or an input, not both", param="input")
-    reject_unknown(body, fields | (CHAT_FIELDS if chat else set()))
+    check_fields(body, fields | (CHAT_FIELDS if chat else set()))
     if chat:
         return [chat_token_ids({"add_generation_prompt": False} | body, tokenizer)]  # vLLM's default for pooling
     return prompt_list(body, "input", tokenizer)[1]

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from flock.api.protocol import APIError, reject_unknown, typed_field
+from flock.api.protocol import APIError, check_fields, typed_field
 from flock.label_scores import LabelQuery
 from flock.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ def parse_label_scores(kind: str, body, tokenizer, vocab_size: int, max_model_le
     bad field, or the item whose prompt leaves no room for the one token."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, FIELDS[kind])
+    check_fields(body, FIELDS[kind])
     for name in ("query", "items", "label_token_ids"):
         if body.get(name) is None:
             raise APIError(f"{name} is required", param=name)

@@ -15,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, reject_unknown, typed_field,
+from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, check_fields, typed_field,
                                  with_defaults)
 from flock.sample.thinking import ThinkMarkers
 
@@ -23,7 +23,9 @@ from flock.sample.thinking import ThinkMarkers
 _CHAT_FIELDS = {"model", "temperature", "top_p", "top_k", "stream", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
-                "chat_template_kwargs", "request_id", "priority", "cache_salt", "thinking_token_budget"}
+                "chat_template_kwargs", "request_id", "priority", "cache_salt", "thinking_token_budget",
+                "kv_transfer_params", "ec_transfer_params", "watermarking", "vllm_xargs", "mm_payload",
+                "return_mm_kwargs"}
 # fields that do not change what is generated (every prefix is cached whether or not cache_control asks; one
 # server has one speed)
 _IGNORED_FIELDS = {"metadata", "service_tier", "inference_geo", "cache_control", "speed", "diagnostics",
@@ -110,7 +112,7 @@ def parse_messages(body, tokenizer, tool_parser: str | None = None, reasoning_pa
     Messages field at fault."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, MESSAGES_FIELDS | set(_HOSTED))
+    check_fields(body, MESSAGES_FIELDS | set(_HOSTED))
     for name, what in _HOSTED.items():
         if body.get(name) is not None:
             raise APIError(f"{name}: {what} are Anthropic's hosted features; not supported", param=name)

@@ -6,7 +6,9 @@ things. Fields Flock cannot honour are rejected with a clear error instead of be
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -43,7 +45,8 @@ _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "spaces_between_
 # fields accepted at the one value Flock runs with (text only; JSON's whitespace as structured outputs allow it;
 # vLLM's fields at their defaults: what its SDK-built requests send)
 _NEUTRAL_FIELDS = {"modalities": ["text"], "guided_whitespace_pattern": None, "vllm_xargs": {},
-                   "return_token_offsets": False, "routed_experts_prompt_start": 0}
+                   "return_token_offsets": False, "routed_experts_prompt_start": 0, "watermarking": False,
+                   "kv_transfer_params": {}, "ec_transfer_params": {}}
 _CHAT_NEUTRAL_FIELDS = {"return_prompt_text": False, "mm_processor_kwargs": {}, "media_io_kwargs": {}}
 # vLLM's guided decoding fields before structured_outputs (removed in vLLM 0.12): the kind each sets; the backend
 # it named is xgrammar's here, whatever it says
@@ -60,10 +63,18 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpro
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
                                 "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
                                 "reasoning_effort", *_CHAT_NEUTRAL_FIELDS}
+# OpenAI's and vLLM's fields for what Flock does not run (legacy functions, audio, web search, prompt embeddings,
+# vLLM's Responses message echo): refused when set; a generation field sent where it does not apply is refused too;
+# any other field is ignored (and logged), as vLLM and SGLang ignore fields they do not know
+UNRUN_FIELDS = {"functions", "function_call", "audio", "web_search_options", "prompt_embeds",
+                "enable_response_messages", "previous_input_messages"}
+_REFUSED_FIELDS = UNRUN_FIELDS | CHAT_FIELDS | COMPLETION_FIELDS
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 STRUCTURED_FIELDS = {*KINDS, "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n times the number of prompts, per request
+
+log = logging.getLogger(__name__)
 
 
 class APIError(ValueError):
@@ -167,7 +178,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     thinking split off with `reasoning_parser` (`flock.api.reasoning.REASONING_PARSERS`)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
+    check_fields(body, COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS)
     _check_unsupported(body, kind)
     bad = lone_surrogate(body)
     if bad:
@@ -613,12 +624,21 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
     return params
 
 
-def reject_unknown(body: dict, allowed) -> None:
-    """An APIError naming the body's fields outside `allowed`; a null one counts as absent (clients and proxies
-    send them, and vLLM ignores them)."""
-    unknown = sorted(name for name, value in body.items() if name not in allowed and value is not None)
-    if unknown:
-        raise APIError(f"unknown or unsupported field(s) {unknown}", param=unknown[0])
+def check_fields(body: dict, allowed) -> None:
+    """An APIError naming a field outside `allowed` that Flock knows (_REFUSED_FIELDS); the body's other fields
+    outside `allowed` are ignored, as vLLM ignores them (a proxy's or another provider's), and logged once. A null
+    counts as absent."""
+    extra = tuple(sorted(name for name, value in body.items() if name not in allowed and value is not None))
+    refused = [name for name in extra if name in _REFUSED_FIELDS]
+    if refused:
+        raise APIError(f"{refused[0]} is not supported here", param=refused[0])
+    if extra:
+        _log_ignored(extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _log_ignored(names: tuple[str, ...]) -> None:
+    log.warning("ignoring request field(s) Flock does not know: %s", ", ".join(names))
 
 
 def typed_field(body: dict, name: str, kind: type, default):

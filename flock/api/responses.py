@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, reject_unknown, typed_field,
+from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, check_fields, typed_field,
                                  with_defaults)
 from flock.api.reasoning import answer_start
 
@@ -24,7 +24,8 @@ _CHAT_FIELDS = {"model", "temperature", "top_p", "top_k", "min_p", "presence_pen
                 "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
                 "structured_outputs", "chat_template_kwargs", "request_id", "include_reasoning", "priority",
-                "stream", "parallel_tool_calls", "cache_salt"}
+                "stream", "parallel_tool_calls", "cache_salt", "kv_transfer_params", "ec_transfer_params", "watermarking",
+                "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs", "session_id"}
 # fields that do not change what is generated: accepted, and those of the Response object repeated in it
 _IGNORED_FIELDS = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
                    "safety_identifier", "stream_options"}
@@ -136,7 +137,7 @@ def parse_responses(body, tokenizer, tool_parser: str | None = None, reasoning_p
     model's generation config). Raises APIError naming the Responses field at fault."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, RESPONSES_FIELDS)
+    check_fields(body, RESPONSES_FIELDS)
     _check_unsupported(body, history)
     messages = copy.deepcopy(history or []) + input_messages(body)
     chat = {k: body[k] for k in _CHAT_FIELDS if k in body} | {"messages": _instructions(body) + messages}

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from flock.api.protocol import APIError, reject_unknown, typed_field
+from flock.api.protocol import APIError, check_fields, typed_field
 from flock.pooling_params import ModelTasks, PoolingParams, cross_encoder_prompt, pair_scores
 
 _PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
@@ -64,7 +64,7 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
     what the model serves (a classifier scores pairs as a cross-encoder)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, SCORE_FIELDS if kind == "score" else RERANK_FIELDS)
+    check_fields(body, SCORE_FIELDS if kind == "score" else RERANK_FIELDS)
     if kind == "score":
         names = next((pair for pair in _PAIRS if pair[0] in body and pair[1] in body), None)
         if names is None:

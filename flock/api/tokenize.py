@@ -1,7 +1,7 @@
 """POST /tokenize and /detokenize, as vLLM's server has them: a prompt's token ids, or a chat's as
 /v1/chat/completions would send it through the chat template, and token ids back to text."""
 
-from flock.api.protocol import APIError, chat_token_ids, reject_unknown
+from flock.api.protocol import APIError, chat_token_ids, check_fields
 
 PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -13,7 +13,7 @@ def tokenize(body, tokenizer, max_model_len: int) -> dict:
     (with return_token_strs, else null)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
-    reject_unknown(body, CHAT_FIELDS if "messages" in body else PROMPT_FIELDS)
+    check_fields(body, CHAT_FIELDS if "messages" in body else PROMPT_FIELDS)
     for name in ("add_special_tokens", "return_token_strs"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise APIError(f"{name} must be a bool", param=name)

@@ -42,7 +42,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
         batch("bad-url", {"prompt": "x"}, "/v1/images/generations"),  # 5
         batch("bad-method", {"prompt": "x"}, method="GET"),  # 6
         batch("bad-extra", {"prompt": "x"}, extra=1),  # 7
-        batch("bad-field", {"prompt": "x", "foo": 1}),  # 8
+        batch("bad-field", {"prompt": "x", "functions": [{"name": "f"}]}),  # 8
         batch("bad-param", {"prompt": "x", "max_tokens": 0}),  # 9
         "",  # 10
         batch("bad-long", {"prompt": [5] * (MAX_LEN + 1)}),  # 11
@@ -76,7 +76,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
         assert r["error"]["message"].startswith(f"line {n}: ")
     assert errors[2]["error"]["code"] == "invalid_json" and errors[13]["error"]["code"] == "duplicate_custom_id"
     assert errors[23]["error"]["code"] == "duplicate_custom_id" and "surrogate" in errors[21]["error"]["message"]
-    assert [errors[n]["error"]["param"] for n in (8, 9, 22, 24)] == ["foo", "max_tokens", "messages", "seed"]
+    assert [errors[n]["error"]["param"] for n in (8, 9, 22, 24)] == ["functions", "max_tokens", "messages", "seed"]
     assert "max_model_len" in errors[11]["error"]["message"] and "vocabulary" in errors[12]["error"]["message"]
     _, stderr = capsys.readouterr()
     assert f"19 line(s) failed (19 newly reported); see {err}" in stderr

@@ -57,7 +57,7 @@ def test_server_classifies_and_cross_encodes_as_the_offline_llm(server, reranker
     for path, body, param, why in [
             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, None, "it does not generate"),
             ("/v1/embeddings", {"input": "hi"}, "input", "it does not embed"),
-            ("/classify", {"input": "hi", "dimensions": 4}, "dimensions", "unknown"),
+            ("/classify", {"input": "hi", "n": 2}, "n", "not supported here"),
             ("/classify", {"input": ""}, "input", "empty"),
             ("/classify", {"input": "hi", "use_activation": "no"}, "use_activation", "must be a bool"),
             ("/pooling", {"input": "hi", "task": "encode"}, "task", "not supported"),
@@ -74,8 +74,8 @@ def test_labels_name_the_most_likely_class():
     assert [(d["index"], d["label"], d["num_classes"]) for d in body["data"]] == [(0, "positive", 3), (1, "negative", 3)]
     assert req.params.task == "classify" and body["usage"]["prompt_tokens"] == 3
     with pytest.raises(APIError) as e:
-        parse_classify({"input": "x", "encoding_format": "float"}, None, ())
-    assert e.value.param == "encoding_format"
+        parse_classify({"input": "x", "temperature": 0.5}, None, ())
+    assert e.value.param == "temperature"
 
 
 def test_batch_lines_classify_and_score_pairs(tmp_path):

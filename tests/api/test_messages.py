@@ -125,7 +125,7 @@ def test_tools_formats_and_thinking_as_chat_fields(tok, thinker):
      "messages[0].content[0].input"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages[0].content[0].tool_use_id"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}], "frobnicate": 1}, "frobnicate"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 1}, "max_completion_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}], "mcp_servers": [{}]}, "mcp_servers"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}], "stop_sequences": [""]}, "stop_sequences"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}],

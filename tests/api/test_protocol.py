@@ -156,7 +156,8 @@ def test_fallback_template_when_tokenizer_has_none(tok):
      "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("completion", {"prompt": "a", "structured_outputs": {"json": "{not json"}}, "structured_outputs"),
-    ("completion", {"prompt": "a", "bogus": 1}, "bogus"),
+    ("completion", {"prompt": "a", "top_logprobs": 1}, "top_logprobs"),  # a chat field
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions"),
     ("completion", {"prompt": "a", "seed": 2**64}, "seed"),
     ("completion", {"prompt": "a", "seed": 2**63 - 1, "n": 2}, "seed"),
     ("completion", {"prompt": "a", "min_p": 1.5}, "min_p"),
@@ -205,6 +206,29 @@ def test_null_fields_count_as_absent(tok):
     with pytest.raises(APIError) as e:
         parse_request("chat", {"messages": user, "functions": []}, tok)
     assert e.value.param == "functions"
+
+
+def test_unknown_fields_are_ignored_as_vllm_ignores_them(tok, caplog):
+    """A field no API defines (a proxy's, another provider's) is ignored and logged, as vLLM and SGLang ignore
+    them; a vLLM or OpenAI field Flock does not run, or a generation field where it does not apply, is refused."""
+    from flock.api.embeddings import parse_embeddings
+
+    user = [{"role": "user", "content": "x"}]
+    plain = parse_request("chat", {"messages": user}, tok)
+    with caplog.at_level("WARNING", logger="flock.api.protocol"):
+        got = parse_request("chat", {"messages": user, "provider": {"order": ["a"]}, "enable_thinking": False}, tok)
+    assert got.prompts == plain.prompts and got.params == plain.params
+    assert "enable_thinking, provider" in caplog.text
+    assert parse_embeddings({"input": "x", "encoding_formats": "float"}, tok).prompts
+    for kind, body, param in (("completion", {"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+                              ("chat", {"messages": user, "kv_transfer_params": {"do_remote_prefill": True}},
+                               "kv_transfer_params"),
+                              ("chat", {"messages": user, "watermarking": True}, "watermarking")):
+        with pytest.raises(APIError) as e:
+            parse_request(kind, body, tok)
+        assert e.value.param == param
+    with pytest.raises(APIError, match="stream is not supported here") as e:
+        parse_embeddings({"input": "x", "stream": True}, tok)
 
 
 def test_logprobs_a_grammar_rules_out_are_finite_in_json():

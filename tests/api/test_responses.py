@@ -87,7 +87,7 @@ def test_tools_formats_and_logprobs_as_chat_fields(tok):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "a", "frobnicate": 1}, "frobnicate"),
+    ({"input": "a", "messages": []}, "messages"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),  # text-only

@@ -37,7 +37,7 @@ def test_score_pairs_and_rerank_order(tok):
     ("score", {"text_1": "a", "text_2": ["ok", 5]}, "text_2"),
     ("rerank", {"query": "", "documents": ["a"]}, "query"),
     ("rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
-    ("rerank", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields"),
+    ("rerank", {"query": "q", "documents": ["a"], "n": 2}, "n"),
     ("rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {}}, "chat_template_kwargs"),
 ])
 def test_bad_bodies_name_the_field(tok, kind, body, param):
