@@ -67,8 +67,9 @@ class EngineInfo:
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation config
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
+        generates = not isinstance(params, PoolingParams)
         params = engine_params(params, self.tasks)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 

@@ -42,16 +42,22 @@ def check_priority(params: SamplingParams, scheduler: str) -> None:
                          f"priority), got {params.priority}")
 
 
-def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                 generates: bool = True) -> None:
     """Raise ValueError naming the bad field of a request for an engine with these limits (its prompt as
-    truncate_prompt_tokens keeps it)."""
+    truncate_prompt_tokens keeps it; a generation's leaving room for a token, as vLLM's)."""
     params.validate(vocab_size)
     prompt_token_ids = params.truncated(prompt_token_ids, max_model_len)
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt is empty")
-    if n > max_model_len:
-        raise ValueError(f"prompt has {n} tokens, more than max_model_len={max_model_len}")
+    if n > max_model_len:  # vLLM's words, which clients look for
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, "
+                         f"your prompt contains {n} input tokens, which exceeds this limit even without any output "
+                         "tokens. Please reduce the length of the input prompt.")
+    if n == max_model_len and generates:
+        raise ValueError(f"The prompt (length {n}) plus the number of requested output tokens (at least 1) is longer "
+                         f"than the maximum model length of {max_model_len} (max_model_len)")
     params.prompt_rows_ids(n)
     ids = np.asarray(prompt_token_ids)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size)) if ids.dtype.kind in "iu" and ids.ndim == 1 else None
@@ -186,8 +192,9 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
+        generates = not isinstance(params, PoolingParams)
         params = engine_params(params, self.tasks, self.model_config.encoder)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates)
         check_priority(params, self.config.scheduler)
         if params.thinking_token_budget is not None and self.think_markers is None:
             raise ValueError(f"thinking_token_budget needs a model whose tokenizer has {' and '.join(THINK_TOKENS)} "

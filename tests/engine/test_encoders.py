@@ -174,7 +174,7 @@ def test_what_an_encoder_cannot_do_is_refused(bert, bert_cross_encoder):
             LLM(str(bert), **keyword)
     too_long = " ".join(["water"] * 70)
     llm = LLM(str(bert), dtype="float64")
-    with pytest.raises(ValueError, match="prompt has 72 tokens, more than max_model_len=64"):
+    with pytest.raises(ValueError, match=r"length is 64 tokens \(max_model_len\)\. However, your prompt contains 72"):
         llm.embed([too_long])
     (cut,) = llm.embed([too_long], PoolingParams(truncate_prompt_tokens=10))  # as the tokenizer truncates
     assert cut.prompt_token_ids == llm.get_tokenizer()(too_long, truncation=True, max_length=10)["input_ids"]
