@@ -6,6 +6,7 @@ import torch
 from tqdm import tqdm
 
 from flock.api.reasoning import THINKING_END, read_structured_outputs_config, thinking_open
+from flock.chat_content import CONTENT_FORMATS
 from flock.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from flock.config import EngineConfig
 from flock.engine.detokenizer import TokenPieces
@@ -89,14 +90,18 @@ class LLM:
                             f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        sampling_params = self._tokenized(sampling_params, len(prompts), tokenization_kwargs)
+        return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
+                              use_tqdm, lora_request, priority)
+
+    def _tokenized(self, sampling_params, n: int, tokenization_kwargs: dict | None):
+        """The params of n prompts with vLLM's tokenization_kwargs (truncate_prompt_tokens, truncation_side)."""
         unknown = sorted((tokenization_kwargs or {}).keys() - {"truncate_prompt_tokens", "truncation_side"})
         if unknown:
             raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side, got {unknown}")
-        if tokenization_kwargs:
-            sampling_params = [replace(p, **tokenization_kwargs)
-                               for p in self._params_per_prompt(sampling_params, len(prompts))]
-        return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
-                              use_tqdm, lora_request, priority)
+        if not tokenization_kwargs:
+            return sampling_params
+        return [replace(p, **tokenization_kwargs) for p in self._params_per_prompt(sampling_params, n)]
 
     def _generate(self, encoded: list[tuple], prompts: Sequence[Prompt], sampling_params, use_tqdm: bool,
                   lora_request, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
@@ -297,33 +302,38 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        chat_template_kwargs: dict | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list[dict] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's next message for one conversation (a list of {"role", "content"} dicts) or
         for a list of them, through the tokenizer's chat template (or `chat_template`), as vLLM's `LLM.chat` (whose
-        template options it takes: `tools` are shown to the template; their calls come back as text). Text
-        content parts reach the template joined into one string ("auto", "string"), or as text parts
-        ("openai")."""
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+        template options it takes: `tools` are shown to the template; their calls come back as text). Contents
+        reach the template as one string or as a list of parts, as it reads them ("auto": see
+        flock.chat_content), or as `chat_template_content_format` says. `tokenization_kwargs` as generate's."""
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                              f"{chat_template_content_format!r}")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported (images are processed with the model's defaults)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        tools=tools, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
-                       join_text_parts=chat_template_content_format != "openai")
+                       content_format=chat_template_content_format)
         encoded = []
         for i, conversation in enumerate(conversations):
             try:
                 encoded.append(self._encode_chat(conversation, options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
+        sampling_params = self._tokenized(sampling_params, len(encoded), tokenization_kwargs)
         return self._generate(encoded, [{}] * len(encoded), sampling_params, use_tqdm, lora_request, priority)
 
     def _encode_chat(self, conversation: list[dict], options: dict) -> tuple[str, list[int], ImageInputs | None]:

@@ -1,6 +1,9 @@
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from flock.chat_content import detect_content_format, joined_text, template_message
 
 # A ChatML-style template for tokenizers that ship none.
 FALLBACK_CHAT_TEMPLATE = (
@@ -43,60 +46,65 @@ def read_chat_template(template: str) -> str:
     return path.read_text()
 
 
+@dataclass
+class ChatOptions:
+    """How a server renders chats besides its template (vLLM's serve flags), kept on the tokenizer
+    (`tokenizer.chat_options`) so that every endpoint renders alike."""
+
+    content_format: str = "auto"  # --chat-template-content-format: "auto" detects it from the template
+    default_kwargs: dict = field(default_factory=dict)  # --default-chat-template-kwargs, under a request's own
+    trust_request_template: bool = False  # --trust-request-chat-template: a request's chat_template is used
+    exclude_tools_when_none: bool = False  # --exclude-tools-when-tool-choice-none
+    response_role: str = "assistant"  # --response-role: a chat answer's role (with add_generation_prompt)
+
+
+def chat_options(tokenizer) -> ChatOptions:
+    return getattr(tokenizer, "chat_options", None) or ChatOptions()
+
+
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                chat_template: str | None = None, join_text_parts: bool = True) -> list[int]:
+                chat_template: str | None = None, content_format: str | None = None) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template (or `chat_template`; the ChatML fallback when
     there is none): ready for the assistant's answer, or, with continue_final_message, continuing the last message
-    (as vLLM's). `tools` and `chat_template_kwargs` go to the template; assistant messages' tool call arguments as
-    objects; a content of text parts (TEXT_PARTS) as one string (join_text_parts), else as text parts;
+    (as vLLM's). `tools` and `chat_template_kwargs` go to the template (the arguments win over the kwargs'
+    add_generation_prompt, continue_final_message and tools); assistant messages' tool call arguments as objects;
+    contents in the template's format (`flock.chat_content`; None: the tokenizer's ChatOptions');
     add_special_tokens adds the tokenizer's (a BOS) to what the template writes."""
     text = chat_text(tokenizer, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
-                     chat_template, join_text_parts)
+                     chat_template, content_format)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
               continue_final_message: bool = False, tools: list[dict] | None = None,
               chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-              join_text_parts: bool = True) -> str:
+              content_format: str | None = None) -> str:
     """The text the chat template writes for a chat (see encode_chat)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-    messages = [assistant_tool_calls(text_content(m, join_text_parts)) for m in messages]
-    template = chat_template or (None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE)
-    if any(m.get("role") == "developer" for m in messages) and not knows_developer(template or tokenizer.chat_template):
+    options = chat_options(tokenizer)
+    given = chat_template or (None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE)
+    template = given or tokenizer.chat_template  # a str, or a dict of named templates (transformers picks one)
+    if any(m.get("role") == "developer" for m in messages) and not knows_developer(template):
         messages = developer_as_system(messages)
-    kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(kwargs.keys() & {"conversation", "messages", "chat_template", "tokenize", "tools",
-                                       "add_generation_prompt", "continue_final_message", "return_dict"})
+    content_format = content_format or options.content_format
+    if content_format == "auto":
+        content_format = detect_content_format(template) if isinstance(template, str) else "string"
+    messages = [assistant_tool_calls(template_message(m, content_format)) for m in messages]
+    kwargs = options.default_kwargs | (chat_template_kwargs or {})
+    tools = kwargs.get("tools") if tools is None else tools
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt", "continue_final_message")}
+    reserved = sorted(kwargs.keys() & {"conversation", "messages", "chat_template", "tokenize", "return_dict"})
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {reserved}")
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
+        return tokenizer.apply_chat_template(messages, chat_template=given, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # templates raise anything (jinja errors, "roles must alternate", ...)
         raise ValueError(f"chat template failed: {e}") from None
-
-
-# the content parts vLLM reads as text, and the key of their text
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
-
-
-def text_content(message: dict, join: bool = True) -> dict:
-    """A message whose content is a list of text parts (TEXT_PARTS) with its text joined by newlines (as vLLM's
-    "string" content format), or with `join` false as {"type": "text"} parts; a null or missing content as no parts
-    (as vLLM: templates that test `content is none` then concatenate render); any other message as it is."""
-    content = message.get("content")
-    if content is None:
-        return message | {"content": "" if join else []}
-    if not isinstance(content, list) or not content or not all(
-            isinstance(p, dict) and isinstance(p.get(TEXT_PARTS.get(p.get("type"), "")), str) for p in content):
-        return message
-    texts = [p[TEXT_PARTS[p["type"]]] for p in content]
-    return message | {"content": "\n".join(texts) if join else [{"type": "text", "text": t} for t in texts]}
 
 
 def knows_developer(template) -> bool:
@@ -112,7 +120,7 @@ def developer_as_system(messages: list[dict]) -> list[dict]:
     systems = [m for m in messages if m.get("role") == "system"]
     if len(systems) == 1 and messages[0] is systems[0]:
         return messages
-    texts = [t for t in (text_content(m)["content"] for m in systems) if isinstance(t, str) and t]
+    texts = [t for t in (joined_text(m.get("content")) for m in systems) if t]
     return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m.get("role") != "system")]
 
 

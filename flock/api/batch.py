@@ -389,7 +389,8 @@ class BatchJob:
             return wrapper.id, wrapper.message(model, choices[0], final)
         request_id = new_id(gen.kind)
         return request_id, response_body(gen.kind, request_id, model, choices,
-                                         choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)))
+                                         choices_usage(line.finished, gen.n, reasoning_usage(gen, choices)),
+                                         role=gen.role)
 
     def _model_of(self, gen: GenerationRequest) -> str:
         """The model a line's output names: its LoRA adapter's (as vLLM), else the engine's."""

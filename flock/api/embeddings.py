@@ -13,7 +13,7 @@ from flock.pooling_params import PoolingParams
 
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens",
           "normalize"}
-CHAT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+CHAT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template"}
 ENCODINGS = ("float", "base64")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, check_fields, typed_field,
                                  with_defaults)
+from flock.chat_content import CLAUDE_CODE_BILLING_HEADER
 from flock.sample.thinking import ThinkMarkers
 
 # fields a body may carry as a chat body carries them (vLLM's extra sampling fields among them)
@@ -171,7 +172,7 @@ def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
-    system = [_text(body["system"], "system")] if body.get("system") is not None else []
+    system = [_system_text(body["system"], "system")] if body.get("system") is not None else []
     out: list[dict] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -179,7 +180,7 @@ def chat_messages(body: dict) -> list[dict]:
             raise APIError(f"{where} must be an object whose role is 'user' or 'assistant'", param=f"{where}.role")
         content = m.get("content")
         if m["role"] == "system":
-            system.append(_text(content, f"{where}.content"))
+            system.append(_system_text(content, f"{where}.content"))
         elif isinstance(content, str):
             out.append({"role": m["role"], "content": content})
         elif isinstance(content, list) and content:
@@ -189,7 +190,7 @@ def chat_messages(body: dict) -> list[dict]:
                            param=f"{where}.content")
     if not out:
         raise APIError("messages has no user or assistant turn", param="messages")
-    system_text = "\n".join(t for t in system if t)
+    system_text = "".join(system)
     return ([{"role": "system", "content": system_text}] if system_text else []) + out
 
 
@@ -285,6 +286,17 @@ def _text(content, where: str) -> str:
     if not isinstance(content, list):
         raise APIError(f"{where} must be a string or a list of text blocks", param=where)
     return "\n".join(_block_text(block, at) for at, block in _blocks(content, where))
+
+
+def _system_text(content, where: str) -> str:
+    """A system prompt's text: its blocks' joined as vLLM joins them (directly), Claude Code's billing header block
+    left out (its value changes with every request, so the prompt would share no prefix past it)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where} must be a string or a list of text blocks", param=where)
+    texts = (_block_text(block, at) for at, block in _blocks(content, where))
+    return "".join(t for t in texts if not t.startswith(CLAUDE_CODE_BILLING_HEADER))
 
 
 def _block_text(block: dict, where: str) -> str:

@@ -23,7 +23,8 @@ from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from flock.tokenizer import TEXT_PARTS, bos_prefix, chat_text, encode_chat, fim_prompt, fim_tokens, text_content
+from flock.chat_content import TEXT_PARTS, joined_text
+from flock.tokenizer import ChatOptions, bos_prefix, chat_options, chat_text, encode_chat, fim_prompt, fim_tokens
 
 # llama.cpp's samplers, as frontends written for llama-server-like backends send them (SamplingParams fields)
 LLAMA_CPP_SAMPLING = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
@@ -62,7 +63,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                 "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
                                 "parallel_tool_calls", "include_reasoning", "add_special_tokens", "documents",
-                                "reasoning_effort", *_CHAT_NEUTRAL_FIELDS}
+                                "reasoning_effort", "chat_template", *_CHAT_NEUTRAL_FIELDS}
 # OpenAI's and vLLM's fields for what Flock does not run (legacy functions, audio, web search, prompt embeddings,
 # vLLM's Responses message echo): refused when set; a generation field sent where it does not apply is refused too;
 # any other field is ignored (and logged), as vLLM and SGLang ignore fields they do not know
@@ -116,6 +117,7 @@ class GenerationRequest:
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: n beams (max_tokens 0: up to max_model_len)
     max_tokens_field: str | None = None  # the field that set max_tokens (max_tokens, max_completion_tokens), if any
+    role: str = "assistant"  # a chat answer's
     extra: dict = field(default_factory=dict)
 
     @property
@@ -187,12 +189,12 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     echo_only = echo and kind == "completion" and body.get("max_tokens") == 0
     if echo_only:  # as vLLM: one token is generated and not returned
         body = body | {"max_tokens": 1}
-    tools = None
+    tools, role = None, "assistant"
     if kind == "completion":
         texts, prompts = _completion_prompts(body, tokenizer)
         prompts = _with_suffix(body, texts, prompts, tokenizer, echo)
     else:
-        texts, prompts, tools, images = _chat_prompt(body, tokenizer, tool_parser)
+        texts, prompts, tools, images, role = _chat_prompt(body, tokenizer, tool_parser)
     n = typed_field(body, "n", int, 1)
     if n < 1:
         raise APIError(f"n must be at least 1, got {n}", param="n")
@@ -232,7 +234,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              reasoning=reasoning, include_reasoning=include_reasoning,
                              request_id=typed_field(body, "request_id", str, None),
                              tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False), beam=beam,
-                             max_tokens_field=_max_tokens_field(body, kind))
+                             max_tokens_field=_max_tokens_field(body, kind), role=role)
 
 
 def _max_tokens_field(body: dict, kind: str) -> str | None:
@@ -479,20 +481,18 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _content(content, i: int) -> str | list[dict]:
-    """A message's text (text parts joined, as vLLM joins them), or, where it holds images, its parts (image_url
-    as sent, the others as text parts)."""
+def _content(content, i: int) -> str | list[dict] | None:
+    """A message's content, checked: a string, or image_url and text parts (the template's content format decides
+    how they reach it: flock.chat_content)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "image_url" and not (kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str)):
                 raise APIError(f"messages[{i}].content: only image_url and text parts ({', '.join(TEXT_PARTS)}, "
                                "with their text) are supported", param=f"messages[{i}].content")
-        if not any(part["type"] == "image_url" for part in content):
-            return text_content({"content": content})["content"]  # joined as LLM.chat joins them
-        return [p if p["type"] == "image_url" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]} for p in content]
+        return content
     raise APIError(f"messages[{i}].content must be a string or a list of content parts", param=f"messages[{i}].content")
 
 
@@ -525,8 +525,12 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
     except ToolError as e:
         raise APIError(str(e), param=e.param) from None
     add = typed_field(body, "add_generation_prompt", bool, True)
+    chat = chat_options(tokenizer)
+    if chat.exclude_tools_when_none and body.get("tool_choice") == "none":
+        tools = None
     options = dict(add_generation_prompt=add, tools=tools, chat_template_kwargs=template_kwargs(body),
-                   continue_final_message=typed_field(body, "continue_final_message", bool, False))
+                   continue_final_message=typed_field(body, "continue_final_message", bool, False),
+                   chat_template=request_template(body, chat))
     special = typed_field(body, "add_special_tokens", bool, False)
     images = None
     if has_images(messages):
@@ -534,8 +538,9 @@ def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
     else:
         ids = encode_messages(tokenizer, messages, add_special_tokens=special, **options)
     last = messages[-1]
-    echo = last["content"] if not add or last["role"] == "assistant" else ""
-    return [echo if isinstance(echo, str) else ""], [ids], calling, images
+    echo = joined_text(last["content"]) if not add or last["role"] == "assistant" else ""
+    role = chat.response_role if add else last["role"]  # vLLM's
+    return [echo], [ids], calling, images, role
 
 
 def _image_chat(tokenizer, messages: list[dict], options: dict, add_special_tokens: bool
@@ -557,6 +562,15 @@ def _image_chat(tokenizer, messages: list[dict], options: dict, add_special_toke
         return processor.encode(text, sources, add_special_tokens, allow_files=False)
     except ValueError as e:
         raise APIError(str(e), param=param) from None
+
+
+def request_template(body: dict, chat: ChatOptions) -> str | None:
+    """A body's own chat_template: used if the server trusts it (vLLM's --trust-request-chat-template)."""
+    template = typed_field(body, "chat_template", str, None)
+    if template is not None and not chat.trust_request_template:
+        raise APIError("chat_template is passed with the request, but the server was not started with "
+                       "--trust-request-chat-template", param="chat_template")
+    return template
 
 
 def template_kwargs(body: dict) -> dict:
@@ -748,7 +762,7 @@ def make_choice(gen: GenerationRequest, index: int, text: str, finish_reason: st
 
 
 def response_body(kind: str, request_id: str, model: str, choices: list[Choice | tuple[str, str | None]],
-                  usage_: dict, created: int | None = None) -> dict:
+                  usage_: dict, created: int | None = None, role: str = "assistant") -> dict:
     """A complete (non-streaming) completion or chat.completion object."""
     created = created or int(time.time())
     choices = [Choice(*c) for c in choices]
@@ -759,7 +773,7 @@ def response_body(kind: str, request_id: str, model: str, choices: list[Choice |
                | _token_ids(c.token_ids, c.prompt_token_ids) for i, c in enumerate(choices)]
         obj = "text_completion"
     else:
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text}
+        out = [{"index": i, "message": {"role": role, "content": c.text}
                 | ({"reasoning": c.reasoning} if c.reasoning is not None else {})
                 | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
                 "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -777,7 +791,7 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
                first: bool = False, usage_: dict | None = None, index: int = 0, logprobs: dict | None = None,
                stop_reason: int | str | None = None, tool_calls: list[dict] | None = None,
                token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
-               reasoning: str = "", usage_so_far: dict | None = None) -> dict:
+               reasoning: str = "", usage_so_far: dict | None = None, role: str = "assistant") -> dict:
     """One streamed chunk of choice `index` (with the logprobs of its tokens, when asked; a chat's with whole
     tool calls; with return_token_ids its token ids, and the prompt's in the first; with `usage_so_far` the
     choice's usage until now, as vLLM's continuous_usage_stats). With `usage_` it is the final usage-only chunk
@@ -788,7 +802,7 @@ def chunk_body(kind: str, request_id: str, model: str, delta: str, finish_reason
         choices = [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason} | _token_ids(token_ids, prompt_token_ids)]
     else:
-        d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+        d = {"role": role, "content": delta} if first else ({"content": delta} if delta else {})
         if reasoning:
             d["reasoning"] = reasoning
         if tool_calls:

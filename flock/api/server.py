@@ -17,8 +17,10 @@ import sys
 
 from flock.api.reasoning import THINKING_END, read_structured_outputs_config
 from flock.api.tools import add_parser_arguments, tool_parser
+from flock.chat_content import CONTENT_FORMATS
 from flock.engine.args import add_engine_args, engine_kwargs
 from flock.lora import lora_requests
+from flock.tokenizer import ChatOptions
 
 log = logging.getLogger("flock")
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -109,6 +111,17 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's JSON: backend auto or xgrammar, disable_any_whitespace (= not "
                         "--structured-outputs-any-whitespace), reasoning_parser (= --reasoning-parser), "
                         "enable_in_reasoning false")
+    v.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                   help="how messages' contents reach the chat template: auto (as the template reads them), string "
+                        "(text parts joined) or openai (a list of parts)")
+    v.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
+                   help="JSON: chat template variables for every request (a request's chat_template_kwargs win)")
+    v.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (else such requests are refused)")
+    v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice none: the tools are not shown to the template either")
+    v.add_argument("--response-role", default="assistant",
+                   help="the role of chat answers to requests with add_generation_prompt (the default)")
     v.add_argument("--max-loras", "--max-cpu-loras", type=int,
                    help="accepted: Flock keeps every loaded LoRA adapter in memory and runs any number in one step")
 
@@ -145,6 +158,13 @@ def _apply_structured_outputs_config(args: argparse.Namespace) -> None:
     args.reasoning_parser = args.reasoning_parser or parser
 
 
+def chat_options(args) -> ChatOptions:
+    if not isinstance(args.default_chat_template_kwargs, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    return ChatOptions(args.chat_template_content_format, args.default_chat_template_kwargs,
+                       args.trust_request_chat_template, args.exclude_tools_when_tool_choice_none, args.response_role)
+
+
 def api_keys(args) -> list[str] | None:
     """The keys that open /v1: --api-key's, else the VLLM_API_KEY environment variable's (as vLLM), else none."""
     return args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else None)
@@ -168,9 +188,10 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level="DEBUG" if args.log_level == "trace" else args.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        parser = tool_parser(args)
+        parser, chat = tool_parser(args), chat_options(args)
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
         engine = AsyncEngine(config, max_waiting=args.max_waiting, stream_interval=args.stream_interval).start()
+        engine.tokenizer.chat_options = chat
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -95,11 +95,13 @@ class Reply:
     id: str
     model: str
     created: int
+    role: str = "assistant"  # a chat answer's
 
     def chunk(self, index: int, text: str, finish_reason: str | None, first: bool = False,
               logprobs: dict | None = None, stop_reason: int | str | None = None, **ids_and_calls) -> str:
         return _sse(chunk_body(self.kind, self.id, self.model, text, finish_reason, self.created, first=first,
-                               index=index, logprobs=logprobs, stop_reason=stop_reason, **ids_and_calls))
+                               index=index, logprobs=logprobs, stop_reason=stop_reason, role=self.role,
+                               **ids_and_calls))
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
@@ -111,7 +113,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     gen.use_lora(ctx.loras.get(gen.model))
     gen.fit(ctx.engine.max_model_len)
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
-    reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()))
+    reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()), gen.role)
     if gen.beam is not None:
         return JSONResponse(await _beam_search(reply, gen, raw, ctx))
     streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
@@ -121,7 +123,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     choices = [make_choice(gen, i, "".join(p.texts), p.last.finish_reason, p.token_ids, p.logprobs,
                            p.prompt_logprobs, ctx.token_text, p.last.stop_reason) for i, p in enumerate(parts)]
     usage_ = choices_usage([p.last for p in parts], gen.n, reasoning_usage(gen, choices))
-    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created))
+    return JSONResponse(response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created, reply.role))
 
 
 async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: ServerContext) -> dict:
@@ -144,7 +146,7 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
             else:  # aborted (the client went away, the server stops): the beams as they are
                 search.abort()
     choices, usage_ = gen.beam_choices(searches, ctx.engine.tokenizer)
-    return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created)
+    return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created, reply.role)
 
 
 async def generate_native(raw: Request, ctx: ServerContext):

@@ -4,8 +4,8 @@
 from flock.api.protocol import APIError, chat_token_ids, check_fields
 
 PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-               "tools", "add_special_tokens", "return_token_strs"}
+CHAT_FIELDS = {"model", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
+               "chat_template_kwargs", "tools", "add_special_tokens", "return_token_strs"}
 
 
 def tokenize(body, tokenizer, max_model_len: int) -> dict:

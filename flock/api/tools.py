@@ -371,6 +371,7 @@ def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, Tool
                 or not isinstance(f.get("parameters") or {}, dict):
             raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'parameters': "
                             f"object, ...}}}}", f"tools[{i}]")
+    tools = [template_tool(t) for t in tools]
     choice = "auto" if choice is None else choice
     if choice == "none":
         return tools, None
@@ -393,6 +394,18 @@ def parse_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, Tool
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError(f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
     return tools, ToolCalling(parser, tools, choice, named, parallel is not False)
+
+
+def template_tool(tool: dict) -> dict:
+    """A tool as chat templates get it from vLLM (its request model dumped): the function's name, description
+    and parameters (null when absent), strict and defer_loading where set; other keys dropped."""
+    f = tool["function"]
+    function = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+    function |= {k: f[k] for k in ("strict", "defer_loading") if f.get(k) is not None}
+    if tool.get("defer_loading") is not None and "defer_loading" not in function:
+        function["defer_loading"] = tool["defer_loading"]
+    out = {"type": "function", "function": function}
+    return out | ({"defer_loading": tool["defer_loading"]} if tool.get("defer_loading") is not None else {})
 
 
 class ToolCallStream:

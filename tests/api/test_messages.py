@@ -69,7 +69,7 @@ def test_blocks_become_the_messages_of_earlier_turns():
     calls = [{"id": t, "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
              for t, city in (("t1", "Paris"), ("t2", "Rome"))]
     assert chat_messages(body) == [
-        {"role": "system", "content": "Use tools.\nBe brief."},
+        {"role": "system", "content": "Use tools.Be brief."},
         {"role": "user", "content": [
             {"type": "text", "text": "Weather"}, {"type": "text", "text": "Notes\n\nParis is in France."},
             {"type": "text", "text": "Atlas\nhttps://a.example\nRome is in Italy."},
