@@ -8,6 +8,7 @@ import sys
 
 from flock.api.server import add_serve_parser, serve_main
 from flock.api.tools import add_parser_arguments, tool_parser
+from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
 from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
@@ -75,6 +76,12 @@ def _add_run(sub) -> None:
     defaults.add_argument("--temperature", type=float)
     defaults.add_argument("--top-p", type=float)
     defaults.add_argument("--top-k", type=int)
+    v = add_vllm_arguments(run)
+    v.add_argument("--served-model-name", nargs="+", help="the model name the outputs carry (default: --model)")
+    v.add_argument("--output-tmp-dir", "--host", "--url", help="accepted: the output is written in place; no "
+                   "metrics server")
+    v.add_argument("--port", type=int, help="accepted: no metrics server")
+    v.add_argument("--enable-metrics", action="store_true", help="accepted: the summary reports the job")
     cluster = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
     cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
                                                               "sharded by prefix group")
@@ -94,6 +101,7 @@ def run_batch(args) -> int:
 
     sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     try:
+        apply_vllm_arguments(args)
         parser = tool_parser(args)
         if (args.input is None) == (args.input_file is None):
             raise ValueError("give the input file once: flock run INPUT, or -i INPUT as vllm run-batch takes it")
@@ -102,7 +110,8 @@ def run_batch(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
-                    sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser)
+                    sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser, chat_options(args),
+                    (args.served_model_name or [None])[0])
     logger = logging.getLogger("flock")
     level = logger.level
     if not args.quiet:  # Flock's notes on stderr (kernels compiled on a fresh machine, weights dequantized, ...)

@@ -55,11 +55,15 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
     """`vllm run-batch -i IN -o OUT --model M` runs as it is; so does a `vllm serve MODEL ...` line's parsing."""
     import argparse
 
-    from flock.api.server import add_serve_parser, apply_vllm_arguments
+    from flock.api.server import add_serve_parser, apply_serve_vllm_arguments
     from flock.engine.args import engine_kwargs
 
     out = tmp_path / "o.jsonl"
-    assert run(capsys, "-i", batch, "-o", out, "--model", "flock/tiny", "-q")[0] == 0 and out.exists()
+    vllm = ["--enable-prefix-caching", "-tp", "1", "--trust-remote-code", "--enforce-eager", "--disable-log-stats",
+            "--gpu-memory-utilization", "0.9", "--max-model-len", "1k", "--served-model-name", "served",
+            "--output-tmp-dir", str(tmp_path), "--enable-metrics", "--response-role", "model"]
+    assert run(capsys, "-i", batch, "-o", out, "--model", "flock/tiny", "-q", *vllm)[0] == 0
+    assert {json.loads(line)["response"]["body"]["model"] for line in out.read_text().splitlines()} == {"served"}
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "org/model", "--scheduling-policy", "priority", "--no-enable-prefix-caching",
@@ -69,27 +73,28 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
                               "--allowed-origins", '["http://a.example"]', "--return-tokens-as-token-ids",
                               "--root-path", "/llm", "--download-dir", "/d", "--disable-uvicorn-access-log",
                               "--max-log-len", "100"])
-    apply_vllm_arguments(args)
+    apply_serve_vllm_arguments(args)
     kw = engine_kwargs(args)
     assert (kw["model"], kw["scheduler"], kw["enable_prefix_caching"], kw["max_model_len"], args.log_level) == \
         ("org/model", "priority", False, 4096, "warning")
     assert (args.access_log, args.allowed_origins, args.root_path) == (True, ["http://a.example"], "/llm")
     so = parser.parse_args(["serve", "--structured-outputs-config",
                             '{"backend": "xgrammar", "disable_any_whitespace": false, "reasoning_parser": "qwen3"}'])
-    apply_vllm_arguments(so)
+    apply_serve_vllm_arguments(so)
     assert (so.structured_outputs_any_whitespace, so.reasoning_parser) == (True, "qwen3")
     with pytest.raises(ValueError, match="structured_outputs_config takes"):
-        apply_vllm_arguments(parser.parse_args(["serve", "--structured-outputs-config", '{"backend": "outlines"}']))
+        outlines = '{"backend": "outlines"}'
+        apply_serve_vllm_arguments(parser.parse_args(["serve", "--structured-outputs-config", outlines]))
     with pytest.raises(ValueError, match="tokenizer-mode mistral"):
-        apply_vllm_arguments(parser.parse_args(["serve", "--tokenizer-mode", "mistral"]))
+        apply_serve_vllm_arguments(parser.parse_args(["serve", "--tokenizer-mode", "mistral"]))
     from flock.api.tools import tool_parser
 
     assert tool_parser(parser.parse_args(["serve", "--tool-call-parser", "llama4_pythonic"])) == "pythonic"
     default = parser.parse_args(["serve", "--scheduling-policy", "fcfs"])
-    apply_vllm_arguments(default)
+    apply_serve_vllm_arguments(default)
     assert engine_kwargs(default)["scheduler"] == "feather" and default.model == "flock/smollm2"
     with pytest.raises(ValueError, match="tensor-parallel-size 2"):
-        apply_vllm_arguments(parser.parse_args(["serve", "-tp", "2"]))
+        apply_serve_vllm_arguments(parser.parse_args(["serve", "-tp", "2"]))
 
 
 def test_failed_lines_fail_the_exit_status_only_with_strict(tmp_path, capsys):

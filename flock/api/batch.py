@@ -38,6 +38,7 @@ from flock.beam_search import BeamSearch
 from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
+from flock.tokenizer import ChatOptions
 from flock.lora import lora_requests
 
 SummaryRows = Callable[[], list[tuple[str, str]]]
@@ -60,6 +61,8 @@ class JobConfig:
     strict: bool = False  # a failed line makes the exit status 1
     tool_parser: str | None = None  # flock.api.tools.TOOL_PARSERS; None: chat lines cannot call tools
     reasoning_parser: str | None = None  # flock.api.reasoning.REASONING_PARSERS; None: thinking is content
+    chat: ChatOptions = field(default_factory=ChatOptions)  # how chats render besides the template (vLLM's flags)
+    served_model_name: str | None = None  # the model the outputs name (default: the engine's)
 
     @property
     def output_path(self) -> Path:
@@ -89,9 +92,12 @@ def run_job(cfg: JobConfig, engine: JobEngine | None = None, build_engine: Calla
     try:
         _check_paths(cfg)
         _check_defaults(cfg)
-        done, reported = _prepare_files(cfg)
+        done, reported = _read_files(cfg)
         if engine is None:
             engine = build_engine() if build_engine else LLMEngine(EngineConfig.from_kwargs(**cfg.engine))
+        if cfg.overwrite:  # only now: a job that cannot start keeps the old results
+            _empty(cfg.output_path, cfg.errors_path)
+        engine.tokenizer.chat_options = cfg.chat
     except (CorruptFileError, OSError, ValueError, TypeError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -134,15 +140,27 @@ def _check_defaults(cfg: JobConfig) -> None:
         raise ValueError(f"bad default for --{(e.param or '').replace('_', '-')}: {e.message}") from None
 
 
-def _prepare_files(cfg: JobConfig) -> tuple[set[str], set[int]]:
-    """(custom_ids already in the output, input lines already in the error file)."""
+def _read_files(cfg: JobConfig) -> tuple[set[str], set[tuple[int, str | None]]]:
+    """(custom_ids already in the output, (line, custom_id) of the bad lines already in the error file); nothing
+    when the job starts again."""
     out, err = cfg.output_path, cfg.errors_path
     if cfg.overwrite:
-        out.unlink(missing_ok=True)
-        err.unlink(missing_ok=True)
+        return set(), set()
     done = {r["custom_id"] for r in load_records(out)} if out.exists() else set()
     errors = load_records(err) if err.exists() else []
-    return done, {r["error"]["line"] for r in errors if isinstance(r.get("error"), dict) and "line" in r["error"]}
+    return done, {(r["error"]["line"], r.get("custom_id")) for r in errors
+                  if isinstance(r.get("error"), dict) and "line" in r["error"]}
+
+
+def _empty(*paths: Path) -> None:
+    """The old output and error files gone: a file deleted, a link to one emptied (not replaced), anything else
+    (a device, /dev/stdout) left as it is."""
+    for path in paths:
+        if path.is_symlink() and path.is_file():
+            with open(path, "r+b") as f:
+                f.truncate(0)
+        elif path.is_file():
+            path.unlink()
 
 
 LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | MessagesRequest | LabelScoreRequest
@@ -160,7 +178,7 @@ class PendingLine:
 
 
 class BatchJob:
-    def __init__(self, cfg: JobConfig, engine: JobEngine, done: set[str], reported: set[int],
+    def __init__(self, cfg: JobConfig, engine: JobEngine, done: set[str], reported: set[tuple[int, str | None]],
                  summary_rows: SummaryRows = list):
         self.cfg, self.engine, self.summary_rows = cfg, engine, summary_rows
         self.done, self.reported = done, reported
@@ -233,7 +251,7 @@ class BatchJob:
             parsed.storable = False  # a job keeps no responses
             return parsed
         default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
-        return parse_request(line.kind, with_defaults(self.flags | line.body, defaults), self.engine.tokenizer,
+        return parse_request(line.kind, with_defaults(line.body, defaults | self.flags), self.engine.tokenizer,
                              default_max, cfg.tool_parser, cfg.reasoning_parser)
 
     def _parse_pooling(self, line: BatchLine) -> PoolingRequest:
@@ -291,7 +309,7 @@ class BatchJob:
 
     def _fail(self, e: LineError) -> None:
         self.counts.failed += 1
-        if e.number in self.reported:
+        if (e.number, e.custom_id) in self.reported:  # an edited input's line of that number is another line
             return
         self.errors.write(error_record(e.custom_id, e.number, e.message, e.code, e.param))
         self.counts.new_errors += 1
@@ -361,7 +379,7 @@ class BatchJob:
 
     def _response(self, line: PendingLine) -> tuple[str, dict]:
         """(request id, response body) of a line whose requests have all finished."""
-        gen, model = line.request, self.engine.config.model
+        gen, model = line.request, self.cfg.served_model_name or self.engine.config.model
         if isinstance(gen, (GenerationRequest, ResponsesRequest, MessagesRequest)):
             model = self._model_of(gen if isinstance(gen, GenerationRequest) else gen.gen)
         if isinstance(gen, PoolingRequest):
@@ -394,7 +412,7 @@ class BatchJob:
 
     def _model_of(self, gen: GenerationRequest) -> str:
         """The model a line's output names: its LoRA adapter's (as vLLM), else the engine's."""
-        return gen.model if gen.model in self.loras else self.engine.config.model
+        return gen.model if gen.model in self.loras else self.cfg.served_model_name or self.engine.config.model
 
     def close(self) -> None:
         self.output.close()

@@ -21,7 +21,8 @@ from flock.api.protocol import lone_surrogate
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "response",
         "/v1/messages": "message",
         "/v1/embeddings": "embedding", "/v1/score": "score", "/v1/rerank": "rerank", "/v1/classify": "classify",
-        "/generative_scoring": "generative_score", "/pooling": "pooling"}
+        "/generative_scoring": "generative_score", "/pooling": "pooling",
+        "/score": "score", "/rerank": "rerank", "/v2/rerank": "rerank", "/classify": "classify"}  # vLLM's too
 BATCH_FIELDS = {"custom_id", "method", "url", "body"}
 
 
@@ -90,9 +91,6 @@ def _batch_line(item: dict, number: int, custom_id: str) -> BatchLine:
     def fail(message: str, param: str) -> LineError:
         return LineError(number, message, custom_id if "custom_id" in item else None, param=param)
 
-    unknown = sorted(item.keys() - BATCH_FIELDS)
-    if unknown:
-        raise fail(f"unknown field(s) {unknown} in a Batch line (expected {sorted(BATCH_FIELDS)})", unknown[0])
     if "custom_id" not in item:
         raise fail("a Batch line needs a custom_id", "custom_id")
     if item.get("method") != "POST":

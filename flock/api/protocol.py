@@ -656,10 +656,15 @@ def _log_ignored(names: tuple[str, ...]) -> None:
 
 
 def typed_field(body: dict, name: str, kind: type, default):
-    """body[name] if it is a `kind`, `default` if it is absent or null; else an APIError naming it."""
+    """body[name] if it is a `kind`, `default` if it is absent or null; else an APIError naming it. As vLLM's
+    models read JSON: a whole number written as a float is an int (3.0), 0 and 1 are booleans."""
     value = body.get(name)
     if value is None:
         return default
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind is bool and type(value) is int and value in (0, 1):
+        return bool(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise APIError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}", param=name)
     return value

@@ -15,12 +15,11 @@ import logging
 import os
 import sys
 
-from flock.api.reasoning import THINKING_END, read_structured_outputs_config
+from flock.api.reasoning import THINKING_END
 from flock.api.tools import add_parser_arguments, tool_parser
-from flock.chat_content import CONTENT_FORMATS
+from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
 from flock.engine.args import add_engine_args, engine_kwargs
 from flock.lora import lora_requests
-from flock.tokenizer import ChatOptions
 
 log = logging.getLogger("flock")
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -63,24 +62,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "finish_reason abort and what they generated")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    add_vllm_arguments(p)
+    add_serve_vllm_arguments(p)
 
 
-def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags that `vllm serve` command lines carry and Flock has under other names or needs not."""
-    v = p.add_argument_group("vLLM's flags (a `vllm serve` command line runs as it is)")
+def add_serve_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags (flock.api.vllm_args), and those only `vllm serve` takes."""
+    v = add_vllm_arguments(p)
     v.add_argument("model_tag", nargs="?", help="the model, as `vllm serve MODEL` names it (else --model)")
-    v.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
-                   help="priority: --scheduler priority; fcfs: --scheduler stands (feather unless given)")
-    v.add_argument("--enable-prefix-caching", action="store_true", help="on by default")
-    v.add_argument("--no-enable-prefix-caching", action="store_true", help="as --no-prefix-caching")
-    v.add_argument("--trust-remote-code", action="store_true", help="accepted: Flock runs its own model code only")
-    v.add_argument("--disable-log-requests", "--disable-log-stats", action="store_true",
+    v.add_argument("--disable-log-requests", action="store_true",
                    help="accepted: Flock logs requests only with --access-log")
-    v.add_argument("--runner", "--convert", "--task", help="accepted: the model's architecture decides what it serves "
-                   "(generation and embeddings; a *ForSequenceClassification, or --hf-overrides classifier_from_token: "
-                   "classification, score, rerank)")
-    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
     v.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "critical", "trace"], help="as --log-level")
     v.add_argument("--allowed-origins", type=json.loads, default=["*"],
                    help="CORS: the origins browsers may call the API from, a JSON list (as vLLM: any)")
@@ -98,71 +88,17 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--enable-log-requests", action="store_true", help="as --access-log")
     v.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:N' for requests that do not say (the field of that name)")
-    v.add_argument("--max-log-len", type=int, help="accepted: the access log holds no prompts")
     v.add_argument("--disable-uvicorn-access-log", action="store_true", help="accepted: no access log without "
                    "--access-log")
-    v.add_argument("--enforce-eager", "--enable-chunked-prefill", action="store_true",
-                   help="accepted: Flock runs eagerly, and chunks long prefills always")
-    v.add_argument("--gpu-memory-utilization", type=float, help="accepted: a CPU's KV budget is "
-                   "--kv-cache-memory-bytes (or --num-kv-blocks)")
-    v.add_argument("--download-dir", "--revision", help="accepted: Flock never downloads")
-    v.add_argument("--tokenizer-mode", default="auto", help="auto (or hf): the model's Hugging Face tokenizer")
-    v.add_argument("--structured-outputs-config", type=json.loads, default={},
-                   help="vLLM's JSON: backend auto or xgrammar, disable_any_whitespace (= not "
-                        "--structured-outputs-any-whitespace), reasoning_parser (= --reasoning-parser), "
-                        "enable_in_reasoning false")
-    v.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
-                   help="how messages' contents reach the chat template: auto (as the template reads them), string "
-                        "(text parts joined) or openai (a list of parts)")
-    v.add_argument("--default-chat-template-kwargs", type=json.loads, default={},
-                   help="JSON: chat template variables for every request (a request's chat_template_kwargs win)")
-    v.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render a request's own chat_template (else such requests are refused)")
-    v.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help="tool_choice none: the tools are not shown to the template either")
-    v.add_argument("--response-role", default="assistant",
-                   help="the role of chat answers to requests with add_generation_prompt (the default)")
-    v.add_argument("--max-loras", "--max-cpu-loras", type=int,
-                   help="accepted: Flock keeps every loaded LoRA adapter in memory and runs any number in one step")
 
 
-def apply_vllm_arguments(args: argparse.Namespace) -> None:
-    """vLLM's flags as Flock's; ValueError for what Flock cannot run."""
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: Flock runs one engine per process "
-                         "(scale out with flock run --workers)")
+def apply_serve_vllm_arguments(args: argparse.Namespace) -> None:
+    """vLLM's flags as Flock's (flock.api.vllm_args); ValueError for what Flock cannot run."""
+    apply_vllm_arguments(args)
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.scheduling_policy == "priority":
-        args.scheduler = "priority"
-    if args.no_enable_prefix_caching:
-        args.enable_prefix_caching = False
-    if args.tokenizer_mode not in ("auto", "hf"):
-        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: Flock runs the model's Hugging Face tokenizer "
-                         "(auto)")
     args.log_level = args.uvicorn_log_level or args.log_level
     args.access_log = args.access_log or args.enable_log_requests
-    _apply_structured_outputs_config(args)
-
-
-def _apply_structured_outputs_config(args: argparse.Namespace) -> None:
-    try:
-        any_whitespace, parser, in_reasoning = read_structured_outputs_config(args.structured_outputs_config)
-    except ValueError as e:
-        raise ValueError(f"--structured-outputs-config: {e}") from None
-    if in_reasoning:
-        raise ValueError("--structured-outputs-config: the server's grammars follow the thinking "
-                         "(enable_in_reasoning false)")
-    if any_whitespace is not None:
-        args.structured_outputs_any_whitespace = any_whitespace
-    args.reasoning_parser = args.reasoning_parser or parser
-
-
-def chat_options(args) -> ChatOptions:
-    if not isinstance(args.default_chat_template_kwargs, dict):
-        raise ValueError("--default-chat-template-kwargs must be a JSON object")
-    return ChatOptions(args.chat_template_content_format, args.default_chat_template_kwargs,
-                       args.trust_request_chat_template, args.exclude_tools_when_tool_choice_none, args.response_role)
 
 
 def api_keys(args) -> list[str] | None:
@@ -181,7 +117,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from flock.engine.async_engine import AsyncEngine
 
     try:
-        apply_vllm_arguments(args)
+        apply_serve_vllm_arguments(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

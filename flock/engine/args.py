@@ -3,6 +3,7 @@ field (vLLM's flag names), its type, default and help taken from the field."""
 
 import argparse
 import json
+import re
 import types
 from dataclasses import MISSING, Field, fields
 
@@ -38,7 +39,24 @@ def _add_flag(g, f: Field) -> None:
     default = f.default if f.default is not MISSING else f.default_factory()
     choices = meta.pop("choices", CHOICES.get(f.name))
     help = f"{help} (default: %(default)s)" if help and default is not None else help
-    g.add_argument(flag, dest=f.name, type=_scalar(f.type), default=default, choices=choices, help=help, **meta)
+    kind = TYPES.get(f.name) or _scalar(f.type)
+    g.add_argument(flag, dest=f.name, type=kind, default=default, choices=choices, help=help, **meta)
+
+
+def token_count(text: str) -> int | None:
+    """A token count as vLLM's flags take it: 4096, 25.6k (x 1000), 32K (x 1024), or auto / -1 (None: the
+    model's)."""
+    text = text.strip()
+    if text in ("auto", "-1"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text)
+    if match is None or (match[2].isupper() and "." in match[1]):
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 4k, 4K, auto)")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[match[2]]
+    return int(float(match[1]) * scale)
+
+
+TYPES = {"max_model_len": token_count}
 
 
 def _scalar(annotation):

@@ -41,7 +41,7 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
         batch("good-2", chat, "/v1/chat/completions"),  # 4
         batch("bad-url", {"prompt": "x"}, "/v1/images/generations"),  # 5
         batch("bad-method", {"prompt": "x"}, method="GET"),  # 6
-        batch("bad-extra", {"prompt": "x"}, extra=1),  # 7
+        batch("extra", {"prompt": "x", "max_tokens": 1}, metadata={"a": 1}),  # 7: ignored, as vLLM ignores it
         batch("bad-field", {"prompt": "x", "functions": [{"name": "f"}]}),  # 8
         batch("bad-param", {"prompt": "x", "max_tokens": 0}),  # 9
         "",  # 10
@@ -64,9 +64,9 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     inp.write_text("\n".join(lines) + "\n")
     assert run(engine, tmp_path, inp) == 0  # a completed batch, failed lines and all (as OpenAI's Batch API)
     out, err = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
-    assert sorted(r["custom_id"] for r in records(out)) == ["good-1", "good-2", "line-14", "line-19"]
+    assert sorted(r["custom_id"] for r in records(out)) == ["extra", "good-1", "good-2", "line-14", "line-19"]
     errors = {r["error"]["line"]: r for r in records(err)}
-    expected = {2: None, 3: None, 5: "bad-url", 6: "bad-method", 7: "bad-extra", 8: "bad-field", 9: "bad-param",
+    expected = {2: None, 3: None, 5: "bad-url", 6: "bad-method", 8: "bad-field", 9: "bad-param",
                 11: "bad-long", 12: "bad-vocab", 13: "good-1", 15: "line-15", 16: "bad-stream", 17: None,
                 18: "line-18", 20: "bad-unicode", 21: None, 22: "line-22", 23: "bad-method", 24: "bad-seed"}
     assert len(records(err)) == len(expected)
@@ -79,13 +79,13 @@ def test_bad_lines_become_error_records_once(engine, tmp_path, capsys):
     assert [errors[n]["error"]["param"] for n in (8, 9, 22, 24)] == ["functions", "max_tokens", "messages", "seed"]
     assert "max_model_len" in errors[11]["error"]["message"] and "vocabulary" in errors[12]["error"]["message"]
     _, stderr = capsys.readouterr()
-    assert f"19 line(s) failed (19 newly reported); see {err}" in stderr
+    assert f"18 line(s) failed (18 newly reported); see {err}" in stderr
 
     before = out.read_bytes(), err.read_bytes()
     assert run(engine, tmp_path, inp, resume=True, strict=True) == 1  # --strict: any failed line is fatal
     assert (out.read_bytes(), err.read_bytes()) == before
     stdout, stderr = capsys.readouterr()
-    assert "0 succeeded, 19 failed, 4 skipped" in stdout and "(0 newly reported)" in stderr
+    assert "0 succeeded, 18 failed, 5 skipped" in stdout and "(0 newly reported)" in stderr
 
 
 def test_gzip_plain_lines_chat_and_defaults(engine, tmp_path):
@@ -142,6 +142,48 @@ def test_existing_output_needs_resume_or_overwrite(engine, tmp_path, capsys):
     assert run(engine, tmp_path, inp) == 2  # the error file alone marks a started job too
     assert run(engine, tmp_path, inp, overwrite=True) == 0
     assert [r["custom_id"] for r in records(out)] == ["line-1"] and not (tmp_path / "out.errors.jsonl").exists()
+
+
+def test_overwrite_keeps_the_old_results_of_a_job_that_cannot_start(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi", "max_tokens": 1}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"custom_id": "old"}\n')
+    cfg = JobConfig(str(inp), str(out), quiet=True, overwrite=True, engine={"model": str(tmp_path / "no-model")})
+    assert run_job(cfg) == 2 and out.read_text() == '{"custom_id": "old"}\n'
+    assert "no-model" in capsys.readouterr().err
+
+
+def test_null_fields_take_the_flags_and_vllms_urls(engine, tmp_path):
+    """A body's null field is unset: the job's flags apply (as the model's defaults do); vLLM's /score, /rerank
+    and /v2/rerank urls; a whole number sent as a float, 0 / 1 as booleans (vLLM's lax JSON)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    lines = [batch("null", chat | {"max_tokens": None, "temperature": None}, "/v1/chat/completions"),
+             batch("float", chat | {"max_tokens": 2.0, "logprobs": 1}, "/v1/chat/completions"),
+             batch("score", {"text_1": "a", "text_2": ["b", "c"]}, "/score"),
+             batch("rerank", {"query": "a", "documents": ["b", "c"]}, "/v2/rerank")]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert run(engine, tmp_path, inp, max_tokens=3, sampling={"temperature": 0}) == 0
+    got = {r["custom_id"]: r["response"]["body"] for r in records(tmp_path / "out.jsonl")}
+    assert got["null"]["usage"]["completion_tokens"] == 3
+    assert got["float"]["usage"]["completion_tokens"] == 2 and got["float"]["choices"][0]["logprobs"]["content"]
+    assert len(got["score"]["data"]) == 2 and len(got["rerank"]["results"]) == 2
+
+
+def test_resuming_an_edited_input_reports_its_new_bad_lines(engine, tmp_path):
+    """A bad line is known by its number and custom_id: after an edit another bad line at that number is
+    reported, and the old one fixed runs."""
+    good = lambda cid: batch(cid, {"prompt": "x", "max_tokens": 1})  # noqa: E731
+    bad = lambda cid: batch(cid, {"prompt": "x", "max_tokens": 0})  # noqa: E731
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join([good("a"), bad("b"), good("z")]) + "\n")
+    assert run(engine, tmp_path, inp) == 0
+    inp.write_text("\n".join([good("a"), bad("c"), good("b"), good("z")]) + "\n")
+    assert run(engine, tmp_path, inp, resume=True) == 0
+    errors = records(tmp_path / "out.errors.jsonl")
+    assert [(r["custom_id"], r["error"]["line"]) for r in errors] == [("b", 2), ("c", 2)]
+    assert sorted(r["custom_id"] for r in records(tmp_path / "out.jsonl")) == ["a", "b", "z"]
 
 
 def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
