@@ -63,6 +63,9 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None  # as SamplingParams': keep this many prompt tokens (-1: the limit)
     task: str = "embed"
     use_activation: bool = True
+    truncation_side: str | None = None  # which end truncate_prompt_tokens keeps (None: the model's tokenizer's)
+    priority: int = 0  # SamplingParams'
+    cache_salt: str | None = None  # SamplingParams'
 
     def validate(self, model: ModelTasks) -> None:
         if self.task not in TASKS:
@@ -80,9 +83,11 @@ class PoolingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     def as_sampling(self, truncation_side: str = "left") -> SamplingParams:
-        """The engine request that computes the prompt (and samples nothing: the runner pools its last row)."""
+        """The engine request that computes the prompt (and samples nothing: the runner pools its last row);
+        `truncation_side` the model's, unless the params name one."""
         return SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
-                              truncation_side=truncation_side)
+                              truncation_side=self.truncation_side or truncation_side, priority=self.priority,
+                              cache_salt=self.cache_salt)
 
     def pool(self, hidden: torch.Tensor) -> list[float]:
         """The embedding of a pooled final hidden state (a token task's: of each row of them), in float32 (float64

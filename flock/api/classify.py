@@ -10,7 +10,8 @@ from flock.api import embeddings
 from flock.api.protocol import APIError, typed_field
 from flock.pooling_params import PoolingParams
 
-FIELDS = {"model", "input", "user", "truncate_prompt_tokens", "add_special_tokens", "use_activation"}
+FIELDS = {"model", "input", "user", "truncate_prompt_tokens", "add_special_tokens", "use_activation",
+          *embeddings.POOLING_FIELDS}
 
 
 @dataclass
@@ -34,6 +35,6 @@ class ClassifyRequest:
 def parse_classify(body, tokenizer, labels: tuple[str, ...]) -> ClassifyRequest:
     """A request body, checked (APIError names the bad field)."""
     prompts = embeddings.pooled_prompts(body, tokenizer, FIELDS)
-    params = PoolingParams(task="classify", use_activation=typed_field(body, "use_activation", bool, True),
-                           truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
+    params = embeddings.pooling_params(body, task="classify",
+                                       use_activation=typed_field(body, "use_activation", bool, True))
     return ClassifyRequest(prompts, params, labels)

@@ -14,11 +14,13 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
+from flock.api.embeddings import POOLING_FIELDS, pooling_params
 from flock.api.protocol import APIError, check_fields, typed_field
 from flock.pooling_params import ModelTasks, PoolingParams, cross_encoder_prompt, pair_scores
 
 _PAIRS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
-_COMMON = {"model", "truncate_prompt_tokens", "user", "chat_template_kwargs"}
+_COMMON = {"model", "truncate_prompt_tokens", "user", "chat_template_kwargs", "use_activation", "instruction",
+           "max_tokens_per_query", "max_tokens_per_doc", *POOLING_FIELDS}
 SCORE_FIELDS = _COMMON | {name for pair in _PAIRS for name in pair}
 RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
 
@@ -80,8 +82,12 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
         if top_n < 0:
             raise APIError(f"top_n must be at least 0, got {top_n}", param="top_n")
         documents = typed_field(body, "return_documents", bool, True)
-    params = PoolingParams(truncate_prompt_tokens=typed_field(body, "truncate_prompt_tokens", int, None))
+    left, right = (_cut(body, name, texts, tokenizer) for name, texts in (("max_tokens_per_query", left),
+                                                                             ("max_tokens_per_doc", right)))
+    params = pooling_params(body)
     kwargs = typed_field(body, "chat_template_kwargs", dict, None)
+    if typed_field(body, "instruction", str, None) is not None:  # vLLM's shorthand; the kwargs' own wins
+        kwargs = {"instruction": body["instruction"]} | (kwargs or {})
     if kwargs is not None and (model is None or model.score_template is None):
         raise APIError("chat_template_kwargs fills a cross-encoder's score template (serve it with --chat-template)",
                        param="chat_template_kwargs")
@@ -94,9 +100,28 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
             prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs) for a, b in pairs]
         except Exception as e:  # the score template's own errors (jinja2's kinds)
             raise APIError(f"the score template failed on this pair: {e}", param="chat_template_kwargs") from None
-        return ScoreRequest(kind, left, right, prompts, replace(params, task="classify"), top_n, documents, True)
+        params = replace(params, task="classify", use_activation=typed_field(body, "use_activation", bool, True))
+        return ScoreRequest(kind, left, right, prompts, params, top_n, documents, True)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
     return ScoreRequest(kind, left, right, prompts, params, top_n, documents)
+
+
+def _cut(body: dict, name: str, texts: list[str], tokenizer) -> list[str]:
+    """The texts cut to their first `body[name]` tokens (vLLM's max_tokens_per_query / _doc; 0: whole), at a
+    character boundary of the original text."""
+    limit = typed_field(body, name, int, 0)
+    if limit < 0:
+        raise APIError(f"{name} must be at least 0, got {limit}", param=name)
+    return [_first_tokens(t, tokenizer, limit) for t in texts] if limit else texts
+
+
+def _first_tokens(text: str, tokenizer, limit: int) -> str:
+    while True:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        if len(offsets) <= limit:
+            return text
+        text = text[: min(offsets[limit - 1][1], offsets[limit][0])]
 
 
 def _texts(body: dict, name: str) -> list[str]:

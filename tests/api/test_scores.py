@@ -44,3 +44,41 @@ def test_bad_bodies_name_the_field(tok, kind, body, param):
     with pytest.raises(APIError) as e:
         parse_scores(kind, body, tok)
     assert e.value.param == param
+
+
+def test_vllms_pooling_fields(tok):
+    """vLLM 0.32's fields of every pooling body (truncation side, priority, cache salt, ...), scores' token limits
+    per query and document, and embeddings' base64 in vLLM's embed_dtype and byte order."""
+    import base64
+
+    import numpy as np
+
+    from flock.api.classify import parse_classify
+    from flock.api.embeddings import parse_embeddings
+
+    fields = {"truncation_side": "right", "priority": 3, "cache_salt": "s", "request_id": "r", "padding": "do_not_pad",
+              "mm_processor_kwargs": {}}
+    for req in (parse_embeddings({"input": "x"} | fields, tok), parse_classify({"input": "x"} | fields, tok, ()),
+                parse_scores("rerank", {"query": "q", "documents": ["d"]} | fields, tok)):
+        run = req.params.as_sampling("left")
+        assert (run.truncation_side, run.priority, run.cache_salt) == ("right", 3, "s")
+    assert parse_embeddings({"input": "x"}, tok).params.as_sampling("left").truncation_side == "left"
+    with pytest.raises(APIError) as e:
+        parse_embeddings({"input": "x", "padding": "max_length"}, tok)
+    assert e.value.param == "padding"
+    assert parse_embeddings({"input": "x", "use_activation": False}, tok).params.normalize is False
+
+    long = "one two three four five six"
+    cut = parse_scores("score", {"text_1": long, "text_2": [long, "a"], "max_tokens_per_query": 2,
+                                 "max_tokens_per_doc": 3}, tok)
+    first = lambda n: tok.decode(tok.encode(long, add_special_tokens=False)[:n]).strip()  # noqa: E731
+    assert cut.left == [first(2)] and cut.right == [first(3), "a"]
+    assert cut.prompts[0] == tok.encode(first(2), add_special_tokens=True)
+
+    req = parse_embeddings({"input": "x", "encoding_format": "base64", "embed_dtype": "float16",
+                            "endianness": "big"}, tok)
+    encoded = req.body("m", [[0.5, -1.25]], 1)["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(encoded), ">f2").tolist() == [0.5, -1.25]
+    with pytest.raises(APIError) as e:
+        parse_embeddings({"input": "x", "embed_dtype": "int8"}, tok)
+    assert e.value.param == "embed_dtype"
