@@ -69,19 +69,26 @@ class BatchLLMScheduler(Scheduler):
         self.unplanned = []
 
     def _groups(self, requests: list[Request]) -> list[tuple[int, GroupState]]:
+        """The planned groups, and a group of its own for each request that reads no cached prefix (prompt
+        logprobs: it computes its whole prompt, so a pinned group prefix could only crowd it out)."""
+        alone = [r for r in requests if not r.reads_prefix_cache]
+        groups = [(r.num_prompt_tokens, self._group([r], 0)) for r in alone]
+        requests = [r for r in requests if r.reads_prefix_cache]
         plan = plan_prefixes([r.cache_ids(0, r.num_prompt_tokens) for r in requests])
-        groups = []
         for g in plan.groups:
             members = [requests[i] for i in g.indices]
             # every member keeps at least one token of its own to compute; members take a prefix that ends
             # inside a block from the prefix cache, which copies that block's start (without it: whole blocks)
             shortest = min(m.num_prompt_tokens for m in members)
             shared = self._prefix_end(members[0], min(g.prefix_len, shortest - 1) if len(members) > 1 else 0)
-            group = GroupState(shared, deque(members), unfinished=len(members))
-            groups.append((g.computed_tokens, group))
-            for m in members:
-                self.group_of[m.request_id] = group
+            groups.append((g.computed_tokens, self._group(members, shared)))
         return groups
+
+    def _group(self, members: list[Request], prefix_len: int) -> GroupState:
+        group = GroupState(prefix_len, deque(members), unfinished=len(members))
+        for m in members:
+            self.group_of[m.request_id] = group
+        return group
 
     def _prefix_end(self, first: Request, length: int) -> int:
         """A group prefix of at most `length` tokens: whole blocks without prefix caching, and never ending inside

@@ -94,6 +94,27 @@ def test_a_group_larger_than_the_kv_cache_still_runs(mixed):
     assert stats["peak_kv_blocks"] <= 14
 
 
+@pytest.mark.parametrize("budget", [32, 2048])
+def test_prompt_logprobs_members_are_not_crowded_out_by_a_pinned_prefix(budget):
+    """A request with prompt logprobs computes its whole prompt; in a group its pinned prefix left it no room
+    in a small KV cache (the scheduler gave the prefix up and pinned it again forever). It runs on its own."""
+    prompt = [random.Random(0).randrange(100, 8000) for _ in range(71)]
+    params = SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=7, ignore_eos=True, prompt_logprobs=1)
+    outs = {}
+    for scheduler in ("fcfs", "batchllm"):
+        engine = LLM("flock/tiny", dtype="float32", scheduler=scheduler, block_size=2, num_kv_blocks=51,
+                     max_num_batched_tokens=budget).engine
+        requests = [engine.add_request(prompt, sample) for sample in params.samples()]
+        for _ in range(200):  # a few dozen steps; a livelock never ends
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished() and engine.kv.pool.num_free == 51, scheduler
+        outs[scheduler] = [r.output_token_ids for r in requests], [t.logprob for t in requests[0].prompt_logprobs[1:]]
+    assert outs["batchllm"][0] == outs["fcfs"][0]
+    assert outs["batchllm"][1] == pytest.approx(outs["fcfs"][1], abs=1e-5)  # float32, other chunks
+
+
 def test_pinned_prefix_is_released_when_the_group_finishes():
     prompts = groups_workload(6, groups=2, per_group=3, prefix=32, distinct=4)
     llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", enable_prefix_caching=False)
