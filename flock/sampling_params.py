@@ -250,8 +250,12 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         """Whether a truncation (top-k aside) leaves out some tokens before the draw."""
-        return (self.top_p < 1 or self.min_p > 0 or self.typical_p < 1 or self.top_n_sigma > 0
-                or (self.xtc_probability > 0 and self.xtc_threshold <= 0.5))
+        return self.top_p < 1 or self.min_p > 0 or self.typical_p < 1 or self.top_n_sigma > 0 or self.xtc
+
+    @property
+    def xtc(self) -> bool:
+        """Whether XTC may cut the top tokens (it draws its chance apart from the token's draw)."""
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
 
     @property
     def has_penalties(self) -> bool:

@@ -359,11 +359,12 @@ class LLMEngine:
     def _propose(self, reqs: list[Request]) -> list[tuple[list[int], list | None]]:
         """Drafts to verify in each request's next step, no more than its length caps leave room for beside the
         token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
-        Mirostat, whose bound moves with each token. With each, the distributions the drafts were sampled from
+        Mirostat, whose bound moves with each token, nor XTC, whose second draw a row's order would move (see
+        flock.spec.rewind_seeded). With each, the distributions the drafts were sampled from
         (the draft model's, probabilistic drafting; None: verified as one token each)."""
         k = self.speculative.drafts_for(len(reqs))
-        limits = [0 if req.params.mirostat or not k else min(self._room(req) - 1, drafts_worth(req.draft_rate, k))
-                  for req in reqs]
+        limits = [0 if req.params.mirostat or req.params.xtc or not k else
+                  min(self._room(req) - 1, drafts_worth(req.draft_rate, k)) for req in reqs]
         out = []
         for req, drafts, limit in zip(reqs, self.proposer.propose(reqs, limits), limits):
             kept = drafts if req.grammar is None or req.grammar.is_terminated() else \

@@ -21,7 +21,7 @@ from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
 from flock.sample.sampler import Sampled, Sampler, SamplingRow
 from flock.sched.base import StepPlan
-from flock.spec import DraftRow, accepted, proposals
+from flock.spec import DraftRow, accepted, proposals, rewind_seeded, seeded_states
 
 DEFAULT_KV_BYTES = 1 << 30
 WARM_UP_TOKENS = 2048  # at most: a model's start-up pays about one full step for it
@@ -141,6 +141,7 @@ class ModelRunner:
         kept = [(req, row, d) for req, row, d in finishing if req.pooling is None]
         sampling, sample_rows = draft_rows(kept)
         masks = self.sampler.start_masks(sampling)  # grammar bitmasks, filled while the model runs
+        seeded = seeded_states(kept)
         # the last layer finishes only the rows it must (all of a decode step: no gather then)
         rows = sorted(set(sample_rows).union((row for _, row in pooled), *(r for *_, r in prompt_rows)))
         out_rows = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -161,6 +162,7 @@ class ModelRunner:
                 out.logprobs = [[entry] for entry in sampled.logprobs]
             else:
                 self._draft_outputs(out, kept, tokens, sampled)
+                rewind_seeded(kept, seeded, out.tokens)
         out.kv_saved = self._saved_kv(plan)
         return out
 

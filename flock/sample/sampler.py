@@ -165,7 +165,7 @@ class Sampler:
     def _xtc_rows(self, params: list[SamplingParams], generators: list) -> list[bool]:
         """The rows whose XTC applies this step: each row with XTC draws its own chance (from its generator, after
         the token's draw; rows without it draw as they would)."""
-        rows = [i for i, p in enumerate(params) if p.xtc_probability > 0 and p.xtc_threshold <= 0.5]
+        rows = [i for i, p in enumerate(params) if p.xtc]
         on = [False] * len(params)
         if rows:
             chance = self._uniforms([generators[i] for i in rows])
@@ -375,9 +375,8 @@ def _plain_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Ten
 
 def _nucleus_only(p: SamplingParams, vocab: int) -> bool:
     """Whether a sampled row's truncations are top-k and top-p alone, in vLLM's order (at least one of them)."""
-    xtc = p.xtc_probability > 0 and p.xtc_threshold <= 0.5
     return (not p.temperature_last and p.min_p == 0 and p.typical_p >= 1 and p.top_n_sigma <= 0
-            and p.dynatemp_range <= 0 and not xtc and (0 < p.top_k < vocab or p.top_p < 1))
+            and p.dynatemp_range <= 0 and not p.xtc and (0 < p.top_k < vocab or p.top_p < 1))
 
 
 def _nucleus_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ method), verified by the model in the request's next step."""
 
 from flock.spec.config import SpeculativeConfig
 from flock.spec.ngram import NgramProposer
-from flock.spec.verify import DraftRow, accepted, drafts_worth, proposals, updated_rate
+from flock.spec.verify import (DraftRow, accepted, drafts_worth, proposals, rewind_seeded, seeded_states,
+                               updated_rate)
 
-__all__ = ["SpeculativeConfig", "NgramProposer", "DraftRow", "accepted", "drafts_worth", "proposals", "updated_rate"]
+__all__ = ["SpeculativeConfig", "NgramProposer", "DraftRow", "accepted", "drafts_worth", "proposals", "rewind_seeded",
+           "seeded_states", "updated_rate"]

@@ -55,6 +55,25 @@ def proposals(req: Request, drafts: list[int]) -> list[tuple[int, torch.Tensor] 
     return [(d, probs[j]) if j < len(probs) else None for j, d in enumerate(drafts)] + [None]
 
 
+def seeded_states(kept: list[tuple[Request, int, list[int]]]) -> list[torch.Tensor | None]:
+    """Before a step samples, the generator state of each request whose rows draw from its own generator after
+    n-gram drafts (seeded, drafts without a draft model's distribution), else None: see `rewind_seeded`."""
+    return [req.generator.get_state() if drafts and req.generator is not None and not req.draft_probs else None
+            for req, _, drafts in kept]
+
+
+def rewind_seeded(kept: list[tuple[Request, int, list[int]]], states: list[torch.Tensor | None],
+                  tokens: list[list[int]]) -> None:
+    """Each such request's generator as it would be after drawing only for the tokens it keeps (one uniform
+    each, as its rows drew them in order): a draft refused early draws no more than one refused late, so a seeded
+    request's tokens depend neither on how many drafts its steps carried nor on the batch."""
+    for (req, _, _), state, kept_tokens in zip(kept, states, tokens):
+        if state is not None:
+            req.generator.set_state(state)
+            for _ in kept_tokens:
+                torch.rand((), dtype=torch.float64, generator=req.generator)
+
+
 def accepted(tokens: list[int], drafts: list[int]) -> int:
     """How many leading drafts the tokens sampled at their rows confirm. A draft is a single token, so sampling the
     row and keeping the draft when it is the one drawn accepts it with its probability, and the token drawn in its
