@@ -2,11 +2,15 @@ from dataclasses import dataclass, field, fields
 
 from flock.kv.fp8 import KV_CACHE_DTYPES
 from flock.lora.request import lora_requests
+from flock.sampling_params import MAX_LOGPROBS
 from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
 OPS = ("auto", "torch", "fused", "packed")
 # flock.model.quant (GGUF blocks), flock.model.hf_quant (GPTQ, AWQ, compressed-tensors, fp8)
+# vLLM's: what logprobs hold: log-softmax or logits, of the model's output (raw) or of what the token is drawn
+# from (processed: after penalties, bias, temperature and truncations)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none", "q8_0", "q4_0")
 
 
@@ -49,6 +53,12 @@ class EngineConfig:
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")
+    max_logprobs: int = option(MAX_LOGPROBS, "most logprobs (alternatives) a request may ask for per token; -1: the whole "
+                               "vocabulary, which requests ask for with -1")
+    logprobs_mode: str = option("raw_logprobs", "what logprobs hold: the model's log-softmax (raw_logprobs) or "
+                                "logits (raw_logits), or those of the distribution tokens are drawn from, after "
+                                "penalties, temperature and truncations (processed_logprobs, processed_logits)",
+                                choices=LOGPROBS_MODES)
     block_size: int = option(16, "tokens per KV block")
     enable_prefix_caching: bool = option(True, "turn off the prefix cache", flag="--no-prefix-caching")
     max_num_seqs: int = option(256, "most requests in one step")
@@ -119,6 +129,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or at least 0, got {self.max_logprobs}")
         if self.ops not in OPS:
             raise ValueError(f"ops must be one of {', '.join(OPS)}, got {self.ops!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -6,7 +6,7 @@ from flock.lora.request import LoRARequest
 from flock.multimodal.inputs import ImageInputs
 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
-MAX_LOGPROBS = 20  # top alternatives per token at most, vLLM's default max_logprobs
+MAX_LOGPROBS = 20  # top alternatives per token at most by default (vLLM's max_logprobs)
 MAX_LOGPROB_TOKEN_IDS = 128  # tokens in logprob_token_ids at most, as vLLM's
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
 
@@ -379,9 +379,8 @@ class SamplingParams:
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
+                raise ValueError(f"{name} must be an integer, at least 0 or -1 (the whole vocabulary), got {value!r}")
         self._validate_logprob_token_ids(vocab_size)
         self._validate_prompt_logprob_token_ids(vocab_size)
         for name in ("detokenize", "skip_reading_prefix_cache"):

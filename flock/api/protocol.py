@@ -22,7 +22,7 @@ from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
-from flock.sampling_params import KINDS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from flock.sampling_params import KINDS, SamplingParams, StructuredOutputsParams
 from flock.chat_content import TEXT_PARTS, joined_text
 from flock.tokenizer import ChatOptions, bos_prefix, chat_options, chat_text, encode_chat, fim_prompt, fim_tokens
 
@@ -280,7 +280,10 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
         if gen.structured_param != "structured_outputs":
             message = f"{gen.structured_param}: {message}"
         return APIError(message, param=gen.structured_param)
-    param = first if first in _SAMPLING_FIELDS else "prompt" if gen.kind == "completion" else "messages"
+    if first == "logprobs" and gen.kind == "chat":
+        first = "top_logprobs"  # a chat's count of them
+    param = first if first in _SAMPLING_FIELDS | {"logprobs", "top_logprobs", "prompt_logprobs"} else \
+        "prompt" if gen.kind == "completion" else "messages"
     return APIError(message, param=param)
 
 
@@ -360,9 +363,10 @@ def _logprob_token_ids(body: dict, logprobs: int | None, echo_only: bool) -> lis
 
 
 def _bounded(body: dict, name: str) -> int | None:
+    """A logprobs count: at least 0, or -1 (the whole vocabulary); the engine's max_logprobs bounds it."""
     value = typed_field(body, name, int, None)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+    if value is not None and value < -1:
+        raise APIError(f"{name} must be at least 0, or -1 (the whole vocabulary), got {value}", param=name)
     return value
 
 

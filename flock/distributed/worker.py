@@ -24,7 +24,7 @@ from flock.engine.stats import RunStats
 from flock.sample.grammar import GrammarCompiler
 from flock.sample.logprobs import TokenLogprobs
 from flock.pooling_params import ModelTasks, PoolingParams
-from flock.sampling_params import SamplingParams
+from flock.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -65,11 +65,12 @@ class EngineInfo:
     any_whitespace: bool = False  # JSON outputs' default
     tasks: ModelTasks | None = None  # what the model serves
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation config
+    max_logprobs: int = MAX_LOGPROBS
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         generates = not isinstance(params, PoolingParams)
         params = engine_params(params, self.tasks)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates, self.max_logprobs)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
@@ -101,7 +102,7 @@ class EngineWorker:
         e = self.engine
         return EngineInfo(e.tokenizer, e.max_model_len, e.vocab_size, os.getpid(), socket.gethostname(),
                           torch.get_num_threads(), sorted(e.eos_token_ids), e.config.structured_outputs_any_whitespace,
-                          e.tasks, e.sampling_defaults)
+                          e.tasks, e.sampling_defaults, e.config.max_logprobs)
 
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""

@@ -26,7 +26,7 @@ from flock.request import Request
 from flock.sample.dry import breaker_tokens
 from flock.sample.grammar import GrammarCompiler, drafts_in_grammar
 from flock.sample.thinking import THINK_TOKENS, ThinkingState, ThinkMarkers
-from flock.sampling_params import SamplingParams
+from flock.sampling_params import MAX_LOGPROBS, SamplingParams
 from flock.sched import StepPlan, make_scheduler
 from flock.spec import NgramProposer, drafts_worth, updated_rate
 from flock.tokenizer import load_tokenizer
@@ -43,10 +43,17 @@ def check_priority(params: SamplingParams, scheduler: str) -> None:
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                 generates: bool = True) -> None:
+                 generates: bool = True, max_logprobs: int = MAX_LOGPROBS) -> None:
     """Raise ValueError naming the bad field of a request for an engine with these limits (its prompt as
-    truncate_prompt_tokens keeps it; a generation's leaving room for a token, as vLLM's)."""
+    truncate_prompt_tokens keeps it; a generation's leaving room for a token, as vLLM's; logprobs up to
+    max_logprobs, -1 the vocabulary)."""
     params.validate(vocab_size)
+    most = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and (vocab_size if asked == -1 else asked) > most:
+            raise ValueError(f"{name} {asked} is more than the engine's max_logprobs {max_logprobs} (-1 asks for the "
+                             "whole vocabulary, which max_logprobs -1 allows)")
     prompt_token_ids = params.truncated(prompt_token_ids, max_model_len)
     n = len(prompt_token_ids)
     if n == 0:
@@ -194,7 +201,7 @@ class LLMEngine:
         changes nothing but the grammar cache."""
         generates = not isinstance(params, PoolingParams)
         params = engine_params(params, self.tasks, self.model_config.encoder)
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates)
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates, self.config.max_logprobs)
         check_priority(params, self.config.scheduler)
         if params.thinking_token_budget is not None and self.think_markers is None:
             raise ValueError(f"thinking_token_budget needs a model whose tokenizer has {' and '.join(THINK_TOKENS)} "

@@ -19,7 +19,7 @@ from flock.multimodal.processor import image_prompts
 from flock.pooling_params import PoolingParams
 from flock.request import Request
 from flock.sample.logprobs import TokenLogprobs, log_softmax, token_logprobs
-from flock.sample.sampler import Sampled, Sampler, SamplingRow
+from flock.sample.sampler import Sampled, Sampler, SamplingRow, whole
 from flock.sched.base import StepPlan
 from flock.spec import DraftRow, accepted, proposals, rewind_seeded, seeded_states
 
@@ -92,7 +92,8 @@ class ModelRunner:
         # one guard for every step (not reentrant): the decorator's new one a step costs a decode step ~100 us
         self.inference = torch.inference_mode()
         self.logits: torch.Tensor | None = None  # float32 rows the lm_head writes, kept across steps (_logits_out)
-        self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size)  # min_tokens holds the EOS ids back
+        # min_tokens holds the EOS ids back
+        self.sampler = Sampler(config.seed, eos_token_ids, c.vocab_size, config.logprobs_mode)
         if self.device.type == "cpu":
             release_freed_memory()
             self.warm_up(min(config.max_num_batched_tokens, WARM_UP_TOKENS, max_model_len,
@@ -232,7 +233,7 @@ class ModelRunner:
                 logprobs = log_softmax(logits, logits if logits is kept else None)  # in place: no fresh rows
                 listed = req.prompt_ids and req.prompt_ids[first + lo : first + lo + len(chunk)]
                 entries += token_logprobs(logprobs, targets[lo : lo + len(chunk)],
-                                          [req.params.prompt_logprobs or 0] * len(chunk), listed)
+                                          [whole(req.params.prompt_logprobs, logits.shape[-1])] * len(chunk), listed)
             out.append((req, first, entries))
         return out
 

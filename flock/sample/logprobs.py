@@ -31,13 +31,17 @@ class TokenLogprobs(Mapping):
     top: list[tuple[int, float]]
     listed: bool = False
     texts: dict[int, str] | None = field(default=None, repr=False, compare=False)
+    _view: tuple | None = field(default=None, repr=False, compare=False)  # (texts, entries) built from them
 
     def _entries(self) -> dict[int, Logprob]:
-        text = (self.texts or {}).get
-        entries = {self.token_id: Logprob(self.logprob, self.rank, text(self.token_id))}
-        for i, (token, logprob) in enumerate(self.top):
-            entries.setdefault(token, Logprob(logprob, None if self.listed else i + 1, text(token)))
-        return entries
+        """The mapping, built once (for the texts it was built with: with_texts sets them later)."""
+        if self._view is None or self._view[0] is not self.texts:
+            text = (self.texts or {}).get
+            entries = {self.token_id: Logprob(self.logprob, self.rank, text(self.token_id))}
+            for i, (token, logprob) in enumerate(self.top):
+                entries.setdefault(token, Logprob(logprob, None if self.listed else i + 1, text(token)))
+            self._view = self.texts, entries
+        return self._view[1]
 
     def __getitem__(self, token_id: int) -> Logprob:
         return self._entries()[token_id]

@@ -58,8 +58,10 @@ class Sampler:
     tokens whatever batch it runs in. Penalties, logit_bias and min_tokens come first, on the rows that ask for
     them (penalties.py), so the others keep the fast paths."""
 
-    def __init__(self, seed: int, eos_token_ids: Iterable[int] = (), vocab_size: int = 0):
+    def __init__(self, seed: int, eos_token_ids: Iterable[int] = (), vocab_size: int = 0,
+                 logprobs_mode: str = "raw_logprobs"):
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.logprobs_mode = logprobs_mode  # EngineConfig's
         self.eos_token_ids = frozenset(eos_token_ids)  # held back by min_tokens
         self.masks = GrammarMasks(vocab_size)
         self.logprobs: torch.Tensor | None = None  # float32 log-softmax rows, kept across steps (_log_softmax)
@@ -74,13 +76,22 @@ class Sampler:
         if masks is not None:
             self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
         asking = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
-        raw = self._log_softmax(logits if len(asking) == len(rows) else logits[asking]) if asking else None
+        params = [r.params for r in rows]
+        processed = self.logprobs_mode.startswith("processed")
+        if asking and not processed:
+            raw = logits if len(asking) == len(rows) else logits[asking]
+            values = self._log_softmax(raw) if self.logprobs_mode == "raw_logprobs" else raw.float().clone()
+        if asking and processed:  # penalties first, so the values see them
+            logits = apply_penalties(logits, params, rows, self.eos_token_ids)
         mus = [r.mirostat_mu for r in rows]
-        tokens = self(logits, [r.params for r in rows], [r.generator for r in rows], rows, mus,
+        tokens = self(logits, params, [r.generator for r in rows], None if processed and asking else rows, mus,
                       [getattr(r, "proposal", None) for r in rows])
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if asking:
-            entries = token_logprobs(raw, tokens[asking], [rows[i].params.logprobs or 0 for i in asking],
+            if processed:
+                values = processed_values(logits[asking], [params[i] for i in asking], self.logprobs_mode)
+            vocab = logits.shape[-1]
+            entries = token_logprobs(values, tokens[asking], [whole(rows[i].params.logprobs, vocab) for i in asking],
                                      [rows[i].params.logprob_token_ids for i in asking])
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
@@ -186,6 +197,22 @@ class Sampler:
         return u
 
 
+def whole(count: int | None, vocab: int) -> int:
+    """A logprobs count: -1 is the whole vocabulary (None: 0, the chosen token's alone)."""
+    return vocab if count == -1 else count or 0
+
+
+def processed_values(logits: torch.Tensor, params: list[SamplingParams], mode: str) -> torch.Tensor:
+    """vLLM's processed logits (or their log-softmax, "processed_logprobs") of rows whose penalties are applied:
+    a sampled row's after its temperature and truncations (the tokens they leave out at -inf), a greedy row's as
+    they are."""
+    logits = logits.float().clone()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        logits[sampled] = truncated_logits(logits[sampled], [params[i] for i in sampled])
+    return logits.log_softmax(-1) if mode == "processed_logprobs" else logits
+
+
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse transform sampling: the token where each row's cumulative probability first exceeds u
     times its total, found among chunk sums, then inside one chunk (one pass over the probabilities, no
@@ -206,6 +233,12 @@ def distribution(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: l
                  ) -> torch.Tensor:
     """Each row's distribution to draw from, in float32: its temperature and truncations (XTC on `xtc_rows`, the
     rows whose chance came up)."""
+    return truncated_logits(logits, params, xtc_rows).softmax(dim=-1)
+
+
+def truncated_logits(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: list[bool] | None = None
+                     ) -> torch.Tensor:
+    """Each row's logits in float32 after its temperature and truncations (those left out at -inf)."""
     logits, xtc = logits.float(), xtc_rows or [False] * len(params)
     late = [i for i, p in enumerate(params) if p.temperature_last]
     if not late:
@@ -216,7 +249,7 @@ def distribution(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: l
             if rows:
                 out[rows] = _truncated(logits[rows], [params[i] for i in rows], [xtc[i] for i in rows])
         logits = out
-    return logits.softmax(dim=-1)
+    return logits
 
 
 def _truncated(logits: torch.Tensor, params: list[SamplingParams], xtc_rows: list[bool]) -> torch.Tensor:

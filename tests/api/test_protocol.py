@@ -138,10 +138,10 @@ def test_fallback_template_when_tokenizer_has_none(tok):
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
     ("completion", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
-    ("completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("completion", {"prompt": "a", "logprobs": -2}, "logprobs"),  # more than max_logprobs: the engine's to refuse
     ("completion", {"prompt": "a", "logprobs": True}, "logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ("completion", {"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completion", {"prompt": "a", "prompt_logprobs": -3}, "prompt_logprobs"),
     ("completion", {"prompt": "a", "suffix": "b"}, "suffix"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},

@@ -104,7 +104,7 @@ def test_tools_formats_and_logprobs_as_chat_fields(tok):
     ({"input": "a", "background": True}, "background"),
     ({"input": "a", "include": ["file_search_call.results"]}, "include"),
     ({"input": "a", "truncation": "sometimes"}, "truncation"),
-    ({"input": "a", "top_logprobs": 99}, "top_logprobs"),
+    ({"input": "a", "top_logprobs": -2}, "top_logprobs"),
 ])
 def test_bad_bodies_name_the_responses_field(tok, body, param):
     with pytest.raises(APIError) as e:

@@ -121,7 +121,7 @@ def test_stream_chat_equals_whole(client):
 @pytest.mark.parametrize("kw,param", [({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 2}, "best_of"),
                                       ({"prompt": ["x", [5]]}, "prompt"), ({"prompt": []}, "prompt"), ({"temperature": -1}, "temperature"),
                                       ({"max_tokens": 0}, "max_tokens"), ({"prompt": [5] * 2100}, "prompt"),
-                                      ({"extra_body": {"messages": []}}, "messages"),
+                                      ({"extra_body": {"messages": []}}, "messages"), ({"logprobs": 21}, "logprobs"),
                                       ({"extra_body": {"priority": 1}}, "priority")])  # feather: vLLM's rule
 def test_bad_request_names_the_parameter(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

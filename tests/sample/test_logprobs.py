@@ -88,6 +88,33 @@ def test_logprobs_are_raw_before_penalties_and_temperature(hf_folders):
     assert b.logprobs[0].rank >= 1
 
 
+def test_logprobs_modes_and_the_whole_vocabulary(hf_folders, reference):
+    """vLLM's logprobs_mode: the model's logits (raw_logits), or the log-softmax / logits of what the token is drawn
+    from after penalties, temperature and truncations (processed_*); logprobs -1 is every token, which
+    max_logprobs -1 allows (the default, 20, refuses it by name)."""
+    prompt = shared_prefix_prompts(seed=5)[0]
+    ref = reference(prompt)[-1]  # log-softmax of the last row: the logits up to a constant
+    params = SamplingParams(temperature=0.5, top_k=3, seed=3, max_tokens=1, logprobs=-1, presence_penalty=0.0)
+    with pytest.raises(ValueError, match="logprobs -1 is more than the engine's max_logprobs 20"):
+        LLM(str(hf_folders["llama"]), dtype="float64").generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    got = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        llm = LLM(str(hf_folders["llama"]), dtype="float64", max_logprobs=-1, logprobs_mode=mode)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        entry = out.logprobs[0]
+        assert len(entry) == len(ref) and entry[out.token_ids[0]].rank >= 1
+        got[mode] = torch.tensor([entry[t].logprob for t in range(len(ref))], dtype=torch.float64)
+    assert torch.allclose(got["raw_logprobs"], ref, atol=1e-9)
+    assert torch.allclose(got["raw_logits"] - got["raw_logits"].logsumexp(-1), ref, atol=1e-9)
+    top3 = ref.topk(3).indices
+    kept = torch.full_like(ref, float("-inf"))
+    kept[top3] = ref[top3] / 0.5
+    assert torch.equal(torch.isfinite(got["processed_logits"]), torch.isfinite(kept))
+    assert torch.allclose(got["processed_logprobs"][top3], kept.log_softmax(-1)[top3], atol=1e-9)
+    shift = got["processed_logits"][top3] - kept[top3]  # logits, not logprobs: a constant apart
+    assert torch.allclose(shift, shift[0].expand(3), atol=1e-9)
+
+
 def test_prompt_logprobs_survive_preemption(hf_folders, reference):
     prompts = shared_prefix_prompts(seed=6)
     llm = LLM(str(hf_folders["llama"]), dtype="float64", block_size=4, num_kv_blocks=16, max_num_batched_tokens=32)
