@@ -63,11 +63,13 @@ class MessagesRequest:
     def stop(self, choice: Choice) -> dict:
         """stop_reason and stop_sequence: a stop_sequences string that matched, or why else the answer ended."""
         stop = self.gen.params.stop or []
+        if choice.finish_reason == "length":  # vLLM's: max_tokens wins, whatever the answer holds
+            return {"stop_reason": "max_tokens", "stop_sequence": None}
         if choice.tool_calls:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if choice.finish_reason == "stop" and isinstance(choice.stop_reason, str) and choice.stop_reason in stop:
             return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
-        return {"stop_reason": "max_tokens" if choice.finish_reason == "length" else "end_turn", "stop_sequence": None}
+        return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
 def usage(counts) -> dict:
@@ -80,14 +82,16 @@ def usage(counts) -> dict:
 def blocks(reasoning: str | None, text: str | None, tool_calls: list[dict] | None, show_thinking: bool = True
            ) -> list[dict]:
     """An answer's content blocks, in order: its thinking, its text (also when there is nothing else), its calls."""
-    out = [thinking_block(reasoning if show_thinking else "")] if reasoning else []
+    out = [thinking_block(reasoning if show_thinking else "", uuid.uuid4().hex)] if reasoning else []
     if text or not (out or tool_calls):
         out.append(text_block(text or ""))
     return out + [tool_use_block(call) for call in tool_calls or []]
 
 
-def thinking_block(text: str) -> dict:
-    return {"type": "thinking", "thinking": text, "signature": ""}
+def thinking_block(text: str, signature: str = "") -> dict:
+    """A thinking block; a whole message's signed as vLLM signs it (a random id: nothing verifies it here, but
+    clients that drop unsigned thinking keep it)."""
+    return {"type": "thinking", "thinking": text, "signature": signature}
 
 
 def text_block(text: str) -> dict:
@@ -120,7 +124,7 @@ def parse_messages(body, tokenizer, tool_parser: str | None = None, reasoning_pa
     chat = {k: body[k] for k in _CHAT_FIELDS if k in body} | {"messages": chat_messages(body)}
     chat |= _max_tokens(body, count_only) | _stop(body) | _tools(body) | _format(body)
     chat = _thinking(body, chat, tokenizer)
-    if count_only and "tools" in chat:  # tools are shown to the template, whether or not a parser could call them
+    if count_only and "tools" in chat and tool_parser is None:  # shown to the template, though none can be called
         chat["tool_choice"] = "none"
     if chat["messages"][-1]["role"] == "assistant":  # a prefilled answer: the model continues it
         chat |= {"add_generation_prompt": False, "continue_final_message": True}
@@ -457,8 +461,10 @@ class MessageEvents:
     def _close(self) -> list[dict]:
         if self.open is None:
             return []
+        signed = [self._delta({"type": "signature_delta", "signature": uuid.uuid4().hex})] \
+            if self.open == "thinking" else []
         self.open, self.index = None, self.index + 1
-        return [{"type": "content_block_stop", "index": self.index - 1}]
+        return signed + [{"type": "content_block_stop", "index": self.index - 1}]
 
     def _delta(self, delta: dict) -> dict:
         return {"type": "content_block_delta", "index": self.index, "delta": delta}

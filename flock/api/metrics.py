@@ -66,22 +66,24 @@ class Metrics:
             v.ttft.observe(since_submit)
         elif new_tokens and since_last is not None:
             v.itl.observe(since_last / new_tokens)
+        if since_last is None:  # the prompt is computed: counted now, however the request ends (as vLLM counts it)
+            v.prompt_tokens.inc(out.num_prompt_tokens)
+            v.cache_queries.inc(out.num_prompt_tokens)
+            v.cache_hits.inc(out.num_cached_tokens)
         if out.finished:
             self.finished.labels(out.finish_reason).inc()
             if out.finish_reason in v.success:
                 v.success[out.finish_reason].inc()
             v.e2e.observe(since_submit)
-            if first_token is not None and out.num_output_tokens > 1:
-                v.tpot.observe((since_submit - first_token) / (out.num_output_tokens - 1))
-            v.prompt_tokens.inc(out.num_prompt_tokens)
-            v.cache_queries.inc(out.num_prompt_tokens)
-            v.cache_hits.inc(out.num_cached_tokens)
+            if first_token is not None:  # one token: 0, as vLLM observes it
+                n = out.num_output_tokens
+                v.tpot.observe((since_submit - first_token) / (n - 1) if n > 1 else 0.0)
             v.request_prompt.observe(out.num_prompt_tokens)
             v.request_generation.observe(out.num_output_tokens)
 
     def aborted(self) -> None:
+        """A request its client left (vLLM counts no success for it)."""
         self.finished.labels("abort").inc()
-        self.vllm.success["abort"].inc()
 
 
 class VllmMetrics:
@@ -118,7 +120,8 @@ class VllmMetrics:
         self.cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=r)
-        self.success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}
+        self.success = {reason: success.labels(*values, reason)
+                        for reason in ("stop", "length", "abort", "error", "repetition")}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

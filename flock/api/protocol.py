@@ -246,7 +246,7 @@ def _max_tokens_field(body: dict, kind: str) -> str | None:
 
 def chat_token_ids(body: dict, tokenizer) -> list[int]:
     """The prompt token ids of a chat body as /v1/chat/completions makes them (its tools shown, not called)."""
-    return _chat_prompt(body | {"tool_choice": "none"} if body.get("tools") else body, tokenizer, None)[1][0]
+    return _chat_prompt(body, tokenizer, None, tokens_only=True)[1][0]
 
 
 def _tool_constraint(tools: ToolCalling, params: SamplingParams, structured_param: str | None,
@@ -518,14 +518,15 @@ def lone_surrogate(value) -> str | None:
     return None
 
 
-def _chat_prompt(body: dict, tokenizer, tool_parser: str | None
+def _chat_prompt(body: dict, tokenizer, tool_parser: str | None, tokens_only: bool = False
                  ) -> tuple[list[str], list[list[int]], ToolCalling | None]:
-    """The chat's echo text and token ids, with vLLM's template options, and how it may call tools. The echo is
-    the last message's content when the answer continues it (continue_final_message, or an assistant message
-    last), else empty."""
+    """The chat's echo text and token ids, with vLLM's template options, and how it may call tools (with
+    `tokens_only`, none: its tools are shown, whatever parser could call them). The echo is the last message's
+    content when the answer continues it (continue_final_message, or an assistant message last), else empty."""
     messages = _messages(body)
     try:
-        tools, calling = parse_tools(body, tool_parser)
+        shown = body | {"tool_choice": "none"} if tokens_only and body.get("tools") else body
+        tools, calling = parse_tools(shown, tool_parser)
     except ToolError as e:
         raise APIError(str(e), param=e.param) from None
     add = typed_field(body, "add_generation_prompt", bool, True)

@@ -233,8 +233,10 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         message = {"role": "system" if role == "developer" else role, "content": text}
         if role == "assistant" and item.get("status") in ("in_progress", "incomplete"):
             message["partial"] = True
-        if role == "assistant" and last is not None and not last["content"]:
+        if role == "assistant" and last is not None and not last["content"]:  # the answer after its reasoning
             last["content"] = text
+            if message.get("partial"):
+                last["partial"] = True
         else:
             messages.append(message)
     elif kind == "reasoning":

@@ -308,6 +308,10 @@ async def answer_messages(raw: Request, ctx: ServerContext):
                            ctx.engine.sampling_defaults)
     gen, model = req.gen, reported_model(body.get("model"), ctx)
     gen.use_lora(ctx.loras.get(body.get("model")))
+    try:
+        gen.fit(ctx.engine.max_model_len)
+    except APIError as e:
+        raise messages_renamed(e) from None
     streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)))
     given = raw.headers.get("x-request-id") or gen.request_id
     if given:

@@ -204,6 +204,8 @@ def accumulate(events: list[dict]) -> dict:
             block, delta = message["content"][event["index"]], event["delta"]
             if delta["type"] == "input_json_delta":
                 block["input"] = json.loads(delta["partial_json"])
+            elif delta["type"] == "signature_delta":  # a thinking block's, last
+                block["signature"] = delta["signature"]
             else:
                 key = {"text_delta": "text", "thinking_delta": "thinking"}[delta["type"]]
                 block[key] += delta[key]
@@ -236,11 +238,34 @@ def test_a_streams_events_add_up_to_the_whole_message(tok, pieces, parser, reaso
     streamed = accumulate(stream_events(m, tok, pieces, "stop"))
     for block in streamed["content"] + whole["content"]:
         block.pop("id", None)  # a tool call's id is drawn fresh each time
+        assert len(block.pop("signature", "s" * 32)) == 32  # and a thinking block's signature
     assert streamed == whole
     if parser:
         assert whole["stop_reason"] == "tool_use" and whole["content"][-1]["input"] == {"city": "Paris"}
         assert whole["content"][0] == {"type": "text", "text": "Sure."}
     if reasoning:
         shown = "" if display == "omitted" else "Two and two."
-        assert whole["content"] == [{"type": "thinking", "thinking": shown, "signature": ""},
+        assert whole["content"] == [{"type": "thinking", "thinking": shown},
                                     {"type": "text", "text": "Four."}]
+
+
+def test_count_tokens_render_tools_as_the_request_would(tok):
+    """With a parser, count_tokens renders the tools under the request's own tool_choice (so a server that hides
+    tools from tool_choice none counts them as the request shows them); max_tokens wins over a tool call as the
+    stop reason, as vLLM's."""
+    import copy
+
+    from flock.tokenizer import ChatOptions
+
+    hiding = copy.copy(tok)
+    hiding.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}" \
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    hiding.chat_options = ChatOptions(exclude_tools_when_none=True)
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    counted = parse_messages(body, hiding, "hermes", count_only=True).gen.prompts[0]
+    assert counted == parse_messages(body, hiding, "hermes").gen.prompts[0]
+    assert hiding.decode(counted).startswith("[get_weather]")
+    m = parse_messages(body, tok, "hermes")
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    assert m.stop(Choice("", "length", tool_calls=[call]))["stop_reason"] == "max_tokens"
+    assert m.stop(Choice("", "stop", tool_calls=[call]))["stop_reason"] == "tool_use"

@@ -72,6 +72,16 @@ def test_input_items_become_the_messages_of_earlier_turns(tok):
     assert partial.gen.prompts == chat.prompts
 
 
+def test_an_incomplete_answer_after_its_reasoning_is_continued(tok):
+    """vLLM resumes an assistant message in progress or incomplete, also after its reasoning item."""
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}
+    cut = {"type": "message", "role": "assistant", "status": "incomplete",
+           "content": [{"type": "output_text", "text": "1, 2,"}]}
+    for items in ([cut], [thought, cut]):
+        ids = parse_responses({"input": [{"role": "user", "content": "Count"}, *items]}, tok).gen.prompts[0]
+        assert tok.decode(ids).endswith("1, 2,"), items
+
+
 def test_tools_formats_and_logprobs_as_chat_fields(tok):
     r = parse_responses({"input": "Weather in Paris?", "tools": [WEATHER],
                          "tool_choice": {"type": "function", "name": "get_weather"},

@@ -511,6 +511,8 @@ def test_messages_equal_chat_completions(server, client):
     r = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "messages": user}, headers=AUTH, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="cannot be greater than max_model_len"):
+        anth.messages.create(max_tokens=10**6, **kw)  # as the other endpoints refuse it
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(max_tokens=1, **kw)
     assert [(m.id, m.type) for m in anth.models.list()] == [(MODEL, "model")]

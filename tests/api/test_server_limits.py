@@ -100,3 +100,27 @@ def test_requests_past_the_shutdown_timeout_end_with_what_they_generated():
     assert r.choices[0].finish_reason == "abort" and r.usage.completion_tokens > 0 and r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "abort" and "".join(c.choices[0].text for c in chunks)
     assert [c.finish_reason for c in b.choices] == ["abort", "abort"]  # the beams as they were
+
+
+def test_vllm_metrics_count_prompts_at_their_first_output_and_client_aborts_as_no_success():
+    """As vLLM: a prompt's tokens count once it is computed (a stream its client leaves counts them too), a client
+    that leaves records no request_success, a one-token request's TPOT is 0, errors have their label."""
+    from types import SimpleNamespace
+
+    from flock.api.metrics import Metrics
+    from flock.engine.async_engine import StreamOutput
+
+    state = SimpleNamespace(num_running=0, kv_blocks_used=0, kv_blocks_total=1, saving_rate=0.0)
+    metrics = Metrics(SimpleNamespace(num_waiting=0, state=state), "m")
+    first = StreamOutput("a", 7, 1, num_cached_tokens=3)
+    metrics.output(first, 1, 0.5, None, 0.5)  # the first output of a stream
+    metrics.aborted()  # its client left
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("vllm:prompt_tokens_total", labels) == 7 and value("vllm:prefix_cache_hits_total", labels) == 3
+    assert value("vllm:request_success_total", labels | {"finished_reason": "abort"}) == 0
+    done = StreamOutput("b", 5, 1, finish_reason="error")
+    metrics.output(done, 1, 0.2, None, 0.2)
+    assert value("vllm:request_success_total", labels | {"finished_reason": "error"}) == 1
+    assert value("vllm:request_time_per_output_token_seconds_sum", labels) == 0
+    assert value("vllm:request_time_per_output_token_seconds_count", labels) == 1
