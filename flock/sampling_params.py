@@ -1,11 +1,15 @@
 import copy
+import logging
 import math
 from dataclasses import dataclass, field, replace
 
 from flock.lora.request import LoRARequest
 from flock.multimodal.inputs import ImageInputs
 
+log = logging.getLogger(__name__)
+
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
+MIN_TEMPERATURE = 0.01  # vLLM's: a smaller positive temperature is raised to it (its logits would overflow)
 MAX_LOGPROBS = 20  # top alternatives per token at most by default (vLLM's max_logprobs)
 MAX_LOGPROB_TOKEN_IDS = 128  # tokens in logprob_token_ids at most, as vLLM's
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
@@ -203,6 +207,10 @@ class SamplingParams:
     dry_breakers: dict | None = field(default=None, repr=False)  # the engine's, of dry_sequence_breakers
 
     def __post_init__(self):
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %s is below %s, which may overflow the logits; raised to %s (as vLLM)",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if self.thinking_token_budget == -1:
             self.thinking_token_budget = None
         if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: no seed

@@ -136,7 +136,8 @@ def serve_main(args: argparse.Namespace) -> int:
         ctx = ServerContext(engine, Metrics(engine, names[0]), names, api_keys(args), parser, args.reasoning_parser,
                             ResponseStore(max(args.max_stored_responses, 0)), args.batch_dir,
                             lora_requests(config.lora_modules or []),
-                            {"return_tokens_as_token_ids": True} if args.return_tokens_as_token_ids else {})
+                            {"return_tokens_as_token_ids": True} if args.return_tokens_as_token_ids else {},
+                            args.enable_force_include_usage)
         log.info("engine ready: %s, %d KV blocks, max_model_len %d, scheduler %s, attention %s", args.model,
                  engine.state.kv_blocks_total, engine.max_model_len, engine.state.scheduler, engine.state.attention)
         if args.reasoning_parser and THINKING_END not in engine.tokenizer.get_vocab():

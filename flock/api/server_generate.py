@@ -75,6 +75,7 @@ class ServerContext:
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # the LoRA adapters (--lora-modules) by model name
     # completions' and chats' fields a body that leaves them unset gets (vLLM's --return-tokens-as-token-ids)
     body_defaults: dict = field(default_factory=dict)
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     token_text: TokenText = field(init=False)
     # where bodies are parsed (prompts tokenized, chat templates rendered): one thread, off the event loop, so a
     # huge prompt holds up no other client's stream or /health (vLLM tokenizes on an executor too)
@@ -110,6 +111,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
                            ctx.engine.tokenizer, default_max_tokens=16 if kind == "completion" else None,
                            tool_parser=ctx.tool_parser, reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
+    gen.include_usage = gen.include_usage or ctx.force_include_usage
     gen.use_lora(ctx.loras.get(gen.model))
     gen.fit(ctx.engine.max_model_len)
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first

@@ -45,6 +45,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="tool_choice none: the tools are not shown to the template either")
     v.add_argument("--response-role", default="assistant",
                    help="the role of chat answers to requests with add_generation_prompt (the default)")
+    v.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with its usage, whatever its stream_options say")
     v.add_argument("--max-log-len", type=int, help="accepted: Flock logs no prompts")
     v.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted: usage always has prompt_tokens_details.cached_tokens")

@@ -88,12 +88,14 @@ def test_thinking_then_tool_calls_in_a_choice():
 def test_reasoning_over_the_api():
     """With --reasoning-parser the thinking comes back as message.reasoning (streamed as delta.reasoning); a
     grammar applies only after it (the random model never ends its thinking, so its answer stays reasoning);
-    include_reasoning false hides the thinking, its logprobs too."""
+    include_reasoning false hides the thinking, its logprobs too; --enable-force-include-usage ends every stream
+    with its usage."""
     import openai
 
     from bench.harness.server_process import ServerProcess
 
-    with ServerProcess("--model", "flock/tiny", "--reasoning-parser", "deepseek_r1", env={"OMP_NUM_THREADS": "1"}) as s:
+    with ServerProcess("--model", "flock/tiny", "--reasoning-parser", "deepseek_r1", "--enable-force-include-usage",
+                       env={"OMP_NUM_THREADS": "1"}) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
         kw = dict(model="flock/tiny", messages=[{"role": "user", "content": "Yes?"}], max_tokens=12, temperature=0,
                   extra_body={"structured_outputs": {"regex": r"Yes\."}, "ignore_eos": True})
@@ -103,7 +105,9 @@ def test_reasoning_over_the_api():
         assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens == 12
         chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
         assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
-        deltas = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(stream=True, **kw)]
+        chunks = list(client.chat.completions.create(stream=True, **kw))  # no stream_options: usage all the same
+        assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+        deltas = [c.choices[0].delta.model_dump() for c in chunks[:-1]]
         assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
         assert not any(d.get("content") for d in deltas)
         hidden = kw | {"extra_body": kw["extra_body"] | {"include_reasoning": False}, "logprobs": True}

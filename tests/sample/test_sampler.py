@@ -67,6 +67,14 @@ def test_top_k_1_is_greedy(temperature):
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_a_tiny_temperature_is_raised_to_vllms_floor(caplog):
+    """As vLLM: 0 < temperature < 0.01 runs at 0.01 (the logits divided by less overflow), with a warning."""
+    with caplog.at_level("WARNING", logger="flock.sampling_params"):
+        assert SamplingParams(temperature=1e-4).temperature == 0.01
+    assert "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+
+
 def test_tiny_top_p_keeps_only_the_top_token():
     torch.manual_seed(4)
     logits = torch.randn(16, 40)
