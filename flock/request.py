@@ -71,9 +71,10 @@ class Request:
 
     @property
     def cache_namespace(self) -> tuple[str | None, str | None]:
-        """Its cache salt and LoRA adapter: requests share prefix-cache blocks only within one namespace."""
+        """Its cache salt and LoRA adapter (its name and folder: a name unloaded and loaded again from another folder
+        is another adapter): requests share prefix-cache blocks only within one namespace."""
         lora = self.params.lora_request
-        return self.params.cache_salt, None if lora is None else lora.lora_name
+        return self.params.cache_salt, None if lora is None else f"{lora.lora_name}\0{lora.lora_path}"
 
     def chunk(self, start: int, n: int) -> int:
         """The tokens a step computes from `start` when n fit: n, or, where its images attend both ways (Gemma

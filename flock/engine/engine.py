@@ -262,11 +262,12 @@ class LLMEngine:
         self.runner.lora.add(request)
 
     def unload_lora(self, name: str) -> bool:
-        """Forget a LoRA adapter (ValueError if none has that name), unless requests are running or waiting: then
-        nothing changes and it returns False, as `reset_prefix_cache` does."""
+        """Forget a LoRA adapter and the prefixes cached in memory (an adapter loaded again from its folder may
+        have other weights), ValueError if none has that name; unless requests are running or waiting: then nothing
+        changes and it returns False, as `reset_prefix_cache` does."""
         if self.runner.lora is None or name not in self.runner.lora.loaded:
             raise ValueError(f"no LoRA adapter is loaded as {name!r}")
-        if self.has_unfinished():
+        if not self.reset_prefix_cache():
             return False
         self.runner.lora.remove(name)
         self.lora_requests.pop(name, None)

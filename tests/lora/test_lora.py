@@ -191,6 +191,19 @@ def test_an_adapter_unloads_only_when_the_engine_is_idle(hf_folders, adapters):
     assert outs[0].outputs[0].token_ids == expected["a"][0]
 
 
+def test_a_name_loaded_again_from_another_folder_reads_none_of_the_old_adapters_kv(hf_folders, adapters):
+    """The prefix cache keys an adapter by name and folder, and an unload forgets the cached prefixes: the name's
+    new adapter computes its prompt (the old one's blocks gave a's answer under b's weights)."""
+    a, b, prompts, expected = adapters("llama")
+    llm = LLM(str(hf_folders["llama"]), dtype="float64", enable_lora=True, block_size=4)
+    prompt = {"prompt_token_ids": prompts[0]}
+    first = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(a)))[0]
+    assert first.outputs[0].token_ids == expected["a"][0]
+    assert llm.engine.unload_lora("x")
+    again = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(b)))[0]
+    assert again.outputs[0].token_ids == expected["b"][0] and again.num_cached_tokens == 0
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_llama_cpp_gguf_adapters_match_peft(hf_folders, adapters, kind, tmp_path):
     """A GGUF adapter as llama.cpp's converter writes it (Llama's q and k rows in its order) gives PEFT's tokens, on
