@@ -4,8 +4,11 @@ Face folder."""
 
 import argparse
 import logging
+import shutil
 import sys
+import tempfile
 
+from flock.api.batch_urls import download, is_url, local_path, upload
 from flock.api.server import add_serve_parser, serve_main
 from flock.api.tools import add_parser_arguments, tool_parser
 from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
@@ -59,8 +62,10 @@ def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run an OpenAI Batch (or plain prompt) JSONL job; resumable after a crash")
     run.add_argument("input", nargs="?", help="JSONL (or gzipped): OpenAI Batch lines, or plain lines with "
                                               "'prompt', 'prompt_token_ids' or 'messages' and any sampling fields")
-    run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it")
-    run.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL, appended as requests finish")
+    run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it (a path or an http(s) "
+                                                "URL to GET)")
+    run.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL, appended as requests finish "
+                                                           "(an http(s) URL: PUT there, failed lines after, at the end)")
     run.add_argument("--errors", metavar="PATH", help="error records (default: <output stem>.errors.jsonl)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
@@ -78,8 +83,9 @@ def _add_run(sub) -> None:
     defaults.add_argument("--top-k", type=int)
     v = add_vllm_arguments(run)
     v.add_argument("--served-model-name", nargs="+", help="the model name the outputs carry (default: --model)")
-    v.add_argument("--output-tmp-dir", "--host", "--url", help="accepted: the output is written in place; no "
-                   "metrics server")
+    v.add_argument("--output-tmp-dir", help="where an http(s) input is downloaded and an http(s) output written "
+                   "before its upload (default: a temporary folder, deleted once the output is uploaded)")
+    v.add_argument("--host", "--url", dest="metrics_host", help="accepted: no metrics server")
     v.add_argument("--port", type=int, help="accepted: no metrics server")
     v.add_argument("--enable-metrics", action="store_true", help="accepted: the summary reports the job")
     cluster = run.add_argument_group("scale-out on Ray (pip install 'flock-llm[ray]')")
@@ -109,7 +115,15 @@ def run_batch(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = JobConfig(args.input, args.output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
+    own_folder = args.output_tmp_dir is None and (is_url(args.input) or is_url(args.output))
+    folder = tempfile.mkdtemp(prefix="flock-run-") if own_folder else args.output_tmp_dir
+    try:
+        local_input = str(download(args.input, folder)) if is_url(args.input) else args.input
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    output = str(local_path(args.output, folder)) if is_url(args.output) else args.output
+    cfg = JobConfig(local_input, output, args.errors, args.resume, args.overwrite, args.quiet, args.max_tokens,
                     sampling, engine_kwargs(args), args.strict, parser, args.reasoning_parser, chat_options(args),
                     (args.served_model_name or [None])[0])
     logger = logging.getLogger("flock")
@@ -118,9 +132,31 @@ def run_batch(args) -> int:
         logging.basicConfig(format="%(message)s")
         logger.setLevel(logging.INFO)
     try:
-        return _run(cfg, args)
+        code = _run(cfg, args)
     finally:  # a caller's own level back (cli.main called from Python)
         logger.setLevel(level)
+    if is_url(args.output):
+        code = _uploaded(cfg, args, folder, code)
+    elif own_folder:  # only the downloaded input is there
+        shutil.rmtree(folder, ignore_errors=True)
+    return code
+
+
+def _uploaded(cfg, args, folder: str, code: int) -> int:
+    """A job's exit status once its output is uploaded to the URL -o named (kept in `folder` if it is not; a
+    folder of its own deleted once it is)."""
+    if code not in (0, 1):
+        print(f"the output so far is in {cfg.output_path} (run again with --output-tmp-dir {folder} --resume)",
+              file=sys.stderr)
+        return code
+    try:
+        upload([cfg.output_path, cfg.errors_path], args.output)
+    except OSError as e:
+        print(f"error: {e}; the output is in {cfg.output_path}", file=sys.stderr)
+        return 2
+    if args.output_tmp_dir is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return code
 
 
 def _run(cfg, args) -> int:

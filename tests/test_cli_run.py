@@ -150,3 +150,45 @@ def test_flock_run_shows_flocks_notes_unless_quiet(tmp_path, batch, caplog, monk
     assert cli.main(argv) == 0
     assert ("C kernels for this CPU" in caplog.text) is not quiet
     assert logging.getLogger("flock").level == logging.NOTSET
+
+
+def test_input_and_output_at_urls_as_vllm_run_batch_takes_them(tmp_path, capsys):
+    """-i http(s) is downloaded, -o http(s) is written locally and PUT there at the end, failed lines' records after
+    the results (vLLM's output holds both); an input that cannot be read stops the job before the model loads."""
+    import http.server
+    import threading
+
+    put = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/in.jsonl":
+                return self.send_error(404)
+            body = (json.dumps({"custom_id": "ok", "prompt": "hi", "max_tokens": 1}) + "\n{bad\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_PUT(self):
+            put[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        tiny = ("--model", "flock/tiny", "--kv-cache-memory-bytes", str(16 << 20), "-q")
+        code, err = run(capsys, "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl", "--output-tmp-dir", tmp_path, *tiny)
+        assert code == 0, err
+        records = [json.loads(line) for line in put["/out.jsonl"].splitlines()]
+        assert [r["custom_id"] for r in records] == ["ok", None] and records[1]["error"]["line"] == 2
+        assert (tmp_path / "in.jsonl").is_file() and (tmp_path / "out.jsonl").is_file()  # kept for --resume
+        code, err = run(capsys, "-i", f"{url}/missing.jsonl", "-o", tmp_path / "o2.jsonl", *tiny)
+        assert code == 2 and "cannot read" in err and "404" in err
+    finally:
+        server.shutdown()
