@@ -64,8 +64,9 @@ def _add_run(sub) -> None:
                                               "'prompt', 'prompt_token_ids' or 'messages' and any sampling fields")
     run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it (a path or an http(s) "
                                                 "URL to GET)")
-    run.add_argument("-o", "--output", required=True, help="OpenAI Batch output JSONL, appended as requests finish "
-                                                           "(an http(s) URL: PUT there, failed lines after, at the end)")
+    run.add_argument("-o", "--output", required=True,
+                     help="OpenAI Batch output JSONL, appended as requests finish (an http(s) URL: PUT there at the "
+                          "end, the failed lines after)")
     run.add_argument("--errors", metavar="PATH", help="error records (default: <output stem>.errors.jsonl)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="finish the job in OUTPUT: skip the lines already done")
