@@ -23,7 +23,7 @@ def detect_content_format(template: str) -> str:
         tree = _compile_jinja_template(template).environment.parse(template)
     except Exception:
         return "string"
-    return "openai" if any(True for _ in _content_loops(tree)) else "string"
+    return "string" if next(_content_loops(tree), None) is None else "openai"
 
 
 def template_message(message: dict, content_format: str) -> dict:

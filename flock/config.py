@@ -53,8 +53,8 @@ class EngineConfig:
                                choices=QUANTIZATION)
     device: str = option("auto", "auto, cpu or cuda")
     seed: int = option(0, "seed of random weights and of requests that set none")
-    max_logprobs: int = option(MAX_LOGPROBS, "most logprobs (alternatives) a request may ask for per token; -1: the whole "
-                               "vocabulary, which requests ask for with -1")
+    max_logprobs: int = option(MAX_LOGPROBS, "most logprobs (alternatives) a request may ask for per token; -1: "
+                               "the whole vocabulary, which requests ask for with -1")
     logprobs_mode: str = option("raw_logprobs", "what logprobs hold: the model's log-softmax (raw_logprobs) or "
                                 "logits (raw_logits), or those of the distribution tokens are drawn from, after "
                                 "penalties, temperature and truncations (processed_logprobs, processed_logits)",

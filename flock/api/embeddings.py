@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flock.api.protocol import APIError, chat_token_ids, prompt_list, check_fields, typed_field
+from flock.api.protocol import APIError, chat_token_ids, check_fields, prompt_list, typed_field
 from flock.pooling_params import PoolingParams
 
 # vLLM's fields of every pooling request (besides truncate_prompt_tokens): pooling_params takes them

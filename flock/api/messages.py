@@ -15,7 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, check_fields, typed_field,
+from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, parse_request, typed_field,
                                  with_defaults)
 from flock.chat_content import CLAUDE_CODE_BILLING_HEADER
 from flock.sample.thinking import ThinkMarkers
@@ -293,7 +293,7 @@ def _text(content, where: str) -> str:
 
 
 def _system_text(content, where: str) -> str:
-    """A system prompt's text: its blocks' joined as vLLM joins them (directly), Claude Code's billing header block
+    """A system prompt's text: its blocks joined as vLLM joins them (directly), Claude Code's billing header block
     left out (its value changes with every request, so the prompt would share no prefix past it)."""
     if isinstance(content, str):
         return content

@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, parse_request, check_fields, typed_field,
+from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, parse_request, typed_field,
                                  with_defaults)
 from flock.api.reasoning import answer_start
 
@@ -24,8 +24,9 @@ _CHAT_FIELDS = {"model", "temperature", "top_p", "top_k", "min_p", "presence_pen
                 "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                 "include_stop_str_in_output", "logit_bias", "min_tokens", "bad_words", "allowed_token_ids",
                 "structured_outputs", "chat_template_kwargs", "request_id", "include_reasoning", "priority",
-                "stream", "parallel_tool_calls", "cache_salt", "kv_transfer_params", "ec_transfer_params", "watermarking",
-                "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs", "session_id"}
+                "stream", "parallel_tool_calls", "cache_salt", "kv_transfer_params", "ec_transfer_params",
+                "watermarking", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "mm_payload",
+                "return_mm_kwargs", "session_id"}
 # fields that do not change what is generated: accepted, and those of the Response object repeated in it
 _IGNORED_FIELDS = {"store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
                    "safety_identifier", "stream_options"}
