@@ -236,7 +236,7 @@ def test_output_items_of_a_thinking_tool_calling_answer(tok):
     assert kinds == ["reasoning", "message", "function_call"]
     thinking, message, call = out["output"]
     assert thinking["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
-    assert message["content"][0]["text"] == "Let me check."
+    assert message["content"][0]["text"] == "Let me check.\n"  # vLLM's hermes keeps the whitespace
     assert (call["name"], json.loads(call["arguments"]), call["status"]) == ("get_weather", {"city": "Paris"},
                                                                              "completed")
     start = len(tok.encode("<think>The user wants weather.</think>", add_special_tokens=False))
