@@ -11,8 +11,13 @@ read from the prefix cache (every prefix is cached, so no request writes one on 
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 from dataclasses import dataclass, field
 
 from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, parse_request, typed_field,
@@ -121,7 +126,9 @@ def parse_messages(body, tokenizer, tool_parser: str | None = None, reasoning_pa
     for name, what in _HOSTED.items():
         if body.get(name) is not None:
             raise APIError(f"{name}: {what} are Anthropic's hosted features; not supported", param=name)
-    chat = {k: body[k] for k in _CHAT_FIELDS if k in body} | {"messages": chat_messages(body)}
+    template = getattr(tokenizer, "chat_template", None)
+    merge = system_first(template if isinstance(template, str) else None)
+    chat = {k: body[k] for k in _CHAT_FIELDS if k in body} | {"messages": chat_messages(body, merge)}
     chat |= _max_tokens(body, count_only) | _stop(body) | _tools(body) | _format(body)
     chat = _thinking(body, chat, tokenizer)
     if count_only and "tools" in chat and tool_parser is None:  # shown to the template, though none can be called
@@ -169,10 +176,11 @@ def _stop(body: dict) -> dict:
     return {"stop": stop}
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """The chat messages of `system` and `messages`: one system message (`system`, then any system turn's text, as
-    vLLM gathers them), then the user and assistant turns, whose blocks become chat parts, tool calls and tool
-    messages, thinking."""
+def chat_messages(body: dict, merge_system: bool = True) -> list[dict]:
+    """The chat messages of `system` and `messages`: `system` first, the system turns' text joined to it where
+    `merge_system` (a template that takes a system message only first, see `system_first`) or in their places, as
+    vLLM places them; the user and assistant turns' blocks become chat parts, tool calls and tool messages,
+    thinking."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
@@ -183,8 +191,10 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             raise APIError(f"{where} must be an object whose role is 'user' or 'assistant'", param=f"{where}.role")
         content = m.get("content")
-        if m["role"] == "system":
+        if m["role"] == "system" and merge_system:
             system.append(_system_text(content, f"{where}.content"))
+        elif m["role"] == "system":
+            out += [{"role": "system", "content": text}] if (text := _system_text(content, f"{where}.content")) else []
         elif isinstance(content, str):
             out.append({"role": m["role"], "content": content})
         elif isinstance(content, list) and content:
@@ -192,7 +202,7 @@ def chat_messages(body: dict) -> list[dict]:
         else:
             raise APIError(f"{where}.content must be a string or a non-empty list of content blocks",
                            param=f"{where}.content")
-    if not out:
+    if not any(m["role"] != "system" for m in out):
         raise APIError("messages has no user or assistant turn", param="messages")
     system_text = "".join(system)
     return ([{"role": "system", "content": system_text}] if system_text else []) + out
@@ -290,6 +300,22 @@ def _text(content, where: str) -> str:
     if not isinstance(content, list):
         raise APIError(f"{where} must be a string or a list of text blocks", param=where)
     return "\n".join(_block_text(block, at) for at, block in _blocks(content, where))
+
+
+@functools.lru_cache(maxsize=16)
+def system_first(template: str | None) -> bool:
+    """Whether a chat template takes a system message only first (Qwen's `loop.first` guard raises on another):
+    vLLM's test, a [system, user, system, user] chat rendered (no template: True)."""
+    if not template:
+        return True
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    turns = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+    try:
+        env.from_string(template).render(messages=turns, add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
 
 
 def _system_text(content, where: str) -> str:

@@ -270,3 +270,19 @@ def test_count_tokens_render_tools_as_the_request_would(tok):
     call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     assert m.stop(Choice("", "length", tool_calls=[call]))["stop_reason"] == "max_tokens"
     assert m.stop(Choice("", "stop", tool_calls=[call]))["stop_reason"] == "tool_use"
+
+
+def test_system_turns_stay_in_place_unless_the_template_takes_one_only_first():
+    """As vLLM: a system turn inside `messages` (Claude Code's reminders) keeps its place where the template takes
+    one there, so the turns before it keep their cached prefix; a template that raises on it (Qwen's loop.first
+    guard) gets it joined to the leading system prompt."""
+    from flock.api.messages import system_first
+
+    loose = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    strict = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}" \
+             "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}"
+    assert not system_first(loose) and system_first(strict) and system_first(None)
+    body = {"system": "Be brief.", "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "Note."},
+                                                {"role": "user", "content": "b"}]}
+    assert [m["role"] for m in chat_messages(body, merge_system=False)] == ["system", "user", "system", "user"]
+    assert chat_messages(body)[0] == {"role": "system", "content": "Be brief.Note."}
