@@ -26,11 +26,12 @@ def detect_content_format(template: str) -> str:
     return "string" if next(_content_loops(tree), None) is None else "openai"
 
 
-def template_message(message: dict, content_format: str) -> dict:
+def template_message(message: dict, content_format: str, image_text: str | None = None) -> dict:
     """The message as a template of `content_format` ("string" or "openai") reads it: text parts (TEXT_PARTS)
     joined by newlines, or a list of {"type": "text"} parts (other parts, an image's, as they are); a null content
     as no text; a tool's result as a string either way (as vLLM passes it: most templates print it); a system
-    message without Claude Code's billing header line."""
+    message without Claude Code's billing header line. With `image_text` (the model's placeholder), a "string"
+    message's {"type": "image"} parts are that text, before its text (as vLLM writes them)."""
     content = message.get("content")
     if content is None:
         content = []
@@ -42,6 +43,9 @@ def template_message(message: dict, content_format: str) -> dict:
         content = _without_billing_header(content)
     parts = [{"type": "text", "text": part[TEXT_PARTS[part["type"]]]} if _is_text(part) else part
              for part in content]
+    if content_format == "string" and image_text is not None:
+        images = [p for p in parts if isinstance(p, dict) and p.get("type") == "image"]
+        parts = [{"type": "text", "text": image_text} for _ in images] + [p for p in parts if p not in images]
     if not all(_is_text(part) for part in parts) or (content_format == "openai" and message.get("role") != "tool"):
         return message | {"content": parts}
     return message | {"content": "\n".join(part["text"] for part in parts)}

@@ -349,8 +349,9 @@ class LLM:
                 parts, found = split_images(m["content"])
                 m, sources = m | {"content": parts}, sources + found
             messages.append(m)
-        text = chat_text(tokenizer, messages, **options)
-        return text, *self._image_prompts().encode(text, sources, add_special_tokens=False)
+        prompts = self._image_prompts()
+        text = chat_text(tokenizer, messages, image_text=prompts.placeholder, **options)
+        return text, *prompts.encode(text, sources, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`."""

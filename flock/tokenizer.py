@@ -65,7 +65,8 @@ def chat_options(tokenizer) -> ChatOptions:
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
                 chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
-                chat_template: str | None = None, content_format: str | None = None) -> list[int]:
+                chat_template: str | None = None, content_format: str | None = None,
+                image_text: str | None = None) -> list[int]:
     """Token ids of a chat through the tokenizer's chat template (or `chat_template`; the ChatML fallback when
     there is none): ready for the assistant's answer, or, with continue_final_message, continuing the last message
     (as vLLM's). `tools` and `chat_template_kwargs` go to the template (the arguments win over the kwargs'
@@ -73,15 +74,15 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     contents in the template's format (`flock.chat_content`; None: the tokenizer's ChatOptions');
     add_special_tokens adds the tokenizer's (a BOS) to what the template writes."""
     text = chat_text(tokenizer, messages, add_generation_prompt, continue_final_message, tools, chat_template_kwargs,
-                     chat_template, content_format)
+                     chat_template, content_format, image_text)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
               continue_final_message: bool = False, tools: list[dict] | None = None,
               chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-              content_format: str | None = None) -> str:
-    """The text the chat template writes for a chat (see encode_chat)."""
+              content_format: str | None = None, image_text: str | None = None) -> str:
+    """The text the chat template writes for a chat (see encode_chat; `image_text`, template_message's)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     options = chat_options(tokenizer)
@@ -92,7 +93,7 @@ def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = Tru
     content_format = content_format or options.content_format
     if content_format == "auto":
         content_format = detect_content_format(template) if isinstance(template, str) else "string"
-    messages = [assistant_tool_calls(template_message(m, content_format)) for m in messages]
+    messages = [assistant_tool_calls(template_message(m, content_format, image_text)) for m in messages]
     kwargs = options.default_kwargs | (chat_template_kwargs or {})
     tools = kwargs.get("tools") if tools is None else tools
     kwargs = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt", "continue_final_message")}

@@ -20,6 +20,7 @@ from flock.api.tools import ToolCalling, ToolError, parse_tools
 from flock.beam_search import BeamSearch, BeamSearchParams
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
+from flock.multimodal.images import load_image
 from flock.multimodal.processor import IMAGES_REFUSED, has_images, image_prompts, split_images
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import KINDS, SamplingParams, StructuredOutputsParams
@@ -556,15 +557,19 @@ def _image_chat(tokenizer, messages: list[dict], options: dict, add_special_toke
     processor = image_prompts(tokenizer.name_or_path)
     if processor is None:
         raise APIError(IMAGES_REFUSED, param=param)
-    sources, rendered = [], []
-    try:
-        for m in messages:
-            if isinstance(m["content"], list):
+    images, rendered = [], []
+    for i, m in enumerate(messages):
+        if isinstance(m["content"], list):
+            try:  # each message's images read here, so that a bad one is named by its message
                 parts, found = split_images(m["content"])
-                m, sources = m | {"content": parts}, sources + found
-            rendered.append(m)
-        text = chat_text(tokenizer, rendered, **options)
-        return processor.encode(text, sources, add_special_tokens, allow_files=False)
+                images += [load_image(source, allow_files=False) for source in found]
+            except ValueError as e:
+                raise APIError(str(e), param=f"messages[{i}].content") from None
+            m = m | {"content": parts}
+        rendered.append(m)
+    try:
+        text = chat_text(tokenizer, rendered, image_text=processor.placeholder, **options)
+        return processor.encode(text, images, add_special_tokens, allow_files=False)
     except ValueError as e:
         raise APIError(str(e), param=param) from None
 

@@ -20,14 +20,19 @@ IMAGES_REFUSED = ("this model takes no images: it is a text-only model (or a fol
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # without them a folder runs text alone
 # chat content parts that carry an image: OpenAI's and vLLM's image_url, vLLM's image_pil, transformers' image
 IMAGE_PARTS = ("image_url", "image_pil", "image")
+# an image's text in a chat template that writes a content as text, by model type (vLLM's placeholders)
+IMAGE_PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "smolvlm": "<image>", "gemma3": "<start_of_image>",
+                      **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+                                      "<|vision_start|><|image_pad|><|vision_end|>")}
 
 
 class ImagePrompts:
     """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
 
-    def __init__(self, folder: Path, config: ModelConfig):
+    def __init__(self, folder: Path, config: ModelConfig, placeholder: str = "<image>"):
         from transformers import AutoProcessor
 
+        self.placeholder = placeholder  # an image's text where a chat template writes contents as text
         self.mrope = config.mrope_section is not None  # its images also set their tokens' rotary positions
         self.bidirectional = config.bidirectional_images
         self.processor = QwenVLProcessor(folder) if self.mrope else AutoProcessor.from_pretrained(
@@ -81,7 +86,7 @@ def image_prompts(folder: str) -> ImagePrompts | None:
     if d.get("model_type") not in VISION_LANGUAGE_TYPES or not any(
             (Path(folder) / name).is_file() for name in PROCESSOR_FILES):
         return None
-    return ImagePrompts(Path(folder), ModelConfig.from_dict(d))
+    return ImagePrompts(Path(folder), ModelConfig.from_dict(d), IMAGE_PLACEHOLDERS[d["model_type"]])
 
 
 def split_images(content: list) -> tuple[list[dict], list]:

@@ -102,6 +102,18 @@ def test_idefics3_tiles_equal_transformers(idefics3_folder, scheduler):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_a_template_that_writes_contents_as_text_gets_the_images_placeholder(idefics3_folder):
+    """A chat template that prints a content as text ("string": the test Idefics3's) gets each image as the
+    model's placeholder before the text, as vLLM writes it (it printed the parts list, with no placeholder)."""
+    llm = LLM(str(idefics3_folder), dtype="float32")
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture(0)},
+                                         {"type": "text", "text": "What?"}]}]
+    out = llm.chat(chat, PARAMS, use_tqdm=False)[0]
+    assert "<image>\nWhat?" in out.prompt and out.outputs[0].token_ids
+    text = llm.generate({"prompt": out.prompt, "multi_modal_data": {"image": [picture(0)]}}, PARAMS, use_tqdm=False)
+    assert text[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("scheduler", ["fcfs", "batchllm", "lpm"])
 def test_blocks_are_shared_up_to_the_first_image_and_past_it_for_the_same_pixels(llava_folder, scheduler):
     llm = LLM(str(llava_folder), dtype="float32", block_size=4, scheduler=scheduler)

@@ -66,7 +66,9 @@ def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
             beams = await http.post("/v1/chat/completions", json=body(data_url(picture(0)), use_beam_search=True, n=2))
             bad = [await http.post("/v1/chat/completions", json=b) for b in (
                 body("data:image/png;base64,@@@"), body(str(tmp_path / "a.png")), body(f"file://{tmp_path}/a.png"),
-                {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})]
+                {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                              {"role": "assistant", "content": "ok"}, *body("data:image/png;base64,AAAA")["messages"]]})]
             return answers, streamed, beams, bad
 
     try:
@@ -86,6 +88,7 @@ def test_chat_image_urls_answer_as_llm_chat(llava_folder, expected, tmp_path):
     assert "not valid base64" in messages[0]
     assert "only data: and http(s): URLs" in messages[1] and "only data: and http(s): URLs" in messages[2]
     assert "only image_url and text parts" in messages[3]
+    assert bad[4].json()["error"]["param"] == "messages[2].content"  # the message with the bad image
 
 
 def test_a_text_only_model_refuses_images(hf_folders):
