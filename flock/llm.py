@@ -161,32 +161,32 @@ class LLM:
     def embed(
         self,
         prompts: Prompt | Sequence[Prompt],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
-        """The embedding of every prompt (see PoolingParams), in input order, as vLLM's `LLM.embed`. A string is
-        tokenized with the tokenizer's special tokens (an embedding model's end-of-text token included)."""
-        requests = self._pool(prompts, pooling_params or PoolingParams(), use_tqdm)
+        """The embedding of every prompt (see PoolingParams: one for all, or one each), in input order, as vLLM's
+        `LLM.embed`. A string is tokenized with the tokenizer's special tokens (an embedding model's end-of-text
+        token included)."""
+        requests = self._pool(prompts, pooling_params, use_tqdm)
         return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
                                        r.is_finished, r.num_cached_tokens) for r in requests]
 
     def classify(
         self,
         prompts: Prompt | Sequence[Prompt],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities of every prompt, in input order, as vLLM's `LLM.classify`
         (logits when `pooling_params.use_activation` is False)."""
-        params = replace(pooling_params or PoolingParams(), task="classify")
-        requests = self._pool(prompts, params, use_tqdm)
+        requests = self._pool(prompts, pooling_params, use_tqdm, task="classify")
         return [ClassificationRequestOutput(str(r.request_id), r.prompt_token_ids, ClassificationOutput(r.embedding),
                                             r.is_finished, r.num_cached_tokens) for r in requests]
 
     def encode(
         self,
         prompts: Prompt | Sequence[Prompt],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
@@ -195,20 +195,28 @@ class LLM:
         embedding) or "token_classify" (a token classifier's probabilities), as a tensor in `out.outputs.data`."""
         if pooling_task not in TASKS:
             raise ValueError(f"pooling_task must be one of {', '.join(TASKS)}, got {pooling_task!r}")
-        requests = self._pool(prompts, replace(pooling_params or PoolingParams(), task=pooling_task), use_tqdm)
+        requests = self._pool(prompts, pooling_params, use_tqdm, task=pooling_task)
         dtype = torch.promote_types(self.engine.runner.dtype, torch.float32)  # the vectors' own precision
         return [PoolingRequestOutput(str(r.request_id), PoolingOutput(torch.tensor(r.embedding, dtype=dtype)),
                                      r.prompt_token_ids, r.num_cached_tokens, r.is_finished) for r in requests]
 
-    def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams, use_tqdm: bool) -> list[Request]:
+    def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | Sequence[PoolingParams] | None,
+              use_tqdm: bool, **fixed) -> list[Request]:
         """The finished pooling requests of `prompts` (text: tokenized with the tokenizer's special tokens, an
-        embedding model's end-of-text token included)."""
+        embedding model's end-of-text token included) with their params (one for all, or one each; `fixed`'s
+        fields set in each)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        each = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"got {len(each)} pooling_params for {len(prompts)} prompts")
+        if not all(p is None or isinstance(p, PoolingParams) for p in each):
+            raise TypeError("pooling_params must be PoolingParams (one for all prompts, or a list of one each)")
+        each = [replace(p or PoolingParams(), **fixed) for p in each]
         token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
-        self._check_all(token_ids, [params] * len(token_ids))
+        self._check_all(token_ids, each)
         self.engine.reset_stats()
-        requests = [self.engine.add_request(ids, params) for ids in token_ids]
+        requests = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, each)]
         self._run(requests, use_tqdm)
         return requests
 

@@ -82,18 +82,21 @@ class PoolingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
-    def as_sampling(self, truncation_side: str = "left") -> SamplingParams:
-        """The engine request that computes the prompt (and samples nothing: the runner pools its last row);
-        `truncation_side` the model's, unless the params name one."""
-        return SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
-                              truncation_side=self.truncation_side or truncation_side, priority=self.priority,
+    def as_sampling(self, max_model_len: int) -> SamplingParams:
+        """The engine request that computes the prompt (and samples nothing: the runner pools its last row): a
+        prompt cut as vLLM's pooling models cut it, from the right unless truncation_side says, to max_model_len
+        tokens for truncate_prompt_tokens -1 (nothing is generated after them)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=keep,
+                              truncation_side=self.truncation_side or "right", priority=self.priority,
                               cache_salt=self.cache_salt)
 
     def pool(self, hidden: torch.Tensor) -> list[float]:
         """The embedding of a pooled final hidden state (a token task's: of each row of them), in float32 (float64
         models: float64)."""
         x = hidden[..., : self.dimensions].to(torch.promote_types(hidden.dtype, torch.float32))
-        return (F.normalize(x, dim=-1) if self.normalize else x).tolist()
+        normalized = self.normalize and self.use_activation  # vLLM 0.32 names it use_activation
+        return (F.normalize(x, dim=-1) if normalized else x).tolist()
 
 
 def pair_scores(left: list[list[float]], right: list[list[float]]) -> list[float]:

@@ -69,7 +69,7 @@ class EngineInfo:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         generates = not isinstance(params, PoolingParams)
-        params = engine_params(params, self.tasks)
+        params = engine_params(params, self.tasks, self.max_model_len)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates, self.max_logprobs)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)

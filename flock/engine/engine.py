@@ -74,13 +74,12 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_
         raise ValueError(f"prompt_token_ids[{position}] = {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def engine_params(params: SamplingParams | PoolingParams, model: ModelTasks, encoder: bool = False) -> SamplingParams:
+def engine_params(params: SamplingParams | PoolingParams, model: ModelTasks, max_model_len: int) -> SamplingParams:
     """The sampling params a request runs with: a pooling request's own (checked against what the model serves;
-    an encoder's prompt cut from the right, as its tokenizer cuts), a generation's as given (ValueError if the
-    model does not generate)."""
+    see PoolingParams.as_sampling), a generation's as given (ValueError if the model does not generate)."""
     if isinstance(params, PoolingParams):
         params.validate(model)
-        return params.as_sampling("right" if encoder else "left")
+        return params.as_sampling(max_model_len)
     if why := model.refusal("generate"):
         raise ValueError(why)
     return params
@@ -200,7 +199,7 @@ class LLMEngine:
         """Raise ValueError naming the bad field (a structured-output spec the grammar engine rejects included);
         changes nothing but the grammar cache."""
         generates = not isinstance(params, PoolingParams)
-        params = engine_params(params, self.tasks, self.model_config.encoder)
+        params = engine_params(params, self.tasks, self.max_model_len)
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, generates, self.config.max_logprobs)
         check_priority(params, self.config.scheduler)
         if params.thinking_token_budget is not None and self.think_markers is None:
@@ -231,7 +230,7 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
         if pooling is not None:
-            params = pooling.as_sampling("right" if self.model_config.encoder else "left")
+            params = pooling.as_sampling(self.max_model_len)
         cut = params.truncated(prompt_token_ids, self.max_model_len)
         if self.model_config.encoder and len(cut) < len(prompt_token_ids):  # its closing [SEP] kept, as tokenizers do
             cut = cut[:-1] + prompt_token_ids[-1:]

@@ -60,9 +60,11 @@ def test_vllms_pooling_fields(tok):
               "mm_processor_kwargs": {}}
     for req in (parse_embeddings({"input": "x"} | fields, tok), parse_classify({"input": "x"} | fields, tok, ()),
                 parse_scores("rerank", {"query": "q", "documents": ["d"]} | fields, tok)):
-        run = req.params.as_sampling("left")
+        run = req.params.as_sampling(64)
         assert (run.truncation_side, run.priority, run.cache_salt) == ("right", 3, "s")
-    assert parse_embeddings({"input": "x"}, tok).params.as_sampling("left").truncation_side == "left"
+    left = parse_embeddings({"input": "x", "truncation_side": "left", "truncate_prompt_tokens": -1}, tok)
+    assert (left.params.as_sampling(64).truncation_side, left.params.as_sampling(64).truncate_prompt_tokens) == \
+        ("left", 64)  # -1: all max_model_len tokens (a pooling request generates none)
     with pytest.raises(APIError) as e:
         parse_embeddings({"input": "x", "padding": "max_length"}, tok)
     assert e.value.param == "padding"

@@ -72,6 +72,23 @@ def test_dimensions_and_unnormalized(base_qwen3):
         llm.embed([[1, 2]], PoolingParams(dimensions=65))
 
 
+def test_vllms_pooling_params_use_activation_truncation_and_one_each(base_qwen3):
+    """vLLM 0.32's: use_activation False leaves an embedding unnormalized; a pooling prompt is cut from the right
+    (its first tokens kept), to all max_model_len tokens for -1; a list of params gives each prompt its own."""
+    prompts = [p[:30] for p in shared_prefix_prompts(seed=4)[:3]]
+    llm = LLM(str(base_qwen3), dtype="float64", max_model_len=32)
+    raw = embed(llm, prompts, PoolingParams(use_activation=False))
+    torch.testing.assert_close(raw, embed(llm, prompts, PoolingParams(normalize=False)), rtol=0, atol=0)
+    cut = llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == prompts[0][:5]
+    long = {"prompt_token_ids": list(range(40))}
+    assert llm.embed(long, PoolingParams(truncate_prompt_tokens=-1))[0].prompt_token_ids == list(range(32))
+    each = llm.embed([{"prompt_token_ids": p} for p in prompts[:2]], [PoolingParams(dimensions=4), PoolingParams()])
+    assert [len(o.outputs.embedding) for o in each] == [4, 64]
+    with pytest.raises(ValueError, match="got 1 pooling_params for 2 prompts"):
+        llm.embed([{"prompt_token_ids": p} for p in prompts[:2]], [PoolingParams()])
+
+
 def test_encode_is_embed_or_classify_by_task(base_qwen3):
     """vLLM's LLM.encode: the pooling task named (embed here), the vector as a tensor; no task is refused by name,
     and a token-level one on a decoder (an encoder's: tests/engine/test_encoders.py)."""
