@@ -194,7 +194,8 @@ class ToolCalling:
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
-        content = content if self.parser == "hermes" else content.rstrip()  # vLLM's hermes keeps the whitespace
+        # vLLM's hermes parser keeps the whitespace before a call the model chose to make
+        content = content if self.parser == "hermes" and self.choice == "auto" else content.rstrip()
         return content or None, [
             {"id": self._call_id(), "type": "function",
              "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
