@@ -29,7 +29,7 @@ IMAGE_PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "smolvlm": "<im
 class ImagePrompts:
     """A vision-language model's processor: a text prompt with its images becomes token ids and ImageInputs."""
 
-    def __init__(self, folder: Path, config: ModelConfig, placeholder: str = "<image>"):
+    def __init__(self, folder: Path, config: ModelConfig, placeholder: str):
         from transformers import AutoProcessor
 
         self.placeholder = placeholder  # an image's text where a chat template writes contents as text
