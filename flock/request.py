@@ -1,3 +1,4 @@
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from flock.kv.hashing import chained_hashes, root_hash
@@ -9,6 +10,17 @@ class RequestStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went, in seconds, as vLLM's metrics define it: waiting until first scheduled,
+    then until its first token (prefill, preemptions included), then until its last (decode)."""
+
+    queued: float
+    prefill: float | None  # None: no token came
+    decode: float | None
+    num_preemptions: int
 
 
 class Request:
@@ -50,8 +62,19 @@ class Request:
         self.whole_prompt = False  # an encoder's prompt attends both ways: computed in one step, never cut
         self.pooling = None  # PoolingParams of an embedding request: its last prompt row is pooled, not sampled
         self.embedding: list[float] | None = None  # then set when its prompt is computed
-        self.first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
+        # time.monotonic() when first in a step, when its first and last output tokens were sampled, when finished
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def times(self) -> RequestTimes | None:
+        """Its phases so far (None: never scheduled)."""
+        if self.scheduled_time is None:
+            return None
+        first, last = self.first_token_time, self.last_token_time
+        return RequestTimes(self.scheduled_time - self.arrival, None if first is None else first - self.scheduled_time,
+                            None if first is None else last - first, self.num_preemptions)
 
     @property
     def num_prompt_tokens(self) -> int:

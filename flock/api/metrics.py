@@ -15,6 +15,7 @@ from flock.engine.async_engine import AsyncEngine, StreamOutput
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -70,6 +71,7 @@ class Metrics:
             v.prompt_tokens.inc(out.num_prompt_tokens)
             v.cache_queries.inc(out.num_prompt_tokens)
             v.cache_hits.inc(out.num_cached_tokens)
+            v.prompt_tokens_cached.inc(out.num_cached_tokens)
         if out.finished:
             self.finished.labels(out.finish_reason).inc()
             if out.finish_reason in v.success:
@@ -80,6 +82,7 @@ class Metrics:
                 v.tpot.observe((since_submit - first_token) / (n - 1) if n > 1 else 0.0)
             v.request_prompt.observe(out.num_prompt_tokens)
             v.request_generation.observe(out.num_output_tokens)
+            v.finished(out)
 
     def aborted(self) -> None:
         """A request its client left (vLLM counts no success for it)."""
@@ -134,6 +137,30 @@ class VllmMetrics:
                                         TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", TOKEN_BUCKETS)
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local prefix cache).")
+        self.kv_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                     "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                                     TOKEN_BUCKETS)
+        self.phases = {name: histogram(f"vllm:request_{name}_time_seconds",
+                                       f"Histogram of time spent in {phase} phase for request.", LATENCY_BUCKETS)
+                       for name, phase in (("queue", "WAITING"), ("inference", "RUNNING"), ("prefill", "PREFILL"),
+                                           ("decode", "DECODE"))}
+        self.preemptions = histogram("vllm:request_num_preemptions",
+                                     "Histogram of the number of times a request was preempted.", PREEMPTION_BUCKETS)
+
+    def finished(self, out: StreamOutput) -> None:
+        """A finished request's own histograms (its phases only if it was scheduled, as vLLM records them)."""
+        self.kv_computed.observe(out.num_prompt_tokens - out.num_cached_tokens)
+        times = out.times
+        if times is None:
+            return
+        self.phases["queue"].observe(times.queued)
+        self.preemptions.observe(times.num_preemptions)
+        if times.prefill is not None:
+            self.phases["prefill"].observe(times.prefill)
+            self.phases["decode"].observe(times.decode)
+            self.phases["inference"].observe(times.prefill + times.decode)
 
 
 def sync(counts: list[list], state) -> None:

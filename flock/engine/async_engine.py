@@ -21,7 +21,7 @@ from flock.config import EngineConfig
 from flock.engine.engine import LLMEngine
 from flock.engine.loop import run
 from flock.pooling_params import PoolingParams
-from flock.request import Request, RequestStatus
+from flock.request import Request, RequestStatus, RequestTimes
 from flock.sample.logprobs import TokenLogprobs
 from flock.sampling_params import SamplingParams
 from flock.tokenizer import load_tokenizer
@@ -54,6 +54,7 @@ class StreamOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first event with tokens, when asked
     stop_reason: int | str | None = None  # the stop token or string that ended it, in the last event
     embedding: list[float] | None = None  # of an embedding request, in its last event
+    times: RequestTimes | None = None  # in the last event: where its time went
 
     @property
     def finished(self) -> bool:
@@ -128,6 +129,7 @@ class _Tracked:
         out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
         out.stop_reason = r.stop_text if finish_reason in ("stop", "repetition") else None
         out.embedding = r.embedding
+        out.times = r.times() if finish_reason else None
         if sent is not None:
             out.token_ids = r.output_token_ids[sent:]
             out.logprobs = None if r.logprobs is None else r.logprobs[sent:]

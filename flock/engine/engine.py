@@ -296,6 +296,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not plan:
             raise RuntimeError("the scheduler planned nothing while requests are pending (deadlock)")
+        now = time.monotonic()
+        for req, _ in plan.scheduled:
+            if req.scheduled_time is None:
+                req.scheduled_time = now
         out = self.runner.run(plan)
         self.kv.end_step()
         if out.kv_saved:
@@ -321,6 +325,7 @@ class LLMEngine:
             if req.num_output_tokens == 0:
                 self.stats.cached_prefill_tokens += req.num_cached_tokens
                 req.first_token_time = now
+            req.last_token_time = now
             if req.pooling is not None:
                 req.embedding, req.finish_reason, req.finish_time = next(pooled), "stop", now
                 self.scheduler.finish(req)

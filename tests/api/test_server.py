@@ -949,3 +949,14 @@ def test_metrics(server, client):
     assert v["vllm:inter_token_latency_seconds_count"] > 0 and v["vllm:e2e_request_latency_seconds_count"] > 0
     assert v["vllm:request_generation_tokens_sum"] > 0 and v["vllm:num_preemptions_total"] >= 0
     assert v["vllm:request_time_per_output_token_seconds_count"] > 0
+    # each finished request's phases (the 400 never reached the engine)
+    finished = v["vllm:e2e_request_latency_seconds_count"]
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert v[f"vllm:request_{phase}_time_seconds_count"] == finished
+    assert v["vllm:request_prefill_time_seconds_sum"] > 0
+    assert v["vllm:request_inference_time_seconds_sum"] == pytest.approx(
+        v["vllm:request_prefill_time_seconds_sum"] + v["vllm:request_decode_time_seconds_sum"])
+    assert v["vllm:request_num_preemptions_count"] == finished and v["vllm:request_num_preemptions_sum"] == 0
+    assert v["vllm:prompt_tokens_cached_total"] == v["vllm:prefix_cache_hits_total"]
+    assert v["vllm:request_prefill_kv_computed_tokens_sum"] == (
+        v["vllm:prompt_tokens_total"] - v["vllm:prompt_tokens_cached_total"])

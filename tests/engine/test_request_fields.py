@@ -56,3 +56,20 @@ def test_stream_interval_groups_a_streams_tokens(engine_interval, request_interv
         engine.shutdown()
     assert [len(o.token_ids) for o in outs] == sizes and outs[-1].finished
     assert "".join(o.text for o in outs)
+
+
+def test_a_finished_request_reports_its_phases_and_preemptions():
+    """vLLM's per-request metrics: queued until first scheduled, prefill until the first token, decode until the
+    last; a request that lost its KV counts its preemptions."""
+    engine = LLM("flock/tiny", num_kv_blocks=6, block_size=4, max_num_batched_tokens=64,
+                 enable_prefix_caching=False).engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reqs = [engine.add_request(list(range(30 + i, 36 + i)), params) for i in range(3)]
+    assert all(r.times() is None for r in reqs)  # not scheduled yet
+    while engine.has_unfinished():
+        engine.step()
+    times = [r.times() for r in reqs]
+    assert all(t.queued >= 0 and 0 <= t.prefill <= t.prefill + t.decode for t in times)
+    assert any(t.decode > 0 for t in times)
+    assert [t.num_preemptions for t in times] == [r.num_preemptions for r in reqs] and sum(
+        t.num_preemptions for t in times) > 0
