@@ -2,7 +2,7 @@ from dataclasses import dataclass, field, fields
 
 from flock.kv.fp8 import KV_CACHE_DTYPES
 from flock.lora.request import lora_requests
-from flock.sampling_params import MAX_LOGPROBS
+from flock.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from flock.spec.config import SpeculativeConfig
 
 # the model's speed paths: both (where the CPU and dtype allow), none (plain PyTorch, the reference), or one
@@ -10,7 +10,6 @@ OPS = ("auto", "torch", "fused", "packed")
 # flock.model.quant (GGUF blocks), flock.model.hf_quant (GPTQ, AWQ, compressed-tensors, fp8)
 # vLLM's: what logprobs hold: log-softmax or logits, of the model's output (raw) or of what the token is drawn
 # from (processed: after penalties, bias, temperature and truncations)
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATION = ("auto", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none", "q8_0", "q4_0")
 
 

@@ -11,6 +11,7 @@ log = logging.getLogger(__name__)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value is clamped to [-100, 100], as OpenAI documents and vLLM does
 MIN_TEMPERATURE = 0.01  # vLLM's: a smaller positive temperature is raised to it (its logits would overflow)
 MAX_LOGPROBS = 20  # top alternatives per token at most by default (vLLM's max_logprobs)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 MAX_LOGPROB_TOKEN_IDS = 128  # tokens in logprob_token_ids at most, as vLLM's
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # of StructuredOutputsParams
 
@@ -161,6 +162,9 @@ class SamplingParams:
     # (after a grammar's mask, before penalties and temperature, as vLLM's default); None: none
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # a prompt with these is computed whole: it never reads the prefix cache
+    # what this request's logprobs hold, in place of the engine's logprobs_mode (vLLM's values; llama-server's
+    # post_sampling_probs asks "processed_logprobs"); None: the engine's
+    logprobs_mode: str | None = None
     # vLLM's: the logprobs of exactly these tokens at each output position, in place of the `logprobs` most likely
     # alternatives (scoring labels: "Yes"/"No"); set alone, it asks for logprobs by itself
     logprob_token_ids: list[int] | None = None
@@ -389,6 +393,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < -1):
                 raise ValueError(f"{name} must be an integer, at least 0 or -1 (the whole vocabulary), got {value!r}")
+        if self.logprobs_mode not in (None, *LOGPROBS_MODES):
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         self._validate_logprob_token_ids(vocab_size)
         self._validate_prompt_logprob_token_ids(vocab_size)
         for name in ("detokenize", "skip_reading_prefix_cache"):

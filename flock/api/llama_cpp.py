@@ -9,7 +9,8 @@ top-p, min-p, typical-p, top-n-sigma and XTC on the logits before the temperatur
 puts it first), DRY after the penalties, dynamic temperature; with `mirostat` 1 or 2, llama.cpp's Mirostat chain
 instead (the logit biases, the temperature, Mirostat: no penalties or truncations). The slot, cache and progress
 knobs are accepted and change nothing (every prompt's prefix is cached anyway); other unknown fields are
-ignored, as llama-server ignores them.
+ignored, as llama-server ignores them. As there, a null field takes its default, and a field may come under its
+OpenAI alias (`max_tokens` for `n_predict`, `n` for `n_cmpl`, `logprobs` for `n_probs`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top
                  "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
 TRUNCATIONS = ("top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc")  # llama.cpp's, in its default order
 WHOLE_CONTEXT = 1 << 40  # repeat_last_n -1: every token of the prompt and output
+ALIASES = {"n_predict": ("max_tokens", "max_completion_tokens"), "n_cmpl": ("n",), "n_probs": ("logprobs",)}
+
+
+def field_value(body: dict, name: str, default):
+    """A field of a body as llama-server reads it: null is absent; absent, its first alias given."""
+    for key in (name, *ALIASES.get(name, ())):
+        if body.get(key) is not None:
+            return body[key]
+    return default
 
 
 @dataclass
@@ -50,7 +60,8 @@ class Completion:
     stream: bool = False
     return_tokens: bool = False
     n_probs: int = 0
-    post_sampling_probs: bool = False
+    post_sampling_probs: bool = False  # probabilities after the sampler chain, not logprobs before it
+    greedy: bool = False
     response_fields: list[str] = field(default_factory=list)
     prefill_only: bool = False  # n_predict 0: the prompt evaluated, its one token dropped
 
@@ -60,24 +71,30 @@ def parse_completion(body, tokenizer) -> Completion:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     for name, off in UNSUPPORTED.items():
-        if body.get(name) not in (None, off) and not (name == "lora" and body[name] == []):
+        if body.get(name) not in (None, off):
             raise APIError(f"{name} is not supported (leave it at {off!r})", param=name)
+    min_keep = field_value(body, "min_keep", 0)
+    if not is_int(min_keep) or min_keep > 1:
+        raise APIError("min_keep above 1 is not supported (Flock's samplers keep at least one token)", param="min_keep")
     prompts, single = _prompts(body.get("prompt"), tokenizer)
-    n = body.get("n_cmpl", 1)
+    n = field_value(body, "n_cmpl", 1)
     if not is_int(n) or n < 1 or len(prompts) * n > MAX_CHOICES:
         raise APIError(f"n_cmpl must be an integer >= 1, and n_cmpl times the prompts at most {MAX_CHOICES}",
                        param="n_cmpl")
     params, settings = _sampling_params(body, tokenizer, n)
-    n_probs = body.get("n_probs", 0)
+    n_probs = field_value(body, "n_probs", 0)
     if not is_int(n_probs) or not 0 <= n_probs <= 20:
         raise APIError("n_probs must be an integer in [0, 20]", param="n_probs")
     params.logprobs = n_probs or None
+    post_sampling = flag(body, "post_sampling_probs")
+    if post_sampling:
+        params.logprobs_mode = "processed_logprobs"
     fields = body.get("response_fields") or []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise APIError("response_fields must be a list of field names", param="response_fields")
     requests = [(ids, s) for ids in prompts for s in params.samples()]
     return Completion(single and n == 1, requests, settings, flag(body, "stream"), flag(body, "return_tokens"),
-                      n_probs, flag(body, "post_sampling_probs"), fields, body.get("n_predict") == 0)
+                      n_probs, post_sampling, params.greedy, fields, field_value(body, "n_predict", -1) == 0)
 
 
 def _prompts(prompt, tokenizer) -> tuple[list[list[int]], bool]:
@@ -100,9 +117,10 @@ def _tokens(prompt, tokenizer) -> list[int]:
     return ids
 
 
-def mixed_tokens(value, name: str, tokenizer, add_special: bool) -> list[int]:
+def mixed_tokens(value, name: str, tokenizer, add_special: bool, parse_special: bool = True) -> list[int]:
     """llama.cpp's tokenize_mixed: a string, or a list of token ids and strings, as ids in order (the special
-    tokens added to a string that comes first, where `add_special`); APIError naming `name` otherwise."""
+    tokens added to a string that comes first, where `add_special`; special tokens' text in a string read as
+    plain text unless `parse_special`); APIError naming `name` otherwise."""
     parts = [value] if isinstance(value, str) else value
     if not isinstance(parts, list) or not all(isinstance(p, str) or is_int(p) for p in parts):
         raise APIError(f"{name} must be a string, or a list of token ids and strings", param=name)
@@ -110,7 +128,8 @@ def mixed_tokens(value, name: str, tokenizer, add_special: bool) -> list[int]:
     ids = []
     for i, part in enumerate(parts):
         if isinstance(part, str):
-            ids += tokenizer.encode(part, add_special_tokens=add_special and i == 0)
+            ids += tokenizer.encode(part, add_special_tokens=add_special and i == 0,
+                                    split_special_tokens=not parse_special)
         elif not 0 <= part < vocab:
             raise APIError(f"token id {part} is outside the vocabulary [0, {vocab})", param=name)
         else:
@@ -119,17 +138,17 @@ def mixed_tokens(value, name: str, tokenizer, add_special: bool) -> list[int]:
 
 
 def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dict]:
-    values = {name: body.get(name, default) for name, default in DEFAULTS.items()}
+    values = {name: field_value(body, name, default) for name, default in DEFAULTS.items()}
     for name, value in values.items():
         if not is_number(value):
             raise APIError(f"{name} must be a number, got {value!r}", param=name)
     off, temperature_last = _samplers(body.get("samplers"))
     if values["mirostat"]:  # llama.cpp's Mirostat chain: biases, temperature, Mirostat
         off = {"penalties", "dry", *TRUNCATIONS}
-    n_predict = body.get("n_predict", -1)
+    n_predict = field_value(body, "n_predict", -1)
     if not is_int(n_predict) or n_predict < -1:
         raise APIError(f"n_predict must be an integer >= -1, got {n_predict!r}", param="n_predict")
-    seed = body.get("seed", -1)
+    seed = field_value(body, "seed", -1)
     if not is_int(seed):
         raise APIError(f"seed must be an integer, got {seed!r}", param="seed")
     for name in ("repeat_last_n", "dry_penalty_last_n", "dry_allowed_length", "mirostat"):
@@ -150,7 +169,7 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
         dry_multiplier=0.0 if "dry" in off else values["dry_multiplier"],
         dry_base=values["dry_base"] if values["dry_base"] >= 1 else DEFAULTS["dry_base"],  # as llama-server
         dry_allowed_length=values["dry_allowed_length"], dry_penalty_last_n=values["dry_penalty_last_n"],
-        dry_sequence_breakers=_breakers(body.get("dry_sequence_breakers", DRY_BREAKERS)),
+        dry_sequence_breakers=_breakers(field_value(body, "dry_sequence_breakers", DRY_BREAKERS)),
         mirostat=values["mirostat"], mirostat_tau=values["mirostat_tau"], mirostat_eta=values["mirostat_eta"],
         max_tokens=None if n_predict == -1 else max(n_predict, 1), seed=None if seed < 0 else seed, n=n,
         stop=_stop(body.get("stop")), ignore_eos=flag(body, "ignore_eos"),
@@ -165,7 +184,7 @@ def _sampling_params(body: dict, tokenizer, n: int) -> tuple[SamplingParams, dic
     except (TypeError, ValueError) as e:
         raise APIError(str(e)) from None
     settings = {**values, "n_predict": n_predict, "seed": seed, "stop": params.stop, "ignore_eos": params.ignore_eos,
-                "n_probs": body.get("n_probs", 0), "stream": body.get("stream", False), "n_cmpl": n,
+                "n_probs": field_value(body, "n_probs", 0), "stream": flag(body, "stream"), "n_cmpl": n,
                 "dry_sequence_breakers": params.dry_sequence_breakers,
                 "samplers": [s for s in ("penalties", "dry", *TRUNCATIONS, "temperature") if s not in off]}
     return params, settings
@@ -244,8 +263,10 @@ def _grammar(body: dict) -> StructuredOutputsParams | None:
 
 def completion_object(req: Completion, index: int, text: str, token_ids: list[int], prompt_ids: list[int],
                       num_cached: int, finish_reason: str | None, stop_reason, logprobs: list[TokenLogprobs] | None,
-                      model: str, tokenizer, token_text: TokenText, timings: dict) -> dict:
-    """One completion's final object (in a stream: its last event, the text already sent)."""
+                      model: str, tokenizer, token_text: TokenText, timings: dict, max_model_len: int) -> dict:
+    """One completion's final object (in a stream: its last event, the text already sent); `truncated` when the
+    context filled up."""
+    truncated = finish_reason == "length" and len(prompt_ids) + len(token_ids) >= max_model_len
     if req.prefill_only:
         text, token_ids, logprobs = "", [], None
     word = stop_reason if isinstance(stop_reason, str) else ""
@@ -254,7 +275,7 @@ def completion_object(req: Completion, index: int, text: str, token_ids: list[in
            "tokens": [] if req.stream or not req.return_tokens else token_ids, "id_slot": 0, "stop": True,
            "model": model, "tokens_predicted": len(token_ids), "tokens_evaluated": len(prompt_ids),
            "generation_settings": req.settings | {"model": model}, "prompt": tokenizer.decode(prompt_ids),
-           "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type, "stopping_word": word,
+           "has_new_line": "\n" in text, "truncated": truncated, "stop_type": stop_type, "stopping_word": word,
            "tokens_cached": num_cached, "timings": timings}
     if logprobs and not req.stream:
         obj["completion_probabilities"] = probabilities(req, logprobs, token_text)
@@ -278,8 +299,13 @@ def probabilities(req: Completion, entries: list[TokenLogprobs], token_text: Tok
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
         value = math.exp(logprob) if req.post_sampling_probs else max(logprob, -3.4028234663852886e38)
-        return {"id": token_id, "token": text, "bytes": list(text.encode()), key: value}
+        return {"id": token_id, "token": text, "bytes": list(token_text.pieces.token_bytes(token_id)), key: value}
 
+    if req.post_sampling_probs and req.greedy:  # the chain leaves the chosen token alone
+        return [item(e.token_id, 0.0) | {top: [item(e.token_id, 0.0)]} for e in entries]
+    if req.post_sampling_probs:  # tokens the chain dropped are left out, as llama-server leaves them
+        return [item(e.token_id, e.logprob) | {top: [item(t, lp) for t, lp in e.top if lp > -math.inf]}
+                for e in entries]
     return [item(e.token_id, e.logprob) | {top: [item(t, lp) for t, lp in e.top]} for e in entries]
 
 
@@ -310,16 +336,20 @@ def _fields(obj: dict, fields: list[str]) -> dict:
     return out
 
 
-def tokenize_content(body: dict, tokenizer) -> dict:
+def tokenize_content(body: dict, tokenizer, token_text: TokenText) -> dict:
     """llama-server's /tokenize: {"tokens": ids}, or with with_pieces [{"id", "piece"}] (a piece that is not whole
     UTF-8 as its bytes)."""
-    ids = mixed_tokens(body.get("content"), "content", tokenizer, flag(body, "add_special"))
+    ids = mixed_tokens(body.get("content"), "content", tokenizer, flag(body, "add_special"),
+                       flag(body, "parse_special", default=True))
     if not flag(body, "with_pieces"):
         return {"tokens": ids}
     pieces = []
     for t in ids:
-        raw = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(t)])
-        pieces.append({"id": t, "piece": list(raw.encode()) if "\ufffd" in raw else raw})
+        raw = token_text.pieces.token_bytes(t)
+        try:
+            pieces.append({"id": t, "piece": raw.decode()})
+        except UnicodeDecodeError:
+            pieces.append({"id": t, "piece": list(raw)})
     return {"tokens": pieces}
 
 

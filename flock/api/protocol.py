@@ -854,9 +854,11 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def flag(body: dict, name: str) -> bool:
-    """A bool field of a body, false when absent."""
-    value = body.get(name, False)
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A bool field of a body, `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise APIError(f"{name} must be a bool, got {value!r}", param=name)
     return value

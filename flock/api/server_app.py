@@ -171,7 +171,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def tokenize_(raw: Request):
         body = check_model(await json_body(raw), ctx)
         if isinstance(body, dict) and "content" in body:  # llama-server's
-            return llama_cpp.tokenize_content(body, ctx.engine.tokenizer)
+            return llama_cpp.tokenize_content(body, ctx.engine.tokenizer, ctx.token_text)
         return tokenize(body, ctx.engine.tokenizer, ctx.engine.max_model_len)
 
     @app.post("/detokenize", dependencies=auth)

@@ -153,7 +153,8 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
 
 async def generate_native(raw: Request, ctx: ServerContext):
     """SGLang's POST /generate (flock/api/sglang.py)."""
-    req = await ctx.parsed(parse_generate, await json_body(raw), ctx.engine.tokenizer, ctx.loras)
+    req = await ctx.parsed(parse_generate, await json_body(raw), ctx.engine.tokenizer, ctx.loras,
+                           ctx.engine.max_model_len, ctx.engine.config.scheduler == "priority")
     streams = await _submit(req.requests, ctx, lambda e: APIError(str(e)))
     start = time.monotonic()
     if req.stream:
@@ -205,7 +206,8 @@ def _llama_cpp_object(req: llama_cpp.Completion, i: int, part: "ChoiceParts", ct
                                 part.last_at - first)
     return llama_cpp.completion_object(req, i, "".join(part.texts), part.token_ids, req.requests[i][0],
                                        last.num_cached_tokens, last.finish_reason, last.stop_reason, part.logprobs,
-                                       ctx.model_names[0], ctx.engine.tokenizer, ctx.token_text, timings)
+                                       ctx.model_names[0], ctx.engine.tokenizer, ctx.token_text, timings,
+                                       ctx.engine.max_model_len)
 
 
 async def score(raw: Request, ctx: ServerContext):

@@ -54,9 +54,12 @@ class NativeRequest:
     prefill_only: list[bool] = field(default_factory=list)  # per request: max_new_tokens 0, its one token dropped
 
 
-def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None) -> NativeRequest:
+def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None, max_model_len: int | None = None,
+                   priority_scheduling: bool = False) -> NativeRequest:
     """Check and convert a /generate body; APIError names what is wrong. `lora_path` names an adapter of `loras`
-    (the server's --lora-modules), for every prompt or one each (null: the base model)."""
+    (the server's --lora-modules), for every prompt or one each (null: the base model). `priority` (higher first,
+    SGLang's default order) counts only under `priority_scheduling`, else it is ignored as SGLang ignores it;
+    `extra_key` keeps a prompt's cached prefix to requests of the same key (Flock's cache_salt)."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, not {type(body).__name__}")
     unsupported = sorted(k for k in UNSUPPORTED if body.get(k) not in (None, False, [], {}))
@@ -68,9 +71,18 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None)
     if len(specs) != len(prompts) or not all(isinstance(s, dict) for s in specs):
         raise APIError("sampling_params must be an object, or a list of one per prompt", param="sampling_params")
     params = [_sampling_params(s) for s in specs]
+    for p, ids in zip(params, prompts):
+        _check_length(len(ids), p.max_tokens, max_model_len)
+    for p, key in zip(params, _per_prompt(body.get("extra_key"), len(prompts), "extra_key")):
+        p.cache_salt = key or None
+    priority = body.get("priority")
+    if priority is not None and not is_int(priority):
+        raise APIError(f"priority must be an integer, got {priority!r}", param="priority")
+    for p in params:
+        p.priority = -priority if priority and priority_scheduling else 0
     for p, images in zip(params, _images(body, tokenizer, prompts)):
         p.multi_modal = images
-    for p, name in zip(params, _lora_names(body.get("lora_path"), len(prompts))):
+    for p, name in zip(params, _per_prompt(body.get("lora_path"), len(prompts), "lora_path")):
         if name is not None and name not in (loras or {}):
             raise APIError(f"lora_path {name!r} is not a LoRA adapter of this server (its --lora-modules: "
                            f"{sorted(loras or {}) or 'none'})", param="lora_path")
@@ -79,8 +91,8 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None)
     n = {p.n for p in params}
     if len(n) > 1:
         raise APIError("sampling_params.n must be the same for every prompt", param="sampling_params")
-    logprob = body.get("return_logprob", False)
-    start, top = body.get("logprob_start_len", -1), body.get("top_logprobs_num", 0)
+    logprob = flag(body, "return_logprob")
+    start, top = _given(body, "logprob_start_len", -1), _given(body, "top_logprobs_num", 0)
     if not isinstance(logprob, bool) or not is_int(start) or start < -1 or not is_int(top) or not 0 <= top <= 20:
         raise APIError("return_logprob must be a bool, logprob_start_len an integer >= -1 and top_logprobs_num an "
                        "integer in [0, 20]", param="return_logprob")
@@ -104,6 +116,35 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None)
                          flag(body, "return_text_in_logprobs"), prefill)
 
 
+def _given(body: dict, name: str, default):
+    """A field's value, its default when absent or null (as SGLang's request normalizes it)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _check_length(num_prompt: int, max_new_tokens: int | None, max_model_len: int | None) -> None:
+    """SGLang's limits: the prompt shorter than the context, and with max_new_tokens still inside it."""
+    if max_model_len is None:
+        return
+    if num_prompt >= max_model_len:
+        raise APIError(f"The input ({num_prompt} tokens) is longer than the model's context length "
+                       f"({max_model_len} tokens).", param="text")
+    if max_new_tokens is not None and num_prompt + max_new_tokens >= max_model_len:
+        raise APIError(f"Requested token count exceeds the model's maximum context length of {max_model_len} tokens. "
+                       f"You requested a total of {num_prompt + max_new_tokens} tokens: {num_prompt} tokens from the "
+                       f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+                       "tokens in the input messages or the completion to fit within the limit.",
+                       param="sampling_params")
+
+
+def _per_prompt(value, num_prompts: int, name: str) -> list:
+    """A field given once for every prompt, or as a list of one per prompt."""
+    values = value if isinstance(value, list) else [value] * num_prompts
+    if len(values) != num_prompts or not all(v is None or isinstance(v, str) for v in values):
+        raise APIError(f"{name} must be a string, or a list of one per prompt", param=name)
+    return values
+
+
 def _token_ids_logprob(value, num_prompts: int, logprob: bool, top: int) -> list[list[int] | None]:
     """SGLang's token_ids_logprob per prompt (one list for all, or one each; None: not asked)."""
     if value is None:
@@ -119,11 +160,6 @@ def _token_ids_logprob(value, num_prompts: int, logprob: bool, top: int) -> list
     return lists
 
 
-def _lora_names(lora_path, num_prompts: int) -> list[str | None]:
-    names = lora_path if isinstance(lora_path, list) else [lora_path] * num_prompts
-    if len(names) != num_prompts or not all(n is None or isinstance(n, str) for n in names):
-        raise APIError("lora_path must be an adapter's name, or a list of one per prompt", param="lora_path")
-    return names
 
 
 def _rids(rid, num_prompts: int, num_requests: int) -> list[str]:
@@ -252,8 +288,8 @@ def output_object(req: NativeRequest, index: int, text: str, output_ids: list[in
 def _finish_reason(req: NativeRequest, index: int, reason: str | None, stop_reason, output_ids: list[int]):
     if reason is None:
         return None
-    if reason == "length" or req.prefill_only[index]:
-        return {"type": "length", "length": 0 if req.prefill_only[index] else req.requests[index][1].max_tokens}
+    if reason == "length" or req.prefill_only[index]:  # max_new_tokens reached, or the context filled up
+        return {"type": "length", "length": 0 if req.prefill_only[index] else len(output_ids)}
     if reason == "stop":  # a stop string or token, or the EOS / a grammar's end: the last token
         return {"type": "stop", "matched": stop_reason if stop_reason is not None else output_ids[-1]}
     return {"type": "abort", "message": reason, "status_code": None, "err_type": None}

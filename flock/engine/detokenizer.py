@@ -123,12 +123,24 @@ class TokenPieces:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
         self.marker = _stripped_space_marker(tokenizer)
+        self.vocab_bytes: list[bytes] | None = None  # every token's bytes, decoded by xgrammar when first needed
 
     def __call__(self, token_id: int, context: list[int] = ()) -> str:
         text = self.cache.get(token_id)
         if text is None:
             text = self.cache[token_id] = self._piece(token_id)
         return self._completed(token_id, list(context[-PIECE_CONTEXT_TOKENS:])) if "\ufffd" in text else text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, a piece of a character included (its text cannot hold those)."""
+        text = self(token_id)
+        if "\ufffd" not in self.cache[token_id]:
+            return text.encode()
+        if self.vocab_bytes is None:
+            import xgrammar
+
+            self.vocab_bytes = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer).decoded_vocab
+        return self.vocab_bytes[token_id] if token_id < len(self.vocab_bytes) else text.encode()
 
     def _piece(self, token_id: int) -> str:
         text = self.tokenizer.decode([token_id])

@@ -77,25 +77,35 @@ class Sampler:
             self.masks.apply(logits, [i for i, r in enumerate(rows) if r.grammar is not None], masks)
         asking = [i for i, r in enumerate(rows) if r.params.wants_logprobs]
         params = [r.params for r in rows]
-        processed = self.logprobs_mode.startswith("processed")
-        if asking and not processed:
-            raw = logits if len(asking) == len(rows) else logits[asking]
-            values = self._log_softmax(raw) if self.logprobs_mode == "raw_logprobs" else raw.float().clone()
-        if asking and processed:  # penalties first, so the values see them
+        modes: dict[str, list[int]] = {}  # logprobs mode -> its rows among the asking ones
+        for k, i in enumerate(asking):
+            modes.setdefault(params[i].logprobs_mode or self.logprobs_mode, []).append(k)
+        processed = any(mode.startswith("processed") for mode in modes)
+        parts = {mode: self._raw_values(logits, [asking[k] for k in ks], mode)
+                 for mode, ks in modes.items() if not mode.startswith("processed")}
+        if processed:  # penalties first, so the values see them
             logits = apply_penalties(logits, params, rows, self.eos_token_ids)
         mus = [r.mirostat_mu for r in rows]
-        tokens = self(logits, params, [r.generator for r in rows], None if processed and asking else rows, mus,
+        tokens = self(logits, params, [r.generator for r in rows], None if processed else rows, mus,
                       [getattr(r, "proposal", None) for r in rows])
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if asking:
-            if processed:
-                values = processed_values(logits[asking], [params[i] for i in asking], self.logprobs_mode)
+            for mode, ks in modes.items():
+                if mode.startswith("processed"):
+                    parts[mode] = processed_values(logits[[asking[k] for k in ks]], [params[asking[k]] for k in ks],
+                                                   mode)
+            values = _gathered(parts, modes, len(asking))
             vocab = logits.shape[-1]
             entries = token_logprobs(values, tokens[asking], [whole(rows[i].params.logprobs, vocab) for i in asking],
                                      [rows[i].params.logprob_token_ids for i in asking])
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
         return Sampled(tokens, logprobs, mus)
+
+    def _raw_values(self, logits: torch.Tensor, rows: list[int], mode: str) -> torch.Tensor:
+        """The rows' logprobs (or logits) before penalties and temperature."""
+        raw = logits if len(rows) == logits.shape[0] else logits[rows]
+        return self._log_softmax(raw) if mode == "raw_logprobs" else raw.float().clone()
 
     def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The rows' log-softmax; of float32 CPU rows into a buffer the next step overwrites (a fresh tensor of a
@@ -195,6 +205,17 @@ class Sampler:
             if g is not None:
                 u[i] = torch.rand((), dtype=torch.float64, generator=g)
         return u
+
+
+def _gathered(parts: dict[str, torch.Tensor], modes: dict[str, list[int]], num_rows: int) -> torch.Tensor:
+    """The asking rows' values in their order, from each logprobs mode's rows."""
+    if len(parts) == 1:
+        return next(iter(parts.values()))
+    first = next(iter(parts.values()))
+    out = first.new_empty(num_rows, first.shape[-1])
+    for mode, ks in modes.items():
+        out[ks] = parts[mode]
+    return out
 
 
 def whole(count: int | None, vocab: int) -> int:

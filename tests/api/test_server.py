@@ -798,6 +798,15 @@ def test_sglang_generate(server, client):
     prompt_lp = scored["meta_info"]["input_token_logprobs"]
     assert len(prompt_lp) == len(ids) and prompt_lp[0][0] is None and all(lp < 0 for lp, _, _ in prompt_lp[1:])
     assert [t for _, t, _ in prompt_lp] == ids and len(scored["meta_info"]["input_top_logprobs"][1]) == 2
+    long = post({"input_ids": ids, "sampling_params": {"max_new_tokens": 2048 - len(ids)}})
+    assert long.status_code == 400 and "maximum context length of 2048" in long.json()["error"]["message"]
+    filled = post({"input_ids": [5] * 2040, "sampling_params": {"max_new_tokens": None, "temperature": 0,
+                                                                 "ignore_eos": True}, "return_logprob": None}).json()
+    assert filled["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    keyed = [post({"text": prompt * 4, "sampling_params": greedy, "extra_key": key}).json()["meta_info"]
+             for key in ("k1", "k2", "k2")]  # a key's cached prefix is its own (the priority ignored, as by SGLang)
+    assert [m["cached_tokens"] > 0 for m in keyed] == [False, False, True]
+    assert post({"text": prompt, "sampling_params": greedy, "priority": 5}).status_code == 200
     for bad in ({"text": prompt, "input_ids": ids}, {"text": prompt, "sampling_params": {"seed": 1}},
                 {"text": prompt, "sampling_params": {"top_k": 0}}, {"text": prompt, "image_data": "x.png"},
                 {"text": prompt, "sampling_params": {"n": 200}}, {"text": [prompt, "b"], "rid": ["a", "a"]}):
@@ -844,7 +853,21 @@ def test_llama_cpp_completion(server, client):
                                  "response_fields": ["content", "generation_settings/n_predict",
                                                      "completion_probabilities"]}).json()
     assert set(probs) == {"content", "n_predict", "completion_probabilities"} and probs["n_predict"] == 8
-    assert all(0 < p["prob"] <= 1 and len(p["top_probs"]) == 3 for p in probs["completion_probabilities"])
+    assert all(p["prob"] == 1 and [t["id"] for t in p["top_probs"]] == [p["id"]]  # greedy: the chosen token alone
+               for p in probs["completion_probabilities"])
+    chained = post("/completion", {"prompt": prompt, "n_predict": 4, "seed": 3, "top_k": 2, "temperature": 1,
+                                   "min_p": 0, "top_p": 1, "n_probs": 3, "post_sampling_probs": True}).json()
+    for p in chained["completion_probabilities"]:  # what top-k left, renormalized
+        assert len(p["top_probs"]) == 2 and sum(t["prob"] for t in p["top_probs"]) == pytest.approx(1, abs=1e-5)
+        assert p["prob"] == next(t["prob"] for t in p["top_probs"] if t["id"] == p["id"])
+    # OpenAI's names for n_predict, n_cmpl and n_probs, and nulls for defaults, as llama-server takes them
+    aliased = post("/completion", {"prompt": prompt, "temperature": 0, "ignore_eos": True, "max_tokens": 3,
+                                   "logprobs": 2, "n": 2, "seed": None, "stream": None}).json()
+    assert [c["tokens_predicted"] for c in aliased] == [3, 3] and aliased[0]["content"] == same[: len(
+        aliased[0]["content"])] and len(aliased[0]["completion_probabilities"][0]["top_logprobs"]) == 2
+    full = post("/completion", {"prompt": [5] * 2040, "n_predict": 100, "temperature": 0, "ignore_eos": True}).json()
+    assert full["tokens_predicted"] == 8 and full["stop_type"] == "limit" and full["truncated"] is True
+    assert one["truncated"] is False
     sampled = post("/completion", {"prompt": prompt, "n_predict": 6, "seed": 5, "repeat_penalty": 1.3,
                                    "samplers": ["penalties", "top_k", "temperature"]}).json()
     again = post("/completion", {"prompt": prompt, "n_predict": 6, "seed": 5, "repeat_penalty": 1.3,
@@ -861,6 +884,13 @@ def test_llama_cpp_completion(server, client):
     assert digits.json()["content"].isdigit()
     pieces = post("/tokenize", {"content": prompt, "with_pieces": True}).json()["tokens"]
     assert [p["id"] for p in pieces] == ids[len(ids) - len(pieces):]
+    llama = post("/tokenize", {"content": "🦙 á", "with_pieces": True}).json()["tokens"]  # pieces of characters
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in llama) == \
+        "🦙 á".encode() and any(isinstance(p["piece"], list) for p in llama)
+    tok = LLM("flock/tiny", load_format="dummy").get_tokenizer()
+    assert post("/tokenize", {"content": tok.eos_token}).json()["tokens"] == [tok.eos_token_id]
+    assert post("/tokenize", {"content": tok.eos_token, "parse_special": False}).json()["tokens"] == tok.encode(
+        tok.eos_token, add_special_tokens=False, split_special_tokens=True) != [tok.eos_token_id]
     chat = post("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
     assert "Hi" in chat
     props = httpx.get(f"{server.url}/props", headers=AUTH, timeout=10).json()
