@@ -8,7 +8,7 @@ The result is the best beam_width of the complete and the live beams.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from flock.lora import LoRARequest
@@ -26,20 +26,33 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0  # of the step requests; their logprobs are the raw logits' (vLLM's default)
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the server's: keep the EOS that ended a beam in its token ids
+    structured_outputs: None = None  # vLLM's field; beams under a grammar are not supported
+    skip_special_tokens: bool = True  # in the beams' text
+    watermarking: None = None  # vLLM's field; no watermark here
     cache_salt: str | None = None  # the step requests' (SamplingParams')
     priority: int = 0
     lora_request: LoRARequest | None = None  # the step requests' LoRA adapter
     multi_modal: ImageInputs | None = None  # the prompt's images, which every step request carries
 
-    def validate(self, max_tokens_set: bool = True) -> None:
-        """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later)."""
-        width, most = self.beam_width, MAX_LOGPROBS // 2
-        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= most:
+    def validate(self, max_tokens_set: bool = True, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """ValueError naming beam_width or max_tokens (`max_tokens_set` False: it is to be set later); a step
+        asks for 2 x beam_width alternatives, at most the engine's `max_logprobs` (-1: the vocabulary)."""
+        width, most = self.beam_width, max_logprobs // 2 if max_logprobs != -1 else None
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1 or most is not None and width > most:
             raise ValueError(f"beam_width (n) must be an integer in [1, {most}] (2 x beam_width alternatives a "
-                             f"step, at most {MAX_LOGPROBS}), got {width!r}")
+                             f"step, at most max_logprobs {max_logprobs}), got {width!r}")
+        if self.structured_outputs is not None or self.watermarking:
+            raise ValueError("structured_outputs and watermarking are not supported with beam search")
         if max_tokens_set and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+    def fitted(self, prompt_len: int, max_model_len: int) -> BeamSearchParams:
+        """These params for a prompt: max_tokens (None: 0, unset) at most what max_model_len leaves after it, as
+        vLLM's server caps it (its beams then end with "length")."""
+        room = max_model_len - prompt_len
+        return replace(self, max_tokens=min(self.max_tokens, room) if self.max_tokens else room)
 
     def step_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width, ignore_eos=True,

@@ -221,19 +221,41 @@ class LLM:
         return requests
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (flock/beam_search.py): each prompt's best `params.beam_width` sequences, best
-        first, in input order (each one's `text` the prompt's and its own, as vLLM's). All prompts' beams go
-        through the engine together, a token a step. A dict prompt may carry `multi_modal_data`, as in `generate`."""
+        first, in input order (each one's `text` the prompt's and its own, as vLLM's). The beams of
+        `concurrency_limit` prompts at a time (None: all) go through the engine together, a token a step; a beam
+        that fills max_model_len ends there. A dict prompt may carry `multi_modal_data`, as in `generate`; a
+        `lora_request` is one for all prompts or one each."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params.validate()
+        params.validate(max_logprobs=self.engine.config.max_logprobs)
         _, token_ids, images = zip(*[self._encode(p, i) for i, p in enumerate(prompts)]) if prompts else ((), (), ())
-        per_prompt = [replace(params, multi_modal=im) for im in images]
-        self._check_all(token_ids, [replace(p.step_params(), max_tokens=params.max_tokens) for p in per_prompt])
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} values of lora_request for {len(prompts)} prompts")
+        per_prompt = [replace(params, multi_modal=im, lora_request=lora or params.lora_request).fitted(
+            len(ids), self.engine.max_model_len) for ids, im, lora in zip(token_ids, images, loras)]
+        self._check_all(token_ids, [replace(p.step_params(), max_tokens=p.max_tokens) for p in per_prompt])
         self.engine.reset_stats()
         searches = [BeamSearch(ids, p, sorted(self.engine.eos_token_ids)) for ids, p in zip(token_ids, per_prompt)]
-        bar = tqdm(total=params.max_tokens, desc="beam search", unit="token", disable=None if use_tqdm else True)
+        limit = concurrency_limit or len(searches) or 1
+        for start in range(0, len(searches), limit):
+            self._search(searches[start : start + limit], use_tqdm)
+        outputs = []
+        for search in searches:
+            best = search.result()
+            for beam in best:  # as vLLM's: the prompt's text and the beam's
+                beam.text = self.engine.tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+    def _search(self, searches: list[BeamSearch], use_tqdm: bool) -> None:
+        """Step these searches together until each is done."""
+        bar = tqdm(total=max(s.params.max_tokens for s in searches), desc="beam search", unit="token",
+                   disable=None if use_tqdm else True)
         while live := [s for s in searches if not s.done]:
             requests = [[self.engine.add_request(ids, p) for ids, p in s.requests()] for s in live]
             self._run([r for rs in requests for r in rs], use_tqdm=False)
@@ -241,13 +263,6 @@ class LLM:
                 search.advance([r.logprobs[0] for r in rs])
             bar.update()
         bar.close()
-        outputs = []
-        for search in searches:
-            best = search.result()
-            for beam in best:  # as vLLM's: the prompt's text and the beam's
-                beam.text = self.engine.tokenizer.decode(beam.tokens, skip_special_tokens=True)
-            outputs.append(BeamSearchOutput(best))
-        return outputs
 
     def score(
         self,

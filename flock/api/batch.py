@@ -392,7 +392,7 @@ class BatchJob:
             return gen.id, body
         if line.searches is not None:
             request_id = new_id(gen.kind)
-            choices, usage_ = gen.beam_choices(line.searches, self.engine.tokenizer)
+            choices, usage_ = gen.beam_choices(line.searches, self.token_text)
             return request_id, response_body(gen.kind, request_id, model, choices, usage_)
         wrapper = gen if isinstance(gen, (ResponsesRequest, MessagesRequest)) else None
         gen = wrapper.gen if wrapper else gen

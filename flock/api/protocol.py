@@ -156,16 +156,23 @@ class GenerationRequest:
 
     def beam_searches(self, max_model_len: int, eos_token_ids: list[int]) -> list[BeamSearch]:
         """A beam search of each prompt (use_beam_search), to step through an engine."""
-        return [BeamSearch(ids, replace(self.beam, max_tokens=self.beam.max_tokens or max_model_len - len(ids)),
-                           eos_token_ids) for ids in self.prompts]
+        return [BeamSearch(ids, self.beam.fitted(len(ids), max_model_len), eos_token_ids) for ids in self.prompts]
 
-    def beam_choices(self, searches: list[BeamSearch], tokenizer) -> tuple[list[Choice], dict]:
-        """The choices (each prompt's n best beams, best first) and the usage of finished searches."""
-        beams = [b for s in searches for b in s.result()]
-        skip = self.params.skip_special_tokens
-        choices = [Choice(tokenizer.decode(b.output_token_ids, skip_special_tokens=skip), b.finish_reason)
-                   for b in beams]
-        return choices, usage(sum(map(len, self.prompts)), sum(len(b.output_token_ids) for b in beams))
+    def beam_choices(self, searches: list[BeamSearch], token_text: TokenText) -> tuple[list[Choice], dict]:
+        """The choices (each prompt's n best beams, best first, shaped as make_choice shapes any answer: thinking
+        split off, token ids) and the usage of finished searches. As vLLM's, the EOS that ended a beam is left out
+        of its text, and out of its ids unless include_stop_str_in_output."""
+        choices, generated = [], 0
+        for i, beam in enumerate(b for s in searches for b in s.result()):
+            ids, stop = beam.output_token_ids, None
+            if beam.finish_reason == "stop":
+                ids, stop = ids[:-1], ids[-1]
+            text = token_text.tokenizer.decode(ids, skip_special_tokens=self.beam.skip_special_tokens)
+            if stop is not None and self.beam.include_stop_str_in_output:
+                ids = [*ids, stop]
+            generated += len(ids)
+            choices.append(make_choice(self, i, text, beam.finish_reason, ids, None, None, token_text, stop))
+        return choices, usage(sum(map(len, self.prompts)), generated)
 
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(token ids, params) of each choice in choice order: prompt i's sample j is choice i * n + j. With a
@@ -323,7 +330,9 @@ def _beam_search(body: dict, params: SamplingParams, n: int, tools: ToolCalling 
         name = clash or "tool_choice"
         raise APIError(f"{name} is not supported with use_beam_search", param=name)
     beam = BeamSearchParams(n, params.max_tokens or 0, params.ignore_eos, params.temperature, length_penalty,
-                            params.cache_salt, params.priority, params.lora_request, params.multi_modal)
+                            params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens,
+                            cache_salt=params.cache_salt, priority=params.priority, lora_request=params.lora_request,
+                            multi_modal=params.multi_modal)
     try:
         beam.validate(max_tokens_set=params.max_tokens is not None)
     except ValueError as e:

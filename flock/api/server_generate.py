@@ -147,7 +147,7 @@ async def _beam_search(reply: Reply, gen: GenerationRequest, raw: Request, ctx: 
                 search.advance([r[0] for r in results])
             else:  # aborted (the client went away, the server stops): the beams as they are
                 search.abort()
-    choices, usage_ = gen.beam_choices(searches, ctx.engine.tokenizer)
+    choices, usage_ = gen.beam_choices(searches, ctx.token_text)
     return response_body(reply.kind, reply.id, reply.model, choices, usage_, reply.created, reply.role)
 
 

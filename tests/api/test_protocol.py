@@ -444,3 +444,24 @@ def test_structured_outputs_take_vllm_s_whole_dataclass(tok):
         "disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}}
     spec = parse_request("completion", body, tok).params.structured_outputs
     assert spec.kind == "regex" and spec.regex == "ab?" and spec.disable_any_whitespace is False
+
+
+@pytest.mark.parametrize("keep_eos", [False, True])
+def test_beam_choices_leave_the_eos_out_and_fit_the_context(tok, keep_eos):
+    """As vLLM's server: a beam's EOS is never in its text, in its ids only with include_stop_str_in_output; ids
+    come back with return_token_ids; max_tokens is cut to what max_model_len leaves after the prompt."""
+    from flock.api.logprobs import TokenText
+    from flock.sample.logprobs import TokenLogprobs
+
+    eos = tok.eos_token_id
+    gen = parse_request("completion", {"prompt": [5] * 60, "n": 2, "max_tokens": 100, "use_beam_search": True,
+                                       "return_token_ids": True, "include_stop_str_in_output": keep_eos,
+                                       "skip_special_tokens": False}, tok)
+    search, = gen.beam_searches(64, [eos])
+    assert search.params.max_tokens == 4  # the beams end with "length" at the context, not with an error
+    search.advance([TokenLogprobs(eos, -0.1, 1, [(eos, -0.1), (7, -0.5), (8, -1.0), (9, -3.0)])])
+    choices, usage_ = gen.beam_choices([search], TokenText(tok))
+    assert [c.finish_reason for c in choices] == ["stop", "length"] and choices[0].text == ""
+    assert choices[0].token_ids == ([eos] if keep_eos else []) and choices[1].token_ids == [7]
+    assert choices[0].prompt_token_ids == [5] * 60 and choices[0].stop_reason == eos
+    assert usage_["completion_tokens"] == 1 + keep_eos

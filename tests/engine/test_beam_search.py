@@ -59,5 +59,23 @@ def test_eos_completes_a_beam_and_length_penalty_ranks():
     assert search.score(best[0]) == pytest.approx(-0.1 / 2) and search.score(best[1]) == pytest.approx(-0.7 / 4)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=3).validate()
+    BeamSearchParams(beam_width=11, max_tokens=3).validate(max_logprobs=40)  # the engine's max_logprobs decides
+    with pytest.raises(ValueError, match="structured_outputs"):
+        BeamSearchParams(beam_width=2, max_tokens=3, structured_outputs={"regex": "a"}).validate()
     salted = BeamSearchParams(beam_width=2, max_tokens=3, cache_salt="tenant", priority=2).step_params()
     assert (salted.cache_salt, salted.priority, salted.logprobs, salted.max_tokens) == ("tenant", 2, 4, 1)
+
+
+def test_vllm_arguments_the_context_and_concurrency_limit():
+    """vLLM's beam_search(prompts, params, lora_request, use_tqdm, concurrency_limit): prompts searched a few at a
+    time give what all at once give; a beam that reaches max_model_len ends there with "length"."""
+    llm = LLM("flock/tiny", max_model_len=32, block_size=4)
+    prompts = [[5 + i] * 8 for i in range(3)]
+    params = BeamSearchParams(2, 6, True, 0.0, 1.0, False, None, False)  # vLLM's positional order
+    together = llm.beam_search(prompts, params, None, False)
+    assert [o.sequences for o in llm.beam_search(prompts, params, [None] * 3, concurrency_limit=2)] == \
+        [o.sequences for o in together]
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.beam_search(prompts, params, [None])
+    full = llm.beam_search([[5] * 28], BeamSearchParams(beam_width=2, max_tokens=20, ignore_eos=True))[0]
+    assert all(len(b.output_token_ids) == 4 and b.finish_reason == "length" for b in full.sequences)
