@@ -83,22 +83,26 @@ class LLM:
         paths} beside a text `prompt` that marks each image with the model's image token; a `lora_request` (one
         for all prompts, or one each) runs them with a LoRA adapter (engine started with enable_lora=True);
         `priority` (one for all, or one each) sets their params' priority; `tokenization_kwargs` (vLLM's
-        truncate_prompt_tokens and truncation_side) set their params' fields of those names. All prompts and
+        truncate_prompt_tokens and truncation_side) set their params' fields of those names, and its
+        add_special_tokens=False encodes text prompts without the BOS (a prompt already rendered). All prompts and
         parameters are checked before any work starts: a bad one raises ValueError naming its index and field."""
         if not isinstance(prompts, (str, dict, Sequence)):
             raise TypeError(f"prompts must be a string, a dict, a list of token ids or a list of those, not "
                             f"{type(prompts).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        sampling_params = self._tokenized(sampling_params, len(prompts), tokenization_kwargs)
-        return self._generate([self._encode(p, i) for i, p in enumerate(prompts)], prompts, sampling_params,
-                              use_tqdm, lora_request, priority)
+        kwargs = dict(tokenization_kwargs or {})
+        add_special = kwargs.pop("add_special_tokens", True)
+        sampling_params = self._tokenized(sampling_params, len(prompts), kwargs)
+        return self._generate([self._encode(p, i, add_special) for i, p in enumerate(prompts)], prompts,
+                              sampling_params, use_tqdm, lora_request, priority)
 
     def _tokenized(self, sampling_params, n: int, tokenization_kwargs: dict | None):
         """The params of n prompts with vLLM's tokenization_kwargs (truncate_prompt_tokens, truncation_side)."""
         unknown = sorted((tokenization_kwargs or {}).keys() - {"truncate_prompt_tokens", "truncation_side"})
         if unknown:
-            raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side, got {unknown}")
+            raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side (and, for "
+                             f"generate, add_special_tokens), got {unknown}")
         if not tokenization_kwargs:
             return sampling_params
         return [replace(p, **tokenization_kwargs) for p in self._params_per_prompt(sampling_params, n)]
@@ -132,11 +136,12 @@ class LLM:
             return params
         return replace(params, structured_outputs=replace(spec, after=THINKING_END))
 
-    def _encode(self, prompt: Prompt, index: int) -> tuple[str | None, list[int], ImageInputs | None]:
+    def _encode(self, prompt: Prompt, index: int, add_special: bool = True
+                ) -> tuple[str | None, list[int], ImageInputs | None]:
         """A prompt's text, token ids and images (vLLM's multi_modal_data)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
-            return *self.encode_prompt(prompt, index), None
+            return *self.encode_prompt(prompt, index, add_special), None
         try:
             if not isinstance(data, dict) or data.keys() != {"image"}:
                 raise ValueError(f"multi_modal_data takes {{'image': images}} only, got {data!r:.80}")
@@ -419,16 +424,16 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
 
-    def encode_prompt(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: Prompt, index: int, add_special: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.engine.tokenizer.encode(prompt, add_special_tokens=add_special)
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data"):
                 raise ValueError(f"request {index}: images (multi_modal_data) are taken by generate and chat only")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.encode_prompt(prompt["prompt"], index)
+                return self.encode_prompt(prompt["prompt"], index, add_special)
             raise ValueError(f"request {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list):
             return None, list(prompt)

@@ -239,3 +239,15 @@ def test_vllms_other_fields_and_tokenization_kwargs(llm):
     assert cut.prompt_token_ids == ids[:3]
     with pytest.raises(ValueError, match="tokenization_kwargs takes"):
         llm.generate("a", SamplingParams(max_tokens=1), use_tqdm=False, tokenization_kwargs={"padding": True})
+
+
+def test_tokenization_kwargs_add_special_tokens(tmp_path):
+    """vLLM's tokenization_kwargs={"add_special_tokens": False}: a rendered prompt gets no second BOS."""
+    from tests.model.gguf_files import write_spm_gguf
+
+    llm = LLM("flock/tiny", load_format="dummy", tokenizer=str(write_spm_gguf(tmp_path / "s.gguf")))
+    tok = llm.get_tokenizer()
+    with_bos = llm.generate("the cat", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    bare = llm.generate("the cat", SamplingParams(max_tokens=1), use_tqdm=False,
+                        tokenization_kwargs={"add_special_tokens": False})[0].prompt_token_ids
+    assert with_bos == [tok.bos_token_id, *bare] and bare == tok.encode("the cat", add_special_tokens=False)

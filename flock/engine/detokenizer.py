@@ -42,8 +42,21 @@ class IncrementalText:
         self.raw = ""  # the backend's text of ids[:done] (a stream's: but its pending bytes), before any clean-up
         self.done = 0
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = DecodeStream(self.prompt_ids, skip_special_tokens=skip_special_tokens) \
-            if stream and self._backend is not None else None
+        self._stream = self._primed_stream() if stream and self._backend is not None else None
+
+    def _primed_stream(self) -> DecodeStream:
+        """A DecodeStream primed with the prompt's last tokens. A prompt that ends inside a character is primed up
+        to it and steps its bytes, which the output may complete (primed with them, the stream would take the
+        whole window's text for the output's)."""
+        whole = len(self.prompt_ids)
+        while whole > len(self.prompt_ids) - 4 and whole and self._decode(self.prompt_ids[:whole]).endswith("\ufffd"):
+            whole -= 1
+        if whole <= len(self.prompt_ids) - 4:  # no character of up to 4 bytes explains it: a U+FFFD of its own
+            whole = len(self.prompt_ids)
+        stream = DecodeStream(self.prompt_ids[:whole], skip_special_tokens=self.skip_special_tokens)
+        for token in self.prompt_ids[whole:]:
+            stream.step(self._backend, token)
+        return stream
 
     @property
     def text(self) -> str:
@@ -90,11 +103,15 @@ class IncrementalText:
 
     def _after(self, before: list[int], new: list[int], partial: bool = False) -> str | None:
         """What `new` adds to the text of the tokens `before` it; with `partial`, None where new ends in an
-        incomplete character or changes the text before it (else the text of new alone then)."""
+        incomplete character or changes the text before it (else the characters it completes and its text, or
+        the text of new alone)."""
         head, whole = self._decode(before), self._decode(before + new)
         if whole.startswith(head) and not (partial and whole.endswith("\ufffd")):
             return whole[len(head) :]
-        return None if partial else self._decode(new)
+        if partial:
+            return None
+        complete = head.rstrip("\ufffd")
+        return whole[len(complete) :] if whole.startswith(complete) else self._decode(new)
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

@@ -192,6 +192,11 @@ def end_of_generation_ids(reader) -> list[int]:
     return sorted(set(ids))
 
 
+# BPE pre-tokenizers whose vocabularies llama.cpp adds a BOS to unless the file says otherwise
+BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                  "jina-v5-nano", "tekken", "chameleon")
+
+
 def split_as_llama_cpp(tokenizer, path: Path) -> None:
     """Make the tokenizer transformers converted from the file split text as llama.cpp does (the converted one is
     kept, and this file's code names the kept copy, so a change here converts again).
@@ -203,6 +208,9 @@ def split_as_llama_cpp(tokenizer, path: Path) -> None:
       byte-level split; " ½" was one piece).
     - Llama 3's BPE ("llama-bpe"): a word the vocabulary holds whole is that one token (`ignore_merges`, as in its
       tokenizer.json; "Cửa Việt" came out in 5 tokens instead of 3).
+    - A BOS where the file does not say (no tokenizer.ggml.add_bos_token), as llama.cpp's defaults for the
+      vocabulary add one (SentencePiece, Llama 3's and a few other BPEs'; older Llama 3 files lack the key, and
+      transformers added none).
     - No token past the file's vocabulary: transformers adds "<|endoftext|>" after a Llama 3 one (id 128256, which
       the model has no row for, so a prompt with that text was refused); it is text, as for llama.cpp."""
     from gguf import GGUFReader
@@ -220,6 +228,9 @@ def split_as_llama_cpp(tokenizer, path: Path) -> None:
                                                          backend.pre_tokenizer])
     elif _field(reader, "tokenizer.ggml.pre") == "llama-bpe":
         backend.model.ignore_merges = True  # Llama 3's: a word in the vocabulary is one token, whatever the merges
+    if _field(reader, "tokenizer.ggml.add_bos_token") is None and (spm or _field(reader, "tokenizer.ggml.pre") in
+                                                                    BOS_BY_DEFAULT) and tokenizer.bos_token:
+        tokenizer.add_bos_token = True
     data, vocab = json.loads(backend.to_str()), len(reader.fields["tokenizer.ggml.tokens"].data)
     inside = [t for t in data["added_tokens"] if t["id"] < vocab]
     if len(inside) < len(data["added_tokens"]):

@@ -1,5 +1,6 @@
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -212,9 +213,10 @@ def _gathered(parts: dict[str, torch.Tensor], modes: dict[str, list[int]], num_r
     if len(parts) == 1:
         return next(iter(parts.values()))
     first = next(iter(parts.values()))
-    out = first.new_empty(num_rows, first.shape[-1])
+    dtype = functools.reduce(torch.promote_types, (part.dtype for part in parts.values()))
+    out = first.new_empty(num_rows, first.shape[-1], dtype=dtype)
     for mode, ks in modes.items():
-        out[ks] = parts[mode]
+        out[ks] = parts[mode].to(dtype)
     return out
 
 

@@ -89,6 +89,19 @@ def test_an_output_keeps_the_space_its_first_token_starts_with(tmp_path):
     assert (out.text, len(out.token_ids), out.stop_reason) == ("", 1, text)
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "windows"])
+def test_a_prompt_ending_inside_a_character_gives_none_of_its_text(tmp_path, stream):
+    """Token-id prompts may end in the middle of a character that the output completes: the output is that
+    character, never the prompt's text before it."""
+    write_tokenizer(tmp_path, VOCAB)
+    tok = load_tokenizer(tmp_path)
+    ids = tok.encode("Paragraph one. " * 12 + "The dog \U0001f389", add_special_tokens=False)
+    cut = next(k for k in range(len(ids) - 1, 0, -1) if tok.decode(ids[:k]).endswith("\ufffd"))
+    inc = IncrementalText(tok, True, False, stream, ids[:cut])
+    text = inc.final(ids[cut:])
+    assert text.endswith("\U0001f389") and "Paragraph" not in text and "dog" not in text
+
+
 def test_a_stop_string_split_over_tokens_stops_the_request():
     """Found in the incremental text: across token boundaries, and before tokens that settle later."""
     from flock import LLM, SamplingParams

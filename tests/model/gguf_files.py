@@ -22,7 +22,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[str, Q] | None = None,
                metadata: dict[str, str | int | float] | None = None, rope_freqs: np.ndarray | None = None,
-               pre: str = "default") -> Path:
+               pre: str = "default", add_bos: bool | None = False) -> Path:
     """The model of `folder` (config.json, model.safetensors, tokenizer.json) as a GGUF file: matrices stored as
     `qtype` (or as `tensor_types[name]`), vectors as F32; llama q/k rows permuted; extra `metadata` keys;
     llama3 rope scaling as llama.cpp's rope_freqs tensor (or the given one)."""
@@ -47,7 +47,7 @@ def write_gguf(folder: Path, path: Path, qtype: Q = Q.F32, tensor_types: dict[st
     if config.get("head_dim"):  # as convert_hf_to_gguf.py writes it
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    _add_tokenizer(writer, folder, pre)
+    _add_tokenizer(writer, folder, pre, add_bos)
     for key, value in (metadata or {}).items():
         add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else \
             writer.add_float32
@@ -260,8 +260,9 @@ def iq4_xs_layout_values(blocks: np.ndarray, values: np.ndarray) -> np.ndarray:
     return (d[:, None, None] * scales[:, :, None] * values.astype(np.int64)[idx]).reshape(len(blocks), -1)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:
-    """The built-in byte-level BPE tokenizer as llama.cpp stores a "gpt2" vocabulary (`pre`: its pre-tokenizer)."""
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str, add_bos: bool | None) -> None:
+    """The built-in byte-level BPE tokenizer as llama.cpp stores a "gpt2" vocabulary (`pre`: its pre-tokenizer;
+    `add_bos` None: no tokenizer.ggml.add_bos_token key)."""
     tok = json.loads((folder / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"] | {t["content"]: t["id"] for t in tok["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
@@ -273,7 +274,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     writer.add_bos_token_id(vocab["<s>"])
     writer.add_eos_token_id(vocab["</s>"])
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
 
 

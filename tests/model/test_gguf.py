@@ -411,6 +411,15 @@ def test_llama3_vocabulary_takes_whole_words_first(hf_folders, tmp_path):
         assert load_tokenizer(path).backend_tokenizer.model.ignore_merges is whole_words
 
 
+@pytest.mark.parametrize("pre, add_bos, bos", [("llama-bpe", None, True), ("llama-bpe", False, False),
+                                               ("default", None, False), ("default", True, True)])
+def test_bos_as_llama_cpp_adds_it(hf_folders, tmp_path, pre, add_bos, bos):
+    """A file's tokenizer.ggml.add_bos_token decides; without it, llama.cpp's default for the vocabulary (a Llama 3
+    BPE adds one, as older Llama 3 files need)."""
+    tok = load_tokenizer(write_gguf(hf_folders["llama"], tmp_path / "m.gguf", pre=pre, add_bos=add_bos))
+    assert (tok.encode("hi")[0] == tok.bos_token_id) is bos
+
+
 @needs_smollm2
 def test_smollm2_splits_every_numeral_as_llama_cpp():
     tok = load_tokenizer(SMOLLM2)  # ids from llama-server on the same file: "½" alone, not " ½"

@@ -2,6 +2,8 @@
 float64, under every scheduler, chunk size and cache state (a prompt asking for them never reads the prefix
 cache), and the greedy token is always rank 1."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -113,6 +115,14 @@ def test_logprobs_modes_and_the_whole_vocabulary(hf_folders, reference):
     assert torch.allclose(got["processed_logprobs"][top3], kept.log_softmax(-1)[top3], atol=1e-9)
     shift = got["processed_logits"][top3] - kept[top3]  # logits, not logprobs: a constant apart
     assert torch.allclose(shift, shift[0].expand(3), atol=1e-9)
+    # a request's own logprobs_mode, beside others in one batch, gives what the engine's mode gives
+    modes = ["processed_logprobs", "raw_logprobs", "raw_logits", None]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 4, [replace(params, logprobs_mode=m) for m in modes],
+                        use_tqdm=False)
+    for mode, out in zip(modes, outs):
+        entry = out.outputs[0].logprobs[0]
+        mine = torch.tensor([entry[t].logprob for t in range(len(ref))], dtype=torch.float64)
+        assert torch.allclose(mine, got[mode or "processed_logits"], atol=1e-6, equal_nan=True), mode
 
 
 def test_prompt_logprobs_survive_preemption(hf_folders, reference):
