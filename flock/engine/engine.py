@@ -373,17 +373,18 @@ class LLMEngine:
         token sampled after them; under a grammar, those it allows (the tokens it forces, where it does); none for
         Mirostat, whose bound moves with each token, nor XTC, whose second draw a row's order would move (see
         flock.spec.rewind_seeded). With each, the distributions the drafts were sampled from
-        (the draft model's, probabilistic drafting; None: verified as one token each)."""
+        (the draft model's, probabilistic drafting; None: verified as one token each). A constrained request's are
+        always verified as tokens: which drafts its grammar keeps (or replaces by the tokens it forces) depends on
+        their values, and the test against the draft's distribution would skew what it samples then."""
         k = self.speculative.drafts_for(len(reqs))
         limits = [0 if req.params.mirostat or req.params.xtc or not k else
                   min(self._room(req) - 1, drafts_worth(req.draft_rate, k)) for req in reqs]
         out = []
         for req, drafts, limit in zip(reqs, self.proposer.propose(reqs, limits), limits):
-            kept = drafts if req.grammar is None or req.grammar.is_terminated() else \
-                drafts_in_grammar(req.grammar, drafts, limit)
-            probs = self.proposer.draft_probs(req)
-            same = next((i for i, (a, b) in enumerate(zip(kept, drafts)) if a != b), min(len(kept), len(drafts)))
-            out.append((kept, None if probs is None else probs[:same]))  # a forced token is no sample of the draft's
+            if req.grammar is None or req.grammar.is_terminated():
+                out.append((drafts, self.proposer.draft_probs(req)))
+            else:
+                out.append((drafts_in_grammar(req.grammar, drafts, limit), None))
         return out
 
     def _room(self, req: Request) -> int:

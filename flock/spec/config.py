@@ -45,8 +45,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
         spec = dict(spec)
         method, model = spec.pop("method", None), spec.get("model")
+        if method is None and model is None:
+            raise ValueError("speculative_config has num_speculative_tokens but no method ('ngram', 'draft_model') "
+                             "nor model (as vLLM)")
         if method is None:
-            method = "ngram" if model is None or model in NGRAM_NAMES else "draft_model"
+            method = "ngram" if model in NGRAM_NAMES else "draft_model"
+        method = "ngram" if method in NGRAM_NAMES else method
         if method == "ngram":
             spec.pop("model", None)
         if method not in METHODS:
@@ -65,7 +69,8 @@ class SpeculativeConfig:
         if method == "draft_model":
             return replace(cls._draft_model(k, spec), per_batch_size=schedule)
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        lo, hi = lo or hi or DEFAULT_LOOKUP, hi or lo or DEFAULT_LOOKUP
+        lo, hi = (lo if lo is not None else hi if hi is not None else DEFAULT_LOOKUP,
+                  hi if hi is not None else lo if lo is not None else DEFAULT_LOOKUP)
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
@@ -79,7 +84,7 @@ class SpeculativeConfig:
         if not isinstance(model, str) or not model:
             raise ValueError(f"speculative_config.model must name the draft model (a built-in name, a Hugging Face "
                              f"folder or a GGUF file), got {model!r}")
-        if spec.get("draft_tensor_parallel_size", 1) != 1:
+        if spec.get("draft_tensor_parallel_size") not in (None, 1):
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1: the draft runs in the engine's "
                              "process")
         if quantization is not None and not isinstance(quantization, str):

@@ -157,6 +157,26 @@ def test_structured_outputs_and_stops_with_a_draft():
         assert llm.stats()["accepted_draft_tokens"] > 0
 
 
+def test_a_constrained_requests_drafts_are_verified_as_tokens():
+    """Under a grammar, which drafts are kept (or replaced by the tokens it forces) depends on their values, so
+    testing them against the draft's distribution would skew the draw: they carry none, and an unconstrained
+    request's sampled drafts keep theirs."""
+    from flock import StructuredOutputsParams
+
+    llm = LLM("flock/tiny", dtype="float32", speculative_config=draft_spec("flock/tiny",
+                                                                            draft_sample_method="probabilistic"))
+    engine = llm.engine
+    free = engine.add_request(list(range(30, 50)), SamplingParams(temperature=1.0, max_tokens=20, seed=1))
+    bound = engine.add_request(list(range(30, 50)), SamplingParams(temperature=1.0, max_tokens=20, seed=1,
+                                                                  structured_outputs=StructuredOutputsParams(
+                                                                      regex="the quick brown fox")))
+    engine.step()  # the prompts and their first tokens: drafts proposed after them
+    assert free.draft_token_ids and len(free.draft_probs) == len(free.draft_token_ids)
+    assert bound.draft_token_ids and bound.draft_probs is None
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_draft_model_config_is_checked(hf_folders):
     def config(**spec):
         return EngineConfig.from_kwargs("flock/tiny", speculative_config=spec)

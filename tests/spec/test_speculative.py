@@ -191,6 +191,12 @@ def test_speculative_config_is_checked():
         EngineConfig.from_kwargs("flock/tiny", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig.from_kwargs("flock/tiny", speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="no method"):
+        EngineConfig.from_kwargs("flock/tiny", speculative_config={"num_speculative_tokens": 2})
+    for zero in ({"prompt_lookup_min": 0, "prompt_lookup_max": 2}, {"prompt_lookup_max": 0}):
+        with pytest.raises(ValueError, match="must be a positive integer, got 0"):
+            EngineConfig.from_kwargs("flock/tiny", speculative_config={"method": "[ngram]", "num_speculative_tokens": 2,
+                                                                       **zero})
     with pytest.raises(ValueError, match="prompt_lookup_min=4 must be <= prompt_lookup_max=2"):
         EngineConfig.from_kwargs("flock/tiny", speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2})
