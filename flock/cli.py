@@ -93,14 +93,14 @@ def _add_run(sub) -> None:
     cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
                                                               "sharded by prefix group")
     cluster.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
-    cluster.add_argument("--worker-cpus", type=float, default=1.0, metavar="C", help="CPUs per worker (fractions allowed)")
-    cluster.add_argument("--worker-gpus", type=float, default=0.0, metavar="G", help="GPUs per worker")
+    cluster.add_argument("--worker-cpus", type=float, metavar="C", help="CPUs per worker (fractions allowed; default 1)")
+    cluster.add_argument("--worker-gpus", type=float, metavar="G", help="GPUs per worker (default 0)")
     cluster.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
-    cluster.add_argument("--max-worker-restarts", type=int, default=1, metavar="R",
-                     help="restarts of a lost worker before its requests go to the others (default 1)")
+    cluster.add_argument("--max-worker-restarts", type=int, metavar="R",
+                         help="restarts of a lost worker before its requests go to the others (default 1)")
 
 
-RAY_FLAGS = ("ray_address", "worker_threads")
+RAY_FLAGS = ("ray_address", "worker_cpus", "worker_gpus", "worker_threads", "max_worker_restarts")
 
 
 def run_batch(args) -> int:
@@ -165,7 +165,8 @@ def _run(cfg, args) -> int:
 
     if args.workers is None:
         if any(getattr(args, k) is not None for k in RAY_FLAGS):
-            print("error: --ray-address and --worker-threads need --workers", file=sys.stderr)
+            given = [f"--{k.replace('_', '-')}" for k in RAY_FLAGS if getattr(args, k) is not None]
+            print(f"error: {', '.join(given)} need(s) --workers", file=sys.stderr)
             return 2
         return run_job(cfg)
     try:
@@ -173,8 +174,10 @@ def _run(cfg, args) -> int:
     except ImportError as e:
         print(f"error: --workers needs Ray ({e}): pip install 'flock-llm[ray]'", file=sys.stderr)
         return 2
-    return run_cluster_job(cfg, ClusterConfig(args.workers, args.ray_address, args.worker_cpus, args.worker_gpus,
-                                              args.worker_threads, args.max_worker_restarts))
+    given = {name: getattr(args, flag) for name, flag in (
+        ("address", "ray_address"), ("worker_cpus", "worker_cpus"), ("worker_gpus", "worker_gpus"),
+        ("worker_threads", "worker_threads"), ("max_restarts", "max_worker_restarts")) if getattr(args, flag) is not None}
+    return run_cluster_job(cfg, ClusterConfig(args.workers, **given))
 
 
 if __name__ == "__main__":

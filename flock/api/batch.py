@@ -170,6 +170,7 @@ LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | MessagesRe
 class PendingLine:
     """A submitted line: its choices' finished requests and texts, filled in as they finish."""
 
+    number: int  # in the input
     custom_id: str
     request: LineRequest
     finished: list[FinishedRequest | None]
@@ -280,7 +281,7 @@ class BatchJob:
         self._add(line, parsed, [(ids, parsed.params) for ids in parsed.prompts])
 
     def _add(self, line: BatchLine, parsed: LineRequest, requests: list) -> None:
-        pending = PendingLine(line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
+        pending = PendingLine(line.number, line.custom_id, parsed, [None] * len(requests), [""] * len(requests))
         self.pending[line.custom_id] = pending
         for i, (ids, params) in enumerate(requests):
             self.running[self.engine.add_request(ids, params).request_id] = (pending, i)
@@ -288,7 +289,7 @@ class BatchJob:
     def _add_beams(self, line: BatchLine, gen: GenerationRequest) -> None:
         """A use_beam_search line: its searches' first steps (the later ones follow as each step finishes)."""
         searches = gen.beam_searches(self.engine.max_model_len, sorted(self.engine.eos_token_ids))
-        pending = PendingLine(line.custom_id, gen, [], [], searches)
+        pending = PendingLine(line.number, line.custom_id, gen, [], [], searches)
         self.pending[line.custom_id] = pending
         for s in range(len(searches)):
             self._beam_step(pending, s)
@@ -345,6 +346,13 @@ class BatchJob:
     def _finish(self, req: FinishedRequest) -> bool:
         """Note a finished engine request; True when it was its line's last, whose record is then written."""
         line, i = self.running.pop(req.request_id)
+        if self.pending.get(line.custom_id) is not line:  # its line failed
+            return False
+        error = getattr(req, "error", None)  # a worker's engine refused it (flock run --workers)
+        if error is not None:
+            del self.pending[line.custom_id]
+            self._fail(LineError(line.number, error, line.custom_id))
+            return True
         if line.searches is not None:
             if not self._beams_done(line, *i, req):
                 return False

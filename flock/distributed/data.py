@@ -15,7 +15,8 @@ by computed tokens; a group larger than a batch is cut along its sub-groups); a 
 hands each batch to one replica in one call. Generation runs when the result is consumed, as usual.
 
 Rows after `preprocess` carry `prompt` (text), `messages` (chat) or `prompt_token_ids`, and optionally
-`sampling_params` (OpenAI / Flock sampling fields; unset ones default as in `flock run`). The processor adds
+`sampling_params` (OpenAI / Flock sampling fields; unset ones take the API's defaults, not the model's
+generation config, as in Ray Data's vLLM stage; n must be 1). The processor adds
 `generated_text`, `generated_tokens`, `num_input_tokens`, `num_generated_tokens`, `finish_reason` and
 `batch_index` (the engine batch the row ran in), then maps each row through `postprocess`. A row Flock
 rejects fails the dataset with its reason.
@@ -116,10 +117,11 @@ class _Tokenize:
             kind, body, default_max = "completion", {"prompt": prompt}, COMPLETION_MAX_TOKENS
         try:
             parsed = parse_request(kind, body | sampling, self.tokenizer, default_max)
+            ids = parsed.prompt_token_ids
         except APIError as e:
             raise ValueError(f"row {_short(row)}: {e.message}") from None
-        key = xxhash.xxh3_128_digest(np.asarray(parsed.prompt_token_ids, dtype=np.int64).tobytes())
-        return row | {IDS: parsed.prompt_token_ids, PARAMS: pickle.dumps(parsed.params), KEY: key}
+        key = xxhash.xxh3_128_digest(np.asarray(ids, dtype=np.int64).tobytes())
+        return row | {IDS: ids, PARAMS: pickle.dumps(parsed.params), KEY: key}
 
 
 def _assign(batch: pd.DataFrame, batch_of: dict[bytes, int]) -> pd.DataFrame:

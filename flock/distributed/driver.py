@@ -195,7 +195,7 @@ class ClusterEngine(JobEngine):
 
     # -- workers ----------------------------------------------------------------------------------------------
     def _start(self, slot: _Slot) -> None:
-        slot.actor = self.remote.remote(self.config, self.cluster.threads)
+        slot.actor = self.remote.remote(self.config, self.cluster.threads, slot.index)
         slot.info, slot.stats, slot.started = None, RunStats(), time.monotonic()
         slot.call = slot.actor.info.remote()
 

@@ -49,6 +49,7 @@ class Finished:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_text: int | str | None = None
     embedding: list[float] | None = None
+    error: str | None = None  # the engine refused the request (nothing ran)
 
 
 @dataclass
@@ -87,10 +88,12 @@ class Progress:
 
 
 class EngineWorker:
-    def __init__(self, config: EngineConfig, threads: int | None = None):
+    def __init__(self, config: EngineConfig, threads: int | None = None, index: int = 0):
         if threads:
             torch.set_num_threads(threads)
         self.engine = LLMEngine(config)
+        # unseeded draws of its own: a line's n choices split over two workers must differ
+        self.engine.runner.sampler.default_generator.manual_seed(config.seed + index)
         self.keys: dict[int, int] = {}  # engine request id -> driver key
         self.reset_stats()
 
@@ -107,10 +110,14 @@ class EngineWorker:
     def run(self, work: list[Work] = (), seconds: float = 0.25) -> Progress:
         """Add `work`, then step for about `seconds` (or until nothing is left)."""
         engine = self.engine
-        for w in work:
-            req = engine.add_request(w.prompt_token_ids.tolist(), w.params)
-            self.keys[req.request_id] = w.key
         finished = []
+        for w in work:
+            try:
+                req = engine.add_request(w.prompt_token_ids.tolist(), w.params)
+            except ValueError as e:  # what the driver's checks cannot see (an adapter, images): this request only
+                finished.append(Finished(w.key, "", [], "error", len(w.prompt_token_ids), 0, 0, error=str(e)))
+                continue
+            self.keys[req.request_id] = w.key
         deadline = time.perf_counter() + seconds
         for step in run(engine, lambda idle: not idle and time.perf_counter() < deadline):
             for req in step.finished:

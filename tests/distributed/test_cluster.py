@@ -1,6 +1,7 @@
 """`flock run --workers N` on a local Ray: the same results and saving rate as one engine, and exactly one
 record per input line after a worker, every worker or the driver is killed."""
 
+import json
 import os
 import signal
 import subprocess
@@ -144,5 +145,30 @@ def test_bad_cluster_options(ray_address, batch, tmp_path, capsys):
     assert main([*base, "--workers", "1", "--worker-cpus", "0.5", "--model", str(tmp_path)]) == 2
     assert "worker 0 could not start" in capsys.readouterr().err
     assert main([*base, "--ray-address", ray_address]) == 2
-    assert "need --workers" in capsys.readouterr().err
+    assert "need(s) --workers" in capsys.readouterr().err
+    assert main([*base, "--worker-cpus", "2", "--max-worker-restarts", "3"]) == 2
+    assert "--worker-cpus, --max-worker-restarts need(s) --workers" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_line_only_the_engine_refuses_fails_alone_and_samples_differ(ray_address, tmp_path):
+    """A request the workers' engines refuse (flock/tiny has no thinking tokens) is its line's error record, as
+    with one engine, and no worker dies of it; an unseeded line's n samples, spread over two workers, differ."""
+    good = [{"custom_id": f"q{i}", "prompt": f"Question {i}", "max_tokens": 4} for i in range(3)]
+    think = {"custom_id": "think", "prompt": "hi", "max_tokens": 4, "thinking_token_budget": 5}
+    sampled = {"custom_id": "n4", "prompt": "Tell me a story", "max_tokens": 8, "n": 4, "temperature": 1.0}
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*good, think]))
+    (tmp_path / "n4.jsonl").write_text(json.dumps(sampled) + "\n")
+    cluster = ClusterEngine(ENGINE, ClusterConfig(2, **WORKER))
+    try:
+        assert run_job(job(tmp_path / "in.jsonl", tmp_path / "out.jsonl"), cluster) == 0
+        assert all(s.alive and not s.restarts for s in cluster.slots)
+        assert run_job(job(tmp_path / "n4.jsonl", tmp_path / "n4.out.jsonl", sampling={}), cluster) == 0
+    finally:
+        cluster.shutdown()
+    assert {json.loads(r)["custom_id"] for r in (tmp_path / "out.jsonl").read_text().splitlines()} == {"q0", "q1", "q2"}
+    error, = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["custom_id"] == "think" and "thinking_token_budget" in json.dumps(error)
+    record, = map(json.loads, (tmp_path / "n4.out.jsonl").read_text().splitlines())
+    texts = [c["text"] for c in record["response"]["body"]["choices"]]
+    assert len(set(texts)) == 4, texts
