@@ -6,7 +6,8 @@ Each step fills three queues in order, under a token budget, a KV-memory bound a
 members: decode tokens; prefill chunks of members of groups whose prefix is done; prefix chunks of the next groups.
 When decode growth runs out of blocks, the newest group gives way (recompute): its newest members first,
 its pinned prefix only once none of its members runs; a group that alone exceeds the KV cache gives up its
-own newest members and admits them again later.
+own newest members and admits them again later, and a lone member that cannot grow beside its group's pinned
+prefix unpins it (the group runs on without one).
 """
 
 from collections import deque
@@ -231,8 +232,19 @@ class BatchLLMScheduler(Scheduler):
         scheduled = {r.request_id for r, _ in plan.scheduled}
         victims = [m for m in g.admitted if m.request_id not in scheduled]
         victim = next((m for m in reversed(victims) if m is not keep), keep)
+        if victim is keep and g.prefix is not None and g.admitted == [keep]:
+            self._unpin(g, plan)
+            return True
         self._preempt_member(g, victim, plan)
         return victim is not keep
+
+    def _unpin(self, g: GroupState, plan: StepPlan) -> None:
+        """The group runs on without its pinned prefix: the blocks its members share stay theirs; what the prefix
+        held alone (a tail inside a block) is freed, and it is never pinned again (re-pinned, the same member
+        would meet the same wall)."""
+        plan.preempted.append(g.prefix)
+        self.kv.free(g.prefix)
+        g.prefix, g.prefix_len = None, 0
 
     def _preempt_member(self, g: GroupState, req: Request, plan: StepPlan) -> None:
         plan.preempted.append(req)

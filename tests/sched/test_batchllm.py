@@ -115,6 +115,29 @@ def test_prompt_logprobs_members_are_not_crowded_out_by_a_pinned_prefix(budget):
     assert outs["batchllm"][1] == pytest.approx(outs["fcfs"][1], abs=1e-5)  # float32, other chunks
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_member_that_cannot_grow_beside_its_pinned_prefix_unpins_it(caching):
+    """Two prompts sharing 99 tokens in 8 blocks of 16: the pinned prefix holds 7 (its last one partly), so a
+    member of 128 tokens never fits beside it (the scheduler gave the prefix up and pinned it again forever).
+    The group runs on without it, and the tokens are FCFS's."""
+    rng = random.Random(0)
+    shared = [rng.randrange(10, 8000) for _ in range(99)]
+    prompts = [shared + [rng.randrange(10, 8000)], shared + [11]]
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    outs = {}
+    for scheduler in ("fcfs", "batchllm"):
+        engine = LLM("flock/tiny", dtype="float32", scheduler=scheduler, block_size=16, num_kv_blocks=8,
+                     max_model_len=128, enable_prefix_caching=caching).engine
+        requests = [engine.add_request(p, params) for p in prompts]
+        for _ in range(300):  # about a hundred steps; a livelock never ends
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished() and engine.kv.pool.num_free == 8, scheduler
+        outs[scheduler] = [r.output_token_ids for r in requests]
+    assert outs["batchllm"] == outs["fcfs"]
+
+
 def test_pinned_prefix_is_released_when_the_group_finishes():
     prompts = groups_workload(6, groups=2, per_group=3, prefix=32, distinct=4)
     llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", enable_prefix_caching=False)
