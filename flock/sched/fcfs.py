@@ -23,10 +23,15 @@ class FCFSScheduler(Scheduler):
             start = req.num_computed_tokens
             n = self.with_drafts(req, req.chunk(start, min(req.num_tokens - start, budget)), budget)
             while not self.allocate(req, n):
-                victim = self.victim(self.running[i:])  # not one already planned in this step
+                victim = self.victim(self.running)
+                at = self.running.index(victim)
                 self.running.remove(victim)
                 self.preempt(victim)
                 plan.preempted.append(victim)
+                if at < i:  # planned earlier in this step: its tokens come off the plan (as vLLM's)
+                    budget += next(m for r, m in plan.scheduled if r is victim)
+                    plan.scheduled = [(r, m) for r, m in plan.scheduled if r is not victim]
+                    i -= 1
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
@@ -50,8 +55,8 @@ class FCFSScheduler(Scheduler):
             budget -= n
 
     def victim(self, candidates: list[Request]) -> Request:
-        """Which of the running `candidates` (in admission order) gives way when the KV pool runs out: the most
-        recently admitted."""
+        """Which of the running `candidates` (in admission order, some perhaps planned in this step already) gives
+        way when the KV pool runs out: the most recently admitted."""
         return candidates[-1]
 
     def admission_order(self) -> Iterable[Request]:

@@ -38,6 +38,20 @@ def test_the_lowest_priority_gives_way_when_the_pool_runs_out():
     assert [r.output_token_ids for r in reqs] == [o.outputs[0].token_ids for o in alone]
 
 
+def test_the_lowest_priority_gives_way_even_when_planned_first_in_the_step():
+    """A priority 10 request runs; a priority 0 one joins; when the pool runs out while the second grows, the first
+    gives way though the step had planned it already (its tokens come off the plan, as vLLM's), not the second."""
+    engine = LLM("flock/tiny", scheduler="priority", block_size=4, num_kv_blocks=8, max_model_len=32).engine
+    low = engine.add_request(list(range(100, 112)), SamplingParams(temperature=0, max_tokens=19, ignore_eos=True,
+                                                                   priority=10))
+    engine.step()
+    high = engine.add_request(list(range(200, 207)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in run(engine):
+        pass
+    assert low.num_preemptions > 0 and high.num_preemptions == 0
+    assert engine.kv.pool.num_free == 8
+
+
 def test_other_schedulers_refuse_a_priority():
     llm = LLM("flock/tiny", num_kv_blocks=64)
     with pytest.raises(ValueError, match="priority must be 0 unless the scheduler is 'priority'"):
