@@ -62,7 +62,8 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "turn off the prefix cache", flag="--no-prefix-caching")
     max_num_seqs: int = option(256, "most requests in one step")
     max_num_batched_tokens: int = option(2048, "most tokens in one step")
-    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's; -1: the model's, at "
+                                              "most what the KV cache holds, as vLLM's -1)")
     num_kv_blocks: int | None = option(None, "KV budget in blocks ...")
     kv_cache_memory_bytes: int | None = option(None, "... or in bytes (default: 1 GiB)")
     kv_cache_dtype: str = option("auto", "the KV cache's elements: auto (the model's dtype), or fp8 (= fp8_e4m3) or "
@@ -149,5 +150,9 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.kv_cache_disk_bytes < 0:
             raise ValueError(f"kv_cache_disk_bytes must be at least 0, got {self.kv_cache_disk_bytes}")
+        if self.max_model_len is not None and (self.max_model_len < -1 or self.max_model_len == 0):
+            raise ValueError(f"max_model_len must be positive, or -1 (what fits), got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -109,7 +109,8 @@ class LLMEngine:
         resolved = resolve_model(config.model, config.hf_overrides)
         self.model_config = resolved.config
         self.model_folder = resolved.folder
-        max_len = config.max_model_len or resolved.config.default_max_model_len
+        max_len = config.max_model_len if config.max_model_len not in (None, -1) else \
+            resolved.config.default_max_model_len
         if max_len > resolved.config.context_length and not os.environ.get("FLOCK_ALLOW_LONG_MAX_MODEL_LEN"):
             raise ValueError(f"max_model_len={max_len} is longer than the model's {resolved.config.context_length} "
                              "positions (as vLLM, set FLOCK_ALLOW_LONG_MAX_MODEL_LEN=1 to run past them anyway)")
@@ -127,7 +128,7 @@ class LLMEngine:
             self.runner = EncoderRunner(config, resolved, max_len, self.tokenizer.sep_token_id)
         else:
             self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
-        disk = self._disk_store(config, resolved) if config.kv_cache_disk_dir else None
+        disk = self._disk_store(config, resolved, max_len) if config.kv_cache_disk_dir else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, disk)
         if max_len > self.kv.capacity_tokens:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
@@ -153,9 +154,10 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
-    def _disk_store(self, config: EngineConfig, resolved) -> DiskKVStore:
-        """The prefix cache's disk tier: a folder of its own for the model's files, dtypes and KV layout (a block
-        another run wrote is read only where it would have computed the same bits)."""
+    def _disk_store(self, config: EngineConfig, resolved, max_len: int) -> DiskKVStore:
+        """The prefix cache's disk tier: a folder of its own for the model's files, dtypes, KV layout and RoPE
+        table (LongRoPE's factors follow max_model_len): a block another run wrote is read only where it would
+        have computed the same bits."""
         runner = self.runner
         files = [Path(resolved.gguf.path)] if resolved.gguf is not None else \
             sorted(p for p in Path(resolved.folder).iterdir() if p.is_file())
@@ -164,6 +166,8 @@ class LLMEngine:
                     "quantization": config.quantization, "ops": config.ops, "backend": type(runner.backend).__name__,
                     "dtype": str(runner.dtype), "kv_dtype": str(runner.kv_dtype), "block_size": config.block_size,
                     "block_bytes": runner.kv_bytes_per_block}
+        if (resolved.config.rope_scaling or {}).get("rope_type") == "longrope":
+            identity["rope_positions"] = max_len
         return DiskKVStore(Path(config.kv_cache_disk_dir) / fingerprint(identity), config.kv_cache_disk_bytes,
                            config.block_size, runner.kv_bytes_per_block)
 

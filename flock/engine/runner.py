@@ -113,7 +113,7 @@ class ModelRunner:
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        budget = config.kv_cache_memory_bytes or DEFAULT_KV_BYTES
+        budget = DEFAULT_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
         blocks = budget // self.kv_bytes_per_block
         if blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {self.kv_bytes_per_block} bytes")

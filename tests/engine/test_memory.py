@@ -42,3 +42,14 @@ def test_an_engines_kv_budget_costs_no_memory_until_used(hf_folders):
     assert resident_bytes() - before < 512 << 20  # zeroed whole, the caches alone would take 2 GiB
     out = llm.generate(["a b c d e f"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_kv_budget_and_length_options_as_vllm():
+    """kv_cache_memory_bytes 0 is refused (it was the default 1 GiB); max_model_len -1 is the model's length, at
+    most what the cache holds (vLLM's "what fits"); 0 or below -1 is refused."""
+    from flock.config import EngineConfig
+
+    for bad in (dict(kv_cache_memory_bytes=0), dict(max_model_len=0), dict(max_model_len=-2)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig.from_kwargs("flock/tiny", **bad)
+    assert LLM("flock/tiny", max_model_len=-1, num_kv_blocks=4, block_size=16).engine.max_model_len == 64

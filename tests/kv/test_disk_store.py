@@ -5,7 +5,7 @@ an earlier run wrote, back instead of computing them, and its tokens still equal
 import numpy as np
 import pytest
 
-from flock.kv.disk_store import MAGIC, DiskKVStore
+from flock.kv.disk_store import HEADER_BYTES, STALE_TMP_SECONDS, DiskKVStore
 from flock.kv.manager import KVCacheManager
 from flock.lora import LoRARequest
 from flock.request import Request
@@ -18,7 +18,7 @@ TOKENS = (1, 2, 3, 4)
 
 
 def store(folder, capacity_blocks: int = 8) -> DiskKVStore:
-    return DiskKVStore(folder, capacity_blocks * (len(MAGIC) + 8 * BS + BYTES), BS, BYTES)
+    return DiskKVStore(folder, capacity_blocks * (HEADER_BYTES + 8 * BS + BYTES), BS, BYTES)
 
 
 def kept(s: DiskKVStore, block_hash: int, value: int) -> None:
@@ -34,11 +34,23 @@ def test_blocks_come_back_whole_and_only_for_their_tokens(tmp_path):
 
 
 def test_another_store_of_the_folder_finds_them_and_torn_files_are_misses(tmp_path):
+    import os
+
     kept(store(tmp_path), 1, 9)
-    (tmp_path / f"{2:016x}.kv").write_bytes(MAGIC + b"torn")
-    (tmp_path / f"{3:016x}.kv.tmp42").write_bytes(b"a write cut short")
-    again = store(tmp_path)
-    assert (again.read(1, TOKENS) == 9).all()
+    kept(store(tmp_path), 4, 8)
+    (tmp_path / f"{2:016x}.kv").write_bytes(b"FLOCKKV2torn")
+    stale, fresh = tmp_path / f"{3:016x}.tmp42", tmp_path / f"{5:016x}.tmp43"
+    for path in (stale, fresh, tmp_path / "notahash.kv", tmp_path / "._0123456789abcdef.kv"):
+        path.write_bytes(b"a write cut short")
+    old = stale.stat().st_mtime - STALE_TMP_SECONDS - 1
+    os.utime(stale, (old, old))
+    block = tmp_path / f"{4:016x}.kv"
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0x40  # a bit of its KV flipped on disk: its checksum no longer holds
+    block.write_bytes(bytes(data))
+    again = store(tmp_path)  # stray names are no blocks; a stale temporary file is deleted, a fresh one kept
+    assert (again.read(1, TOKENS) == 9).all() and again.read(4, TOKENS) is None
+    assert not stale.exists() and fresh.exists()
     assert 2 in again and again.read(2, TOKENS) is None and 2 not in again and 3 not in again
     (tmp_path / f"{1:016x}.kv").unlink()  # another process's store deleted it
     assert again.read(1, TOKENS) is None
@@ -104,6 +116,16 @@ def test_a_later_run_reads_what_an_earlier_one_wrote(hf_folders, reference, tmp_
     assert_no_leak(again)
     flock_greedy(hf_folders["llama"], prompts[:1], dtype="float32", kv_cache_disk_dir=str(tmp_path), block_size=BS)
     assert len(list(tmp_path.iterdir())) == 2  # another dtype: a folder of its own
+
+
+def test_longrope_keys_of_another_max_model_len_are_not_read(hf_folders, tmp_path):
+    """LongRoPE's factors follow max_model_len (short within the original 64 positions, long past them): a run
+    of another length computes other keys, so it has a folder of its own."""
+    prompts = [[(13 * i) % 900 + 5 for i in range(40)]]
+    for max_model_len in (64, 256):
+        flock_greedy(hf_folders["phi3_longrope"], prompts, kv_cache_disk_dir=str(tmp_path), block_size=BS,
+                     max_model_len=max_model_len)[1].engine.kv.disk.flush()
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_a_block_gone_before_it_is_read_ends_the_prefix_there(hf_folders, reference, tmp_path, monkeypatch):
