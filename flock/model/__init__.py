@@ -108,7 +108,9 @@ FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # a CPU without either runs bf16 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
     """The dtype a model runs in. "auto" takes the model's own, except that a bf16 or f16 model runs in float32
-    on a CPU with no bf16 dot products (AVX2-only CPUs): widening is exact, and float32 GEMMs are faster there."""
+    on a CPU with no bf16 dot products (AVX2-only CPUs): widening is exact, and float32 GEMMs are faster there.
+    float16 runs as bfloat16 on a CPU (its matmuls are very slow there), said in the log."""
+    asked = name
     if name == "auto":
         name = config.torch_dtype or "float32"
         if device.type == "cpu" and name in ("bfloat16", "float16") and not native.cpu_flags() & set(FAST_BF16_FLAGS):
@@ -118,7 +120,9 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
         raise ValueError(f"dtype {name!r} is not supported (choose from auto, {', '.join(DTYPES)})")
     dtype = DTYPES[name]
     if dtype is torch.float16 and device.type == "cpu":
-        return torch.bfloat16  # float16 matmuls are very slow on CPUs
+        (log.info if asked == "auto" else log.warning)(
+            "float16 runs as bfloat16 on a CPU (float16 matmuls are very slow there); dtype float32 keeps every bit")
+        return torch.bfloat16
     return dtype
 
 

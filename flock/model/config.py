@@ -140,13 +140,17 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the model takes (the default max_model_len), as vLLM derives it: a
-        sentence-transformers folder's limit, else its positions (YaRN's: the original ones times its factor)."""
+        """The longest sequence the model takes (the default max_model_len): a sentence-transformers folder's
+        limit, else its positions; linear RoPE's times its factor (as vLLM: positions are divided by it; Gemma 3's
+        are already scaled); YaRN's the original ones times its factor (the length it was extended to; vLLM 0.32
+        takes max_position_embeddings there)."""
         if self.max_seq_length:
             return self.max_seq_length
         s = self.rope_scaling
         if s is not None and s["rope_type"] == "yarn":
             return int(s["original_max_position_embeddings"] * s["factor"])
+        if s is not None and s["rope_type"] == "linear" and not self.model_type.startswith("gemma3"):
+            return int(self.max_position_embeddings * s["factor"])
         return self.max_position_embeddings
 
     @property
@@ -492,8 +496,7 @@ class ModelConfig:
             types = d.get("layer_types") or ["full_attention" if r else "sliding_attention" for r in rotates]
             window = d.get("sliding_window")
         elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window", False):
-            types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", 28) else
-                                             "full_attention" for i in range(layers)]
+            types = d.get("layer_types") or ModelConfig._qwen_window_layers(d, model_type)
             window = d.get("sliding_window")
         else:
             return None, None
@@ -501,6 +504,17 @@ class ModelConfig:
         if window is None or not any(sliding):
             return None, None
         return window, None if all(sliding) else sliding
+
+    @staticmethod
+    def _qwen_window_layers(d: dict, model_type: str) -> list[str]:
+        """A Qwen config's layer types where it lists none, as transformers derives them: Qwen3-MoE windows every
+        layer; Qwen2-MoE the even ones below max_window_layers; Qwen2 and Qwen3 those from max_window_layers on."""
+        layers, below = d["num_hidden_layers"], d.get("max_window_layers", 28)
+        if model_type == "qwen3_moe":
+            return ["sliding_attention"] * layers
+        if model_type == "qwen2_moe":
+            return ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(layers)]
+        return ["sliding_attention" if i >= below else "full_attention" for i in range(layers)]
 
     @classmethod
     def from_folder(cls, path: str | Path, overrides: dict | None = None) -> "ModelConfig":

@@ -153,6 +153,12 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     assert ModelConfig.from_dict(qwen).sliding_window is None  # max_window_layers 28: no layer slides
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 0}).sliding_window == 8
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 1}).layer_windows == [None, 8]  # a backend each
+    linear = ModelConfig.from_dict(base | {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear",
+                                                                                          "factor": 4.0}})
+    assert linear.context_length == 256  # positions divided by the factor (vLLM's length too)
+    moe = qwen | {"num_hidden_layers": 4, "max_window_layers": 4, "num_experts": 4, "num_experts_per_tok": 2}
+    assert ModelConfig.from_dict(moe | {"model_type": "qwen3_moe"}).layer_windows == [8] * 4  # every layer
+    assert ModelConfig.from_dict(moe | {"model_type": "qwen2_moe"}).layer_windows == [8, None, 8, None]
     assert ModelConfig.from_dict(base | {"model_type": "qwen2", "attention_bias": False}).attention_bias
     too_many = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}  # a top 5 of 4 experts
     for unsupported, match in [({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias"),
