@@ -116,6 +116,7 @@ class GenerationRequest:
     request_id: str | None = None  # vLLM's: the client's id for the response
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     include_reasoning: bool = True  # vLLM's: the thinking is returned (as `reasoning`)
+    counts_reasoning: bool = False  # a reasoning parser reads the chat: usage counts reasoning tokens (maybe 0)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: n beams (max_tokens 0: up to max_model_len)
     max_tokens_field: str | None = None  # the field that set max_tokens (max_tokens, max_completion_tokens), if any
     role: str = "assistant"  # a chat answer's
@@ -231,6 +232,8 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
     reasoning = _reasoning(kind, body, tokenizer, prompts[0], reasoning_parser)
     if reasoning and params.structured_outputs is not None:  # the grammar follows the thinking
         params.structured_outputs = replace(params.structured_outputs, after=THINKING_END)
+    if reasoning and body.get("skip_special_tokens") is None:  # a special </think> stays, to split at (as vLLM)
+        params.skip_special_tokens = False
     beam = _beam_search(body, params, n, tools)
     return GenerationRequest(kind, prompts, params, n=n, texts=texts, model=typed_field(body, "model", str, None),
                              stream=stream, include_usage=include_usage, echo=echo,
@@ -240,6 +243,7 @@ def parse_request(kind: str, body, tokenizer, default_max_tokens: int | None = C
                              structured_param=structured_param, tools=tools,
                              return_token_ids=typed_field(body, "return_token_ids", bool, False),
                              reasoning=reasoning, include_reasoning=include_reasoning,
+                             counts_reasoning=kind == "chat" and reasoning_parser is not None,
                              request_id=typed_field(body, "request_id", str, None),
                              tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False), beam=beam,
                              max_tokens_field=_max_tokens_field(body, kind), role=role)
@@ -849,9 +853,11 @@ def _token_ids(token_ids: list[int] | None = None, prompt_token_ids: list[int] |
 
 
 def reasoning_usage(gen: GenerationRequest, choices: list) -> int | None:
-    """The choices' reasoning tokens (each a Choice or a streamed choice, with `reasoning_tokens`), when the
-    request's thinking was split off."""
-    return sum(c.reasoning_tokens for c in choices) if gen.reasoning else None
+    """The choices' reasoning tokens (each a Choice or a streamed choice, with `reasoning_tokens`) of a chat a
+    reasoning parser reads (0 when its thinking was off, as vLLM reports it)."""
+    if not gen.counts_reasoning:
+        return None
+    return sum(c.reasoning_tokens for c in choices) if gen.reasoning else 0
 
 
 def is_int(x) -> bool:

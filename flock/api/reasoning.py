@@ -63,9 +63,15 @@ def read_structured_outputs_config(config) -> tuple[bool | None, str | None, boo
 
 def thinking_open(tokenizer, prompt_ids: list[int]) -> bool:
     """Whether the answer to this prompt starts by thinking: unless the chat template closed the thinking already
-    (a `</think>` after its last `<think>`, as templates do to turn thinking off)."""
-    tail = tokenizer.decode(prompt_ids[-64:])
-    return tail.rfind(_END) <= tail.rfind(_START)
+    (a `</think>` after its last `<think>`, as templates do to turn thinking off) in the answer's own turn, after
+    the prompt's last special token that is no thinking tag (a turn's header or end: an earlier turn's thinking
+    says nothing of this one's)."""
+    tail = prompt_ids[-64:]
+    special = set(tokenizer.all_special_ids)
+    turn = next((i + 1 for i in range(len(tail) - 1, -1, -1)
+                 if tail[i] in special and tokenizer.decode([tail[i]]) not in (_START, _END)), 0)
+    text = tokenizer.decode(tail[turn:])
+    return text.rfind(_END) <= text.rfind(_START)
 
 
 def reasoning_token_count(tokenizer, output_ids: list[int], fmt: ReasoningFormat) -> int:

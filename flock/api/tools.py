@@ -47,8 +47,10 @@ _JSON_LISTS = {"mistral": ((_MISTRAL_START,), _MISTRAL_START + " "),
                "granite": (_GRANITE_STARTS, _GRANITE_STARTS[0]), "phi4_mini_json": (("functools",), "functools")}
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
 # where a call may start after content (a pythonic or granite answer is calls or content, whole)
-_STARTS = {"hermes": [_HERMES_START], "llama3_json": ["{", _LLAMA_TAG], "mistral": [_MISTRAL_START],
-           "qwen3_coder": [_HERMES_START], "phi4_mini_json": ["functools"]}
+_STARTS = {"hermes": [_HERMES_START], "mistral": [_MISTRAL_START], "qwen3_coder": [_HERMES_START],
+           "phi4_mini_json": ["functools"]}
+# what may begin a Llama 3 call: its tag, or an object whose first key is coming (code's braces are content)
+_LLAMA_CALL, _LLAMA_OPENING = re.compile(r'<\|python_tag\|>|\{\s*"'), re.compile(r"\{\s*$")
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -214,9 +216,13 @@ class ToolCalling:
             markers = (_PYTHON_START,) if self.parser == "pythonic" else _GRANITE_STARTS
             return 0 if not head or head[0] == "[" or any(m.startswith(head[: len(m)]) for m in markers) \
                 else len(text)
-        starts = _STARTS[self.parser]
-        found = [at for at in (text.find(s) for s in starts) if at >= 0]
-        end = min(found) if found else len(text) - max(held_back(text, s) for s in starts)
+        if self.parser == "llama3_json":
+            found = _LLAMA_CALL.search(text) or _LLAMA_OPENING.search(text)
+            end = found.start() if found else len(text) - held_back(text, _LLAMA_TAG)
+        else:
+            starts = _STARTS[self.parser]
+            found = [at for at in (text.find(s) for s in starts) if at >= 0]
+            end = min(found) if found else len(text) - max(held_back(text, s) for s in starts)
         return len(text[:end].rstrip())  # the content before a call ends without its whitespace
 
     def finish_reason(self, calls: list[dict], engine_reason: str | None) -> str | None:

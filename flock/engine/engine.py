@@ -209,6 +209,12 @@ class LLMEngine:
         if params.thinking_token_budget is not None and self.think_markers is None:
             raise ValueError(f"thinking_token_budget needs a model whose tokenizer has {' and '.join(THINK_TOKENS)} "
                              "tokens (its thinking's bounds); this one has none")
+        spec, budget = params.structured_outputs, params.thinking_token_budget
+        if budget is not None and spec is not None and spec.after is None and \
+                ThinkingState.of_prompt(prompt_token_ids, self.think_markers, budget).thinking:
+            raise ValueError("thinking_token_budget with structured outputs needs a reasoning parser "
+                             "(--reasoning-parser, LLM(reasoning_parser=...)): the grammar then starts after the "
+                             "thinking, which the budget ends")
         if params.lora_request is not None:
             self.load_lora(params.lora_request)
         if params.structured_outputs is not None:

@@ -82,7 +82,27 @@ def test_thinking_then_tool_calls_in_a_choice():
     assert parse_request("chat", chat, tok, None, None, "qwen3").reasoning is QWEN3
     off = chat | {"chat_template_kwargs": {"enable_thinking": False}}
     assert parse_request("chat", off, tok, None, None, "qwen3").reasoning is None  # as vLLM's qwen3 parser
+    from flock.api.protocol import reasoning_usage
+
+    assert reasoning_usage(parse_request("chat", off, tok, None, None, "qwen3"), []) == 0  # still reported
+    assert reasoning_usage(parse_request("chat", chat, tok, None, None, None), []) is None
+    assert not parse_request("chat", chat, tok, None, None, "qwen3").params.skip_special_tokens  # </think> kept
     assert parse_request("chat", off, tok, None, None, "deepseek_r1").reasoning is R1
+
+
+def test_only_the_answers_own_turn_says_whether_it_thinks():
+    """An earlier turn's closed thinking (a tool-calling turn before a tool result) says nothing of the answer's:
+    only the text after the prompt's last special token (a turn's header) counts, however long the turns are."""
+    from flock import LLM
+    from flock.api.reasoning import thinking_open
+
+    tok = LLM("flock/tiny", load_format="dummy").get_tokenizer()
+    turn = [tok.eos_token_id]  # a special token, as a turn's header is
+    earlier = tok.encode("<think>I should call.</think> call", add_special_tokens=False)
+    for result in ("12:00", "a long tool result " * 20):
+        assert thinking_open(tok, earlier + turn + tok.encode(result, add_special_tokens=False) + turn)
+    assert not thinking_open(tok, earlier + turn + tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    assert thinking_open(tok, turn + tok.encode("<think>\n", add_special_tokens=False))
 
 
 def test_reasoning_over_the_api():

@@ -60,7 +60,8 @@ def test_llama3_json_calls_as_vllm_parses_them():
     (hermes, 'Sure thing. <tool_call>{"name": "now", "arguments": {}}</tool_call>', "Sure thing."),
     (hermes, "Plain <tool answer, no call.", "Plain <tool answer, no call."),
     (llama, '  {"name": "now", "parameters": {}}', ""),
-    (llama, "  Plain {answer}.", "  Plain"),
+    (llama, "  Plain {answer}.", "  Plain {answer}."),  # no key opens it: code's braces stream
+    (llama, 'Use f() { return 1; } or {\n "name": "now", "parameters": {}}', "Use f() { return 1; } or"),
     (llama, 'Sure: <|python_tag|>{"name": "now", "parameters": {}}', "Sure:"),
 ])
 def test_a_stream_sends_content_until_a_call_may_start(make, text, streamed_before_end):

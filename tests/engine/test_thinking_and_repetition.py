@@ -113,3 +113,18 @@ def test_the_server_takes_both_fields():
         unlimited = httpx.post(f"{s.url}/v1/chat/completions", json=chat | {"thinking_token_budget": -1,
                                                                              "max_tokens": 2}, timeout=60)
         assert unlimited.status_code == 200
+
+
+def test_a_thinking_budget_with_a_grammar_from_the_start_is_refused(thinker):
+    """Without a reasoning parser a grammar applies from the first token, and it would refuse the </think> the
+    budget forces (the request ended as "abort"): refused by name; with one, the grammar waits for the thinking."""
+    from flock import StructuredOutputsParams
+
+    grammar = StructuredOutputsParams(regex="Hello")
+    with pytest.raises(ValueError, match="thinking_token_budget with structured outputs needs a reasoning parser"):
+        generate(LLM(str(thinker)), PROMPTS[:1], thinking_token_budget=1, structured_outputs=grammar)
+    assert generate(LLM(str(thinker)), PROMPTS[2:], thinking_token_budget=1, structured_outputs=grammar,
+                    ignore_eos=False)[0].text == "Hello"  # a prompt that does not think: no conflict
+    out = generate(LLM(str(thinker), reasoning_parser="deepseek_r1"), PROMPTS[:1], thinking_token_budget=1,
+                   structured_outputs=grammar, ignore_eos=False, max_tokens=8)[0]
+    assert out.token_ids[1] == END and out.finish_reason == "stop" and out.text.endswith("Hello")
