@@ -93,7 +93,8 @@ def _add_run(sub) -> None:
     cluster.add_argument("--workers", type=int, metavar="N", help="run the job on N Ray actors, one engine each, "
                                                               "sharded by prefix group")
     cluster.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start a local one)")
-    cluster.add_argument("--worker-cpus", type=float, metavar="C", help="CPUs per worker (fractions allowed; default 1)")
+    cluster.add_argument("--worker-cpus", type=float, metavar="C",
+                         help="CPUs per worker (fractions allowed; default 1)")
     cluster.add_argument("--worker-gpus", type=float, metavar="G", help="GPUs per worker (default 0)")
     cluster.add_argument("--worker-threads", type=int, metavar="T", help="torch threads per engine (default: --worker-cpus)")
     cluster.add_argument("--max-worker-restarts", type=int, metavar="R",
@@ -174,9 +175,9 @@ def _run(cfg, args) -> int:
     except ImportError as e:
         print(f"error: --workers needs Ray ({e}): pip install 'flock-llm[ray]'", file=sys.stderr)
         return 2
-    given = {name: getattr(args, flag) for name, flag in (
-        ("address", "ray_address"), ("worker_cpus", "worker_cpus"), ("worker_gpus", "worker_gpus"),
-        ("worker_threads", "worker_threads"), ("max_restarts", "max_worker_restarts")) if getattr(args, flag) is not None}
+    names = {"ray_address": "address", "worker_cpus": "worker_cpus", "worker_gpus": "worker_gpus",
+             "worker_threads": "worker_threads", "max_worker_restarts": "max_restarts"}
+    given = {name: getattr(args, flag) for flag, name in names.items() if getattr(args, flag) is not None}
     return run_cluster_job(cfg, ClusterConfig(args.workers, **given))
 
 

@@ -52,6 +52,9 @@ class Request:
         self.draft_rate = 1.0  # running chance that its next draft holds (flock.spec.updated_rate)
         self.mirostat_mu = 2 * params.mirostat_tau if params.mirostat else None  # Mirostat's running bound
         self.grammar = None  # the xgrammar matcher of a structured request, advanced by each sampled token
+        # the thinking's end token while its grammar waits for it (the grammar's text-until-</think> part would hold
+        # the stop tokens back: they stay allowed, as where no grammar applies in the thinking); None otherwise
+        self.grammar_waits: int | None = None
         self.thinking = None  # the ThinkingState of a request with a thinking_token_budget, advanced likewise
         self.detokenizer = None  # the engine's IncrementalText of its output, for stop strings and streams
         self.logprobs: list[TokenLogprobs] | None = [] if params.wants_logprobs else None  # per output token

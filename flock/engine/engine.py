@@ -255,6 +255,9 @@ class LLMEngine:
         self._next_id += 1
         if params.structured_outputs is not None:
             req.grammar = self.grammars.matcher(params.structured_outputs)
+            if params.structured_outputs.after == THINK_TOKENS[1] and self.think_markers is not None \
+                    and not params.ignore_eos:
+                req.grammar_waits = self.think_markers.end
         if params.thinking_token_budget is not None:
             req.thinking = ThinkingState.of_prompt(prompt_token_ids, self.think_markers, params.thinking_token_budget)
         if params.seed is not None:
@@ -365,9 +368,13 @@ class LLMEngine:
         token its grammar refuses (the request's other filters, allowed_token_ids or bad_words, left none that it
         allows) is not given: the request ends there, finish_reason "abort"."""
         for token, entry in zip(tokens, logprobs):
-            if req.grammar is not None and not req.grammar.is_terminated() and not req.grammar.accept_token(token):
+            stops_thinking = req.grammar_waits is not None and token in self.eos_token_ids  # no grammar to meet
+            if req.grammar is not None and not req.grammar.is_terminated() and not stops_thinking \
+                    and not req.grammar.accept_token(token):
                 req.finish_reason = "abort"
                 return True
+            if token == req.grammar_waits:
+                req.grammar_waits = None
             req.token_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(entry)

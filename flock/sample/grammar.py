@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -164,6 +165,11 @@ def drafts_in_grammar(matcher: xgrammar.GrammarMatcher, drafts: list[int], limit
     return candidates[:kept]
 
 
+def _bit(k: int) -> int:
+    """Bit k of an int32 bitmask word, as the int32 value that has it alone."""
+    return 1 << k if k < 31 else -(1 << 31)
+
+
 class GrammarMasks:
     """The token bitmasks of a step's constrained rows, filled on a side thread while the model runs."""
 
@@ -173,9 +179,10 @@ class GrammarMasks:
         self.pool: ThreadPoolExecutor | None = None
         self.batch = None
 
-    def fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int]]]) -> Future | None:
-        """Start filling one bitmask row per constrained row (in order): its matcher, and the drafts before the
-        row (a request's rows follow each other, each with one draft more); None when there is none."""
+    def fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int], Sequence[int]]]) -> Future | None:
+        """Start filling one bitmask row per constrained row (in order): its matcher, the drafts before the row (a
+        request's rows follow each other, each with one draft more) and tokens the row allows whatever its grammar
+        says; None when there is none."""
         if not rows:
             return None
         xgr = _xgrammar()
@@ -185,20 +192,26 @@ class GrammarMasks:
             self.batch = self.batch or xgr.BatchGrammarMatcher()
         return self.pool.submit(self._fill, rows, self.bitmask[: len(rows)])
 
-    def _fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int]]], bitmask: torch.Tensor) -> None:
+    def _fill(self, rows: list[tuple[xgrammar.GrammarMatcher, list[int], Sequence[int]]], bitmask: torch.Tensor
+              ) -> None:
         """Rows of requests without drafts in one batch call; a request with drafts row by row, its matcher
-        advanced by a draft between rows and rolled back after its last."""
+        advanced by a draft between rows and rolled back after its last; then each row's tokens allowed anyway."""
         last = [i + 1 == len(rows) or not rows[i + 1][1] for i in range(len(rows))]  # a request's last row
-        alone = [i for i, (_, drafts) in enumerate(rows) if not drafts and last[i]]
+        alone = [i for i, (_, drafts, _) in enumerate(rows) if not drafts and last[i]]
         if alone:
             self.batch.batch_fill_next_token_bitmask([rows[i][0] for i in alone], bitmask, alone)
-        for i, (matcher, drafts) in enumerate(rows):
+        for i, (matcher, drafts, _) in enumerate(rows):
             if drafts or not last[i]:
                 if drafts:
                     matcher.accept_token(drafts[-1])
                 matcher.fill_next_token_bitmask(bitmask, i)
                 if last[i]:
                     matcher.rollback(len(drafts))
+        with torch.inference_mode():  # the bitmask is the runner's (an inference tensor); this thread is not
+            for i, (_, _, allowed) in enumerate(rows):
+                for token in allowed:
+                    if token < self.vocab_size:
+                        bitmask[i, token // 32] |= _bit(token % 32)
 
     def apply(self, logits: torch.Tensor, rows: list[int], filled: Future) -> None:
         """Mask logits rows `rows` (in place) with the bitmask rows `filled` has made, in the same order."""

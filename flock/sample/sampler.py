@@ -40,6 +40,7 @@ class SamplingRow(TokenHistory, Protocol):
     generator: torch.Generator | None
     grammar: object | None  # an xgrammar matcher
     drafts: list[int]  # speculative tokens before this row, counted in its output (read by the grammar masks)
+    grammar_waits: int | None  # Request.grammar_waits: its grammar waits for the thinking, stop tokens stay allowed
     mirostat_mu: float | None  # a Mirostat request's running bound
     # a DraftRow's: the draft this row verifies and the draft model's distribution it was drawn from (None, or no
     # such attribute: the row is sampled as it is)
@@ -69,7 +70,9 @@ class Sampler:
 
     def start_masks(self, rows: Sequence[SamplingRow]) -> Future | None:
         """Start filling the grammar bitmasks of the constrained rows (before the model runs)."""
-        return self.masks.fill([(r.grammar, r.drafts) for r in rows if r.grammar is not None])
+        stops = sorted(self.eos_token_ids)
+        return self.masks.fill([(r.grammar, r.drafts, stops if r.grammar_waits is not None else ())
+                                for r in rows if r.grammar is not None])
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: Future | None = None) -> Sampled:
         """A token per row, with logprobs where asked: the grammar masks (`start_masks`) first, the logprobs from

@@ -43,6 +43,12 @@ class DraftRow:
         return self.request.output_token_ids + self.drafts if self.drafts else self.request.output_token_ids
 
     @property
+    def grammar_waits(self) -> int | None:
+        """Request.grammar_waits as of this row (None once a draft before it ended the thinking)."""
+        waits = self.request.grammar_waits
+        return None if waits in self.drafts else waits
+
+    @property
     def forced_token(self) -> int | None:
         thinking = self.request.thinking
         return None if thinking is None else thinking.after(self.drafts).forced

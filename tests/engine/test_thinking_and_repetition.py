@@ -128,3 +128,18 @@ def test_a_thinking_budget_with_a_grammar_from_the_start_is_refused(thinker):
     out = generate(LLM(str(thinker), reasoning_parser="deepseek_r1"), PROMPTS[:1], thinking_token_budget=1,
                    structured_outputs=grammar, ignore_eos=False, max_tokens=8)[0]
     assert out.token_ids[1] == END and out.finish_reason == "stop" and out.text.endswith("Hello")
+
+
+def test_a_model_may_stop_while_its_grammar_waits_for_the_thinking(thinker):
+    """Under a reasoning parser the grammar starts after </think>; meanwhile the stop tokens stay allowed, as vLLM
+    applies no grammar in the thinking (they were held back: such an answer ran to max_tokens)."""
+    from flock import StructuredOutputsParams
+
+    llm = LLM(str(thinker), reasoning_parser="deepseek_r1")
+    eos = llm.get_tokenizer().eos_token_id
+    grammar = StructuredOutputsParams(regex="Hello")
+    out = generate(llm, PROMPTS[:1], structured_outputs=grammar, ignore_eos=False, logit_bias={eos: 100.0})[0]
+    assert (out.token_ids, out.finish_reason) == ([eos], "stop")
+    after = generate(llm, PROMPTS[:1], structured_outputs=grammar, ignore_eos=False, logit_bias={END: 100.0},
+                     max_tokens=8)[0]  # the thinking ends at once: then the grammar holds
+    assert after.token_ids[0] == END and after.text.endswith("Hello") and after.finish_reason == "stop"
