@@ -988,5 +988,7 @@ def test_metrics(server, client):
         v["vllm:request_prefill_time_seconds_sum"] + v["vllm:request_decode_time_seconds_sum"])
     assert v["vllm:request_num_preemptions_count"] == finished and v["vllm:request_num_preemptions_sum"] == 0
     assert v["vllm:prompt_tokens_cached_total"] == v["vllm:prefix_cache_hits_total"]
-    assert v["vllm:request_prefill_kv_computed_tokens_sum"] == (
+    # finished requests' computed prompt tokens; streams their clients left count their prompt, never finish here
+    assert v["vllm:request_prefill_kv_computed_tokens_count"] == finished
+    assert 0 < v["vllm:request_prefill_kv_computed_tokens_sum"] <= (
         v["vllm:prompt_tokens_total"] - v["vllm:prompt_tokens_cached_total"])
