@@ -61,7 +61,6 @@ class Completion:
     return_tokens: bool = False
     n_probs: int = 0
     post_sampling_probs: bool = False  # probabilities after the sampler chain, not logprobs before it
-    greedy: bool = False
     response_fields: list[str] = field(default_factory=list)
     prefill_only: bool = False  # n_predict 0: the prompt evaluated, its one token dropped
 
@@ -94,7 +93,7 @@ def parse_completion(body, tokenizer) -> Completion:
         raise APIError("response_fields must be a list of field names", param="response_fields")
     requests = [(ids, s) for ids in prompts for s in params.samples()]
     return Completion(single and n == 1, requests, settings, flag(body, "stream"), flag(body, "return_tokens"),
-                      n_probs, post_sampling, params.greedy, fields, field_value(body, "n_predict", -1) == 0)
+                      n_probs, post_sampling, fields, field_value(body, "n_predict", -1) == 0)
 
 
 def _prompts(prompt, tokenizer) -> tuple[list[list[int]], bool]:
@@ -301,7 +300,7 @@ def probabilities(req: Completion, entries: list[TokenLogprobs], token_text: Tok
         value = math.exp(logprob) if req.post_sampling_probs else max(logprob, -3.4028234663852886e38)
         return {"id": token_id, "token": text, "bytes": list(token_text.pieces.token_bytes(token_id)), key: value}
 
-    if req.post_sampling_probs and req.greedy:  # the chain leaves the chosen token alone
+    if req.post_sampling_probs and req.requests[0][1].greedy:  # the chain leaves the chosen token alone
         return [item(e.token_id, 0.0) | {top: [item(e.token_id, 0.0)]} for e in entries]
     if req.post_sampling_probs:  # tokens the chain dropped are left out, as llama-server leaves them
         return [item(e.token_id, e.logprob) | {top: [item(t, lp) for t, lp in e.top if lp > -math.inf]}

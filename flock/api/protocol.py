@@ -869,6 +869,12 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def given(body: dict, name: str, default):
+    """A field of a body, `default` when absent or null (as llama-server and SGLang read theirs)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
 def flag(body: dict, name: str, default: bool = False) -> bool:
     """A bool field of a body, `default` when absent or null."""
     value = body.get(name)

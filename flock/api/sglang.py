@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from flock.api.logprobs import TokenText, finite
-from flock.api.protocol import MAX_CHOICES, APIError, flag, is_int, is_number
+from flock.api.protocol import MAX_CHOICES, APIError, flag, given, is_int, is_number
 from flock.lora import LoRARequest
 from flock.multimodal import ImageInputs
 from flock.multimodal.processor import IMAGES_REFUSED, image_prompts
@@ -92,7 +92,7 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None,
     if len(n) > 1:
         raise APIError("sampling_params.n must be the same for every prompt", param="sampling_params")
     logprob = flag(body, "return_logprob")
-    start, top = _given(body, "logprob_start_len", -1), _given(body, "top_logprobs_num", 0)
+    start, top = given(body, "logprob_start_len", -1), given(body, "top_logprobs_num", 0)
     if not isinstance(logprob, bool) or not is_int(start) or start < -1 or not is_int(top) or not 0 <= top <= 20:
         raise APIError("return_logprob must be a bool, logprob_start_len an integer >= -1 and top_logprobs_num an "
                        "integer in [0, 20]", param="return_logprob")
@@ -114,12 +114,6 @@ def parse_generate(body, tokenizer, loras: dict[str, LoRARequest] | None = None,
     return NativeRequest(single and len(requests) == 1, requests, _rids(body.get("rid"), len(prompts), len(requests)),
                          flag(body, "stream"), logprob, start, top, listed[0] is not None,
                          flag(body, "return_text_in_logprobs"), prefill)
-
-
-def _given(body: dict, name: str, default):
-    """A field's value, its default when absent or null (as SGLang's request normalizes it)."""
-    value = body.get(name)
-    return default if value is None else value
 
 
 def _check_length(num_prompt: int, max_new_tokens: int | None, max_model_len: int | None) -> None:
