@@ -30,6 +30,7 @@ from flock.api.protocol import APIError
 PURPOSES = ("batch", "batch_output")
 COMPLETION_WINDOWS = ("24h",)
 IN_FLIGHT = 256  # a batch's lines posted at once
+RETRY_WAIT = (0.05, 1.0)  # seconds between a line's tries while the server's waiting queue is full: first, most
 
 
 def not_found(kind: str, name: str, param: str) -> APIError:
@@ -39,13 +40,17 @@ def not_found(kind: str, name: str, param: str) -> APIError:
 async def post_all(app, headers: dict, in_flight: int, endpoint: str, lines: list[tuple[str, dict]],
                    on_reply: Callable[[str, httpx.Response], None]) -> None:
     """Post every (custom_id, body) to `endpoint` of the ASGI `app` in process, `in_flight` at a time; each reply
-    to `on_reply` as it comes."""
+    to `on_reply` as it comes. A line the server's full waiting queue refuses (429) waits and is posted again: a
+    batch is a queued job, its lines wait for room rather than fail."""
     gate = asyncio.Semaphore(in_flight)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://flock", headers=headers,
                                  timeout=None) as client:
         async def post(custom_id: str, body: dict) -> None:
+            wait = RETRY_WAIT[0]
             async with gate:
-                reply = await client.post(endpoint, json=body)
+                while (reply := await client.post(endpoint, json=body)).status_code == 429:
+                    await asyncio.sleep(wait)
+                    wait = min(2 * wait, RETRY_WAIT[1])
             on_reply(custom_id, reply)
 
         await asyncio.gather(*(post(custom_id, body) for custom_id, body in lines))

@@ -283,11 +283,10 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
-        if order not in ("asc", "desc") or not 1 <= limit <= 100:
-            raise APIError("order must be asc or desc, limit in [1, 100]", param="order" if order not in
-                           ("asc", "desc") else "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be asc or desc, got {order!r}", param="order")
         _stored(ctx, response_id)
-        return ctx.responses.input_items(response_id, order, limit, after)
+        return ctx.responses.input_items(response_id, order, _page_limit(limit, 100), after)
 
     @router.delete("/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -349,7 +348,7 @@ def _batch_router(batches: BatchService) -> APIRouter:
 
     @router.get("/batches")
     async def list_batches(after: str | None = None, limit: int = 20):
-        return batches.listing(after, limit)
+        return batches.listing(after, _page_limit(limit, 100))
 
     @router.get("/batches/{batch_id}")
     async def get_batch(batch_id: str):
@@ -372,7 +371,7 @@ def _message_batch_router(batches: MessageBatches) -> APIRouter:
 
     @router.get("")
     async def listing(raw: Request, after_id: str | None = None, limit: int = 20):
-        return batches.listing(str(raw.base_url), after_id, limit)
+        return batches.listing(str(raw.base_url), after_id, _page_limit(limit, 1000))
 
     @router.get("/{batch_id}")
     async def get(raw: Request, batch_id: str):
@@ -391,6 +390,13 @@ def _message_batch_router(batches: MessageBatches) -> APIRouter:
         return Response(batches.results(batch_id), media_type="application/x-jsonl")
 
     return router
+
+
+def _page_limit(limit: int, most: int) -> int:
+    """A list endpoint's page size: OpenAI's lists take 1 to 100, Anthropic's 1 to 1,000."""
+    if not 1 <= limit <= most:
+        raise APIError(f"limit must be in [1, {most}], got {limit}", param="limit")
+    return limit
 
 
 def _stored(ctx: ServerContext, response_id: str) -> dict:

@@ -393,6 +393,9 @@ async def _submit(requests: list[tuple[list[int], SamplingParams | PoolingParams
                   rejected: Callable[[ValueError], APIError]) -> list[RequestStream]:
     """One engine request each, their grammars compiled first (on a worker thread, not the event loop); if one
     cannot be added, those already added are aborted. `rejected` words the engine's ValueError."""
+    if len(requests) > ctx.engine.max_waiting:  # would be refused however long it waited
+        raise APIError(f"this request needs {len(requests)} engine requests (one per prompt and choice), more than "
+                       f"the waiting queue holds (max_waiting={ctx.engine.max_waiting})", param="n")
     specs = {id(s): s for _, p in requests if isinstance(p, SamplingParams) and (s := p.structured_outputs)}
     for spec in specs.values():
         try:

@@ -3,6 +3,7 @@ graceful shutdown."""
 
 import argparse
 import asyncio
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,31 @@ def test_full_waiting_queue_gets_429(server):
     while (h := health(server))["num_running"] or h["num_waiting"] or h["kv_blocks_used"]:
         assert time.monotonic() < deadline, h
         time.sleep(0.1)
+
+
+def test_batch_lines_wait_for_a_full_waiting_queue(server):
+    """A batch is a queued job: its 256 lines in flight meet a one-request waiting queue and wait for room, none
+    filed as a 429; a request needing more engine requests than the queue holds is refused by name, not told to
+    retry; list pages are 1 to 100 (OpenAI's) or 1,000 (Anthropic's)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": f"line {i}", "max_tokens": 3, **LONG}}) for i in range(6)]
+    upload = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 6, 0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="two", max_tokens=2, n=2, **LONG)
+    assert "max_waiting=1" in e.value.message and e.value.body["param"] == "n"
+    for path, limit in [("/v1/batches", 0), ("/v1/batches", -1), ("/v1/batches", 101),
+                        ("/v1/messages/batches", 1001), ("/v1/messages/batches", 0)]:
+        r = httpx.get(f"{server.url}{path}", params={"limit": limit}, timeout=10)
+        assert r.status_code == 400 and "limit" in r.text, (path, limit, r.text)
+    assert httpx.get(f"{server.url}/v1/messages/batches", params={"limit": 1000}, timeout=10).status_code == 200
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(server):
