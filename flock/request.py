@@ -29,8 +29,9 @@ class Request:
     KV manager."""
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, arrival: float = 0.0,
-                 prefix_only: bool = False):
+                 prefix_only: bool = False, adapter_id: int = 0):
         self.request_id = request_id
+        self.adapter_id = adapter_id  # its LoRA adapter's id in the engine (0: none); one per load of a folder
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
@@ -97,10 +98,9 @@ class Request:
 
     @property
     def cache_namespace(self) -> tuple[str | None, str | None]:
-        """Its cache salt and LoRA adapter (its name and folder: a name unloaded and loaded again from another folder
-        is another adapter): requests share prefix-cache blocks only within one namespace."""
-        lora = self.params.lora_request
-        return self.params.cache_salt, None if lora is None else f"{lora.lora_name}\0{lora.lora_path}"
+        """Its cache salt and LoRA adapter (the engine's id of its load: an adapter loaded again, whatever its
+        folder, is another): requests share prefix-cache blocks only within one namespace."""
+        return self.params.cache_salt, str(self.adapter_id) if self.adapter_id else None
 
     def chunk(self, start: int, n: int) -> int:
         """The tokens a step computes from `start` when n fit: n, or, where its images attend both ways (Gemma

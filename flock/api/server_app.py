@@ -237,13 +237,22 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
     if runtime_lora_updates():  # vLLM's, behind the same switch
         @router.post("/load_lora_adapter")
         async def load_lora_adapter(raw: Request):
-            name, path = _strings(await json_body(raw), "lora_name", "lora_path")
-            lora = LoRARequest(name, len(ctx.loras) + 1, path)
-            if lora.lora_name in ctx.loras or lora.lora_name in ctx.model_names:
-                raise APIError(f"the LoRA adapter {lora.lora_name!r} has already been loaded", param="lora_name")
-            await _engine_call(ctx, lambda engine: engine.load_lora(lora))
-            ctx.loras[lora.lora_name] = lora
-            return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+            body = await json_body(raw)
+            name, path = _strings(body, "lora_name", "lora_path")
+            inplace = body.get("load_inplace", False)
+            if not isinstance(inplace, bool):
+                raise APIError(f"load_inplace must be a boolean, got {inplace!r}", param="load_inplace")
+            if name in ctx.model_names:
+                raise APIError(f"the LoRA adapter {name!r} conflicts with a served base model", param="lora_name")
+            if name in ctx.loras and not inplace:
+                raise APIError(f"the LoRA adapter {name!r} has already been loaded; to load it again in place, set "
+                               "load_inplace to true", param="lora_name")
+            known = ctx.loras.get(name)
+            lora = LoRARequest(name, known.lora_int_id if known else 1 + max(
+                (a.lora_int_id for a in ctx.loras.values()), default=0), path)
+            await _engine_call(ctx, lambda engine: engine.load_lora(lora, inplace))
+            ctx.loras[name] = lora
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
         @router.post("/unload_lora_adapter")
         async def unload_lora_adapter(raw: Request):
@@ -251,10 +260,12 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
             if name not in ctx.loras:
                 raise APIError(f"the LoRA adapter {name!r} cannot be found", param="lora_name", status=404,
                                code="model_not_found")
-            if not await _engine_call(ctx, lambda engine: engine.unload_lora(name)):
-                raise APIError(f"the LoRA adapter {name!r} was not unloaded: requests are running or waiting; "
-                               "retry when they are done", param="lora_name", status=409)
-            del ctx.loras[name]
+            lora = ctx.loras.pop(name)  # new requests no longer find it; those admitted finish with it
+            try:
+                await _engine_call(ctx, lambda engine: engine.unload_lora(name))
+            except APIError:
+                ctx.loras[name] = lora
+                raise
             return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @router.post("/completions")

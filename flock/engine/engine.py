@@ -216,7 +216,7 @@ class LLMEngine:
                              "(--reasoning-parser, LLM(reasoning_parser=...)): the grammar then starts after the "
                              "thinking, which the budget ends")
         if params.lora_request is not None:
-            self.load_lora(params.lora_request)
+            self._lora(params.lora_request).check(params.lora_request)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         if params.multi_modal is not None:
@@ -249,7 +249,8 @@ class LLMEngine:
             params.tokenize_bad_words(self.tokenizer)
         if params.dry:
             params.dry_breakers = breaker_tokens(self.tokenizer, tuple(params.dry_sequence_breakers))
-        req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic())
+        adapter_id = 0 if params.lora_request is None else self.runner.lora.admit(params.lora_request, self._next_id)
+        req = Request(self._next_id, prompt_token_ids, params, arrival=time.monotonic(), adapter_id=adapter_id)
         req.pooling = pooling
         req.whole_prompt = self.model_config.encoder
         self._next_id += 1
@@ -266,24 +267,30 @@ class LLMEngine:
         self.stats.add_request(req)
         return req
 
-    def load_lora(self, request: LoRARequest) -> None:
-        """Load a LoRA adapter (once per name; ValueError naming what is wrong with it)."""
+    def load_lora(self, request: LoRARequest, inplace: bool = False) -> None:
+        """Load a LoRA adapter (once per name and folder; `inplace`: read again, the requests admitted before
+        keeping what they ran with); ValueError naming what is wrong with it."""
+        self._lora(request).load(request, inplace or request.load_inplace)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload a LoRA adapter (ValueError if none has that name): its requests already admitted finish with it,
+        its cached prefixes age out of the cache (a later load of the name is another adapter)."""
+        if self.runner.lora is None:
+            raise ValueError(f"no LoRA adapter is loaded as {name!r}")
+        self.runner.lora.unload(name)
+        self.lora_requests.pop(name, None)
+
+    def _lora(self, request: LoRARequest):
         if self.runner.lora is None:
             raise ValueError(f"lora_request {request.lora_name!r}: this engine serves no LoRA adapters (start it with "
                              "enable_lora=True, --enable-lora or --lora-modules)")
-        self.runner.lora.add(request)
+        return self.runner.lora
 
-    def unload_lora(self, name: str) -> bool:
-        """Forget a LoRA adapter and the prefixes cached in memory (an adapter loaded again from its folder may
-        have other weights), ValueError if none has that name; unless requests are running or waiting: then nothing
-        changes and it returns False, as `reset_prefix_cache` does."""
-        if self.runner.lora is None or name not in self.runner.lora.loaded:
-            raise ValueError(f"no LoRA adapter is loaded as {name!r}")
-        if not self.reset_prefix_cache():
-            return False
-        self.runner.lora.remove(name)
-        self.lora_requests.pop(name, None)
-        return True
+    def _done(self, reqs: list[Request]) -> None:
+        """Finished requests let go of their LoRA adapters."""
+        for req in reqs:
+            if req.adapter_id:
+                self.runner.lora.finished(req.adapter_id, req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -301,6 +308,7 @@ class LLMEngine:
     def abort(self, req: Request) -> None:
         if not req.is_finished:
             self.scheduler.abort(req)
+            self._done([req])
 
     def step(self) -> list[Request]:
         """Run one step; return the requests that finished in it."""
@@ -321,7 +329,9 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.stats.add_step(plan, t1 - t0, t2 - t1, self.kv.pool.num_used)
         self.scheduler.observe(plan, t2 - t1)
-        return self._postprocess(plan, out)
+        finished = self._postprocess(plan, out)
+        self._done(finished)
+        return finished
 
     def _postprocess(self, plan: StepPlan, out: StepOutput) -> list[Request]:
         """Apply a step's results, the one place that does: each request's computed tokens advance, the sampled

@@ -147,7 +147,7 @@ class ModelRunner:
         rows = sorted(set(sample_rows).union((row for _, row in pooled), *(r for *_, r in prompt_rows)))
         out_rows = None if len(rows) == len(input_ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.lora is not None:
-            self.lora.set_step([self.lora.id_of(req.params.lora_request) for req, _ in plan.scheduled],
+            self.lora.set_step([req.adapter_id for req, _ in plan.scheduled],
                                np.fromiter((n for _, n in plan.scheduled), np.int64), None if out_rows is None else rows)
         hidden = self.model(input_ids, positions, meta, out_rows, image_rows)
         at = {row: i for i, row in enumerate(rows)}

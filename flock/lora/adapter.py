@@ -3,8 +3,8 @@ llama.cpp's convert_lora_to_gguf.py writes them (one GGUF file: `<tensor>.lora_a
 
 Each target projection's update is B A scaled by lora_alpha / r (PEFT's `use_rslora`: / sqrt(r); its
 `rank_pattern` and `alpha_pattern` per module); the scale is folded into B. Adapters of the attention and dense
-MLP projections load; those that change other weights (embeddings, the LM head, `modules_to_save`, experts),
-DoRA and LoRA biases are refused by name, as vLLM refuses them.
+MLP projections load; those that change other weights (embeddings, the LM head, `modules_to_save`, experts,
+PiSSA-style inits), DoRA, aLoRA and LoRA biases are refused by name, as vLLM refuses them.
 """
 
 import json
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 PEFT_PREFIX = "base_model.model."
+PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")  # inits that leave a plain LoRA adapter, as vLLM
 
 
 @dataclass
@@ -110,9 +111,15 @@ def _config(folder: Path) -> dict:
     if peft_type != "LORA":
         raise ValueError(f"{folder}: peft_type {peft_type!r} is not supported, only LORA")
     for key, off in (("use_dora", False), ("bias", "none"), ("modules_to_save", None), ("lora_bias", False),
-                     ("fan_in_fan_out", False)):
+                     ("fan_in_fan_out", False), ("alora_invocation_tokens", None), ("layer_replication", None),
+                     ("use_bdlora", None), ("use_qalora", False)):
         if config.get(key) not in (off, None, []):
             raise ValueError(f"{folder}: {key}={config[key]!r} is not supported")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in PLAIN_INITS:
+        raise ValueError(f"{folder}: init_lora_weights={init!r} is not supported: PiSSA, OLoRA, CorDA and LoftQ "
+                         "adapters change the base model's weights when PEFT loads them (convert it to a plain LoRA "
+                         "adapter with PEFT's path_initial_model_for_weight_conversion)")
     return config
 
 
@@ -128,7 +135,7 @@ def _scale(config: dict, module: str, rank: int) -> float:
     """PEFT's scaling of a module's update: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     alpha = config.get("lora_alpha", 8)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+        if re.fullmatch(rf"(.*\.)?({pattern})", module):  # PEFT's rule: the key (a regex) ends the name
             alpha = value
             break
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)

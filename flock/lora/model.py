@@ -1,6 +1,8 @@
-"""The adapters an engine serves: each loaded once by name and given an id (1, 2, ...; 0 is the base model),
-its updates placed on the model's projections; each step tells them which rows run which adapter."""
+"""The adapters an engine serves: each loaded once per name and folder and given an id (1, 2, ...; 0 is the base
+model), its updates placed on the model's projections; each step tells them which rows run which adapter. An
+adapter unloaded (or loaded again in place) keeps its weights until the requests admitted with it finish."""
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,23 +37,96 @@ class LoRAModel:
         # bf16 updates on Flock's GEMM where it runs (whatever the base weights' path: packed, oneDNN, quantized)
         packed = gemm.unavailable(dtype, device) is None
         self.targets = _targets(model, self.step, packed)
-        self.loaded: dict[str, tuple[LoRARequest, int]] = {}  # name -> (its request, its id)
+        self.loaded: dict[tuple[str, str], int] = {}  # (name, folder) -> id of the adapters kept loaded
+        # unloaded or replaced: requests still carrying one (admitted late) run on a copy read for them, which goes
+        # with their last
+        self.retired: set[tuple[str, str]] = set()
+        self.copies: dict[tuple[str, str], int] = {}  # a retired key -> its copy's id
+        self.users: dict[int, set[int]] = {}  # adapter id -> the engine ids of its unfinished requests
+        self.released: set[int] = set()  # ids out of `loaded`, forgotten when their last request finishes
         self._next_id = 1
 
-    def add(self, request: LoRARequest) -> int:
-        """The id of the request's adapter, loaded from its folder (or GGUF file) the first time its name is seen."""
+    @staticmethod
+    def key(request: LoRARequest) -> tuple[str, str]:
+        return request.lora_name, request.lora_path
+
+    def check(self, request: LoRARequest) -> None:
+        """ValueError naming what is wrong with the request's adapter, loaded now (and kept) if it is new."""
         request.validate()
-        if request.lora_name in self.loaded:
-            known, adapter_id = self.loaded[request.lora_name]
-            if known.lora_path != request.lora_path:
-                raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {known.lora_path}, not "
-                                 f"{request.lora_path}")
-            return adapter_id
-        if Path(request.lora_path).is_file():  # llama.cpp's: one GGUF file
-            adapter = load_gguf_adapter(request.lora_name, request.lora_path, self.model_type, self.heads,
-                                        sorted(self.targets))
+        if self.key(request) not in self.loaded and self.key(request) not in self.retired:
+            self.load(request)
+
+    def load(self, request: LoRARequest, inplace: bool = False) -> int:
+        """Load the request's adapter from its folder (or GGUF file), once; `inplace`: read it again, its name's
+        earlier loads retired."""
+        request.validate()
+        key = self.key(request)
+        if key in self.loaded and not inplace:
+            return self.loaded[key]
+        adapter_id = self._read(request)
+        for known in [k for k in self.loaded if inplace and k[0] == request.lora_name]:
+            self._retire(known)
+        self.loaded[key] = adapter_id
+        self.retired.discard(key)
+        self.copies.pop(key, None)  # (a copy in use stays until its requests finish)
+        return adapter_id
+
+    def unload(self, name: str) -> None:
+        """Retire every load of `name` (ValueError if none)."""
+        keys = [k for k in self.loaded if k[0] == name]
+        if not keys:
+            raise ValueError(f"no LoRA adapter is loaded as {name!r}")
+        for key in keys:
+            self._retire(key)
+
+    def admit(self, request: LoRARequest | None, request_id: int) -> int:
+        """The adapter id a new engine request runs with (0: none), counted as in use until `finished`."""
+        if request is None:
+            return 0
+        key = self.key(request)
+        if key in self.loaded:
+            adapter_id = self.loaded[key]
+        elif key in self.retired:
+            if key not in self.copies:
+                self.copies[key] = self._read(request)
+                self.released.add(self.copies[key])
+            adapter_id = self.copies[key]
         else:
-            adapter = load_adapter(request.lora_name, request.lora_path)
+            adapter_id = self.load(request)
+        self.users.setdefault(adapter_id, set()).add(request_id)
+        return adapter_id
+
+    def finished(self, adapter_id: int, request_id: int) -> None:
+        users = self.users.get(adapter_id)
+        if users is None:
+            return
+        users.discard(request_id)
+        if not users:
+            del self.users[adapter_id]
+            if adapter_id in self.released:
+                self._forget(adapter_id)
+
+    def _retire(self, key: tuple[str, str]) -> None:
+        adapter_id = self.loaded.pop(key)
+        self.retired.add(key)
+        if adapter_id in self.users:
+            self.released.add(adapter_id)
+        else:
+            self._forget(adapter_id)
+
+    def _forget(self, adapter_id: int) -> None:
+        self.released.discard(adapter_id)
+        self.copies = {k: i for k, i in self.copies.items() if i != adapter_id}
+        for target in self.targets.values():
+            target.lora.forget(adapter_id)
+
+    def _read(self, request: LoRARequest) -> int:
+        """Read an adapter and place its updates under a new id."""
+        path = os.path.expanduser(request.lora_path)
+        if Path(path).is_file():  # llama.cpp's: one GGUF file
+            adapter = load_gguf_adapter(request.lora_name, path, self.model_type, self.heads, sorted(self.targets))
+        else:
+            adapter = load_adapter(request.lora_name, path)
         if self.max_lora_rank is not None and adapter.rank > self.max_lora_rank:
             raise ValueError(f"LoRA adapter {request.lora_name!r} has rank {adapter.rank}, more than max_lora_rank="
                              f"{self.max_lora_rank}")
@@ -59,17 +134,7 @@ class LoRAModel:
         adapter_id, self._next_id = self._next_id, self._next_id + 1
         for lora, update in updates:
             lora.updates[adapter_id] = update
-        self.loaded[request.lora_name] = (request, adapter_id)
         return adapter_id
-
-    def remove(self, name: str) -> None:
-        """Forget an adapter (its requests must have finished)."""
-        _, adapter_id = self.loaded.pop(name)
-        for target in self.targets.values():
-            target.lora.forget(adapter_id)
-
-    def id_of(self, request: LoRARequest | None) -> int:
-        return 0 if request is None else self.loaded[request.lora_name][1]
 
     def set_step(self, adapter_ids: list[int], counts: np.ndarray, out_rows: list[int] | None) -> None:
         """The step's requests' adapter ids and token counts, and the rows its last layer finishes."""

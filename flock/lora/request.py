@@ -4,12 +4,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's: run a request with the LoRA adapter saved by PEFT in the folder `lora_path`, known by `lora_name`
-    (the API's model name for it). An engine loads a name's folder once; the int id is vLLM's and not used."""
+    """vLLM's: run a request with the LoRA adapter saved by PEFT in the folder `lora_path` (or a llama.cpp GGUF
+    file), known by `lora_name` (the API's model name for it). An engine loads a name's folder once; the int id is
+    vLLM's and not used. `load_inplace`: `LLMEngine.load_lora` reads it again (requests use what is loaded);
+    `base_model_name` and `is_3d_lora_weight` (MoE experts' layout; Flock runs no expert adapters) are vLLM's,
+    kept for its scripts."""
 
     lora_name: str
     lora_int_id: int = 1
     lora_path: str = ""
+    base_model_name: str | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:

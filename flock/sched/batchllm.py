@@ -216,7 +216,7 @@ class BatchLLMScheduler(Scheduler):
         p = Request(self._pseudo_ids, first.prompt_token_ids[: g.prefix_len],
                     SamplingParams(max_tokens=1, cache_salt=first.params.cache_salt,
                                    lora_request=first.params.lora_request, multi_modal=first.params.multi_modal),
-                    prefix_only=True)
+                    prefix_only=True, adapter_id=first.adapter_id)
         p.status = RequestStatus.RUNNING
         return p
 

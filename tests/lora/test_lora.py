@@ -2,6 +2,7 @@
 scheduler; prefix-cache blocks are shared only within an adapter; bad adapters are refused by name."""
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -101,7 +102,7 @@ def test_bad_lora_modules_are_refused(spec, match):
         LLM("flock/tiny", lora_modules=spec)
 
 
-def test_bad_adapters_are_refused_by_name(hf_folders, adapters, tmp_path):
+def test_bad_adapters_are_refused_by_name(hf_folders, adapters, tmp_path, monkeypatch):
     base = hf_folders["llama"]
     a, _, _, _ = adapters("llama")
     prompt = {"prompt_token_ids": [1, 2, 3]}
@@ -124,10 +125,31 @@ def test_bad_adapters_are_refused_by_name(hf_folders, adapters, tmp_path):
             llm.generate([prompt, prompt], GREEDY, use_tqdm=False, lora_request=[None, request])
         assert "request 1" in str(e.value), i
     ok = make_adapter(base, tmp_path / "small", 0, ["q_proj"], r=2)
+    for key, value, match in [("init_lora_weights", "pissa", "PiSSA"), ("alora_invocation_tokens", [5, 6], "alora"),
+                              ("layer_replication", [[0, 2]], "layer_replication")]:
+        changed = shutil.copytree(ok, tmp_path / key)
+        config = json.loads((changed / "adapter_config.json").read_text())
+        (changed / "adapter_config.json").write_text(json.dumps(config | {key: value}))
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest(key, 1, str(changed)))
     llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("small", 1, str(ok)))
-    with pytest.raises(ValueError, match="is loaded from"):
-        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("small", 1, str(a)))
+    monkeypatch.setenv("HOME", str(ok.parent))  # a path from the home folder, as vLLM expands it
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("home", 1, f"~/{ok.name}"))
     assert_no_leak(llm)
+
+
+def test_alpha_patterns_are_regexes_matched_as_peft_matches_them():
+    """PEFT's rule: a key (a regex) matches the end of a module's name after a dot; an alternation is one key."""
+    from peft.utils.other import get_pattern_key
+
+    from flock.lora.adapter import _scale
+
+    patterns = {"q_proj|v_proj": 64, "layers.1.k_proj": 32}
+    config = {"lora_alpha": 16, "alpha_pattern": patterns}
+    for module in ("model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.q_proj",
+                   "model.layers.1.self_attn.k_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"):
+        alpha = patterns.get(get_pattern_key(list(patterns), module), 16)
+        assert _scale(config, module, 8) == alpha / 8, module
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", "none"), ("bfloat16", "q8_0"), ("float32", "q8_0")])
@@ -175,33 +197,52 @@ def test_the_c_update_equals_float_products_rounded_as_bf16(path, masked):
     assert not torch.equal(got, y)
 
 
-def test_an_adapter_unloads_only_when_the_engine_is_idle(hf_folders, adapters):
+def held(lora) -> set[int]:
+    """The adapter ids whose weights the model holds."""
+    return {i for target in lora.targets.values() for i in target.lora.updates}
+
+
+def test_an_adapter_unloaded_while_its_requests_run_finishes_them_then_lets_go(hf_folders, adapters):
+    """As vLLM's unload: it succeeds while requests run; those admitted keep its weights to their end, then the
+    weights go; a request admitted later still carrying it runs on a copy read for it alone."""
     a, _, prompts, expected = adapters("llama")
     llm = LLM(str(hf_folders["llama"]), dtype="float64", enable_lora=True)
     engine, lora = llm.engine, LoRARequest("a", 1, str(a))
-    req = engine.add_request(prompts[0], replace(GREEDY, lora_request=lora))
-    assert engine.unload_lora("a") is False  # its request is waiting
-    while engine.has_unfinished():
-        engine.step()
-    assert req.output_token_ids == expected["a"][0]
-    assert engine.unload_lora("a") is True and "a" not in engine.runner.lora.loaded
+    running = engine.add_request(prompts[0], replace(GREEDY, lora_request=lora))
+    engine.step()
+    engine.unload_lora("a")
     with pytest.raises(ValueError, match="no LoRA adapter"):
         engine.unload_lora("a")
-    outs = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False, lora_request=lora)  # loads again
-    assert outs[0].outputs[0].token_ids == expected["a"][0]
+    late = engine.add_request(prompts[1], replace(GREEDY, lora_request=lora))
+    assert late.adapter_id != running.adapter_id and held(engine.runner.lora) == {running.adapter_id, late.adapter_id}
+    while engine.has_unfinished():
+        engine.step()
+    assert [running.output_token_ids, late.output_token_ids] == expected["a"][:2]
+    assert held(engine.runner.lora) == set() and not engine.runner.lora.loaded and not engine.runner.lora.users
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY, use_tqdm=False, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outs] == expected["a"][:2]  # one copy for both, gone with them
+    assert held(engine.runner.lora) == set() and not engine.runner.lora.copies
+    engine.load_lora(lora)
+    assert len(engine.runner.lora.loaded) == len(held(engine.runner.lora)) == 1
 
 
-def test_a_name_loaded_again_from_another_folder_reads_none_of_the_old_adapters_kv(hf_folders, adapters):
-    """The prefix cache keys an adapter by name and folder, and an unload forgets the cached prefixes: the name's
-    new adapter computes its prompt (the old one's blocks gave a's answer under b's weights)."""
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_name_loaded_again_reads_none_of_its_old_weights_kv(hf_folders, adapters, inplace):
+    """The prefix cache keys an adapter by its load: the name's new weights (another folder, or its folder
+    rewritten and read in place) compute the prompt again; the old blocks gave a's answer under b's weights."""
     a, b, prompts, expected = adapters("llama")
     llm = LLM(str(hf_folders["llama"]), dtype="float64", enable_lora=True, block_size=4)
     prompt = {"prompt_token_ids": prompts[0]}
     first = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(a)))[0]
     assert first.outputs[0].token_ids == expected["a"][0]
-    assert llm.engine.unload_lora("x")
+    if inplace:
+        llm.engine.load_lora(LoRARequest("x", 1, str(b)), inplace=True)
+        assert list(llm.engine.runner.lora.loaded) == [("x", str(b))]
+    else:
+        llm.engine.unload_lora("x")
     again = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(b)))[0]
     assert again.outputs[0].token_ids == expected["b"][0] and again.num_cached_tokens == 0
+    assert len(held(llm.engine.runner.lora)) == 1
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

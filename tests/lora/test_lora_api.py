@@ -88,8 +88,10 @@ def test_batch_lines_pick_their_adapter_by_model(setup, tmp_path):
     assert "c2" in errors and "LoRA adapter" in errors
 
 
-def test_adapters_load_and_unload_while_serving(setup, monkeypatch):
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+def test_adapters_load_and_unload_while_serving(setup, monkeypatch, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind VLLM_ALLOW_RUNTIME_LORA_UPDATING: a name
+    loaded again only with load_inplace (then its new weights answer), an unload while requests run (the adapter's
+    own one finishes with it), the name free again afterwards."""
     base, adapter, expected = setup
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     engine = AsyncEngine(EngineConfig.from_kwargs(str(base), dtype="float32", enable_lora=True)).start()
@@ -104,14 +106,28 @@ def test_adapters_load_and_unload_while_serving(setup, monkeypatch):
             bad = await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/folder"})
             answer = await http.post("/v1/completions", json=body)
             models = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+            inplace = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(other),
+                                                                     "load_inplace": True})
+            other_answer = await http.post("/v1/completions", json=body)
+            busy = [asyncio.create_task(http.post("/v1/completions", json=body | {"max_tokens": 200, "model": m}))
+                    for m in ("sql", "base")]
+            while not engine.state.num_running:
+                await asyncio.sleep(0.01)
             unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
             after = await http.post("/v1/completions", json=body)
-            return before, loaded, again, bad, answer, models, unloaded, after
+            finished = [(await t).json()["usage"]["completion_tokens"] for t in busy]
+            reloaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)})
+            return before, loaded, again, bad, answer, models, inplace, other_answer, unloaded, after, finished, \
+                reloaded
 
+    other = make_adapter(base, tmp_path / "other", 9, ALL_LLAMA)
     try:
-        before, loaded, again, bad, answer, models, unloaded, after = asyncio.run(go())
+        before, loaded, again, bad, answer, models, inplace, other_answer, unloaded, after, finished, reloaded = \
+            asyncio.run(go())
     finally:
         engine.shutdown()
+    assert inplace.status_code == 200 and other_answer.json()["choices"][0]["text"] not in expected.values()
+    assert finished == [200, 200] and reloaded.status_code == 200
     assert before.status_code == 404 and after.status_code == 404
     assert loaded.status_code == 200 and unloaded.status_code == 200
     assert again.status_code == 400 and bad.status_code == 400 and "adapter_config.json" in bad.text
