@@ -11,7 +11,7 @@ import tempfile
 from flock.api.batch_urls import download, is_url, local_path, upload
 from flock.api.server import add_serve_parser, serve_main
 from flock.api.tools import add_parser_arguments, tool_parser
-from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
+from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options, vllm_argv
 from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--json", action="store_true", help="print one JSON object")
     analyze.add_argument("--plot", metavar="PATH", help="draw group sizes and prefix lengths (needs matplotlib)")
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("run", "serve"):
+        try:
+            argv = vllm_argv(argv, sub.choices[argv[0]])
+        except ValueError as e:
+            sub.choices[argv[0]].error(str(e))
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_batch(args)
@@ -64,7 +70,7 @@ def _add_run(sub) -> None:
                                               "'prompt', 'prompt_token_ids' or 'messages' and any sampling fields")
     run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it (a path or an http(s) "
                                                 "URL to GET)")
-    run.add_argument("-o", "--output", required=True,
+    run.add_argument("-o", "--output", "--output-file", required=True,
                      help="OpenAI Batch output JSONL, appended as requests finish (an http(s) URL: PUT there at the "
                           "end, the failed lines after)")
     run.add_argument("--errors", metavar="PATH", help="error records (default: <output stem>.errors.jsonl)")

@@ -97,6 +97,45 @@ def test_vllm_command_lines(tmp_path, batch, capsys):
         apply_serve_vllm_arguments(parser.parse_args(["serve", "-tp", "2"]))
 
 
+def test_vllm_parser_spellings_and_serve_traps(tmp_path):
+    """vLLM's FlexibleArgumentParser: --config YAML (the command line wins), underscores, --no-X, dotted JSON
+    fields, --dtype float, upper-case levels and AUTO; `--served-model-name NAME MODEL` refused as vLLM refuses
+    it, as are a model given twice, a bad port, a missing TLS file; CORS closed by default."""
+    import argparse
+
+    from flock.api.server import add_serve_parser, apply_serve_vllm_arguments
+    from flock.api.vllm_args import vllm_argv
+    from flock.engine.args import engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    config = tmp_path / "c.yaml"
+    config.write_text("max_model_len: 2k\nseed: 7\nenable-lora: true\nenforce_eager: false\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 2}\n")
+
+    def parsed(*argv):
+        args = parser.parse_args(vllm_argv(["serve", *argv], sub.choices["serve"]))
+        apply_serve_vllm_arguments(args)
+        return args
+
+    args = parsed("flock/tiny", "--config", str(config), "--seed", "9", "--no-enable-lora", "--dtype", "float",
+                  "--log-level", "DEBUG", "--speculative_config.prompt_lookup_max", "3")
+    kw = engine_kwargs(args)
+    assert (kw["model"], kw["max_model_len"], kw["seed"], kw["enable_lora"], kw["dtype"], args.log_level) == \
+        ("flock/tiny", 2000, 9, False, "float", "debug")
+    assert kw["speculative_config"] == {"prompt_lookup_max": 3}  # the command line's JSON, not the file's
+    assert parsed("--max-model-len", "AUTO").max_model_len is None and parsed().allowed_origins == []
+    for argv, match in [(["--served-model-name", "foo", "flock/tiny"], "served-model-name took 'flock/tiny'"),
+                        (["flock/tiny", "--model", "flock/bench-tiny"], "given twice"),
+                        (["--port", "99999"], "not a port"), (["--ssl-keyfile", str(tmp_path / "no.key")], "no such")]:
+        with pytest.raises(ValueError, match=match):
+            parsed(*argv)
+    assert parsed("flock/tiny", "--served-model-name", "a", "b").served_model_name == ["a", "b"]
+    with pytest.raises(SystemExit):
+        parsed("--runner", "bogus")
+
+
 def test_failed_lines_fail_the_exit_status_only_with_strict(tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"prompt": "hi", "max_tokens": 2}) + "\n{bad json\n")

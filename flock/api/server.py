@@ -14,11 +14,12 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from flock.api.reasoning import THINKING_END
 from flock.api.tools import add_parser_arguments, tool_parser
 from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
-from flock.engine.args import add_engine_args, engine_kwargs
+from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 from flock.lora import lora_requests
 
 log = logging.getLogger("flock")
@@ -61,7 +62,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then they end with "
                         "finish_reason abort and what they generated")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     add_serve_vllm_arguments(p)
 
 
@@ -71,9 +72,10 @@ def add_serve_vllm_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("model_tag", nargs="?", help="the model, as `vllm serve MODEL` names it (else --model)")
     v.add_argument("--disable-log-requests", action="store_true",
                    help="accepted: Flock logs requests only with --access-log")
-    v.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "critical", "trace"], help="as --log-level")
-    v.add_argument("--allowed-origins", type=json.loads, default=["*"],
-                   help="CORS: the origins browsers may call the API from, a JSON list (as vLLM: any)")
+    v.add_argument("--uvicorn-log-level", type=str.lower, choices=[*LOG_LEVELS, "critical", "trace"],
+                   help="as --log-level")
+    v.add_argument("--allowed-origins", type=json.loads, default=[],
+                   help="CORS: the origins browsers may call the API from, a JSON list (default none, as vLLM)")
     v.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: the methods, a JSON list")
     v.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: the headers, a JSON list")
     v.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
@@ -96,7 +98,18 @@ def apply_serve_vllm_arguments(args: argparse.Namespace) -> None:
     """vLLM's flags as Flock's (flock.api.vllm_args); ValueError for what Flock cannot run."""
     apply_vllm_arguments(args)
     if args.model_tag is not None:
+        if args.model not in (DEFAULT_MODEL, args.model_tag):
+            raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
+    elif args.model == DEFAULT_MODEL and len(args.served_model_name or []) > 1 and \
+            _names_a_model(args.served_model_name[-1]):
+        raise ValueError(f"--served-model-name took {args.served_model_name[-1]!r}, a model: give the model first "
+                         f"(flock serve MODEL --served-model-name NAME) or as --model")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: not a port (0-65535)")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, flag) and not Path(getattr(args, flag)).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
     args.log_level = args.uvicorn_log_level or args.log_level
     args.access_log = args.access_log or args.enable_log_requests
 
@@ -145,7 +158,7 @@ def serve_main(args: argparse.Namespace) -> int:
                         "the tag is all reasoning (vLLM refuses to start)", args.reasoning_parser, THINKING_END)
         server = DrainingServer(uvicorn.Config(
             http_app(ctx, args), host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-            root_path=args.root_path, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             timeout_graceful_shutdown=args.shutdown_timeout + ANSWER_AFTER_ABORT_S), engine, args.shutdown_timeout)
         server.run()  # after a graceful shutdown uvicorn re-raises SIGTERM / SIGINT
@@ -167,3 +180,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="flock serve", description=__doc__.split("\n\n")[0])
     add_serve_arguments(parser)
     sys.exit(serve_main(parser.parse_args()))
+
+
+def _names_a_model(name: str) -> bool:
+    """A built-in's name, a GGUF file or a folder here: a model, not a name for one."""
+    return name.startswith("flock/") or name.endswith(".gguf") or Path(name).expanduser().exists()

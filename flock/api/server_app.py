@@ -54,9 +54,10 @@ COUNTED_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/r
 
 
 def http_app(ctx: ServerContext, args) -> FastAPI:
-    """The server's app with the HTTP layers `flock serve`'s flags ask for: CORS (as vLLM's, any origin by
-    default) and X-Request-Id headers."""
+    """The server's app with the HTTP layers `flock serve`'s flags ask for: CORS (as vLLM's, no origin by
+    default), X-Request-Id headers, and vLLM's root path (a proxy's prefix: paths with and without it are served)."""
     app = build_app(ctx)
+    app.root_path = args.root_path
     if args.enable_request_id_headers:
         app.add_middleware(RequestIdHeader)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -4,6 +4,7 @@ here, refused by name where Flock cannot run what they ask."""
 
 import argparse
 import json
+from pathlib import Path
 
 from flock.api.reasoning import read_structured_outputs_config
 from flock.chat_content import CONTENT_FORMATS
@@ -18,9 +19,11 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     v.add_argument("--no-enable-prefix-caching", action="store_true", help="as --no-prefix-caching")
     v.add_argument("--trust-remote-code", action="store_true", help="accepted: Flock runs its own model code only")
     v.add_argument("--disable-log-stats", action="store_true", help="accepted: Flock logs no engine stats")
-    v.add_argument("--runner", "--convert", "--task", help="accepted: the model's architecture decides what it serves "
-                   "(generation and embeddings; a *ForSequenceClassification, or --hf-overrides classifier_from_token: "
-                   "classification, score, rerank)")
+    what = ("accepted: the model's architecture decides what it serves (generation and embeddings; a "
+            "*ForSequenceClassification, or --hf-overrides classifier_from_token: classification, score, rerank)")
+    v.add_argument("--runner", choices=["auto", "draft", "generate", "pooling"], help=what)
+    v.add_argument("--convert", choices=["auto", "classify", "embed", "none"], help=what)
+    v.add_argument("--task", help=what)
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 (one engine per process)")
     v.add_argument("--enforce-eager", "--enable-chunked-prefill", action="store_true",
                    help="accepted: Flock runs eagerly, and chunks long prefills always")
@@ -86,3 +89,78 @@ def _apply_structured_outputs_config(args: argparse.Namespace) -> None:
     if any_whitespace is not None:
         args.structured_outputs_any_whitespace = any_whitespace
     args.reasoning_parser = args.reasoning_parser or parser
+
+
+def vllm_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """A command line as vLLM's parser reads it, in the spellings `parser` (a subcommand's) takes: `--config
+    FILE.yaml` (its keys as flags, before the command line's own, which win), `--max_model_len` (underscores),
+    `--no-X` of a switch `--X`, `--speculative-config.method ngram` (a JSON flag's field)."""
+    argv = _with_config(argv)
+    options = {o: a for a in parser._actions for o in a.option_strings}
+    out: list[str] = []
+    dotted: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        token, i = argv[i], i + 1
+        if not token.startswith("--") or token == "--":
+            out.append(token)
+            continue
+        flag, eq, value = token.partition("=")
+        flag = flag.replace("_", "-")
+        base, dot, field = flag.partition(".")
+        if dot and base in options:
+            if not eq:
+                if i == len(argv):
+                    raise ValueError(f"{flag} needs a value")
+                value, i = argv[i], i + 1
+            _nest(dotted.setdefault(base, {}), field.replace("-", "_").split("."), value)
+            continue
+        switch = "--" + flag.removeprefix("--no-")
+        if flag.startswith("--no-") and flag not in options and isinstance(options.get(switch), argparse._StoreTrueAction):
+            out = [t for t in out if t != switch]  # vLLM's --no-X: the switch off (it is off unless given)
+            continue
+        out.append(flag + eq + value)
+    for base, fields in dotted.items():
+        out += [base, json.dumps(fields)]
+    return out
+
+
+def _with_config(argv: list[str]) -> list[str]:
+    """`--config FILE` (vLLM's YAML: `key: value` per flag; true a switch given, a list its values, a mapping
+    JSON) read into the command line, right after the subcommand."""
+    at = next((i for i, t in enumerate(argv) if t == "--config" or t.startswith("--config=")), None)
+    if at is None:
+        return argv
+    import yaml
+
+    if "=" in argv[at]:
+        path, rest = argv[at].split("=", 1)[1], argv[at + 1 :]
+    elif at + 1 < len(argv):
+        path, rest = argv[at + 1], argv[at + 2 :]
+    else:
+        raise ValueError("--config needs a YAML file")
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: not a mapping of flags to values")
+    flags = []
+    for key, value in config.items():
+        flag = f"--{str(key).replace('_', '-')}"
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)] if value else []
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv[:1] + flags + argv[1:at] + rest
+
+
+def _nest(into: dict, keys: list[str], value: str) -> None:
+    for key in keys[:-1]:
+        into = into.setdefault(key, {})
+    try:
+        into[keys[-1]] = json.loads(value)
+    except json.JSONDecodeError:
+        into[keys[-1]] = value

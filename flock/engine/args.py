@@ -47,7 +47,7 @@ def token_count(text: str) -> int | None:
     """A token count as vLLM's flags take it: 4096, 25.6k (x 1000), 32K (x 1024), or auto / -1 (None: the
     model's)."""
     text = text.strip()
-    if text in ("auto", "-1"):
+    if text.lower() in ("auto", "-1"):
         return None
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text)
     if match is None or (match[2].isupper() and "." in match[1]):

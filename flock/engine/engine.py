@@ -130,6 +130,10 @@ class LLMEngine:
             self.runner = ModelRunner(config, resolved, max_len, self.eos_token_ids, classifier_ids)
         disk = self._disk_store(config, resolved, max_len) if config.kv_cache_disk_dir else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching, disk)
+        if max_len > self.kv.capacity_tokens and config.max_model_len not in (None, -1):  # asked for, as vLLM
+            raise ValueError(f"max_model_len={max_len}: one request of that length needs {max_len} tokens of KV "
+                             f"cache, which holds {self.kv.capacity_tokens} (raise kv_cache_memory_bytes or "
+                             "num_kv_blocks, or lower max_model_len; -1 or auto fits it to the cache)")
         if max_len > self.kv.capacity_tokens:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, self.kv.capacity_tokens)
             max_len = self.kv.capacity_tokens

@@ -30,6 +30,7 @@ from flock.model.loader import init_dummy, load_safetensors, save_safetensors
 
 DTYPES = {
     "float32": torch.float32,
+    "float": torch.float32,  # vLLM's
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,

@@ -30,7 +30,7 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence, and never rep
 def server():
     with ServerProcess("--model", "flock/tiny", "--served-model-name", MODEL, "--api-key", KEY, "sk-second",
                        "--num-kv-blocks", "1024", "--max-model-len", "2048", "--tool-call-parser", "hermes",
-                       "--enable-request-id-headers",
+                       "--enable-request-id-headers", "--root-path", "/api",
                        env=ONE_THREAD) as s:
         yield s
 
@@ -185,15 +185,18 @@ def test_api_key(server):
 
 
 def test_browsers_preflight_and_responses_carry_their_request_id(server):
-    """vLLM's HTTP layers: CORS for any origin by default (a preflight needs no key), and with
-    --enable-request-id-headers each response's X-Request-Id (the request's own, else a new one)."""
+    """vLLM's HTTP layers: no cross-origin access by default (a preflight needs no key), with
+    --enable-request-id-headers each response's X-Request-Id (the request's own, else a new one), and --root-path's
+    prefix served whether a proxy forwards or strips it."""
     r = httpx.options(f"{server.url}/v1/chat/completions", headers={
         "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = httpx.get(f"{server.url}/v1/models", headers=AUTH | {"Origin": "http://example.com", "X-Request-Id": "r-1"})
-    assert r.headers["access-control-allow-origin"] == "*" and r.headers["x-request-id"] == "r-1"
+    assert "access-control-allow-origin" not in r.headers and r.headers["x-request-id"] == "r-1"
     assert len(httpx.get(f"{server.url}/health").headers["x-request-id"]) == 32
+    assert httpx.get(f"{server.url}/api/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server.url}/api/health").status_code == 200
 
 
 def test_api_keys_from_the_flag_else_vllms_environment_variable(monkeypatch):
@@ -444,6 +447,14 @@ def test_responses_equal_chat_completions(server, client):
     unstored = client.responses.create(input="x", store=False, **kw)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    # an X-Request-Id header (proxies repeat one) names no stored response; the body's request_id does, once
+    same = [client.responses.create(input=text, extra_headers={"X-Request-Id": "trace-1"}, **kw) for text in "ab"]
+    assert same[0].id != same[1].id and client.responses.retrieve(same[0].id).output_text == same[0].output_text
+    mine = kw | {"extra_body": {"ignore_eos": True, "request_id": "mine"}}
+    assert client.responses.create(input="x", **mine).id == "resp_mine"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="y", **mine)
+    assert e.value.param == "request_id"
     for body, param in [({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "u"}]}]},
                          "input[0].content"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]")]:
