@@ -257,10 +257,11 @@ async def respond(raw: Request, ctx: ServerContext):
         gen.fit(ctx.engine.max_model_len)
     except APIError as e:
         raise renamed(e) from None
+    if gen.request_id:  # the body's, as vLLM's (an X-Request-Id header, which proxies repeat, names no response)
+        req.id = gen.request_id if gen.request_id.startswith("resp_") else "resp_" + gen.request_id
+        if ctx.responses.get(req.id) is not None:
+            raise APIError(f"a stored response already has the id {req.id!r}", param="request_id")
     streams = await _submit(gen.engine_requests(), ctx, lambda e: renamed(engine_error(e, gen)))
-    given = raw.headers.get("x-request-id") or gen.request_id
-    if given:
-        req.id = given if given.startswith("resp_") else "resp_" + given
     if gen.stream:
         return _SSEResponse(_response_events(req, streams, ctx), media_type="text/event-stream")
     p = (await _collect(streams, raw, ctx))[0]
