@@ -33,7 +33,7 @@ from flock.pooling_params import TASKS, PoolingParams, cross_encoder_prompt, pai
 from flock.request import Request
 from flock.sample.logprobs import with_texts
 from flock.sampling_params import SamplingParams
-from flock.tokenizer import chat_text, encode_chat
+from flock.tokenizer import chat_text, encode_chat, read_chat_template
 
 Prompt = str | dict | list[int]
 
@@ -99,10 +99,7 @@ class LLM:
 
     def _tokenized(self, sampling_params, n: int, tokenization_kwargs: dict | None):
         """The params of n prompts with vLLM's tokenization_kwargs (truncate_prompt_tokens, truncation_side)."""
-        unknown = sorted((tokenization_kwargs or {}).keys() - {"truncate_prompt_tokens", "truncation_side"})
-        if unknown:
-            raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side (and, for "
-                             f"generate, add_special_tokens), got {unknown}")
+        check_tokenization_kwargs(tokenization_kwargs)
         if not tokenization_kwargs:
             return sampling_params
         return [replace(p, **tokenization_kwargs) for p in self._params_per_prompt(sampling_params, n)]
@@ -168,11 +165,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt (see PoolingParams: one for all, or one each), in input order, as vLLM's
         `LLM.embed`. A string is tokenized with the tokenizer's special tokens (an embedding model's end-of-text
-        token included)."""
-        requests = self._pool(prompts, pooling_params, use_tqdm)
+        token included). `tokenization_kwargs` as generate's; `lora_request` is vLLM's, refused: adapters
+        generate, embeddings come from the base model."""
+        requests = self._pool(prompts, pooling_params, use_tqdm, lora_request, tokenization_kwargs)
         return [EmbeddingRequestOutput(str(r.request_id), r.prompt_token_ids, EmbeddingOutput(r.embedding),
                                        r.is_finished, r.num_cached_tokens) for r in requests]
 
@@ -181,10 +181,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[ClassificationRequestOutput]:
         """A sequence classifier's class probabilities of every prompt, in input order, as vLLM's `LLM.classify`
-        (logits when `pooling_params.use_activation` is False)."""
-        requests = self._pool(prompts, pooling_params, use_tqdm, task="classify")
+        (logits when `pooling_params.use_activation` is False); the other arguments as `embed`'s."""
+        requests = self._pool(prompts, pooling_params, use_tqdm, lora_request, tokenization_kwargs, task="classify")
         return [ClassificationRequestOutput(str(r.request_id), r.prompt_token_ids, ClassificationOutput(r.embedding),
                                             r.is_finished, r.num_cached_tokens) for r in requests]
 
@@ -194,31 +196,42 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         pooling_task: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: each prompt's vector for `pooling_task` "embed" (as `embed`) or "classify" (as
         `classify`), or an encoder's vector of each prompt token for "token_embed" (each normalized as an
-        embedding) or "token_classify" (a token classifier's probabilities), as a tensor in `out.outputs.data`."""
+        embedding) or "token_classify" (a token classifier's probabilities), as a tensor in `out.outputs.data`;
+        the other arguments as `embed`'s."""
         if pooling_task not in TASKS:
             raise ValueError(f"pooling_task must be one of {', '.join(TASKS)}, got {pooling_task!r}")
-        requests = self._pool(prompts, pooling_params, use_tqdm, task=pooling_task)
+        requests = self._pool(prompts, pooling_params, use_tqdm, lora_request, tokenization_kwargs, task=pooling_task)
         dtype = torch.promote_types(self.engine.runner.dtype, torch.float32)  # the vectors' own precision
         return [PoolingRequestOutput(str(r.request_id), PoolingOutput(torch.tensor(r.embedding, dtype=dtype)),
                                      r.prompt_token_ids, r.num_cached_tokens, r.is_finished) for r in requests]
 
     def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams | Sequence[PoolingParams] | None,
-              use_tqdm: bool, **fixed) -> list[Request]:
-        """The finished pooling requests of `prompts` (text: tokenized with the tokenizer's special tokens, an
-        embedding model's end-of-text token included) with their params (one for all, or one each; `fixed`'s
-        fields set in each)."""
+              use_tqdm: bool, lora_request=None, tokenization_kwargs: dict | None = None, **fixed) -> list[Request]:
+        """The finished pooling requests of `prompts` (text: tokenized with the tokenizer's special tokens unless
+        tokenization_kwargs' add_special_tokens says not, an embedding model's end-of-text token included) with
+        their params (one for all, or one each; tokenization_kwargs' truncation and `fixed`'s fields set in
+        each)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if lora_request is not None and any(r is not None for r in (
+                [lora_request] if isinstance(lora_request, LoRARequest) else lora_request)):
+            raise ValueError("lora_request: LoRA adapters generate; embeddings, classes and scores come from the "
+                             "base model")
         each = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(each) != len(prompts):
             raise ValueError(f"got {len(each)} pooling_params for {len(prompts)} prompts")
         if not all(p is None or isinstance(p, PoolingParams) for p in each):
             raise TypeError("pooling_params must be PoolingParams (one for all prompts, or a list of one each)")
-        each = [replace(p or PoolingParams(), **fixed) for p in each]
-        token_ids = [self.encode_prompt(p, i)[1] for i, p in enumerate(prompts)]
+        kwargs = dict(tokenization_kwargs or {})
+        add_special = kwargs.pop("add_special_tokens", True)
+        check_tokenization_kwargs(kwargs)
+        each = [replace(p or PoolingParams(), **kwargs, **fixed) for p in each]
+        token_ids = [self.encode_prompt(p, i, add_special)[1] for i, p in enumerate(prompts)]
         self._check_all(token_ids, each)
         self.engine.reset_stats()
         requests = [self.engine.add_request(ids, p) for ids, p in zip(token_ids, each)]
@@ -275,18 +288,25 @@ class LLM:
         data_2: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`: each pair's score; one prompt in `data_1` is scored against every one in `data_2`,
         else they pair up in order. A sequence classifier of one label (a cross-encoder, a reranker) scores each
-        pair's joint prompt (`cross_encoder_prompt`, texts only); an embedding model gives the cosine similarity
-        of the two embeddings (`pair_scores`)."""
+        pair's joint prompt (`cross_encoder_prompt`, texts only; `chat_template`: vLLM's score template, as
+        --chat-template gives it); an embedding model gives the cosine similarity of the two embeddings
+        (`pair_scores`). The other arguments as `embed`'s."""
         left, right = ([d] if isinstance(d, (str, dict)) or (d and isinstance(d[0], int)) else list(d)
                        for d in (data_1, data_2))
         if not right or len(left) not in (1, len(right)):
             raise ValueError(f"data_1 must hold one prompt or as many as data_2 ({len(left)} vs {len(right)})")
         if self.engine.tasks.num_labels:
-            return self._cross_encode(left * (len(right) if len(left) == 1 else 1), right, pooling_params, use_tqdm)
-        embedded = self.embed(left + right, pooling_params, use_tqdm)
+            return self._cross_encode(left * (len(right) if len(left) == 1 else 1), right, pooling_params, use_tqdm,
+                                      lora_request, tokenization_kwargs, chat_template)
+        if chat_template is not None:
+            raise ValueError("chat_template is a cross-encoder's score template; an embedding model scores cosines")
+        embedded = self.embed(left + right, pooling_params, use_tqdm, lora_request, tokenization_kwargs)
         vectors = [e.outputs.embedding for e in embedded]
         scores = pair_scores(vectors[: len(left)], vectors[len(left):])
         firsts = embedded[: len(left)] * (len(right) if len(left) == 1 else 1)
@@ -312,18 +332,25 @@ class LLM:
         outputs = self.generate(prompts, scoring.params(), use_tqdm=use_tqdm)
         return [scoring.probabilities(out.outputs[0].logprobs[0].top) for out in outputs]
 
-    def _cross_encode(self, left: list, right: list, pooling_params: PoolingParams | None, use_tqdm: bool
+    def _cross_encode(self, left: list, right: list, pooling_params: PoolingParams | None, use_tqdm: bool,
+                      lora_request, tokenization_kwargs: dict | None, chat_template: str | None
                       ) -> list[ScoringRequestOutput]:
         tasks = self.engine.tasks
+        if chat_template is not None:
+            tasks = replace(tasks, score_template=read_chat_template(chat_template))
         if tasks.num_labels != 1:
             raise ValueError(f"{tasks.name} classifies into {tasks.num_labels} classes: scores need a classifier "
                              "of one label (a cross-encoder)")
         if not all(isinstance(t, str) for t in left + right):
             raise ValueError("a cross-encoder scores pairs of texts (strings)")
-        prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, tasks) for a, b in zip(left, right)]
-        classified = self.classify(prompts, pooling_params, use_tqdm)
-        return [ScoringRequestOutput(c.request_id, c.prompt_token_ids, ScoringOutput(c.outputs.probs[0]))
-                for c in classified]
+        limit = (tokenization_kwargs or {}).get("truncate_prompt_tokens") or \
+            (pooling_params.truncate_prompt_tokens if pooling_params is not None else None)
+        prompts = [cross_encoder_prompt(self.engine.tokenizer, a, b, tasks, max_length=limit)
+                   for a, b in zip(left, right)]
+        requests = self._pool(prompts, pooling_params, use_tqdm, lora_request, tokenization_kwargs, task="classify",
+                              pair=tasks.encodes_pairs)
+        return [ScoringRequestOutput(str(r.request_id), r.prompt_token_ids, ScoringOutput(r.embedding[0]))
+                for r in requests]
 
     def chat(
         self,
@@ -466,3 +493,11 @@ class LLM:
             id_logprobs(first.prompt_logprobs, first.params.prompt_logprob_start or 0),
             lora_request=first.params.lora_request,
         )
+
+
+def check_tokenization_kwargs(kwargs: dict | None) -> None:
+    """vLLM's tokenization_kwargs, add_special_tokens taken out: truncate_prompt_tokens and truncation_side."""
+    unknown = sorted((kwargs or {}).keys() - {"truncate_prompt_tokens", "truncation_side"})
+    if unknown:
+        raise ValueError(f"tokenization_kwargs takes add_special_tokens, truncate_prompt_tokens and truncation_side, "
+                         f"got {unknown}")

@@ -31,9 +31,22 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
         processor_template = Path(path) / "chat_template.json"  # a vision-language processor's, as vLLM reads it
         if tokenizer.chat_template is None and processor_template.is_file():
             tokenizer.chat_template = json.loads(processor_template.read_text()).get("chat_template")
+        sbert = Path(path) / "sentence_bert_config.json"
+        if sbert.is_file() and json.loads(sbert.read_text()).get("do_lower_case"):
+            lowercased(tokenizer)
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def lowercased(tokenizer) -> None:
+    """Text lower-cased before it is split, as sentence-transformers' do_lower_case (and vLLM) have it; special
+    tokens, matched before normalization, stay as they are."""
+    from tokenizers import normalizers
+
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *([backend.normalizer] if backend.normalizer
+                                                                          else [])])
 
 
 def read_chat_template(template: str) -> str:

@@ -77,7 +77,7 @@ def pooled_prompts(body, tokenizer, fields: set[str]) -> list[list[int]]:
 
 
 def _params(body: dict) -> PoolingParams:
-    normalize = typed_field(body, "normalize", bool, True)  # vLLM's older name of use_activation
+    normalize = typed_field(body, "normalize", bool, None)  # vLLM's older name of use_activation; None: the model's
     return pooling_params(body, dimensions=typed_field(body, "dimensions", int, None),
                           normalize=typed_field(body, "use_activation", bool, normalize))
 

@@ -97,10 +97,12 @@ def parse_scores(kind: str, body, tokenizer, model: ModelTasks | None = None) ->
                            "one label (a cross-encoder); use /classify", param="model")
         pairs = zip(left * len(right) if len(left) == 1 else left, right)
         try:
-            prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs) for a, b in pairs]
+            prompts = [cross_encoder_prompt(tokenizer, a, b, model, kwargs, params.truncate_prompt_tokens)
+                       for a, b in pairs]
         except Exception as e:  # the score template's own errors (jinja2's kinds)
             raise APIError(f"the score template failed on this pair: {e}", param="chat_template_kwargs") from None
-        params = replace(params, task="classify", use_activation=typed_field(body, "use_activation", bool, True))
+        params = replace(params, task="classify", use_activation=typed_field(body, "use_activation", bool, True),
+                         pair=model.encodes_pairs)
         return ScoreRequest(kind, left, right, prompts, params, top_n, documents, True)
     prompts = [tokenizer.encode(t, add_special_tokens=True) for t in left + right]
     return ScoreRequest(kind, left, right, prompts, params, top_n, documents)
@@ -134,9 +136,9 @@ def _texts(body: dict, name: str) -> list[str]:
 
 
 def _text(value, name: str) -> str:
-    """A text: a non-empty string, or a document's {"text": ...}."""
+    """A text: a string (an empty chunk of a RAG batch too, as vLLM), or a document's {"text": ...}."""
     if isinstance(value, dict) and set(value) == {"text"}:
         value = value["text"]
-    if not isinstance(value, str) or not value:
-        raise APIError(f"{name} must be a non-empty string (or {{'text': string}})", param=name.split("[")[0])
+    if not isinstance(value, str):
+        raise APIError(f"{name} must be a string (or {{'text': string}})", param=name.split("[")[0])
     return value

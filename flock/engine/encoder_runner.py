@@ -80,7 +80,8 @@ class EncoderRunner:
         ids = torch.tensor([t for req, _ in plan.scheduled for t in req.prompt_token_ids], device=self.device)
         tasks = [req.pooling.task for req, _ in plan.scheduled]
         pooled, rows = self.model(ids, torch.from_numpy(positions).to(self.device), lengths, metas,
-                                  every_row=any(t.startswith("token_") for t in tasks))
+                                  every_row=any(t.startswith("token_") for t in tasks),
+                                  pairs=[req.pooling.pair for req, _ in plan.scheduled])
         out = StepOutput([], [])
         for i, ((req, _), task) in enumerate(zip(plan.scheduled, tasks)):
             pooling = req.pooling

@@ -141,7 +141,7 @@ class LLMEngine:
         c = resolved.config
         template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
-                                template, c.encoder, c.token_classifier)
+                                template, c.encoder, c.token_classifier, c.embedding_normalize, c.matryoshka)
         self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.speculative = config.speculative()
@@ -244,11 +244,9 @@ class LLMEngine:
             raise ValueError(f"n={params.n}: an engine request is one sample (add params.samples() one by one)")
         self.check_request(prompt_token_ids, params)
         if pooling is not None:
-            params = pooling.as_sampling(self.max_model_len)
-        cut = params.truncated(prompt_token_ids, self.max_model_len)
-        if self.model_config.encoder and len(cut) < len(prompt_token_ids):  # its closing [SEP] kept, as tokenizers do
-            cut = cut[:-1] + prompt_token_ids[-1:]
-        prompt_token_ids = cut
+            pooling = pooling.resolved(self.tasks)
+            params = pooling.as_sampling(self.max_model_len, getattr(self.tokenizer, "truncation_side", "right"))
+        prompt_token_ids = self._truncated(prompt_token_ids, params)
         if params.bad_words:
             params.tokenize_bad_words(self.tokenizer)
         if params.dry:
@@ -270,6 +268,19 @@ class LLMEngine:
         self.scheduler.add(req)
         self.stats.add_request(req)
         return req
+
+    def _truncated(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt cut to its truncate_prompt_tokens; an encoder's keeps the [CLS] and [SEP] at its ends, as a
+        tokenizer's truncation keeps them."""
+        cut = params.truncated(prompt_token_ids, self.max_model_len)
+        if not self.model_config.encoder or len(cut) == len(prompt_token_ids) or not cut:
+            return cut
+        tok = self.tokenizer
+        if params.truncation_side == "left" and prompt_token_ids[0] == tok.cls_token_id:
+            return prompt_token_ids[:1] + cut[1:]
+        if params.truncation_side != "left" and prompt_token_ids[-1] == tok.sep_token_id:
+            return cut[:-1] + prompt_token_ids[-1:]
+        return cut
 
     def load_lora(self, request: LoRARequest, inplace: bool = False) -> None:
         """Load a LoRA adapter (once per name and folder; `inplace`: read again, the requests admitted before

@@ -133,6 +133,10 @@ class ModelConfig:
     classifier_bias: bool = True
     head_act: str = "gelu"
     max_seq_length: int | None = None  # a sentence-transformers folder's limit, below the positions' (vLLM's too)
+    # embeddings: L2-normalized by default (a sentence-transformers folder: when it lists a Normalize module);
+    # Matryoshka (config's is_matryoshka: any `dimensions`; matryoshka_dimensions: those only; else none)
+    embedding_normalize: bool = True
+    matryoshka: bool | tuple[int, ...] = False
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
@@ -173,6 +177,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        config = cls._from_dict(d)
+        dims = d.get("matryoshka_dimensions")
+        config.matryoshka = tuple(dims) if dims else bool(d.get("is_matryoshka"))
+        return config
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "ModelConfig":
         # Qwen2-VL's checkpoints write the text decoder's fields at the top, beside vision_config
         outer_type = d.get("model_type")
         multimodal = outer_type in VISION_LANGUAGE_TYPES and ("text_config" in d or "vision_config" in d)
@@ -522,12 +533,13 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
         config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
-        pooling = sentence_transformers_pooling(Path(path))
+        pooling, normalize = sentence_transformers_pooling(Path(path))
+        config.embedding_normalize = normalize
+        sbert = Path(path) / "sentence_bert_config.json"
+        if sbert.is_file():
+            config.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
         if config.encoder:
             config.embedding_pooling = pooling or config.embedding_pooling
-            sbert = Path(path) / "sentence_bert_config.json"
-            if sbert.is_file():
-                config.max_seq_length = json.loads(sbert.read_text()).get("max_seq_length")
         elif pooling not in (None, "LAST"):  # what a decoder's KV keeps: its last row has seen the whole prompt
             raise ValueError(f"{path}: sentence-transformers pools {pooling} here; Flock's decoder embedding models "
                              "pool the last token (an encoder's pooling may be CLS or MEAN)")
@@ -539,13 +551,14 @@ class ModelConfig:
         return config
 
 
-def sentence_transformers_pooling(folder: Path) -> str | None:
-    """The pooling a sentence-transformers folder's modules.json names (None: no such file), as vLLM reads it;
-    ValueError for a module after pooling that would change the vector (a Dense projection)."""
+def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
+    """The pooling a sentence-transformers folder's modules.json names (None: no such file), and whether its
+    embeddings are normalized (a Normalize module; True without the file), as vLLM reads them; ValueError for a
+    module after pooling that would change the vector (a Dense projection)."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
-        return None
-    pooling = None
+        return None, True
+    pooling, normalize = None, False
     for module in json.loads(modules_file.read_text()):
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind == "Pooling":
@@ -555,10 +568,12 @@ def sentence_transformers_pooling(folder: Path) -> str | None:
                 raise ValueError(f"{folder}: sentence-transformers pooling {modes} is not one of "
                                  f"{', '.join(POOLING_MODES)}")
             pooling = named[0]
-        elif kind not in ("Transformer", "Normalize"):
+        elif kind == "Normalize":
+            normalize = True
+        elif kind != "Transformer":
             raise ValueError(f"{folder}: the sentence-transformers module {kind} ({module.get('path')}) is not "
                              "supported (Flock runs Transformer, Pooling and Normalize)")
-    return pooling
+    return pooling, normalize
 
 
 def sampling_defaults(folder: str | Path | None) -> dict:

@@ -43,10 +43,12 @@ class Encoder(nn.Module):
     classifier: nn.Linear | None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], metas: dict,
-                every_row: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                every_row: bool = False, pairs: list[bool] | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Each prompt's pooled row and, with `every_row` (a token task's), all of its rows' final states;
-        `metas`: the attention metadata of each layer window (None: the whole prompt)."""
-        x = self.embed(input_ids, positions, lengths)
+        `metas`: the attention metadata of each layer window (None: the whole prompt); `pairs`: which prompts are
+        a cross-encoder's pairs of texts (None: none)."""
+        x = self.embed(input_ids, positions, lengths, pairs or [False] * len(lengths))
         for layer in self.layers[:-1]:
             x = layer(x, positions, metas[layer.window])
         last = self.layers[-1]
@@ -59,7 +61,8 @@ class Encoder(nn.Module):
         rows = ends - torch.tensor(lengths, device=x.device) if mode == "CLS" else ends - 1
         return list(self.finish(last(x, positions, metas[last.window], rows))), None
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], pairs: list[bool]
+              ) -> torch.Tensor:
         raise NotImplementedError
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,19 +204,21 @@ class BertEncoder(Encoder):
         self.head_dense = nn.Linear(h, h) if sequence and roberta else None
         self.classifier = nn.Linear(h, c.num_labels) if c.num_labels else None
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], pairs: list[bool]
+              ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.config.position_offset)
         if self.token_type_embeddings is not None:
-            x = x + self.token_type_embeddings(self.token_types(input_ids, lengths))
+            x = x + self.token_type_embeddings(self.token_types(input_ids, lengths, pairs))
         return self.embedding_norm(x)
 
-    def token_types(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Each token's segment as a tokenizer's pair encoding gives it: 0 up to a prompt's first separator, 1
-        after it (a single text: all 0)."""
-        if self.sep_token_id is None or self.config.type_vocab_size < 2:
+    def token_types(self, input_ids: torch.Tensor, lengths: list[int], pairs: list[bool]) -> torch.Tensor:
+        """Each token's segment as a tokenizer's encoding gives it: a pair's 0 up to its first separator, 1 after
+        it; a single text's all 0 (a [SEP] within its text included)."""
+        if self.sep_token_id is None or self.config.type_vocab_size < 2 or not any(pairs):
             return torch.zeros_like(input_ids)
         seps = (input_ids == self.sep_token_id).long()
-        return torch.cat([(s.cumsum(0) - s).clamp(max=1) for s in seps.split(lengths)])
+        return torch.cat([(s.cumsum(0) - s).clamp(max=1) if pair else torch.zeros_like(s)
+                          for s, pair in zip(seps.split(lengths), pairs)])
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
         head = self.pooler if self.pooler is not None else self.head_dense

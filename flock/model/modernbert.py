@@ -67,7 +67,8 @@ class ModernBertEncoder(Encoder):
         self.head_norm = nn.LayerNorm(h, eps, bias=c.norm_bias) if c.num_labels else None
         self.classifier = nn.Linear(h, c.num_labels) if c.num_labels else None
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], pairs: list[bool]
+              ) -> torch.Tensor:
         return self.embedding_norm(self.word_embeddings(input_ids))
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ def test_score_pairs_and_rerank_order(tok):
     assert out["results"][0]["relevance_score"] == pytest.approx(0.995037, abs=1e-6)
     bare = parse_scores("rerank", {"query": "q", "documents": ["a", "b"], "return_documents": False}, tok)
     assert all("document" not in x for x in bare.body("m", [[1, 0], [1, 0], [0, 1]], 3)["results"])
+    empty = parse_scores("rerank", {"query": "q", "documents": ["a", "", {"text": ""}]}, tok)  # a RAG batch's chunk
+    assert empty.right == ["a", "", ""]
 
 
 @pytest.mark.parametrize("kind, body, param", [
@@ -35,7 +37,7 @@ def test_score_pairs_and_rerank_order(tok):
     ("score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ("score", {"text_1": "a", "text_2": []}, "text_2"),
     ("score", {"text_1": "a", "text_2": ["ok", 5]}, "text_2"),
-    ("rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("rerank", {"query": 3, "documents": ["a"]}, "query"),
     ("rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
     ("rerank", {"query": "q", "documents": ["a"], "n": 2}, "n"),
     ("rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {}}, "chat_template_kwargs"),

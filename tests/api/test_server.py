@@ -703,8 +703,8 @@ def test_tokenize_and_detokenize_as_vllm(server):
 
 
 def test_embeddings_as_openai(client, offline, server):
-    """/v1/embeddings: strings (with the tokenizer's special tokens) and token ids, float and base64, dimensions,
-    equal to the offline LLM.embed; bad fields named."""
+    """/v1/embeddings: strings (with the tokenizer's special tokens) and token ids, float and base64, equal to the
+    offline LLM.embed; bad fields named (dimensions of a model that is no Matryoshka one, as vLLM)."""
     import base64
 
     import numpy as np
@@ -718,9 +718,9 @@ def test_embeddings_as_openai(client, offline, server):
     np.testing.assert_allclose([d.embedding for d in r.data], expected, rtol=0, atol=1e-5)
     post = lambda body: httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH, timeout=10)  # noqa: E731
     ids = offline.get_tokenizer().encode("paged attention")
-    short = post({"model": MODEL, "input": [ids], "dimensions": 8, "encoding_format": "base64"}).json()
+    short = post({"model": MODEL, "input": [ids], "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(short["data"][0]["embedding"]), dtype="<f4")
-    want = offline.embed([ids], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    want = offline.embed([ids], PoolingParams(normalize=True), use_tqdm=False)[0].outputs.embedding
     np.testing.assert_allclose(vector, want, rtol=0, atol=1e-5)
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is paged attention?"}]
     got = post({"model": MODEL, "messages": chat}).json()["data"][0]["embedding"]
@@ -728,7 +728,8 @@ def test_embeddings_as_openai(client, offline, server):
     np.testing.assert_allclose(got, offline.embed([ids], use_tqdm=False)[0].outputs.embedding, rtol=0, atol=1e-5)
     for body, param in [({"input": ""}, "input"), ({"messages": chat, "input": "x"}, "input"),
                         ({"messages": chat, "tools": []}, "tools"),
-                        ({"input": "x", "dimensions": 100000}, "dimensions"),
+                        ({"input": "x", "dimensions": 100000}, "dimensions"), ({"input": "x", "dimensions": 8},
+                                                                                "dimensions"),
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "n": 2}, "n"),
                         ({"input": [[1, 2]] + [[100000]]}, "input")]:
         bad = post(body)

@@ -62,8 +62,15 @@ def test_embeddings_equal_transformers_last_token(base_qwen3, scheduler, chunk):
 
 
 def test_dimensions_and_unnormalized(base_qwen3):
+    """A Matryoshka model's shorter vectors (its config says it is one; vLLM's hf_overrides for Qwen3-Embedding),
+    only the dimensions it lists where it lists them; another model's refused as vLLM refuses them."""
     prompts = shared_prefix_prompts(seed=4)[:3]
-    llm = LLM(str(base_qwen3), dtype="float64")
+    with pytest.raises(ValueError, match="does not support Matryoshka"):
+        LLM(str(base_qwen3), dtype="float64").embed([[1, 2]], PoolingParams(dimensions=16))
+    listed = LLM(str(base_qwen3), dtype="float64", hf_overrides={"matryoshka_dimensions": [16, 32]})
+    with pytest.raises(ValueError, match=r"Matryoshka dimensions \[16, 32\], not 8"):
+        listed.embed([[1, 2]], PoolingParams(dimensions=8))
+    llm = LLM(str(base_qwen3), dtype="float64", hf_overrides={"is_matryoshka": True})
     got = embed(llm, prompts, PoolingParams(dimensions=16, normalize=False))
     torch.testing.assert_close(got, reference(base_qwen3, prompts, dims=16, normalize=False), rtol=0, atol=1e-10)
     short = embed(llm, prompts, PoolingParams(dimensions=16))
@@ -76,7 +83,7 @@ def test_vllms_pooling_params_use_activation_truncation_and_one_each(base_qwen3)
     """vLLM 0.32's: use_activation False leaves an embedding unnormalized; a pooling prompt is cut from the right
     (its first tokens kept), to all max_model_len tokens for -1; a list of params gives each prompt its own."""
     prompts = [p[:30] for p in shared_prefix_prompts(seed=4)[:3]]
-    llm = LLM(str(base_qwen3), dtype="float64", max_model_len=32)
+    llm = LLM(str(base_qwen3), dtype="float64", max_model_len=32, hf_overrides={"is_matryoshka": True})
     raw = embed(llm, prompts, PoolingParams(use_activation=False))
     torch.testing.assert_close(raw, embed(llm, prompts, PoolingParams(normalize=False)), rtol=0, atol=0)
     cut = llm.embed({"prompt_token_ids": prompts[0]}, PoolingParams(truncate_prompt_tokens=5))[0]

@@ -3,6 +3,7 @@ on the same weights whatever the scheduler and token budget (each prompt compute
 pairs carry BERT's token types; sentence-transformers' pooling is read from the folder; what an encoder cannot do
 is refused by name."""
 
+import json
 import random
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flock import LLM, PoolingParams, SamplingParams
+from flock import LLM, LoRARequest, PoolingParams, SamplingParams
 from flock.model import save_model
 from tests.engine.encoders import WORDS, reference, save_encoder, save_modernbert
 
@@ -46,7 +47,8 @@ def embeddings(llm: LLM, texts, params: PoolingParams | None = None) -> torch.Te
 def test_bert_embeddings_equal_transformers(bert, scheduler, budget):
     texts = sentences(0)
     expected = F.normalize(torch.stack([h[0] for h in reference(bert, texts)]), dim=1)  # the [CLS] row
-    llm = LLM(str(bert), dtype="float64", scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=4)
+    llm = LLM(str(bert), dtype="float64", scheduler=scheduler, max_num_batched_tokens=budget, max_num_seqs=4,
+              hf_overrides={"is_matryoshka": True})
     torch.testing.assert_close(embeddings(llm, texts), expected, rtol=0, atol=1e-12)
     assert llm.stats()["saving_rate"] == 0  # nothing is read from a prefix cache
     raw = embeddings(llm, texts[:2], PoolingParams(normalize=False, dimensions=5))
@@ -127,6 +129,87 @@ def test_sentence_transformers_max_seq_length_is_the_default_limit(tmp_path):
     assert LLM(str(folder), max_model_len=12).engine.max_model_len == 12
     with pytest.raises(ValueError, match="max_model_len=64 is longer than the model's 16 positions"):
         LLM(str(folder), max_model_len=64)  # as vLLM's, unless FLOCK_ALLOW_LONG_MAX_MODEL_LEN is set
+
+
+def test_a_folder_without_a_normalize_module_embeds_unnormalized(tmp_path):
+    """sentence-transformers (and vLLM) normalize only where modules.json lists Normalize (the dot-product
+    models list none); a request's normalize / use_activation still decides."""
+    folder = save_encoder(tmp_path / "dot", "bert", pooling="pooling_mode_mean_tokens")
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
+    texts = sentences(4, count=3)
+    mean = torch.stack([h.mean(0) for h in reference(folder, texts)])
+    llm = LLM(str(folder), dtype="float64")
+    torch.testing.assert_close(embeddings(llm, texts), mean, rtol=0, atol=1e-12)
+    for asked in (PoolingParams(normalize=True), PoolingParams(use_activation=True)):
+        torch.testing.assert_close(embeddings(llm, texts, asked), F.normalize(mean, dim=1), rtol=0, atol=1e-12)
+
+
+def test_sentence_bert_config_lower_cases_text_and_limits_a_decoder(tmp_path, bert):
+    """Its do_lower_case (the tokenizer lower-cases text, special tokens kept) and max_seq_length (a decoder's
+    default max_model_len too), as vLLM reads them."""
+    folder = shutil.copytree(bert, tmp_path / "lower")
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 32, "do_lower_case": true}')
+    llm = LLM(str(folder), dtype="float64")
+    tok = llm.get_tokenizer()
+    assert tok.encode("The CACHE is HOT [SEP] x") == tok.encode("the cache is hot [SEP] x")
+    assert "[SEP]" in tok.convert_ids_to_tokens(tok.encode("a [SEP] b"))[1:-1]
+    torch.testing.assert_close(embeddings(llm, ["The Cache IS Hot"]), embeddings(llm, ["the cache is hot"]),
+                               rtol=0, atol=0)
+    decoder = tmp_path / "decoder"
+    save_model("flock/tiny", decoder)
+    (decoder / "sentence_bert_config.json").write_text('{"max_seq_length": 24}')
+    assert LLM(str(decoder)).engine.max_model_len == 24
+
+
+def test_single_texts_are_segment_0_and_pairs_cut_longest_first(bert, bert_cross_encoder):
+    """A single text's token types are all 0, a [SEP] in its text included (the tokenizer's); a pair's
+    truncate_prompt_tokens cuts the longer text first, as the tokenizer's pair truncation (vLLM's); a prompt of
+    ids cut from the right keeps its closing [SEP] only where it ends with one."""
+    text = "the cache [SEP] is hot"
+    (hidden,) = reference(bert, [text])
+    torch.testing.assert_close(embeddings(LLM(str(bert), dtype="float64"), [text]), F.normalize(hidden[:1], dim=1),
+                               rtol=0, atol=1e-12)
+    query, doc = " ".join(sentences(5, count=2)), "blocks of the cache"
+    tok = LLM(str(bert_cross_encoder)).get_tokenizer()
+    encoded = tok(query, text_pair=doc, truncation=True, max_length=12)
+    expected = reference(bert_cross_encoder, [(tok.decode(encoded["input_ids"][1:encoded["input_ids"].index(
+        tok.sep_token_id)]), doc)])[0].sigmoid().item()
+    llm = LLM(str(bert_cross_encoder), dtype="float64")
+    got = llm.score(query, [doc], PoolingParams(truncate_prompt_tokens=12), use_tqdm=False)[0]
+    assert got.prompt_token_ids == encoded["input_ids"] and got.outputs.score == pytest.approx(expected, abs=1e-12)
+    ids = [10, 11, 12, 13, 14, 15]
+    embed = LLM(str(bert), dtype="float64")
+    assert embed.embed({"prompt_token_ids": ids}, PoolingParams(truncate_prompt_tokens=3))[0].prompt_token_ids == \
+        [10, 11, 12]
+    closed = [tok.cls_token_id, *ids, tok.sep_token_id]
+    assert embed.embed({"prompt_token_ids": closed}, PoolingParams(truncate_prompt_tokens=3))[0].prompt_token_ids \
+        == [tok.cls_token_id, 10, tok.sep_token_id]
+
+
+def test_offline_pooling_takes_vllms_keywords(bert, bert_cross_encoder, tmp_path):
+    """vLLM 0.32's LLM.embed / classify / encode / score keywords: tokenization_kwargs, lora_request (refused by
+    name: adapters generate), score's chat_template; a tokenizer's truncation_side is the default side."""
+    llm = LLM(str(bert), dtype="float64")
+    text = "the cache is hot and the pool is long"
+    cut = llm.embed(text, tokenization_kwargs={"truncate_prompt_tokens": 4})[0]
+    assert cut.prompt_token_ids == llm.get_tokenizer().encode(text)[:3] + [llm.get_tokenizer().sep_token_id]
+    bare = llm.encode(text, pooling_task="embed", tokenization_kwargs={"add_special_tokens": False})[0]
+    assert bare.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+    with pytest.raises(ValueError, match="adapters generate"):
+        llm.embed(text, lora_request=LoRARequest("a", 1, "/x"))
+    with pytest.raises(ValueError, match="tokenization_kwargs takes"):
+        llm.embed(text, tokenization_kwargs={"padding": True})
+    left = shutil.copytree(bert, tmp_path / "left")
+    config = json.loads((left / "tokenizer_config.json").read_text())
+    (left / "tokenizer_config.json").write_text(json.dumps(config | {"truncation_side": "left"}))
+    ids = list(range(10, 16))
+    assert LLM(str(left)).embed({"prompt_token_ids": ids}, PoolingParams(truncate_prompt_tokens=3))[0] \
+        .prompt_token_ids == [13, 14, 15]
+    cross = LLM(str(bert_cross_encoder), dtype="float64")
+    template = "{{ messages[0]['content'] }} vs {{ messages[1]['content'] }}"
+    scored = cross.score("blocks", ["cache"], chat_template=template, use_tqdm=False)[0]
+    assert scored.prompt_token_ids == cross.get_tokenizer()("blocks vs cache")["input_ids"]
 
 
 def test_sentence_transformers_modules_it_cannot_run_are_refused(tmp_path):
@@ -231,7 +314,7 @@ def test_token_classifiers_equal_transformers(tmp_path, kind):
 
 def test_token_embeddings_are_each_tokens_final_state(bert):
     texts = sentences(9, count=4)
-    llm = LLM(str(bert), dtype="float64", max_num_batched_tokens=16)
+    llm = LLM(str(bert), dtype="float64", max_num_batched_tokens=16, hf_overrides={"is_matryoshka": True})
     tokens = llm.encode(texts, pooling_task="token_embed", use_tqdm=False)
     for out, hidden in zip(tokens, reference(bert, texts)):
         torch.testing.assert_close(out.outputs.data, F.normalize(hidden, dim=-1), rtol=0, atol=1e-12)
