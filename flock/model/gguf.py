@@ -54,9 +54,16 @@ ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling, stored as per-frequency
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)  # read into the config's rope_scaling, not into weights
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
-CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens
-END_OF_TURN = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-               "<|end_of_text|>", "<EOT>"}  # how common chat formats end a turn or a text
+# the token texts llama.cpp ends generation at, whatever their type (llama-vocab.cpp): how chat formats end a
+# turn, a message or a text
+END_OF_GENERATION = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["}
+# and at a code model's FIM pad, repository and file-separator tokens: the file's ids, else the first of these
+FIM_ENDS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+            "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+            "fim_sep": ("<|file_sep|>",)}
 
 log = logging.getLogger("flock")
 
@@ -180,16 +187,25 @@ def hf_config(reader, path: str) -> dict:
 
 
 def end_of_generation_ids(reader) -> list[int]:
-    """The tokens generation stops at, as llama.cpp stops: the file's EOS, end-of-turn and end-of-message ids,
-    and any control token named as a common chat format ends a turn (a Qwen2 file whose EOS is <|endoftext|>
-    still ends its turns with <|im_end|>)."""
-    ids = [_field(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-           if f"tokenizer.ggml.{key}" in reader.fields]
-    types, tokens = reader.fields.get("tokenizer.ggml.token_type"), reader.fields["tokenizer.ggml.tokens"]
-    if types is not None:
-        control = np.flatnonzero(np.asarray(types.contents()) == CONTROL_TOKEN)
-        ids += [int(i) for i in control if bytes(tokens.parts[tokens.data[i]]).decode(errors="replace") in END_OF_TURN]
-    return sorted(set(ids))
+    """The tokens generation stops at, as llama.cpp stops (its end-of-generation set): the file's EOS,
+    end-of-turn and end-of-message ids, a code model's FIM pad, repository and file separator, and every token
+    whose text a chat format ends with (a Qwen2 file whose EOS is <|endoftext|> still ends its turns with
+    <|im_end|>); harmony's <|end|> and a normal </s> aside, as llama.cpp sets them aside."""
+    fields, tokens = reader.fields, reader.fields["tokenizer.ggml.tokens"]
+    texts = [bytes(tokens.parts[i]).decode(errors="replace") for i in tokens.data]
+    ids = {_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom", *FIM_ENDS)
+           if f"tokenizer.ggml.{key}_token_id" in fields}
+    for key, names in FIM_ENDS.items():
+        if f"tokenizer.ggml.{key}_token_id" not in fields:
+            ids |= set([i for i, t in enumerate(texts) if t in names][:1])
+    ids |= {i for i, t in enumerate(texts) if t in END_OF_GENERATION}
+    by_text = {texts[i]: i for i in ids if 0 <= i < len(texts)}
+    if "<|end|>" in by_text and ("<|call|>" in by_text or "<|calls|>" in by_text) and \
+            ("<|return|>" in by_text or "<|flush|>" in by_text):
+        ids.discard(by_text["<|end|>"])
+    if "</s>" in by_text and ("<|tool_response>" in by_text or "<|plamo:eos|>" in by_text):
+        ids.discard(by_text["</s>"])
+    return sorted(ids)
 
 
 # BPE pre-tokenizers whose vocabularies llama.cpp adds a BOS to unless the file says otherwise

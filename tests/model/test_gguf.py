@@ -136,11 +136,13 @@ def test_phi3_q8_0_gguf(hf_folders, tmp_path):
 
 
 def test_generation_stops_where_llama_cpp_stops(hf_folders, tmp_path):
-    """The EOS, the file's end-of-turn id, and control tokens named as chat formats end a turn (<|end|> here)."""
-    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "eot.gguf", metadata={"tokenizer.ggml.eot_token_id": 5})
-    assert read_gguf(gguf_file).config["eos_token_id"] == [1, 5, 6]
+    """llama.cpp's end-of-generation set: the EOS, the file's end-of-turn id, its FIM file separator (a code
+    model's), and tokens named as chat formats end a turn (<|end|> here)."""
+    gguf_file = write_gguf(hf_folders["llama"], tmp_path / "eot.gguf", metadata={
+        "tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.fim_sep_token_id": 9})
+    assert read_gguf(gguf_file).config["eos_token_id"] == [1, 5, 6, 9]
     llm = LLM(str(gguf_file), dtype="float32")
-    for token in (5, 6):
+    for token in (5, 6, 9):
         out = llm.generate({"prompt_token_ids": [9, 10, 11]}, SamplingParams(temperature=0, max_tokens=4,
                                                                             logit_bias={token: 100}), use_tqdm=False)
         assert out[0].outputs[0].token_ids == [token] and out[0].outputs[0].finish_reason == "stop"
@@ -402,7 +404,9 @@ def test_smollm2_chat_ids_equal_transformers(smollm2_reference):
     tok = load_tokenizer(SMOLLM2)
     assert [parse_request("chat", {"messages": c}, tok, None).prompt_token_ids for c in CHATS] == prompts
     assert tok.eos_token == "<|im_end|>" and tok.convert_ids_to_tokens(0) == "<|endoftext|>"
-    assert resolve_model("flock/smollm2").config.eos_token_id == [0, tok.eos_token_id]  # as llama.cpp stops
+    # as llama.cpp stops: <|endoftext|>, <|im_end|> and <reponame> (its FIM repository token, found by its text)
+    assert resolve_model("flock/smollm2").config.eos_token_id == [0, tok.eos_token_id, tok.convert_tokens_to_ids(
+        "<reponame>")]
 
 
 def test_llama3_vocabulary_takes_whole_words_first(hf_folders, tmp_path):
