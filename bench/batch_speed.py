@@ -16,8 +16,9 @@ Conditions per workload:
   vLLM CPU with prefix caching on and off (one vLLM process per condition, all workloads inside it).
   Plus a low-KV run (--low-kv-workloads): num_kv_blocks = --low-kv-fraction of the blocks the batch needs at
   once with every shared block stored once; Flock FCFS (caching on) vs batchllm, computed prefill tokens and
-  the tokens recomputed compared with the full-budget run. vLLM cannot go that low here: its CPU KV cache is
-  sized in whole GiB (VLLM_CPU_KVCACHE_SPACE >= 1 = 262,144 tokens of this model).
+  the tokens recomputed compared with the full-budget run. vLLM is not run that low here: this script sizes its
+  CPU KV cache with VLLM_CPU_KVCACHE_SPACE, whole GiB (>= 1 = 262,144 tokens of this model); bench/engine_speed.py's
+  KV runs give it exact bytes (kv_cache_memory_bytes).
 
 wall s is end to end around generate (Flock: request checks, planning, scheduling, model, outputs; vLLM the
 same around its generate, start-up excluded). total tok/s = (prompt + generated tokens) / wall s.
@@ -177,7 +178,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64, help="about this many prompts per workload")
     p.add_argument("--gen", type=int, default=32, help="generated tokens per prompt (ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", help="Flock attention backend (auto = torch-cascade)")
+    p.add_argument("--attention", default="auto", help="Flock attention backend (auto: the CPU's kernel where it runs, "
+                   "as the header prints)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="Flock's max_num_batched_tokens")
     p.add_argument("--low-kv-workloads", default="micro-2000-200-s16,industrial",
                    help="workloads for the low-KV run (comma-separated, '' for none)")

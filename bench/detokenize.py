@@ -11,6 +11,7 @@ The output is real text (the standard library's reference text, tokenized); each
 
 import argparse
 import time
+from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--model", default="flock/smollm2")
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--output", type=Path, default=OUT / "detokenize.json")
     ap.add_argument("--engine", action="store_true", help="also a batch of 64 x 1,024 tokens, with and without a "
                                                           "stop string (minutes)")
     args = ap.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
         print()
         print(markdown_table(["stop strings", "prompts", "tokens each", "seconds"], engine))
         result["engine"] = engine
-    print(f"\nwrote {write_json(OUT / 'detokenize.json', result)}")
+    print(f"\nwrote {write_json(args.output, result)}")
 
 
 if __name__ == "__main__":

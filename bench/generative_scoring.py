@@ -62,9 +62,10 @@ def label_ids(tokenizer) -> list[int]:
 
 
 async def score_all(url: str, tasks, labels: list[int], per_request: int, model: str) -> tuple[float, list]:
-    """Every task's items in requests of `per_request`, all sent at once: (seconds, each item's P(Yes))."""
+    """Every task's items in requests of `per_request`, all sent at once: (seconds, each item's P(Yes) over the
+    labels: above 0.5 where Yes is the preferred label; both servers answer with the first label's score)."""
     bodies = [{"model": model, "query": query, "items": items[i : i + per_request], "label_token_ids": labels,
-               "apply_softmax": False} for query, items in tasks for i in range(0, len(items), per_request)]
+               "apply_softmax": True} for query, items in tasks for i in range(0, len(items), per_request)]
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(http.post("/generative_scoring", json=b) for b in bodies))

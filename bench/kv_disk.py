@@ -57,6 +57,9 @@ def wait_written(folder: Path, quiet_s: float = 1.0) -> int:
     return count
 
 
+FIRST_JOB = "Flock, first job, writing the tier"  # other prompts than the rows it is shown with
+
+
 def flock(folder: Path, w: Workload, label: str, args: argparse.Namespace, **kw) -> Result:
     return run_flock(folder, w, label, warmup_prompts(args.seed, args.prefix), attention=args.attention, **kw)
 
@@ -64,8 +67,7 @@ def flock(folder: Path, w: Workload, label: str, args: argparse.Namespace, **kw)
 def next_job(folder: Path, python, args: argparse.Namespace, disk: Path) -> list[Result]:
     first, second = next_jobs(args)
     results = [flock(folder, second, "Flock, second job, no disk tier", args, scheduler="batchllm")]
-    results.append(flock(folder, first, "Flock, first job, writing the tier", args, scheduler="batchllm",
-                         kv_cache_disk_dir=str(disk)))
+    results.append(flock(folder, first, FIRST_JOB, args, scheduler="batchllm", kv_cache_disk_dir=str(disk)))
     print(f"  blocks on disk after the first job: {wait_written(disk)}", flush=True)
     results.append(flock(folder, second, "Flock, second job, reading the tier", args, scheduler="batchllm",
                          kv_cache_disk_dir=str(disk)))
@@ -97,8 +99,8 @@ def table(results: list[Result], same_as: Result) -> str:
             continue
         disk = f"{r.extra.get('disk_read_blocks', 0)} / {r.extra.get('disk_saved_blocks', 0)}" \
             if r.engine.startswith("Flock") else "-"
-        same = sum(a == b for a, b in zip(r.outputs, same_as.outputs)) if len(r.outputs) == len(same_as.outputs) \
-            else None
+        same = sum(a == b for a, b in zip(r.outputs, same_as.outputs)) \
+            if len(r.outputs) == len(same_as.outputs) and r.engine != FIRST_JOB else None
         cells.append([r.engine, f"{r.wall_s:.2f}", f"{r.extra.get('computed_prefill_tokens', 0):,}", disk,
                       f"{base.wall_s / r.wall_s:.2f}x" if base else "-",
                       "-" if same is None else f"{same}/{len(r.outputs)}"])
@@ -120,8 +122,8 @@ def main() -> int:
     ap.add_argument("--kv-mib", type=int, default=128, help="KV cache of the kv-pressure section")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--disk", type=Path, default=None, help="the tier's folder (default: a new temporary one, "
-                    "removed after; it must start empty)")
+    ap.add_argument("--disk", type=Path, default=None, help="the tier's folder, a subfolder per section, each "
+                    "empty at its start (default: a new temporary one, removed after)")
     ap.add_argument("--output", type=Path, default=OUT / "kv_disk.json")
     vllm.add_arguments(ap)
     args = ap.parse_args()
@@ -131,7 +133,9 @@ def main() -> int:
     print(machine.header("kv_disk"), flush=True)
     report = {}
     for section in args.sections.split(","):
-        disk = args.disk or Path(tempfile.mkdtemp(prefix="flock-kv-disk-"))
+        disk = args.disk / section if args.disk else Path(tempfile.mkdtemp(prefix="flock-kv-disk-"))
+        if disk.exists() and any(disk.iterdir()):
+            ap.error(f"--disk: {disk} is not empty (another run's blocks would be read as this one's)")
         print(f"\n## {section}: {folder.name}, {args.groups} documents of {args.prefix} tokens x {args.per_group} "
               f"questions of {args.distinct}, {args.gen} out; {BLOCK}-token blocks; disk tier in {disk}; before: "
               f"{machine.load_note(0)}", flush=True)

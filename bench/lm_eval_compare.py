@@ -3,7 +3,7 @@ built at run time from text every machine has offline, each task's score on both
 loglikelihoods differ, choice by choice, in the logged samples.
 
     python -m bench.lm_eval_compare --vllm-venv V --lm-eval-venv E --model /work/models/smollm2-f32
-    python -m bench.lm_eval_compare --servers vllm --mc-items 20 --gen-items 8      # a smoke run
+    python -m bench.lm_eval_compare --lm-eval-venv E --servers flock --mc-items 20 --gen-items 8    # a smoke run
 
 Tasks (YAML + JSONL in a temporary folder, `dataset_path: json`, passed with `--include_path`):
 - docstring_next (multiple_choice, acc / acc_norm): a few sentences of a standard-library docstring, then its

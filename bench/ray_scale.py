@@ -183,9 +183,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=100_000, help="partition: prompts in the batch")
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512], help="partition: worker counts")
     ap.add_argument("--batch-size", type=int, default=64, help="partition: Ray Data's rows per batch")
+    ap.add_argument("--output", type=Path, default=OUT / "ray_scale.json", help="the JSON (each part's rows kept)")
     args = ap.parse_args()
     rows = local(args) if args.part == "local" else scale(args)
-    path = OUT / "ray_scale.json"
+    path = args.output
     old = json.loads(path.read_text()) if path.exists() else {}
     write_json(path, old | {args.part: {"cpu": machine.cpu_model(), "rows": rows}})
 

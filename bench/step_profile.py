@@ -113,14 +113,25 @@ class Labels:
         return labelled
 
 
-def profiled(llm, run) -> tuple[float, dict[str, float], float]:
-    """Run `run()` under the profiler with labelled parts: (wall s, seconds per part, GEMM FLOPs)."""
+def profiled(llm, run) -> tuple[float, dict[str, float], float | None]:
+    """Run `run()` under the profiler with labelled parts: (wall s, seconds per part, GEMM FLOPs). Steps the step
+    program runs in one C call add its ops' own times (the profiler sees none of them); their GEMM FLOPs are not
+    counted, so the FLOPs are None then."""
+    program = llm.engine.runner.model.step_program
+    if program is not None:
+        program.op_seconds = {}
     with Labels(llm, profiling=True) as labels, profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         run()
         wall = time.perf_counter() - t
     totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PARTS}
-    return wall, {p: totals.get(p, 0.0) for p in PARTS}, labels.flops
+    parts, flops = {p: totals.get(p, 0.0) for p in PARTS}, labels.flops
+    if program is not None:
+        if program.op_seconds:
+            add_program_ops(parts, program.op_seconds)
+            flops = None
+        program.op_seconds = None
+    return wall, parts, flops
 
 
 def timed(llm, run) -> tuple[float, dict[str, float]]:
@@ -191,13 +202,14 @@ def step_times(llm, steps: int) -> list[float]:
     return times
 
 
-def split_row(label: str, wall: float, profiled_wall: float, parts: dict[str, float], flops: float,
+def split_row(label: str, wall: float, profiled_wall: float, parts: dict[str, float], flops: float | None,
               peak: float) -> str:
     rest = profiled_wall - sum(parts.values())
     cells = [f"{parts[p] / profiled_wall:.1%}" for p in PARTS] + [f"{rest / profiled_wall:.1%}"]
-    gflops = flops / parts["gemm"] / 1e9 if parts["gemm"] else 0.0
+    gflops = flops / parts["gemm"] / 1e9 if flops is not None and parts["gemm"] else None
+    rate = "- (step program)" if gflops is None else f"{gflops:,.0f} ({gflops / peak:.0%})"
     return (f"| {label} | {wall:.3f} | {profiled_wall:.3f} | " + " | ".join(cells)
-            + f" | {(parts['gemm'] + parts['attention']) / profiled_wall:.1%} | {gflops:,.0f} ({gflops / peak:.0%}) |")
+            + f" | {(parts['gemm'] + parts['attention']) / profiled_wall:.1%} | {rate} |")
 
 
 SPLIT_HEAD = ("| model / workload / ops | wall s | profiled s | " + " | ".join(PARTS) + " | rest | GEMM + attention "
