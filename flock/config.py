@@ -22,10 +22,12 @@ def option(default, help: str, **cli):
 # those no value of which changes what Flock does (it runs no model code from a folder, logs no stats, scales each
 # fp8 KV row by its own values, and serves what the model's architecture says: generation, embeddings, or
 # classification, whatever runner, task or conversion is named)
-VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enforce_eager": True,
-                      "enable_chunked_prefill": True, "tokenizer_mode": "auto"}
+VLLM_AS_FLOCK_RUNS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
 VLLM_NO_EFFECT = {"trust_remote_code", "disable_log_stats", "max_loras", "max_cpu_loras", "calculate_kv_scales",
-                  "runner", "convert", "task"}
+                  "runner", "convert", "task", "gpu_memory_utilization", "enforce_eager", "enable_chunked_prefill",
+                  "revision", "download_dir"}
+# vLLM keywords of one meaning here: scheduling_policy priority picks the priority scheduler (fcfs: the one named);
+# tokenizer_mode auto and hf are the model's Hugging Face tokenizer, nothing else is; vLLM's None defaults
 
 
 @dataclass
@@ -87,6 +89,8 @@ class EngineConfig:
         "auto", "defaults for the sampling fields a request leaves unset: auto (the model folder's "
         "generation_config.json, as vLLM applies it: temperature, top_p, top_k, min_p, the penalties, max_new_tokens "
         "as max_tokens), vllm (none: the API's own defaults), or a folder holding a generation_config.json")
+    override_generation_config: dict | None = option(
+        None, "JSON: generation config fields over those (with vllm: alone), as vLLM's, e.g. '{\"temperature\": 0.5}'")
     structured_outputs_any_whitespace: bool = option(
         False, "let JSON outputs put any whitespace between tokens (a small model can loop on it), for requests "
         "whose structured_outputs.disable_any_whitespace is not set", flag="--structured-outputs-any-whitespace")
@@ -109,6 +113,19 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        if kwargs.pop("scheduling_policy", "fcfs") == "priority":
+            kwargs["scheduler"] = "priority"
+        if kwargs.pop("tokenizer_mode", "auto") not in ("auto", "hf"):
+            raise ValueError("tokenizer_mode: Flock runs the model's Hugging Face tokenizer (auto or hf)")
+        for name in ("quantization", "enable_prefix_caching"):  # None is vLLM's "the default"
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        dtype = kwargs.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):  # a torch.dtype, as vLLM takes one
+            kwargs["dtype"] = str(dtype).removeprefix("torch.")
+        if callable(kwargs.get("hf_overrides")):
+            raise ValueError("hf_overrides: Flock takes a dict of config keys (vLLM's callable form changes a "
+                             "transformers config object, which Flock does not build)")
         for name, value in list(kwargs.items()):
             if name in VLLM_AS_FLOCK_RUNS and value != VLLM_AS_FLOCK_RUNS[name]:
                 raise ValueError(f"{name}={value!r} is not supported: Flock runs as {name}={VLLM_AS_FLOCK_RUNS[name]!r}")

@@ -33,7 +33,7 @@ from flock.pooling_params import TASKS, PoolingParams, cross_encoder_prompt, pai
 from flock.request import Request
 from flock.sample.logprobs import with_texts
 from flock.sampling_params import SamplingParams
-from flock.tokenizer import chat_text, encode_chat, read_chat_template
+from flock.tokenizer import bos_prefix, chat_text, encode_chat, read_chat_template
 
 Prompt = str | dict | list[int]
 
@@ -76,6 +76,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
         tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (its params' n samples, each a request sharing the prompt's KV blocks);
         outputs come back in input order. A dict prompt may carry vLLM's `cache_salt` (see SamplingParams) and,
@@ -86,6 +87,8 @@ class LLM:
         truncate_prompt_tokens and truncation_side) set their params' fields of those names, and its
         add_special_tokens=False encodes text prompts without the BOS (a prompt already rendered). All prompts and
         parameters are checked before any work starts: a bad one raises ValueError naming its index and field."""
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported (images are processed with the model's defaults)")
         if not isinstance(prompts, (str, dict, Sequence)):
             raise TypeError(f"prompts must be a string, a dict, a list of token ids or a list of those, not "
                             f"{type(prompts).__name__}")
@@ -272,8 +275,8 @@ class LLM:
 
     def _search(self, searches: list[BeamSearch], use_tqdm: bool) -> None:
         """Step these searches together until each is done."""
-        bar = tqdm(total=max(s.params.max_tokens for s in searches), desc="beam search", unit="token",
-                   disable=None if use_tqdm else True)
+        bar = progress_bar(use_tqdm, total=max(s.params.max_tokens for s in searches), desc="beam search",
+                           unit="token")
         while live := [s for s in searches if not s.done]:
             requests = [[self.engine.add_request(ids, p) for ids, p in s.requests()] for s in live]
             self._run([r for rs in requests for r in rs], use_tqdm=False)
@@ -372,7 +375,8 @@ class LLM:
         for a list of them, through the tokenizer's chat template (or `chat_template`), as vLLM's `LLM.chat` (whose
         template options it takes: `tools` are shown to the template; their calls come back as text). Contents
         reach the template as one string or as a list of parts, as it reads them ("auto": see
-        flock.chat_content), or as `chat_template_content_format` says. `tokenization_kwargs` as generate's."""
+        flock.chat_content), or as `chat_template_content_format` says. `tokenization_kwargs` as generate's
+        (`add_special_tokens` True: the tokenizer's BOS before the rendered template, as vLLM adds it)."""
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
                              f"{chat_template_content_format!r}")
@@ -388,7 +392,10 @@ class LLM:
                 encoded.append(self._encode_chat(conversation, options))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        sampling_params = self._tokenized(sampling_params, len(encoded), tokenization_kwargs)
+        kwargs = dict(tokenization_kwargs or {})
+        if kwargs.pop("add_special_tokens", False):
+            encoded = [(text, bos_prefix(self.engine.tokenizer) + ids, images) for text, ids, images in encoded]
+        sampling_params = self._tokenized(sampling_params, len(encoded), kwargs)
         return self._generate(encoded, [{}] * len(encoded), sampling_params, use_tqdm, lora_request, priority)
 
     def _encode_chat(self, conversation: list[dict], options: dict) -> tuple[str, list[int], ImageInputs | None]:
@@ -408,8 +415,9 @@ class LLM:
         text = chat_text(tokenizer, messages, image_text=prompts.placeholder, **options)
         return text, *prompts.encode(text, sources, add_special_tokens=False)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix (see LLMEngine.reset_prefix_cache), as vLLM's `LLM.reset_prefix_cache`
+        (between calls nothing runs, so `reset_running_requests` has nothing to reset)."""
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
@@ -426,7 +434,7 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         engine = self.engine
-        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=None if use_tqdm else True)
+        bar = progress_bar(use_tqdm, total=len(requests), desc="generate", unit="req")
         try:
             for step in run(engine):
                 if step.finished:
@@ -501,3 +509,10 @@ def check_tokenization_kwargs(kwargs: dict | None) -> None:
     if unknown:
         raise ValueError(f"tokenization_kwargs takes add_special_tokens, truncate_prompt_tokens and truncation_side, "
                          f"got {unknown}")
+
+
+def progress_bar(use_tqdm, **kw) -> tqdm:
+    """vLLM's use_tqdm: True (a bar), False (none), or a callable making the bar (functools.partial(tqdm, ...))."""
+    if callable(use_tqdm):
+        return use_tqdm(**kw)
+    return tqdm(**kw, disable=None if use_tqdm else True)

@@ -1,6 +1,7 @@
 """The offline API: vLLM-like inputs and outputs, bad input rejected up front, nothing lost or leaked."""
 
 import pytest
+from tqdm import tqdm
 
 from flock import LLM, SamplingParams
 
@@ -160,10 +161,31 @@ def test_n_samples_of_a_prompt_as_vllm(llm):
 
 
 def test_vllm_engine_keywords_flock_already_runs_as():
-    llm = LLM("flock/tiny", tensor_parallel_size=1, enforce_eager=True, trust_remote_code=True, disable_log_stats=False)
-    assert llm.generate("a", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+    """vLLM's LLM keywords and defaults as a vLLM script spells them: accepted where nothing changes here, mapped
+    where Flock has them under another name; a use_tqdm callable makes the bar."""
+    import torch
+
+    llm = LLM("flock/tiny", tensor_parallel_size=1, enforce_eager=False, trust_remote_code=True, disable_log_stats=False,
+              gpu_memory_utilization=0.9, enable_chunked_prefill=False, tokenizer_mode="hf", quantization=None,
+              enable_prefix_caching=None, dtype=torch.float32, scheduling_policy="priority",
+              override_generation_config={"temperature": 0.5, "max_new_tokens": 7})
+    assert (llm.engine.config.scheduler, llm.engine.config.enable_prefix_caching, llm.engine.runner.dtype) == \
+        ("priority", True, torch.float32)
+    assert llm.get_default_sampling_params().temperature == 0.5 and llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    bars = []
+
+    def bar(**kw):
+        bars.append(kw)
+        return tqdm(**kw, disable=True)
+
+    assert llm.generate("a", use_tqdm=bar)[0].outputs[0].token_ids and bars[0]["total"] == 1
+    assert len(llm.generate("a", use_tqdm=False)[0].outputs[0].token_ids) == 7
+    assert llm.reset_prefix_cache(reset_running_requests=False)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         LLM("flock/tiny", tensor_parallel_size=2)
+    for bad, match in [({"tokenizer_mode": "mistral"}, "tokenizer_mode"), ({"hf_overrides": lambda c: c}, "a dict")]:
+        with pytest.raises(ValueError, match=match):
+            LLM("flock/tiny", **bad)
 
 
 def test_chat_reads_text_parts_and_takes_vllms_template_arguments(llm):
@@ -174,6 +196,11 @@ def test_chat_reads_text_parts_and_takes_vllms_template_arguments(llm):
                                           {"type": "input_text", "text": "colour."}]}]
     joined = [{"role": "user", "content": "Name a\ncolour."}]
     assert llm.chat(parts, greedy, use_tqdm=False)[0].prompt_token_ids == \
+        llm.chat(joined, greedy, use_tqdm=False)[0].prompt_token_ids
+    from flock.tokenizer import bos_prefix
+
+    special = llm.chat(joined, greedy, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})[0]
+    assert special.prompt_token_ids == bos_prefix(llm.get_tokenizer()) + \
         llm.chat(joined, greedy, use_tqdm=False)[0].prompt_token_ids
     template = "{% for m in messages %}[{{ m['content'] if m['content'] is string else m['content'][1]['text'] }}]" \
                "{% endfor %}"

@@ -116,7 +116,8 @@ def vllm_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
             _nest(dotted.setdefault(base, {}), field.replace("-", "_").split("."), value)
             continue
         switch = "--" + flag.removeprefix("--no-")
-        if flag.startswith("--no-") and flag not in options and isinstance(options.get(switch), argparse._StoreTrueAction):
+        if flag.startswith("--no-") and flag not in options and \
+                isinstance(options.get(switch), argparse._StoreTrueAction):
             out = [t for t in out if t != switch]  # vLLM's --no-X: the switch off (it is off unless given)
             continue
         out.append(flag + eq + value)

@@ -142,7 +142,8 @@ class LLMEngine:
         template = self.tokenizer.chat_template if config.chat_template and c.num_labels else None  # the flag's
         self.tasks = ModelTasks(config.model, c.hidden_size, not c.base_model, c.num_labels, c.labels, c.use_sep_token,
                                 template, c.encoder, c.token_classifier, c.embedding_normalize, c.matryoshka)
-        self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved)
+        self.sampling_defaults = self._sampling_defaults(config.generation_config, resolved,
+                                                         config.override_generation_config)
         self.scheduler = make_scheduler(config.scheduler, config, self.kv)
         self.speculative = config.speculative()
         self.proposer = self._proposer(config, max_len)
@@ -185,18 +186,23 @@ class LLMEngine:
                                   self.vocab_size)
 
     @staticmethod
-    def _sampling_defaults(source: str, resolved) -> dict:
-        """Requests' default sampling fields from a generation_config.json (see EngineConfig.generation_config)."""
+    def _sampling_defaults(source: str, resolved, overrides: dict | None) -> dict:
+        """Requests' default sampling fields from a generation_config.json (see EngineConfig.generation_config),
+        `overrides` over them."""
         if source == "vllm" or (source == "auto" and resolved.gguf is not None):  # a GGUF file carries none
-            return {}
+            return sampling_defaults(None, overrides)
         folder = resolved.folder if source == "auto" else Path(source)
         if source != "auto" and not (folder / "generation_config.json").is_file():
             raise ValueError(f"generation_config={source!r}: no generation_config.json there")
-        defaults = sampling_defaults(folder)
+        defaults = sampling_defaults(folder, overrides)
         if defaults:
             log.warning("requests that leave them unset sample with %s, from %s/generation_config.json (as vLLM; "
                         "--generation-config vllm turns this off)", defaults, folder)
         return defaults
+
+    def get_tokenizer(self):
+        """vLLM's `llm_engine.get_tokenizer()`."""
+        return self.tokenizer
 
     @property
     def vocab_size(self) -> int:

@@ -576,14 +576,14 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:
     return pooling, normalize
 
 
-def sampling_defaults(folder: str | Path | None) -> dict:
-    """The sampling fields a folder's generation_config.json sets, named as requests name them: the defaults vLLM's
-    `--generation-config auto` gives requests that leave them unset (transformers 5 has no defaults of its own for
-    them, so every field the file sets counts). Empty without a file."""
+def sampling_defaults(folder: str | Path | None, overrides: dict | None = None) -> dict:
+    """The sampling fields a folder's generation_config.json sets (`overrides` over them: vLLM's
+    override_generation_config), named as requests name them: the defaults vLLM's `--generation-config auto` gives
+    requests that leave them unset (transformers 5 has no defaults of its own for them, so every field the file
+    sets counts). Empty without a file or overrides."""
     path = Path(folder) / "generation_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    config |= overrides or {}
     out = {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
