@@ -533,6 +533,8 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
         config = cls.from_dict({**json.loads(config_file.read_text()), **(overrides or {})})
+        if config.quantization is None:
+            config.quantization = separate_quantization_config(Path(path))
         pooling, normalize = sentence_transformers_pooling(Path(path))
         config.embedding_normalize = normalize
         sbert = Path(path) / "sentence_bert_config.json"
@@ -549,6 +551,15 @@ class ModelConfig:
             extra = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             config.eos_token_id += [e for e in extra if e not in config.eos_token_id]
         return config
+
+
+def separate_quantization_config(folder: Path) -> dict | None:
+    """AutoGPTQ's quantize_config.json or AutoAWQ's quant_config.json, which vLLM reads where config.json has no
+    quantization_config."""
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        if (folder / name).is_file():
+            return {"quant_method": method} | json.loads((folder / name).read_text())
+    return None
 
 
 def sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool]:

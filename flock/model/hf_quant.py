@@ -29,7 +29,8 @@ log = logging.getLogger("flock")
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs columns 0..7 of each word in the order 0, 2, 4, 6, 1, 3, 5, 7
 PACKED = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
-          "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")}
+          "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape",
+                                 "input_scale", "input_zero_point")}  # static activation scales: not used
 FP8 = ("weight", "weight_scale", "weight_scale_inv", "input_scale")  # weight: e4m3; an input scale is not used
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
@@ -58,6 +59,11 @@ def scheme_of(config: dict) -> Scheme:
     method = str(config.get("quant_method", "")).lower()
     if method == "gptq":
         bits, group = config.get("bits", 4), config.get("group_size", -1)
+        mixed = sorted(key for key, value in (config.get("dynamic") or {}).items()
+                       if not key.startswith("-:") and isinstance(value, dict) and value.get("bits", bits) != bits)
+        if mixed:
+            raise ValueError(f"GPTQModel's dynamic overrides of bits per module ({mixed}) are not supported (one "
+                             "bit width for every quantized module is; '-:' skips are)")
         offset = 0 if config.get("checkpoint_format", "gptq") == "gptq_v2" else 1
         scheme = Scheme("gptq", bits, group, offset)
     elif method == "awq":
@@ -180,8 +186,10 @@ def read_groups(tensors: dict[str, torch.Tensor], scheme: Scheme, k: int, where:
     except KeyError as e:
         raise ValueError(f"{where}: {scheme.method} tensor {e.args[0]!r} is missing") from None
     n = q.shape[0]
-    group = group.to(torch.int64) if group is not None else torch.arange(k) // _group_size(scheme, k, scales.shape[1])
-    if q.shape[1] != k or scales.shape[0] != n or zeros.shape != scales.shape or group.shape != (k,) \
+    size = scheme.group_size if scheme.group_size > 0 else k
+    groups = -(-k // size)  # as the config says, as vLLM sizes the scales
+    group = group.to(torch.int64) if group is not None else torch.arange(k) // size
+    if q.shape[1] != k or scales.shape != (n, groups) or zeros.shape != scales.shape or group.shape != (k,) \
             or int(group.min()) < 0 or int(group.max()) >= scales.shape[1]:
         raise ValueError(f"{where}: {scheme.method} tensors of shapes {_shapes(tensors)} do not make a [{n}, {k}] "
                          f"weight of groups of {scheme.group_size}")
@@ -202,10 +210,6 @@ def fp8_values(tensors: dict[str, torch.Tensor], scheme: Scheme, where: str) -> 
     if expanded.shape != (n, k):
         raise ValueError(f"{where}: fp8 scales of shape {tuple(scale.shape)} do not cover a [{n}, {k}] weight")
     return w * expanded
-
-
-def _group_size(scheme: Scheme, k: int, groups: int) -> int:
-    return scheme.group_size if scheme.group_size > 0 else -(-k // groups)
 
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> str:

@@ -15,7 +15,9 @@ from flock.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from flock.model.hf_quant import Scheme
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# tensors no model needs: RoPE's table; a quantized checkpoint's KV cache and attention scales (llm-compressor's,
+# AutoFP8's "-FP8-KV"; vLLM uses them for an fp8 KV cache, Flock's fp8 cache scales each token's row itself)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 LOW_BITS = ("I8", "F8_E4M3")  # weights a quantization scheme reads (int8, fp8), not float ones
 # a multimodal checkpoint's text decoder, as its layouts name it (older files, transformers 5's, Idefics3's), and the
 # parts of it Flock does not run

@@ -200,3 +200,40 @@ def test_bad_checkpoints_and_settings(checkpoints, hf_folders, tmp_path):
         LLM(variant("bias", tensors | {f"{down}.bias": torch.full((64,), 0.5)}))
     with pytest.raises(ValueError, match=f"{down}.weight: gptq tensor 'qzeros' is missing"):
         LLM(variant("missing", {n: t for n, t in tensors.items() if n != f"{down}.qzeros"}))
+
+
+def test_checkpoint_layouts_vllm_loads(checkpoints, tmp_path):
+    """What vLLM reads too: AutoGPTQ's quantize_config.json beside a config.json without quantization_config, KV
+    cache scales of "-FP8-KV" checkpoints and static activation scales (unused here); a group_size the scales do
+    not match and GPTQModel's per-module bit widths are refused by name, never read wrong."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = checkpoints("gptq")
+    moved = shutil.copytree(folder, tmp_path / "moved")
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (moved / "config.json").write_text(json.dumps(config))
+    want = quantized(LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22))
+    got = quantized(LLM(str(moved), quantization="gptq", dtype="float32", kv_cache_memory_bytes=1 << 22))
+    assert got.keys() == want.keys() and all(torch.equal(quant.dequantize(got[n].qweight),
+                                                          quant.dequantize(want[n].qweight)) for n in got)
+    scales = shutil.copytree(folder, tmp_path / "scales")
+    tensors = load_file(str(folder / "model.safetensors"))
+    extra = {f"model.layers.{i}.self_attn.{s}": torch.tensor(0.5) for i in range(2) for s in ("k_scale", "v_scale")}
+    save_file(tensors | extra, str(scales / "model.safetensors"))
+    assert quantized(LLM(str(scales), dtype="float32", kv_cache_memory_bytes=1 << 22)).keys() == want.keys()
+    ct, _ = checkpoints("ct-w8a8")
+    static = shutil.copytree(ct, tmp_path / "static")
+    ct_tensors = load_file(str(ct / "model.safetensors"))
+    inputs = {n.replace("weight_scale", "input_scale"): torch.tensor([0.1]) for n in ct_tensors
+              if n.endswith("weight_scale")}
+    save_file(ct_tensors | inputs, str(static / "model.safetensors"))
+    assert quantized(LLM(str(static), dtype="float32", kv_cache_memory_bytes=1 << 22))
+    for change, message in [({"group_size": 128}, "do not make a .* weight of groups of 128"),
+                            ({"dynamic": {r"+:.*\.1\..*": {"bits": 8}}}, "dynamic overrides of bits")]:
+        bad = shutil.copytree(folder, tmp_path / f"bad{len(message)}")
+        config = json.loads((bad / "config.json").read_text())
+        config["quantization_config"] |= change
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(bad))
