@@ -69,7 +69,8 @@ class Metrics:
             v.itl.observe(since_last / new_tokens)
         if since_last is None:  # the prompt is computed: counted now, however the request ends (as vLLM counts it)
             v.prompt_tokens.inc(out.num_prompt_tokens)
-            v.cache_queries.inc(out.num_prompt_tokens)
+            if out.cache_lookup:  # as vLLM: requests that skip the lookup query nothing
+                v.cache_queries.inc(out.num_prompt_tokens)
             v.cache_hits.inc(out.num_cached_tokens)
             v.prompt_tokens_cached.inc(out.num_cached_tokens)
         if out.finished:

@@ -55,6 +55,7 @@ class StreamOutput:
     stop_reason: int | str | None = None  # the stop token or string that ended it, in the last event
     embedding: list[float] | None = None  # of an embedding request, in its last event
     times: RequestTimes | None = None  # in the last event: where its time went
+    cache_lookup: bool = True  # its prompt was looked up in the prefix cache (not with it off, nor prompt logprobs)
 
     @property
     def finished(self) -> bool:
@@ -120,6 +121,7 @@ class _Tracked:
     req: Request
     stream: RequestStream
     text: TextStream
+    cache_lookup: bool = True  # see StreamOutput
     num_sent: int = 0  # output tokens already reported
 
     def output(self, text: str, finish_reason: str | None, error: str | None = None, sent: int | None = None
@@ -128,7 +130,7 @@ class _Tracked:
         r = self.req
         out = StreamOutput(text, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens, finish_reason, error)
         out.stop_reason = r.stop_text if finish_reason in ("stop", "repetition") else None
-        out.embedding = r.embedding
+        out.embedding, out.cache_lookup = r.embedding, self.cache_lookup
         out.times = r.times() if finish_reason else None
         if sent is not None:
             out.token_ids = r.output_token_ids[sent:]
@@ -302,7 +304,8 @@ class AsyncEngine:
             log.exception("adding a request failed")
             self._send([(stream, StreamOutput("", len(prompt_token_ids), 0, finish_reason="error", error=str(e)))])
             return
-        self._tracked[stream.key] = _Tracked(req, stream, TextStream(req.params.stop))
+        self._tracked[stream.key] = _Tracked(req, stream, TextStream(req.params.stop),
+                                             self._engine.kv.enable_prefix_caching and req.reads_prefix_cache)
 
     def _abort(self, key: int) -> None:
         self._fail(key, "abort")

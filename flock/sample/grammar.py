@@ -26,7 +26,8 @@ from flock.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
 
-MAX_CACHED_GRAMMARS = 512  # compiled grammars kept, least recently used out first (~0.2 MB each)
+# compiled grammars kept, least recently used out first: 0.2-1.2 MB each (their token masks grow with the vocabulary)
+MAX_CACHED_GRAMMARS = 512
 
 
 def _xgrammar():
@@ -110,7 +111,7 @@ class GrammarCompiler:
             xgr = _xgrammar()
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # its own cache has no bound; ours has
         return self._compiler
 
 

@@ -986,7 +986,7 @@ def test_metrics(server, client):
     assert v["vllm:generation_tokens_total"] == m["flock_generation_tokens_total"]
     assert v["vllm:request_success_total{finished_reason=length}"] >= 1
     assert v["vllm:prefix_cache_queries_total"] >= v["vllm:prefix_cache_hits_total"] > 0
-    assert v["vllm:prompt_tokens_total"] == v["vllm:prefix_cache_queries_total"]
+    assert v["vllm:prompt_tokens_total"] >= v["vllm:prefix_cache_queries_total"]  # prompt logprobs look nothing up
     assert v["vllm:time_to_first_token_seconds_count"] == m["flock_time_to_first_token_seconds_count"]
     assert v["vllm:inter_token_latency_seconds_count"] > 0 and v["vllm:e2e_request_latency_seconds_count"] > 0
     assert v["vllm:request_generation_tokens_sum"] > 0 and v["vllm:num_preemptions_total"] >= 0

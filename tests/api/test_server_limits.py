@@ -144,6 +144,8 @@ def test_vllm_metrics_count_prompts_at_their_first_output_and_client_aborts_as_n
     value = metrics.registry.get_sample_value
     labels = {"model_name": "m", "engine": "0"}
     assert value("vllm:prompt_tokens_total", labels) == 7 and value("vllm:prefix_cache_hits_total", labels) == 3
+    metrics.output(StreamOutput("c", 9, 1, cache_lookup=False), 1, 0.5, None, 0.5)  # prompt logprobs: no lookup
+    assert value("vllm:prompt_tokens_total", labels) == 16 and value("vllm:prefix_cache_queries_total", labels) == 7
     assert value("vllm:request_success_total", labels | {"finished_reason": "abort"}) == 0
     done = StreamOutput("b", 5, 1, finish_reason="error")
     metrics.output(done, 1, 0.2, None, 0.2)
