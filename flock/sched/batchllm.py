@@ -120,23 +120,32 @@ class BatchLLMScheduler(Scheduler):
     def _fill(self) -> StepPlan:
         plan = StepPlan()
         self._room = self.config.max_num_seqs - sum(len(g.admitted) for g in self.active)
+        # a prefill under way (a member's, or a started group prefix's) that cannot take its next chunk blocks
+        # admissions until it can: new requests never starve it of KV (as vLLM runs its running requests first)
+        self._blocked = False
         budget = self._decode(plan, self.config.max_num_batched_tokens)
+        started = [g for g in self.active if not g.prefix_done and self.kv.num_blocks(g.prefix)]
         for g in list(self.active):
             if g.prefix_done:
-                budget = self._members(g, plan, budget)
+                budget = self._continue(g, plan, budget)
+        for g in started:
+            budget = self._prefix(g, plan, budget)
+        for g in list(self.active):
+            if g.prefix_done and not self._blocked:
+                budget = self._admit(g, plan, budget)
         for g in self.active:
-            if not g.prefix_done:
+            if not g.prefix_done and g not in started and not self._blocked:
                 budget = self._prefix(g, plan, budget)
         # next groups start while the budget lasts and their prefix chunks keep KV use under the bound; if
         # pinned prefixes ever leave no room for any member, `schedule` gives the newest idle one up
-        while budget > 0 and self._room > 0 and self.pending:
+        while budget > 0 and self._room > 0 and self.pending and not self._blocked:
             if not plan.scheduled and any(g.waiting for g in self.active):
                 break
             g = self.pending.popleft()
             self.active.append(g)
             if g.prefix_len:
                 g.prefix = self._pseudo_request(g)
-            budget = self._members(g, plan, budget) if g.prefix_done else self._prefix(g, plan, budget)
+            budget = self._admit(g, plan, budget) if g.prefix_done else self._prefix(g, plan, budget)
             if not g.admitted and (g.prefix is None or not self.kv.num_blocks(g.prefix)):
                 self.active.pop()  # nothing fitted: try again next step
                 self.pending.appendleft(g)
@@ -158,17 +167,23 @@ class BatchLLMScheduler(Scheduler):
                     budget -= n
         return budget
 
-    def _members(self, g: GroupState, plan: StepPlan, budget: int) -> int:
+    def _continue(self, g: GroupState, plan: StepPlan, budget: int) -> int:
+        """The group's unfinished prefills (chunked, or recomputing after preemption)."""
         scheduled = {r.request_id for r, _ in plan.scheduled}
-        for req in g.admitted:  # unfinished prefills (chunked, or recomputing after preemption)
+        for req in g.admitted:
             n = req.chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if req.request_id in scheduled or n <= 1 and req.num_output_tokens or n == 0:
                 continue
             needed = self.kv.blocks_needed(req.num_computed_tokens + n) - self.kv.num_blocks(req)
             if not self._fits(plan, needed) or not self.allocate(req, n):
+                self._blocked = True
                 return budget
             plan.scheduled.append((req, n))
             budget -= n
+        return budget
+
+    def _admit(self, g: GroupState, plan: StepPlan, budget: int) -> int:
+        """The group's waiting members, while they fit."""
         while g.waiting and budget > 0 and self._room > 0:
             req = g.waiting[0]
             cached = self._shared_blocks(g, req)
@@ -197,6 +212,8 @@ class BatchLLMScheduler(Scheduler):
         if n > 0 and self._fits(plan, needed) and self.allocate(p, n, cached):
             plan.scheduled.append((p, n))
             budget -= n
+        elif n > 0 and held:
+            self._blocked = True
         return budget
 
     def _shared_blocks(self, g: GroupState, req: Request) -> CachedPrefix:

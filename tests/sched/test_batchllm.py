@@ -189,3 +189,26 @@ def test_max_num_seqs_caps_the_running_members(mixed):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert max(running) == 3 and len(running) > len(prompts) // 3 * GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_long_prefill_under_way_is_not_starved_by_arrivals(shared):
+    """A steady stream of small requests (one a step) beside a long prompt (or two members of a long shared prefix)
+    whose next chunk does not fit under the KV bound: admissions wait for it, as vLLM runs its running requests
+    first (it stalled half computed until the stream ended, holding half the pool)."""
+    llm = LLM("flock/tiny", dtype="float32", block_size=8, scheduler="batchllm", max_num_seqs=8,
+              max_num_batched_tokens=256, num_kv_blocks=60, max_model_len=-1)
+    engine, rng = llm.engine, random.Random(0)
+    small = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    long_ones = []
+    for step in range(200):
+        engine.add_request([rng.randrange(100, 8000) for _ in range(30)], small)
+        if step == 3:
+            prefix = [rng.randrange(100, 8000) for _ in range(392 if shared else 400)]
+            tails = [[rng.randrange(100, 8000) for _ in range(8)] for _ in range(2)] if shared else [[]]
+            long_ones = [engine.add_request(prefix + t, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+                         for t in tails]
+        engine.step()
+        if long_ones and all(r.is_finished for r in long_ones):
+            break
+    assert step < 60, f"the long prompt finished only at step {step}"
