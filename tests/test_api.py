@@ -165,13 +165,15 @@ def test_vllm_engine_keywords_flock_already_runs_as():
     where Flock has them under another name; a use_tqdm callable makes the bar."""
     import torch
 
-    llm = LLM("flock/tiny", tensor_parallel_size=1, enforce_eager=False, trust_remote_code=True, disable_log_stats=False,
-              gpu_memory_utilization=0.9, enable_chunked_prefill=False, tokenizer_mode="hf", quantization=None,
+    llm = LLM("flock/tiny", tensor_parallel_size=1, enforce_eager=False, trust_remote_code=True,
+              disable_log_stats=False, gpu_memory_utilization=0.9, enable_chunked_prefill=False, tokenizer_mode="hf",
+              quantization=None,
               enable_prefix_caching=None, dtype=torch.float32, scheduling_policy="priority",
               override_generation_config={"temperature": 0.5, "max_new_tokens": 7})
     assert (llm.engine.config.scheduler, llm.engine.config.enable_prefix_caching, llm.engine.runner.dtype) == \
         ("priority", True, torch.float32)
-    assert llm.get_default_sampling_params().temperature == 0.5 and llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    assert llm.get_default_sampling_params().temperature == 0.5
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
     bars = []
 
     def bar(**kw):
