@@ -10,13 +10,15 @@ from prometheus_client import (
     generate_latest,
 )
 
-from flock.engine.async_engine import AsyncEngine, StreamOutput
+from flock.engine.async_engine import AsyncEngine, RequestStream, StreamOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class Metrics:
@@ -48,6 +50,7 @@ class Metrics:
              "disk_read_blocks"),
             ("flock_kv_disk_saved_blocks", "Computed KV blocks handed to the disk tier", "disk_saved_blocks"))]
         self.vllm = VllmMetrics(r, engine, model_name)
+        engine.on_step = self.vllm.step_tokens.observe
 
     def render(self) -> bytes:
         sync(self.engine_counts, self.engine.state)
@@ -84,6 +87,17 @@ class Metrics:
             v.request_prompt.observe(out.num_prompt_tokens)
             v.request_generation.observe(out.num_output_tokens)
             v.finished(out)
+
+    def request_finished(self, stream: RequestStream) -> None:
+        """A generation's stream ended; once its prompt's last choice has, its n and longest output (vLLM's
+        parent request)."""
+        if stream.max_tokens is None:
+            return
+        v = self.vllm
+        v.params_max_tokens.observe(stream.max_tokens)
+        if all(s.finished for s in stream.siblings):
+            v.params_n.observe(len(stream.siblings))
+            v.max_generation.observe(max(s.num_output_tokens for s in stream.siblings))
 
     def aborted(self) -> None:
         """A request its client left (vLLM counts no success for it)."""
@@ -147,6 +161,13 @@ class VllmMetrics:
                                        f"Histogram of time spent in {phase} phase for request.", LATENCY_BUCKETS)
                        for name, phase in (("queue", "WAITING"), ("inference", "RUNNING"), ("prefill", "PREFILL"),
                                            ("decode", "DECODE"))}
+        self.step_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     STEP_TOKEN_BUCKETS)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS)
+        self.max_generation = histogram("vllm:request_max_num_generation_tokens",
+                                        "Histogram of maximum number of requested generation tokens.", TOKEN_BUCKETS)
         self.preemptions = histogram("vllm:request_num_preemptions",
                                      "Histogram of the number of times a request was preempted.", PREEMPTION_BUCKETS)
 

@@ -118,7 +118,7 @@ async def generate(kind: str, raw: Request, ctx: ServerContext):
     reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()), gen.role)
     if gen.beam is not None:
         return JSONResponse(await _beam_search(reply, gen, raw, ctx))
-    streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen))
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: engine_error(e, gen), gen.n)
     if gen.stream:
         return _SSEResponse(_stream(reply, gen, streams, ctx), media_type="text/event-stream")
     parts = await _collect(streams, raw, ctx)
@@ -261,7 +261,7 @@ async def respond(raw: Request, ctx: ServerContext):
         req.id = gen.request_id if gen.request_id.startswith("resp_") else "resp_" + gen.request_id
         if ctx.responses.get(req.id) is not None:
             raise APIError(f"a stored response already has the id {req.id!r}", param="request_id")
-    streams = await _submit(gen.engine_requests(), ctx, lambda e: renamed(engine_error(e, gen)))
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: renamed(engine_error(e, gen)), gen.n)
     if gen.stream:
         return _SSEResponse(_response_events(req, streams, ctx), media_type="text/event-stream")
     p = (await _collect(streams, raw, ctx))[0]
@@ -317,7 +317,7 @@ async def answer_messages(raw: Request, ctx: ServerContext):
         gen.fit(ctx.engine.max_model_len)
     except APIError as e:
         raise messages_renamed(e) from None
-    streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)))
+    streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)), gen.n)
     given = raw.headers.get("x-request-id") or gen.request_id
     if given:
         req.id = given if given.startswith("msg_") else "msg_" + given
@@ -391,9 +391,10 @@ async def json_body(raw: Request):
 
 
 async def _submit(requests: list[tuple[list[int], SamplingParams | PoolingParams]], ctx: ServerContext,
-                  rejected: Callable[[ValueError], APIError]) -> list[RequestStream]:
+                  rejected: Callable[[ValueError], APIError], n: int = 1) -> list[RequestStream]:
     """One engine request each, their grammars compiled first (on a worker thread, not the event loop); if one
-    cannot be added, those already added are aborted. `rejected` words the engine's ValueError."""
+    cannot be added, those already added are aborted. `rejected` words the engine's ValueError; each `n`
+    consecutive requests are one prompt's choices."""
     if len(requests) > ctx.engine.max_waiting:  # would be refused however long it waited
         raise APIError(f"this request needs {len(requests)} engine requests (one per prompt and choice), more than "
                        f"the waiting queue holds (max_waiting={ctx.engine.max_waiting})", param="n")
@@ -419,6 +420,10 @@ async def _submit(requests: list[tuple[list[int], SamplingParams | PoolingParams
     except ValueError as e:
         _close(streams, ctx.metrics)
         raise rejected(e) from None
+    for i, (ids, params) in enumerate(requests):
+        if isinstance(params, SamplingParams):
+            streams[i].max_tokens = params.max_tokens or ctx.engine.max_model_len - len(ids)
+        streams[i].siblings = streams[i - i % n : i - i % n + n]
     return streams
 
 
@@ -607,6 +612,8 @@ async def _observed(stream: RequestStream, metrics: Metrics) -> AsyncIterator[St
             first = now - stream.created
         metrics.output(out, out.num_output_tokens - seen, now - stream.created, None if last is None else now - last,
                        first)
+        if out.finished:
+            metrics.request_finished(stream)
         seen, last = out.num_output_tokens, now
         yield out
 

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -96,6 +97,9 @@ class RequestStream:
         self.queue: asyncio.Queue[StreamOutput] = asyncio.Queue()
         self.created = time.monotonic()
         self.finished = False
+        self.num_output_tokens = 0  # as of its last output read
+        self.siblings: list[RequestStream] = [self]  # the streams of its prompt's n choices, itself included
+        self.max_tokens: int | None = None  # what its params allow (None: not a generation)
         self._engine = engine
         self._aborted = False
 
@@ -106,7 +110,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         out = await self.queue.get()
-        self.finished = out.finished
+        self.finished, self.num_output_tokens = out.finished, out.num_output_tokens
         return out
 
     def abort(self) -> None:
@@ -155,6 +159,7 @@ class AsyncEngine:
         self.sampling_defaults: dict = {}  # the model's generation config (LLMEngine.sampling_defaults)
         self.tasks = None  # what the model serves (LLMEngine.tasks)
         self.eos_token_ids: list[int] = []
+        self.on_step: Callable[[int], None] | None = None  # called in the engine thread with each step's tokens
         self._engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._keys = itertools.count()
@@ -273,6 +278,8 @@ class AsyncEngine:
         for step in run(self._engine, self._admit, self._on_step_error):
             t0 = time.perf_counter()
             self._publish()  # before the outputs: a client that has its tokens finds the step in /health
+            if self.on_step is not None and step.tokens:
+                self.on_step(step.tokens)
             self._emit()
             self._busy_seconds += step.seconds + time.perf_counter() - t0
             self._publish()

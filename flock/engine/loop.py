@@ -36,6 +36,7 @@ class Steppable(Protocol):
 class StepEvent:
     finished: list[Any]  # the requests that finished in the step
     seconds: float  # the step's wall time
+    tokens: int = 0  # the tokens it computed (0: it failed)
 
 
 def run(engine: Steppable, admit: Callable[[bool], bool] | None = None,
@@ -52,7 +53,7 @@ def run(engine: Steppable, admit: Callable[[bool], bool] | None = None,
                 return
             if not engine.has_unfinished():
                 continue
-            t0 = time.perf_counter()
+            t0, tokens = time.perf_counter(), stats.step_tokens
             try:
                 finished = engine.step()
             except Exception as e:
@@ -60,7 +61,7 @@ def run(engine: Steppable, admit: Callable[[bool], bool] | None = None,
                     raise
                 on_error(e)
                 finished = []
-            yield StepEvent(finished, time.perf_counter() - t0)
+            yield StepEvent(finished, time.perf_counter() - t0, stats.step_tokens - tokens)
     finally:
         stats.stop()
 

@@ -1004,3 +1004,36 @@ def test_metrics(server, client):
     assert v["vllm:request_prefill_kv_computed_tokens_count"] == finished
     assert 0 < v["vllm:request_prefill_kv_computed_tokens_sum"] <= (
         v["vllm:prompt_tokens_total"] - v["vllm:prompt_tokens_cached_total"])
+
+
+def test_vllm_metrics_of_request_params_and_steps(server, client):
+    """vLLM's parameter histograms: n once per prompt with its longest choice, max_tokens per choice (a chat
+    without one: what the context leaves), and the tokens of every engine step."""
+    def values() -> dict[str, float]:
+        m = metrics(server)
+        return {name: m.get(f"vllm:{name}{{engine=0,model_name={MODEL}}}", 0.0) for name in (
+            "request_params_n_count", "request_params_n_sum", "request_params_max_tokens_count",
+            "request_params_max_tokens_sum", "request_max_num_generation_tokens_count",
+            "request_max_num_generation_tokens_sum", "iteration_tokens_total_count", "iteration_tokens_total_sum")}
+
+    def chat_tokens(words: int) -> int:
+        body = {"messages": [{"role": "user", "content": "hi " * words}]}
+        return httpx.post(f"{server.url}/tokenize", json=body, headers=AUTH, timeout=10).json()["count"]
+
+    per_word = chat_tokens(101) - chat_tokens(100)
+    words = 100 + (2044 - chat_tokens(100)) // per_word  # a chat that leaves a few tokens of the 2,048
+    wait_idle(server)
+    before = values()
+    r = client.completions.create(model=MODEL, prompt=["one two", "three"], n=3, max_tokens=4, temperature=1.0,
+                                  seed=1, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * words}], **GREEDY)
+    wait_idle(server)
+    d = {k: v - before[k] for k, v in values().items()}
+    chat_allowance = 2048 - chat.usage.prompt_tokens
+    assert chat.usage.completion_tokens == chat_allowance <= 16
+    assert d["request_params_n_count"] == 3 and d["request_params_n_sum"] == 3 + 3 + 1
+    assert d["request_params_max_tokens_count"] == 7 and d["request_params_max_tokens_sum"] == 6 * 4 + chat_allowance
+    assert d["request_max_num_generation_tokens_count"] == 3
+    assert d["request_max_num_generation_tokens_sum"] == 4 + 4 + chat.usage.completion_tokens
+    computed = r.usage.total_tokens + chat.usage.total_tokens
+    assert 0 < d["iteration_tokens_total_count"] and d["iteration_tokens_total_sum"] <= computed
