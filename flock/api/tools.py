@@ -9,21 +9,24 @@ answer into OpenAI's `tool_calls`. Without one, only "none" is accepted, as vLLM
 Formats: "hermes" (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after
 optional text), "llama3_json" (Llama 3.1 / 3.2: `{"name": ..., "parameters": {...}}`, optionally after
 `<|python_tag|>`), "mistral" (Mistral 7B v0.3 and its kin: `[TOOL_CALLS] [{"name": ..., "arguments": {...}},
-...]`, ids of 9 letters and digits as Mistral's template wants them), "pythonic" (Llama 3.2 with its pythonic
+...]`; the v11 tokenizers' models, Mistral Small 3.2, Magistral, Devstral: `[TOOL_CALLS]NAME[ARGS]{...}` for each
+call; ids of 9 letters and digits as Mistral's template wants them), "pythonic" (Llama 3.2 with its pythonic
 template, Llama 4, ToolACE: the whole answer a Python list of calls with literal keyword arguments,
 `[get_weather(city="Paris"), now()]`, in Llama 4's `<|python_start|>...<|python_end|>` or not), "qwen3_coder"
 (Qwen3-Coder, Qwen3.5: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n
 </tool_call>`, each value raw text read as its parameter's schema type; forced calls constrained by xgrammar's own
-structural tag of the format), "granite" (Granite 3.x: the whole answer a JSON list of calls, after
-`<|tool_call|>` or `<tool_call>` or not) and "phi4_mini_json" (Phi-4-mini: `functools[{"name": ...,
-"arguments": {...}}, ...]`). The content is the text before the first call, without the whitespace that ends it
-(a pythonic or granite answer is calls or content, whole).
+structural tag of the format), "granite" (Granite 3.x: a JSON list of calls after `<|tool_call|>` or
+`<tool_call>`) and "phi4_mini_json" (Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]`). The content
+is the text before the first call, without the whitespace that ends it (a pythonic answer is calls or content,
+whole). A JSON list's call without arguments has none ({}), and arguments written as a string are taken as the
+JSON text they are (as vLLM's parsers take them); a call whose name is no string is not a call.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 import string
@@ -46,13 +49,26 @@ _GRANITE_STARTS = ("<|tool_call|>", "<tool_call>")
 _JSON_LISTS = {"mistral": ((_MISTRAL_START,), _MISTRAL_START + " "),
                "granite": (_GRANITE_STARTS, _GRANITE_STARTS[0]), "phi4_mini_json": (("functools",), "functools")}
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
-# where a call may start after content (a pythonic or granite answer is calls or content, whole)
-_STARTS = {"hermes": [_HERMES_START], "mistral": [_MISTRAL_START], "qwen3_coder": [_HERMES_START],
-           "phi4_mini_json": ["functools"]}
+_MISTRAL_ARGS = "[ARGS]"  # v11 tokenizers': between a call's name and its arguments
+_XML_FUNCTION = "<function="  # a Qwen XML call's start, also without its <tool_call> (as vLLM reads it)
+# where a call may start after content (a pythonic answer is calls or content, whole)
+_STARTS = {"hermes": [_HERMES_START], "mistral": [_MISTRAL_START], "qwen3_coder": [_HERMES_START, _XML_FUNCTION],
+           "granite": list(_GRANITE_STARTS), "phi4_mini_json": ["functools"]}
 # what may begin a Llama 3 call: its tag, or an object whose first key is coming (code's braces are content)
 _LLAMA_CALL, _LLAMA_OPENING = re.compile(r'<\|python_tag\|>|\{\s*"'), re.compile(r"\{\s*$")
-_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+_XML_CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>|$)|$)",
+                       re.DOTALL)
+# a parameter's value ends at its closing tag or the next parameter; one cut off by max_tokens is dropped (as vLLM)
+_XML_PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
+                            re.DOTALL)
+# JSON Schema type names as vLLM reads a Qwen XML value's type, their aliases, and the order it tries them
+_XML_TYPE_ALIASES = {**dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
+                     **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short",
+                                      "unsigned"), "integer"),
+                     **dict.fromkeys(("float", "float32", "float64", "double"), "number"), "bool": "boolean",
+                     "dict": "object", **dict.fromkeys(("arr", "list", "sequence"), "array")}
+_XML_TYPE_ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")
+_NOT_JSON = object()
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
 # what starts a call in free text, for formats whose calls may follow text (strict tools with tool_choice auto)
@@ -198,9 +214,8 @@ class ToolCalling:
         calls = calls if self.parallel else calls[:1]
         # vLLM's hermes parser keeps the whitespace before a call the model chose to make
         content = content if self.parser == "hermes" and self.choice == "auto" else content.rstrip()
-        return content or None, [
-            {"id": self._call_id(), "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
+        return content or None, [{"id": self._call_id(), "type": "function",
+                                  "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
 
     def _call_id(self) -> str:
         if self.parser == "mistral":  # Mistral's template refuses other tool_call_ids
@@ -211,10 +226,9 @@ class ToolCalling:
         """How much of a partial answer is content for sure (never part of a call), to stream before the end."""
         if self.choice != "auto":
             return 0
-        if self.parser in ("pythonic", "granite"):  # calls are the whole answer: it streams unless it starts as one
+        if self.parser == "pythonic":  # calls are the whole answer: it streams unless it starts as one
             head = text.lstrip()
-            markers = (_PYTHON_START,) if self.parser == "pythonic" else _GRANITE_STARTS
-            return 0 if not head or head[0] == "[" or any(m.startswith(head[: len(m)]) for m in markers) \
+            return 0 if not head or head[0] == "[" or _PYTHON_START.startswith(head[: len(_PYTHON_START)]) \
                 else len(text)
         if self.parser == "llama3_json":
             found = _LLAMA_CALL.search(text) or _LLAMA_OPENING.search(text)
@@ -230,18 +244,26 @@ class ToolCalling:
         return "tool_calls" if calls and not self.named and engine_reason == "stop" else engine_reason
 
 
-def _hermes(text: str) -> tuple[str, list[tuple[str, object]]]:
+def _hermes(text: str) -> tuple[str, list[tuple[str, str]]]:
     if _HERMES_START not in text:
         return text, []
     try:
         calls = [json.loads(closed or open_) for closed, open_ in _HERMES_CALL.findall(text)]
-        calls = [(c["name"], c["arguments"]) for c in calls]
+        calls = [(_name(c), json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     except (ValueError, KeyError, TypeError):
         return text, []
     return text[: text.index(_HERMES_START)], calls
 
 
-def _llama3_json(text: str) -> tuple[str, list[tuple[str, object]]]:
+def _name(call: dict) -> str:
+    """A call's function name; TypeError when it is none (a number, null, an object)."""
+    name = call["name"]
+    if not isinstance(name, str):
+        raise TypeError(f"a call's name is {name!r}")
+    return name
+
+
+def _llama3_json(text: str) -> tuple[str, list[tuple[str, str]]]:
     """Every JSON object from the first `{` on is a call ({"name", "parameters" or "arguments"}); text between
     them is dropped, as vLLM's parser drops it."""
     decoder, calls, at = json.JSONDecoder(), [], text.find("{")
@@ -249,38 +271,54 @@ def _llama3_json(text: str) -> tuple[str, list[tuple[str, object]]]:
         while at >= 0:
             obj, end = decoder.raw_decode(text, at)
             args = obj["arguments"] if "arguments" in obj else obj["parameters"]
-            calls.append((obj["name"], args))
+            calls.append((_name(obj), json.dumps(args, ensure_ascii=False)))
             at = text.find("{", end)
     except (ValueError, KeyError, TypeError):
         return text, []
     return text[: text.find("{")].replace(_LLAMA_TAG, ""), calls
 
 
-def _json_list(text: str, parser: str) -> tuple[str, list[tuple[str, object]]]:
-    """The JSON after the format's marker: a list of calls (or one call) with "name" and "arguments". Granite's
-    answer is the calls and nothing else, its marker optional."""
+def _json_list(text: str, parser: str) -> tuple[str, list[tuple[str, str]]]:
+    """The JSON after the format's first marker: a list of calls (or one call) with "name" and "arguments" (or
+    Phi-4-mini's "parameters"); Mistral's v11 calls, `NAME[ARGS]{...}` after each marker."""
     markers = _JSON_LISTS[parser][0]
-    if parser == "granite":
-        head = text.lstrip()
-        marker = next((m for m in markers if head.startswith(m)), "")
-        content, rest = "", head[len(marker) :]
-        if not rest.lstrip().startswith("["):
-            return text, []
-    else:
-        at = min((i for i in (text.find(m) for m in markers) if i >= 0), default=-1)
-        if at < 0:
-            return text, []
-        marker = next(m for m in markers if text.startswith(m, at))
-        content, rest = text[:at], text[at + len(marker) :]
+    at = min((i for i in (text.find(m) for m in markers) if i >= 0), default=-1)
+    if at < 0:
+        return text, []
+    marker = next(m for m in markers if text.startswith(m, at))
+    content, rest = text[:at], text[at + len(marker) :]
     try:
+        if parser == "mistral" and not rest.lstrip().startswith(("[", "{")):
+            return content, [_mistral_v11_call(part) for part in rest.split(_MISTRAL_START)]
         calls, _ = json.JSONDecoder().raw_decode(rest.strip())
-        calls = [(c["name"], c["arguments"]) for c in (calls if isinstance(calls, list) else [calls])]
-    except (ValueError, KeyError, TypeError):
+        calls = [(_name(c), _list_arguments(c)) for c in (calls if isinstance(calls, list) else [calls])]
+    except (ValueError, KeyError, TypeError, AttributeError):
         return text, []
     return content, calls
 
 
-def _pythonic(text: str) -> tuple[str, list[tuple[str, object]]]:
+def _list_arguments(call: dict) -> str:
+    """A JSON list call's arguments as JSON text: none are {}, a string is taken as the JSON text it is."""
+    args = call["arguments"] if "arguments" in call else call.get("parameters")
+    return "{}" if args is None else args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _mistral_v11_call(part: str) -> tuple[str, str]:
+    """One `NAME[ARGS]{...}` (or `NAME{...}`) call of Mistral's v11 tokenizers; ValueError if it is none."""
+    name, sep, args = part.partition(_MISTRAL_ARGS)
+    if not sep:
+        name, brace, args = part.partition("{")
+        args = brace + args
+    name = name.strip()
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(f"no function name in {part!r}")
+    obj, _ = json.JSONDecoder().raw_decode(args.strip())
+    if not isinstance(obj, dict):
+        raise ValueError(f"the arguments of {name} are no object")
+    return name, json.dumps(obj, ensure_ascii=False)
+
+
+def _pythonic(text: str) -> tuple[str, list[tuple[str, str]]]:
     """The whole answer as a Python list of calls with literal keyword arguments (vLLM's pythonic parser)."""
     code = text.strip()
     if code.startswith(_PYTHON_START):
@@ -295,50 +333,93 @@ def _pythonic(text: str) -> tuple[str, list[tuple[str, object]]]:
         for call in tree.elts:
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
                 return text, []
-            calls.append((call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+            args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
     except (SyntaxError, ValueError, TypeError):
         return text, []
     return "", calls
 
 
-def _qwen3_coder(text: str, tools: list[dict]) -> tuple[str, list[tuple[str, object]]]:
+def _qwen3_coder(text: str, tools: list[dict]) -> tuple[str, list[tuple[str, str]]]:
     """Qwen's XML calls: each `<function=NAME>`'s `<parameter=KEY>` values, read by their schema types (vLLM's
-    qwen3_coder parser); a call left open at the end (max_tokens) counts as far as it goes."""
-    if _HERMES_START not in text:
+    qwen3_coder parser); a call left open at the end (max_tokens) counts with the parameters it closed."""
+    found = [at for at in (text.find(_HERMES_START), text.find(_XML_FUNCTION)) if at >= 0]
+    if not found:
         return text, []
     schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
                for t in tools}
     calls = []
     for name, body in _XML_CALL.findall(text):
         name, properties = name.strip(), schemas.get(name.strip(), {})
-        calls.append((name, {key.strip(): _xml_value(value, properties.get(key.strip()))
-                             for key, value in _XML_PARAMETER.findall(body)}))
+        args = {key.strip(): _xml_value(value, properties.get(key.strip()))
+                for key, value in _XML_PARAMETER.findall(body)}
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
     if not calls:
         return text, []
-    return text[: text.index(_HERMES_START)], calls
+    return text[: min(found)], calls
 
 
 def _xml_value(raw: str, schema: dict | None):
-    """A parameter's value: its text without the newline on either side, as its schema's type (a string as it is;
-    numbers, booleans, null, objects and arrays read as JSON, then as Python literals; text when neither reads)."""
+    """A parameter's value as vLLM reads it: its text without the newline on either side, as the first of its
+    schema's types it reads as (null, integer, number, boolean, object, array, string; a parameter the schema does
+    not name, or names without a type, is a string); JSON's non-finite numbers stay text. An enum's value with
+    space around it is the value."""
     value = raw.removeprefix("\n").removesuffix("\n")
-    kind = (schema or {}).get("type")
-    if schema and "enum" in schema and value.strip() in schema["enum"]:
-        return value.strip()
-    if kind == "string":
+    if not isinstance(schema, dict):
         return value
-    if value.strip().lower() == "null":
-        return None
-    if kind == "boolean" and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    for read in (json.loads, ast.literal_eval):
-        try:
-            parsed = read(value.strip())
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        if kind is None or not isinstance(parsed, str):
+    enum = schema.get("enum") if isinstance(schema.get("enum"), list) else []
+    if value not in enum and value.strip() in enum:  # the whitespace a forced call's grammar allows around it
+        return value.strip()
+    types = {_XML_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in _schema_types(schema)}
+    for kind in (t for t in _XML_TYPE_ORDER if t in types):
+        if kind == "string":
+            return value
+        if kind == "null" and value.lower() == "null":
+            return None
+        if kind in ("integer", "number"):
+            try:
+                number = int(value) if kind == "integer" else float(value)
+            except ValueError:
+                continue
+            if kind == "integer" or math.isfinite(number):
+                return int(number) if number == int(number) else number
+        if kind == "boolean" and value.strip().lower() in ("true", "1", "false", "0"):
+            return value.strip().lower() in ("true", "1")
+        if kind in ("object", "array") and (parsed := _finite_json(value)) is not _NOT_JSON:
             return parsed
-    return value
+    parsed = _finite_json(value)
+    return value if parsed is _NOT_JSON else parsed
+
+
+def _schema_types(schema: dict) -> list[str]:
+    """The type names a parameter's schema allows: its `type`, its enum values' types, its anyOf / oneOf /
+    allOf branches'; "string" when it names none."""
+    types = schema.get("type")
+    found = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)] \
+        if isinstance(types, list) else []
+    kinds = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+             (list, "array"), (dict, "object"))
+    for value in schema.get("enum") or [] if isinstance(schema.get("enum"), list) else []:
+        found += [name for kind, name in kinds if isinstance(value, kind)][:1]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            found += [t for branch in schema[key] if isinstance(branch, dict) for t in _schema_types(branch)]
+    return found or ["string"]
+
+
+def _finite_json(value: str):
+    """`value` read as JSON; _NOT_JSON when it is not, or holds a non-finite number (NaN, Infinity, 1e999: no JSON
+    text can carry them)."""
+    try:
+        parsed = json.loads(value, parse_constant=_reject)
+        json.dumps(parsed, allow_nan=False)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+    return parsed
+
+
+def _reject(constant: str):
+    raise ValueError(f"{constant} is no JSON number")
 
 
 def _pythonic_call(rule: str, name: str, schema: dict) -> list[str]:

@@ -43,7 +43,8 @@ def test_hermes_calls_as_vllm_parses_them():
     two = '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>{"name": "now", "arguments": {"é": 1}}'
     assert calls(hermes().extract(two)) == (None, [("now", {}), ("now", {"é": 1})])
     assert hermes().extract(two)[1][1]["function"]["arguments"] == '{"é": 1}'  # json.dumps, non-ASCII kept
-    for text in ("It is sunny.", '<tool_call>{"name": "now"}</tool_call>', '<tool_call>{"name": "now", "argu'):
+    for text in ("It is sunny.", '<tool_call>{"name": "now"}</tool_call>', '<tool_call>{"name": "now", "argu',
+                 '<tool_call>{"name": 5, "arguments": {}}</tool_call>'):  # a name that is no string: no call
         assert hermes().extract(text) == (text, [])
 
 
@@ -52,7 +53,8 @@ def test_llama3_json_calls_as_vllm_parses_them():
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "celsius": false}}; ' \
            '{"name": "now", "arguments": {}}'
     assert calls(llama().extract(text)) == (None, [("get_weather", {"city": "Rome", "celsius": False}), ("now", {})])
-    for text in ("No tools needed.", 'Use {braces} {"name": "now", "parameters": {}}', '{"name": "now"}'):
+    for text in ("No tools needed.", 'Use {braces} {"name": "now", "parameters": {}}', '{"name": "now"}',
+                 '{"name": {"x": 1}, "parameters": {}}'):
         assert llama().extract(text) == (text, [])
 
 
@@ -157,15 +159,24 @@ def mistral(choice="auto") -> ToolCalling:
 
 
 def test_mistral_calls_as_vllm_parses_them():
-    """[TOOL_CALLS] then a JSON list of calls; ids of 9 letters and digits, as Mistral's template wants them."""
+    """[TOOL_CALLS] then a JSON list of calls (a call without arguments has none, arguments written as a string
+    are the JSON text they are), or the v11 tokenizers' NAME[ARGS]{...} after each marker; ids of 9 letters and
+    digits, as Mistral's template wants them."""
     import re
 
     text = 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}, ' \
-           '{"name": "now", "arguments": {}}]'
+           '{"name": "now"}]'
     assert calls(mistral().extract(text)) == ("Checking.", [("get_weather", {"city": "Rome", "celsius": True}),
                                                             ("now", {})])
     assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in mistral().extract(text)[1])
-    for text in ("No call.", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"name": "now"}]'):
+    quoted = '[TOOL_CALLS] [{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}]'
+    assert mistral().extract(quoted)[1][0]["function"]["arguments"] == '{"city": "Paris"}'
+    v11 = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "celsius": true}[TOOL_CALLS]now[ARGS]{}'
+    assert calls(mistral().extract(v11)) == ("Checking.", [("get_weather", {"city": "Paris", "celsius": True}),
+                                                           ("now", {})])
+    assert calls(mistral().extract('[TOOL_CALLS]now{}')) == (None, [("now", {})])
+    for text in ("No call.", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"name": null, "arguments": {}}]',
+                 '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "[TOOL_CALLS][ARGS]{}"):
         assert mistral().extract(text) == (text, [])
     stream = ToolCallStream(mistral())
     assert stream.content("Sure. [TOOL") == "Sure." and stream.content('_CALLS] [{"name": "now", ') == ""
@@ -252,12 +263,35 @@ def test_qwen3_coder_calls_as_vllm_parses_them():
                     options='{"overwrite": true}')
     assert calls(qwen3_coder().extract(html)) == (None, [("write_file", {
         "path": "index.html", "content": "<div>\n  42\n</div>", "mode": 420, "options": {"overwrite": True}})])
-    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"  # max_tokens ran out
-    assert calls(qwen3_coder().extract(cut)) == (None, [("get_weather", {"city": "Par"})])
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=celsius>\ntrue\n</parameter>\n<parameter=city>\nPar"
+    assert calls(qwen3_coder().extract(cut)) == (None, [("get_weather", {"celsius": True})])  # max_tokens ran out
+    bare = "Sure.\n<function=now>\n</function>"  # no <tool_call> around it: still a call, as vLLM reads it
+    assert calls(qwen3_coder().extract(bare)) == ("Sure.", [("now", {})])
     for text in ("No call.", "<tool_call>\n</tool_call>"):
         assert qwen3_coder().extract(text) == (text, [])
     stream = ToolCallStream(qwen3_coder())
     assert stream.content("Sure. <tool") == "Sure." and stream.content("_call>\n<function=now>") == ""
+
+
+def test_qwen3_coder_values_as_vllm_reads_them():
+    """A value is the first of its schema's types it reads as (null, integer, number, boolean, object, array,
+    string), a parameter the schema does not name or types a string; non-finite numbers stay text; an enum's
+    value with space around it the value."""
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": ["number", "null"]}, "flag": {"type": "bool"},
+        "pick": {"enum": [" y ", "z"]}, "also": {"enum": ["z"]}, "obj": {"type": "object"},
+        "any": {"description": "untyped"},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    calling = ToolCalling("qwen3_coder", [tool], "auto")
+    values = {"n": "12", "x": "NaN", "flag": "1", "pick": " y ", "also": " z ", "obj": "{'a': 1}", "any": "5",
+              "either": "7",
+              "extra": "[1, 2]"}
+    args = calls(calling.extract(xml_call("f", **values)))[1][0][1]
+    assert args == {"n": 12, "x": "NaN", "flag": True, "pick": " y ", "also": "z", "obj": "{'a': 1}", "any": "5",
+                    "either": 7,
+                    "extra": "[1, 2]"}
+    assert calls(calling.extract(xml_call("f", x="null", n="-Infinity")))[1][0][1] == {"x": None, "n": "-Infinity"}
 
 
 def test_forced_qwen3_coder_calls_follow_the_format(tok):
@@ -288,24 +322,19 @@ def test_forced_qwen3_coder_calls_follow_the_format(tok):
 
 
 @pytest.mark.parametrize("parser, marker", [("granite", "<|tool_call|>"), ("granite", "<tool_call>"),
-                                            ("granite", ""), ("phi4_mini_json", "functools")])
+                                            ("phi4_mini_json", "functools")])
 def test_json_list_calls_as_vllm_parses_them(parser, marker):
-    """Granite's answer: a JSON list of calls and nothing else, after its marker or not; Phi-4-mini's: functools
-    and a JSON list, after any text."""
+    """Granite's and Phi-4-mini's calls: their marker and a JSON list, after any text; a call without arguments
+    has none, Phi-4-mini's may name them "parameters"."""
     calling = ToolCalling(parser, [WEATHER, NOW], "auto")
-    listed = '[{"name": "get_weather", "arguments": {"city": "Rome", "celsius": true}}, {"name": "now", ' \
-             '"arguments": {}}]'
-    before = "Checking. " if parser == "phi4_mini_json" else ""
-    assert calls(calling.extract(before + marker + listed)) == (before.strip() or None, [
+    listed = '[{"name": "get_weather", "parameters": {"city": "Rome", "celsius": true}}, {"name": "now"}]'
+    assert calls(calling.extract("Checking. " + marker + listed)) == ("Checking.", [
         ("get_weather", {"city": "Rome", "celsius": True}), ("now", {})])
-    for text in ("No call.", marker + " not json", marker + '[{"name": "now"}]'):
-        assert calling.extract(text) == (text, [])
-    if parser == "granite":
-        assert calling.extract("Say " + listed) == ("Say " + listed, [])  # text first: no calls
-        assert ToolCallStream(calling).content(" <|tool") == "" and ToolCallStream(calling).content("Sure") == "Sure"
-    else:
-        stream = ToolCallStream(calling)
-        assert stream.content("Sure. functo") == "Sure." and stream.content('ols[{"name": "now"') == ""
+    for text in ("No call.", marker + " not json", marker + '[{"name": 5, "arguments": {}}]', listed):
+        assert calling.extract(text) == (text, [])  # a list without the marker is text
+    start = marker[:-3]
+    stream = ToolCallStream(calling)
+    assert stream.content("Sure. " + start) == "Sure." and stream.content(marker[-3:] + '[{"name": "now"') == ""
 
 
 @pytest.mark.parametrize("parser", ["granite", "phi4_mini_json"])
