@@ -23,6 +23,11 @@ class TokenText:
     def __call__(self, token_id: int, context: list[int] = ()) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.pieces(token_id, context)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's `bytes`: a piece of a character too, so that a choice's tokens' bytes
+        join into its text); with `as_ids`, those of "token_id:N"."""
+        return self(token_id).encode() if self.as_ids else self.pieces.token_bytes(token_id)
+
     def for_request(self, as_ids: bool) -> "TokenText":
         return TokenText(self.tokenizer, True, self.pieces) if as_ids else self
 
@@ -52,8 +57,8 @@ def chat_logprobs(text: TokenText, entries: list[TokenLogprobs], context: list[i
     items = []
     for i, e in enumerate(entries):
         before = _before(context, ids, i)
-        items.append(_chat_item(text(e.token_id, before), e.logprob)
-                     | {"top_logprobs": [_chat_item(text(t, before), lp) for t, lp in e.top]})
+        items.append(_chat_item(text, e.token_id, before, e.logprob)
+                     | {"top_logprobs": [_chat_item(text, t, before, lp) for t, lp in e.top]})
     return {"content": items}
 
 
@@ -62,8 +67,8 @@ def _before(context: list[int], ids: list[int], i: int) -> list[int]:
     return [*context[-PIECE_CONTEXT_TOKENS:], *ids[max(0, i - PIECE_CONTEXT_TOKENS) : i]][-PIECE_CONTEXT_TOKENS:]
 
 
-def _chat_item(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode())}
+def _chat_item(text: TokenText, token_id: int, before: list[int], logprob: float) -> dict:
+    return {"token": text(token_id, before), "logprob": finite(logprob), "bytes": list(text.token_bytes(token_id))}
 
 
 def prompt_logprobs(text: TokenText, token_ids: list[int], entries: list[TokenLogprobs | None]) -> list[dict | None]:

@@ -133,6 +133,25 @@ def test_token_pieces_are_vllms_decoded_tokens(tmp_path):
     assert spm.marker == "\u2581" and spm(byte) == "" and spm(byte, [1]) == ""  # unfinished, whatever came before
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(tmp_path):
+    """OpenAI's `bytes`: a token's own bytes, a piece of a character too, so that they join into the text (and
+    alternatives that are pieces of different characters differ)."""
+    from flock.api.logprobs import TokenText, chat_logprobs
+    from flock.sample.logprobs import TokenLogprobs
+
+    for name, tok in tokenizers(tmp_path).items():
+        if name == "WordPiece":
+            continue
+        text = TokenText(tok)
+        for sample in ("The café 日本 😀", " x 🙂🙂 ½"):
+            ids = tok.encode(sample, add_special_tokens=False)
+            entries = [TokenLogprobs(t, -1.0, 1, [(t, -1.0)]) for t in ids]
+            items = chat_logprobs(text, entries)["content"]
+            joined = bytes(b for item in items for b in item["bytes"]).decode()
+            assert joined == (" " + sample if text.pieces.marker else sample), name
+            assert all(item["bytes"] and item["top_logprobs"][0]["bytes"] == item["bytes"] for item in items)
+
+
 def test_of_stop_strings_met_in_one_token_the_one_ending_first_stops():
     """As vLLM: several stop strings completed by the same token stop at the one that ends first in the text
     (the first listed of those that end together), whatever the list's order."""
