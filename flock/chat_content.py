@@ -32,6 +32,11 @@ def template_message(message: dict, content_format: str, image_text: str | None 
     as no text; a tool's result as a string either way (as vLLM passes it: most templates print it); a system
     message without Claude Code's billing header line. With `image_text` (the model's placeholder), a "string"
     message's {"type": "image"} parts are that text, before its text (as vLLM writes them)."""
+    if message.get("role") == "assistant":  # vLLM's: `reasoning` first, given to the template under both names
+        reasoning = message.get("reasoning")
+        reasoning = message.get("reasoning_content") if reasoning is None else reasoning
+        if reasoning is not None:
+            message = message | {"reasoning": reasoning, "reasoning_content": reasoning}
     content = message.get("content")
     if content is None:
         content = []

@@ -63,6 +63,16 @@ def test_messages_take_the_templates_content_format():
         assert template_message(message, "openai")["content"] == as_parts, message
 
 
+def test_an_assistants_reasoning_reaches_the_template_as_vllm_passes_it():
+    """`reasoning` before `reasoning_content`, under both names; other roles' fields as sent."""
+    both = {"role": "assistant", "content": "a", "reasoning": "R1", "reasoning_content": "R2"}
+    assert template_message(both, "string") == both | {"reasoning_content": "R1"}
+    old = {"role": "assistant", "content": "a", "reasoning_content": "R2"}
+    assert template_message(old, "string") == old | {"reasoning": "R2"}
+    user = {"role": "user", "content": "u", "reasoning": "x"}
+    assert template_message(user, "string") == user
+
+
 def test_claude_codes_billing_header_leaves_system_prompts():
     header = "x-anthropic-billing-header: cc_version=2.1; cch=7f3a;"
     system = {"role": "system", "content": f"{header}\nYou are X."}

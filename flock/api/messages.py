@@ -257,7 +257,7 @@ def _assistant(content: list, where: str) -> list[dict]:
                            "redacted_thinking, tool_use are)", param=at)
     message["content"] = "\n".join(texts)
     if thinking:
-        message["reasoning_content"] = "\n".join(thinking)
+        message["reasoning_content"] = "".join(thinking)  # as vLLM joins a turn's thinking blocks
     if calls:
         message["tool_calls"] = calls
     return [message]

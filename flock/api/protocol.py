@@ -500,11 +500,12 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _content(content, i: int) -> str | list[dict] | None:
-    """A message's content, checked: a string, or image_url and text parts (the template's content format decides
-    how they reach it: flock.chat_content)."""
+    """A message's content, checked: a string, or image_url and text parts, a bare string among them a text part
+    (as vLLM reads it; the template's content format decides how they reach it: flock.chat_content)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
+        content = [{"type": "text", "text": part} if isinstance(part, str) else part for part in content]
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "image_url" and not (kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str)):

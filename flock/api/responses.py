@@ -231,7 +231,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         if role not in _ROLES:
             raise APIError(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", param=f"{where}.role")
         text = _with_images(item.get("content"), f"{where}.content") or _text(item.get("content"), f"{where}.content")
-        message = {"role": "system" if role == "developer" else role, "content": text}
+        message = {"role": role, "content": text}  # a developer's: as the chat template takes it (tokenizer.py)
         if role == "assistant" and item.get("status") in ("in_progress", "incomplete"):
             message["partial"] = True
         if role == "assistant" and last is not None and not last["content"]:  # the answer after its reasoning
@@ -443,12 +443,21 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     """A request's input as OpenAI lists it: items with ids (a string input: one user message of input_text)."""
     given = req.body["input"]
     if isinstance(given, str):
-        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+        given = [{"type": "message", "role": "user", "content": given}]
     prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
     key = req.id.removeprefix("resp_")
     return [{"id": f"{prefixes.get(item.get('type', 'message'), 'item')}_{key}_in{i}"}
-            | ({"type": "message", "status": "completed"} if "type" not in item else {}) | item
+            | ({"type": "message", "status": "completed"} if "type" not in item else {}) | _listed(item)
             for i, item in enumerate(given)]
+
+
+def _listed(item: dict) -> dict:
+    """A message item whose content is a string as OpenAI lists it: one text part (an assistant's output_text)."""
+    if item.get("type", "message") != "message" or not isinstance(item.get("content"), str):
+        return item
+    part = {"type": "output_text", "text": item["content"], "annotations": []} if item.get("role") == "assistant" \
+        else {"type": "input_text", "text": item["content"]}
+    return item | {"content": [part]}
 
 
 class ResponseStore:

@@ -1,11 +1,12 @@
 """POST /tokenize and /detokenize, as vLLM's server has them: a prompt's token ids, or a chat's as
 /v1/chat/completions would send it through the chat template, and token ids back to text."""
 
+from flock.api import protocol
 from flock.api.protocol import APIError, chat_token_ids, check_fields
 
 PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-CHAT_FIELDS = {"model", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
-               "chat_template_kwargs", "tools", "add_special_tokens", "return_token_strs"}
+# a chat completion's body whole (counting it is what clients send it here for): what shapes its prompt counts
+CHAT_FIELDS = protocol.CHAT_FIELDS | {"return_token_strs"}
 
 
 def tokenize(body, tokenizer, max_model_len: int) -> dict:

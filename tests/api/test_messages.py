@@ -57,6 +57,7 @@ def test_blocks_become_the_messages_of_earlier_turns():
             {"type": "thinking", "thinking": "Call it.", "signature": "s"},
             {"type": "redacted_thinking", "data": "opaque"},
             {"type": "text", "text": "Let me look."},
+            {"type": "thinking", "thinking": " Both.", "signature": "s"},
             {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
             {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Rome"}}]},
         {"role": "user", "content": [
@@ -74,7 +75,7 @@ def test_blocks_become_the_messages_of_earlier_turns():
             {"type": "text", "text": "Weather"}, {"type": "text", "text": "Notes\n\nParis is in France."},
             {"type": "text", "text": "Atlas\nhttps://a.example\nRome is in Italy."},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}]},
-        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Call it.", "tool_calls": calls},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Call it. Both.", "tool_calls": calls},
         {"role": "tool", "tool_call_id": "t1", "content": "Sunny"},
         {"role": "tool", "tool_call_id": "t2", "content": "Rain"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}},

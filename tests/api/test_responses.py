@@ -59,7 +59,7 @@ def test_input_items_become_the_messages_of_earlier_turns(tok):
     calls = [{"id": c, "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
              for c, city in (("c1", "Paris"), ("c2", "Rome"))]
     assert r.messages == [
-        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather\nin Paris?"},
+        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Weather\nin Paris?"},
         {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": calls},
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": "Rain"},
@@ -70,6 +70,12 @@ def test_input_items_become_the_messages_of_earlier_turns(tok):
                                                {"role": "assistant", "content": "1, 2,"}],
                                   "add_generation_prompt": False, "continue_final_message": True}, tok)
     assert partial.gen.prompts == chat.prompts
+    # instructions and a developer message: one first system message, as the chat path (and vLLM) merges them
+    merged = parse_responses({"instructions": "I", "input": [{"role": "developer", "content": "D"},
+                                                              {"role": "user", "content": "u"}]}, tok)
+    chat = parse_request("chat", {"messages": [{"role": "system", "content": "I\n\nD"},
+                                               {"role": "user", "content": "u"}]}, tok)
+    assert merged.gen.prompts == chat.prompts
 
 
 def test_an_incomplete_answer_after_its_reasoning_is_continued(tok):
@@ -145,13 +151,17 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(tok):
         store.put(r, r.response("m", answer, _Final(1, 1)))
     assert store.get(first.id) is None and store.history(first.id) is None and store.get(second.id)
     assert store.delete(second.id) and not store.delete(second.id)
-    many = parse_responses({"input": [{"role": "user", "content": f"q{i}"} for i in range(5)]}, tok)
+    many = parse_responses({"input": [{"role": "user", "content": f"q{i}"} for i in range(4)]
+                            + [{"role": "assistant", "content": "a4"}]}, tok)
     store.put(many, many.response("m", answer, _Final(1, 1)))
     page = store.input_items(many.id, "asc", limit=2)
-    assert [i["content"] for i in page["data"]] == ["q0", "q1"] and page["has_more"]
+    text = lambda items: [i["content"][0]["text"] for i in items]  # noqa: E731 (string contents listed as parts)
+    assert text(page["data"]) == ["q0", "q1"] and page["has_more"]
+    assert page["data"][0]["content"] == [{"type": "input_text", "text": "q0"}]
     rest = store.input_items(many.id, "asc", limit=10, after=page["last_id"])
-    assert [i["content"] for i in rest["data"]] == ["q2", "q3", "q4"] and not rest["has_more"]
-    assert [i["content"] for i in store.input_items(many.id)["data"]][0] == "q4"  # newest first by default
+    assert text(rest["data"]) == ["q2", "q3", "a4"] and not rest["has_more"]
+    assert rest["data"][-1]["content"] == [{"type": "output_text", "text": "a4", "annotations": []}]
+    assert text(store.input_items(many.id)["data"])[0] == "a4"  # newest first by default
 
 
 class _Final:

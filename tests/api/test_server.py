@@ -697,6 +697,11 @@ def test_tokenize_and_detokenize_as_vllm(server):
     bad = post("/detokenize", {"tokens": [len(tok)]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert post("/tokenize", {"prompt": "x", "stream": True}).json()["error"]["param"] == "stream"
+    # a chat completion's whole body counts as its prompt (a bare string among parts is text, as vLLM reads it)
+    whole = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}], "max_tokens": 5,
+             "tool_choice": "none", "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    shown = {"messages": [{"role": "user", "content": "a\nb"}], "tools": whole["tools"]}
+    assert post("/tokenize", whole).json()["tokens"] == post("/tokenize", shown).json()["tokens"]
     assert post("/tokenize", {"prompt": "x"}, headers={}).status_code == 401
     assert post("/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
     assert post("/tokenize", {"prompt": "x", "return_token_strs": None}).json()["token_strs"] is None
