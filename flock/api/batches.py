@@ -25,7 +25,7 @@ import httpx
 
 from flock.api.batch_input import URLS, LineError, parse_line
 from flock.api.batch_output import error_record
-from flock.api.protocol import APIError
+from flock.api.protocol import APIError, cursor_page
 
 PURPOSES = ("batch", "batch_output")
 COMPLETION_WINDOWS = ("24h",)
@@ -94,9 +94,11 @@ class FileStore:
         self.path(file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def listing(self, purpose: str | None = None) -> dict:
+    def listing(self, purpose: str | None = None, order: str = "desc", limit: int = 10000,
+                after: str | None = None) -> dict:
+        """The files (of `purpose`), the newest first unless `order` is "asc", `limit` after the one `after` names."""
         data = [f for f in self.files.values() if purpose in (None, f["purpose"])]
-        return {"object": "list", "data": data, "has_more": False}
+        return cursor_page(data if order == "asc" else data[::-1], after, limit)
 
 
 @dataclass
@@ -155,11 +157,7 @@ class BatchService:
 
     def listing(self, after: str | None = None, limit: int = 20) -> dict:
         """The batches, the newest first, `limit` after the one `after` names."""
-        ids = list(self.batches)[::-1]
-        start = ids.index(after) + 1 if after in ids else 0
-        page = [self.batches[i].object() for i in ids[start : start + limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(ids)}
+        return cursor_page([b.object() for b in reversed(self.batches.values())], after, limit)
 
     def cancel(self, batch_id: str) -> dict:
         """Stop a batch: its lines in flight are aborted; what finished is kept in its files."""

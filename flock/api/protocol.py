@@ -653,12 +653,15 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
     )
     for name in LLAMA_CPP_SAMPLING:
         if body.get(name) is not None:
-            kind = type(getattr(params, name))
-            setattr(params, name, typed_field(body, name, kind, None) if kind is not float else _number(body, name, 0))
+            type_ = type(getattr(params, name))
+            setattr(params, name, typed_field(body, name, type_, None) if type_ is not float else _number(body, name, 0))
     try:
         params.validate()
     except ValueError as e:
-        raise APIError(str(e), param=str(e).split()[0]) from None
+        message, param = str(e), str(e).split()[0]
+        if param == "max_tokens" and _max_tokens_field(body, kind) == "max_completion_tokens":  # the field sent
+            message, param = message.replace(param, "max_completion_tokens", 1), "max_completion_tokens"
+        raise APIError(message, param=param) from None
     return params
 
 
@@ -716,6 +719,14 @@ def _int_list(body: dict, name: str) -> list[int]:
 def new_id(kind: str, given: str | None = None) -> str:
     """A response id: the client's (vLLM's request_id field or X-Request-Id header), else a fresh one."""
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + (given or uuid.uuid4().hex)
+
+
+def cursor_page(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's list page: the `limit` items after the one whose id is `after` (from the start when none is)."""
+    start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
+    page = items[start : start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:

@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, parse_request, typed_field,
+from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, cursor_page, parse_request, typed_field,
                                  with_defaults)
 from flock.api.reasoning import answer_start
 
@@ -484,11 +484,7 @@ class ResponseStore:
         entry = self.responses.get(response_id)
         if entry is None:
             return None
-        items = entry[2] if order == "asc" else entry[2][::-1]
-        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
-        page = items[start : start + limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+        return cursor_page(entry[2] if order == "asc" else entry[2][::-1], after, limit)
 
     def delete(self, response_id: str) -> bool:
         return self.responses.pop(response_id, None) is not None

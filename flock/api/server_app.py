@@ -295,10 +295,13 @@ def _v1_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
-        if order not in ("asc", "desc"):
-            raise APIError(f"order must be asc or desc, got {order!r}", param="order")
         _stored(ctx, response_id)
-        return ctx.responses.input_items(response_id, order, _page_limit(limit, 100), after)
+        return ctx.responses.input_items(response_id, _order(order), _page_limit(limit, 100), after)
+
+    @router.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        _stored(ctx, response_id)  # every stored response has finished: Flock runs no background ones
+        raise APIError("Cannot cancel a synchronous response.", param="response_id")
 
     @router.delete("/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -338,8 +341,9 @@ def _batch_router(batches: BatchService) -> APIRouter:
         return files.create(upload.filename or "upload.jsonl", await upload.read(), purpose)
 
     @router.get("/files")
-    async def list_files(purpose: str | None = None):
-        return files.listing(purpose)
+    async def list_files(purpose: str | None = None, order: str = "desc", limit: int = 10000,
+                         after: str | None = None):
+        return files.listing(purpose, _order(order), _page_limit(limit, 10000), after)
 
     @router.get("/files/{file_id}")
     async def get_file(file_id: str):
@@ -402,6 +406,12 @@ def _message_batch_router(batches: MessageBatches) -> APIRouter:
         return Response(batches.results(batch_id), media_type="application/x-jsonl")
 
     return router
+
+
+def _order(order: str) -> str:
+    if order not in ("asc", "desc"):
+        raise APIError(f"order must be asc or desc, got {order!r}", param="order")
+    return order
 
 
 def _page_limit(limit: int, most: int) -> int:

@@ -13,6 +13,11 @@ def test_files_are_kept_listed_and_deleted(tmp_path):
     assert files.path(f["id"]).read_bytes() == b'{"a": 1}\n' and files.get(f["id"])["bytes"] == 9
     out = files.create("out.jsonl", b"", "batch_output")
     assert [x["id"] for x in files.listing("batch")["data"]] == [f["id"]] and len(files.listing()["data"]) == 2
+    assert [x["id"] for x in files.listing()["data"]] == [out["id"], f["id"]]  # the newest first, as OpenAI's
+    page = files.listing(order="asc", limit=1)
+    assert [x["id"] for x in page["data"]] == [f["id"]] and page["has_more"] and page["last_id"] == f["id"]
+    rest = files.listing(order="asc", after=page["last_id"])
+    assert [x["id"] for x in rest["data"]] == [out["id"]] and not rest["has_more"]
     assert files.delete(out["id"])["deleted"] and not files.path(out["id"]).exists()
     for call, param, status in [(lambda: files.get(out["id"]), "file_id", 404),
                                 (lambda: files.create("x", b"", "fine-tune"), "purpose", 400)]:

@@ -419,6 +419,10 @@ def test_vllm_request_fields_at_their_defaults_and_stream_limits(tok):
             gen.fit(64)
         assert e.value.param == param
     parse_request("chat", {"messages": user, "max_tokens": 64}, tok).fit(64)
+    for field in ("max_tokens", "max_completion_tokens"):  # the error names the field the client sent
+        with pytest.raises(APIError, match=f"^{field} must be a positive integer") as e:
+            parse_request("chat", {"messages": user, field: 0}, tok)
+        assert e.value.param == field
     parse_request("completion", {"prompt": "a"}, tok, default_max_tokens=16).fit(8)  # a default is not refused
 
 

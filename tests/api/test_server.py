@@ -441,9 +441,12 @@ def test_responses_equal_chat_completions(server, client):
     assert then.output_text == client.chat.completions.create(messages=history, **chat_kw).choices[0].message.content
     assert then.previous_response_id == r.id and then.usage.input_tokens_details.cached_tokens > 0
 
+    with pytest.raises(openai.BadRequestError, match="synchronous"):  # as vLLM: only background ones cancel
+        client.responses.cancel(r.id)
     assert httpx.delete(f"{server.url}/v1/responses/{r.id}", headers=AUTH, timeout=10).json()["deleted"]
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(r.id)
+    for gone in (client.responses.retrieve, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError):
+            gone(r.id)
     unstored = client.responses.create(input="x", store=False, **kw)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
