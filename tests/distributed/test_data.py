@@ -62,3 +62,29 @@ def test_processor_checks_rows_and_config(ray_address):
         "prompt": "hi", "sampling_params": {"top_p": 2.0}})
     with pytest.raises(Exception, match="top_p must be in"):
         processor(ray.data.range(1))
+
+
+def test_processor_defaults_logprobs_and_bad_rows_as_ray_datas_vllm_stage(ray_address):
+    """Unset max_tokens is 16 for chats too; logprobs come as vLLM's dicts; no rows, no work; with
+    should_continue_on_error a row Flock rejects carries its reason and skips postprocess, the others run."""
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = FlockEngineProcessorConfig(model_source=ENGINE["model"], concurrency=(1, 1), batch_size=4,
+                                        engine_kwargs={"max_model_len": 64, "dtype": "float32"},
+                                        should_continue_on_error=True)
+    rows = [{"id": "chat", "messages": [{"role": "user", "content": "hi"}],
+             "sampling_params": {"ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1, "temperature": 0}},
+            {"id": "long", "prompt": "word " * 200}, {"id": "bad-id", "prompt_token_ids": [5, 10 ** 7]}]
+    processor = build_processor(config, preprocess=lambda row: {k: v for k, v in row.items() if v is not None},
+                                postprocess=lambda row: {"id": row["id"], "n": row["num_generated_tokens"],
+                                                         "logprobs": row["logprobs"], "prompt": row["prompt_logprobs"]})
+    out = {r["id"]: r for r in processor(ray.data.from_items(rows)).take_all()}
+    chat = out["chat"]
+    assert chat["n"] == 16 and chat["__inference_error__"] == "" and len(chat["logprobs"]) == 16
+    first = chat["logprobs"][0]
+    assert len(first) >= 2 and all({"logprob", "rank", "decoded_token"} <= set(v) for v in first.values())
+    assert chat["prompt"][0] is None and len(chat["prompt"]) > 1
+    long = out["long"]  # postprocess skipped: the row as the processor made it
+    assert "maximum context length is 64" in long["__inference_error__"] and long.get("n") is None
+    assert long["generated_text"] == "" and long["num_generated_tokens"] == 0
+    assert "outside the vocabulary" in out["bad-id"]["__inference_error__"]
+    assert processor(ray.data.from_items(rows).filter(lambda row: False)).take_all() == []
