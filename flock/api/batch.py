@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from flock.api.analyze import key_value_table
 from flock.api.batch_input import BatchLine, LineError, read_lines
-from flock.api.batch_output import CorruptFileError, JsonlAppender, error_record, load_records, result_record
+from flock.api.batch_output import (CorruptFileError, JsonlAppender, drop_records, error_record, load_records,
+                                    result_record)
 from flock.api.classify import ClassifyRequest
 from flock.api.generative_scores import LabelScoreRequest, parse_label_scores
 from flock.api.job_engine import EngineError, FinishedRequest, JobEngine
@@ -189,6 +190,7 @@ class BatchJob:
         self.running: dict[int, tuple[PendingLine, int]] = {}  # engine request id -> (line, choice index)
         self.counts = JobCounts()
         self.answers: dict[str, str | None] = {}  # custom_id -> answer, for the summary
+        self.fixed: set[tuple[int, str]] = set()  # (line, custom_id) of reported lines that succeeded now
         self.token_text = TokenText(engine.tokenizer)
         self.flags = cfg.sampling | ({"max_tokens": cfg.max_tokens} if cfg.max_tokens is not None else {})
         self.loras = lora_requests(engine.config.lora_modules or [])  # a line's model may name one
@@ -366,6 +368,8 @@ class BatchJob:
             self.answers[line.custom_id] = self._answer(line, body)
         self.output.write(result_record(line.custom_id, request_id, body))
         self.counts.succeeded += 1
+        if (line.number, line.custom_id) in self.reported:  # failed before, fixed since: its error goes
+            self.fixed.add((line.number, line.custom_id))
         return True
 
     @staticmethod
@@ -425,6 +429,10 @@ class BatchJob:
     def close(self) -> None:
         self.output.close()
         self.errors.close()
+        if self.fixed:  # one record per line: those now in the output leave the error file
+            fixed = self.fixed
+            drop_records(self.cfg.errors_path,
+                         lambda r: ((r.get("error") or {}).get("line"), r.get("custom_id")) in fixed)
 
     def report(self) -> None:
         c, cfg = self.counts, self.cfg

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("flock")
@@ -62,6 +63,19 @@ def load_records(path: Path) -> list[dict]:
             f.truncate(pos)
             os.fsync(f.fileno())
     return records
+
+
+def drop_records(path: Path, dropped: Callable[[dict], bool]) -> None:
+    """Rewrite a records file without those `dropped` says, atomically (a crash leaves the old file or the new)."""
+    target = path.resolve()
+    kept = [r for r in load_records(target) if not dropped(r)]
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
 
 
 def _record(line: bytes) -> dict | None:

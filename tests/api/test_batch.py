@@ -184,6 +184,11 @@ def test_resuming_an_edited_input_reports_its_new_bad_lines(engine, tmp_path):
     errors = records(tmp_path / "out.errors.jsonl")
     assert [(r["custom_id"], r["error"]["line"]) for r in errors] == [("b", 2), ("c", 2)]
     assert sorted(r["custom_id"] for r in records(tmp_path / "out.jsonl")) == ["a", "b", "z"]
+    inp.write_text("\n".join([good("a"), good("c"), good("b"), good("z")]) + "\n")  # line 2 fixed where it is
+    assert run(engine, tmp_path, inp, resume=True) == 0
+    errors = records(tmp_path / "out.errors.jsonl")  # one record per line: c's error left with its success
+    assert [(r["custom_id"], r["error"]["line"]) for r in errors] == [("b", 2)]
+    assert sorted(r["custom_id"] for r in records(tmp_path / "out.jsonl")) == ["a", "b", "c", "z"]
 
 
 def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
