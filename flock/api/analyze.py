@@ -40,9 +40,9 @@ def read_batch(path: str, model: str = "flock/tiny") -> tuple[list[int], list[Pr
     numbers, prompts, errors, first = [], [], [], {}
     for line in read_lines(path):
         try:
+            seen = first.setdefault(line.custom_id, line.number)  # a bad line claims its id too, as in flock run
             if isinstance(line, LineError):
                 raise line
-            seen = first.setdefault(line.custom_id, line.number)
             if seen != line.number:
                 raise LineError(line.number, f"duplicate custom_id {line.custom_id!r} (first on line {seen})")
             found = _prompts(line.kind, line.body, tokenizer, max_model_len)
@@ -68,6 +68,8 @@ def _prompts(kind: str, body: dict, tokenizer, max_model_len: int) -> list[Promp
         gen = parse_responses(body, tokenizer).gen
     else:
         gen = parse_request(kind, body, tokenizer, COMPLETION_MAX_TOKENS if kind == "completion" else None)
+    if gen.stream:
+        raise APIError("stream is not supported in a batch job", param="stream")
     gen.fit(max_model_len)
     params = gen.params
     reads = not params.wants_prompt_logprobs and not params.skip_reading_prefix_cache
@@ -89,6 +91,9 @@ def plan_batch(prompts: list[Prompt], method: str = "batchllm") -> Plan:
     groups = [replace(g, indices=[where[k] for k in g.indices]) for plan, where in plans for g in plan.groups]
     logical, computed, bound = (sum(getattr(plan, f) for plan, _ in plans)
                                 for f in ("logical_tokens", "computed_tokens", "bound_tokens"))
+    # the group's prefix gives one prompt ending there its logits; another found whole in the cache computes its
+    # last token again for its own (as the engine runs them: duplicates, n samples)
+    computed += sum(max(0, sum(len(d) == 0 for d in g.distinct_ids) - 1) for g in groups)
     return Plan(groups, len(prompts), logical, computed, bound, time.perf_counter() - t0, method,
                 sum(plan.num_tree_nodes for plan, _ in plans))
 

@@ -122,6 +122,7 @@ def test_lines_are_read_as_flock_run_reads_them(tmp_path, capsys):
         "truncated": [{"prompt": shared + [200 + i] * 16, "truncate_prompt_tokens": 16} for i in range(4)],
         "n": [{"prompt": shared + [200 + i] * 16, "n": 2} for i in range(4)],
         "listed": [{"prompt": [shared + [200 + i] * 16, shared + [300 + i] * 16]} for i in range(2)],
+        "identical": [{"prompt": shared + [200] * 16}] * 3 + [{"prompt": shared[:7], "n": 4}],  # the last token again
     }
     for name, lines in bodies.items():
         path = tmp_path / f"{name}.jsonl"
@@ -136,7 +137,10 @@ def test_lines_are_read_as_flock_run_reads_them(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(x) + "\n" for x in [
         {"custom_id": "a", "prompt_token_ids": [1, 2, 3]}, {"custom_id": "a", "prompt_token_ids": [1, 2]},
-        {"prompt_token_ids": [-1, 2]}, {"prompt_token_ids": [9000]}]))
+        {"prompt_token_ids": [-1, 2]}, {"prompt_token_ids": [9000]},
+        {"custom_id": "b", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},  # claims b
+        {"custom_id": "b", "prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 2], "stream": True}]))
     code, out, err = run(capsys, "analyze", str(bad), "--json")
     assert code == 1 and json.loads(out)["num_prompts"] == 1
     assert "duplicate custom_id" in err and "-1 is outside" in err and "9000 is outside" in err
+    assert f"{bad}:6:" in err and "duplicate custom_id 'b'" in err and "stream is not supported" in err
