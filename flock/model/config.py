@@ -22,6 +22,7 @@ DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen
                          "qwen2_moe": 32768, "qwen3_moe": 32768, "smollm3": 32768}
 MISTRAL_DEFAULT_WINDOW = 4096
 GEMMA_DEFAULT_WINDOW = 4096
+QWEN_DEFAULT_WINDOW = 4096  # Qwen2Config / Qwen3Config (and their MoE) sliding_window
 GEMMA3_WINDOW_PATTERN = 6  # every 6th layer global, the others sliding (Gemma 3's default)
 GEMMA3_THETAS = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 # Gemma3TextConfig's defaults, which the sparse text_config of Gemma 3's multimodal checkpoints leans on
@@ -33,7 +34,7 @@ VISION_LANGUAGE_TYPES = {"llava": "llama", "idefics3": "llama", "smolvlm": "llam
                          "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 # text decoders of vision-language checkpoints that are a supported type under another name
 TEXT_DECODER_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # flock/model/rope.py
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")  # flock/model/rope.py
 QWEN3_VL_MROPE = (24, 20, 20)  # Qwen3VLTextConfig's sections where its rope_parameters name none
 BIDIRECTIONAL_IMAGES = ("gemma3",)  # whose image tokens attend to all of their image's, before and after them
 # a sequence classifier's activation (see ModelConfig.num_labels), as vLLM chooses it from transformers'
@@ -145,15 +146,15 @@ class ModelConfig:
     @property
     def context_length(self) -> int:
         """The longest sequence the model takes (the default max_model_len): a sentence-transformers folder's
-        limit, else its positions; linear RoPE's times its factor (as vLLM: positions are divided by it; Gemma 3's
-        are already scaled); YaRN's the original ones times its factor (the length it was extended to; vLLM 0.32
-        takes max_position_embeddings there)."""
+        limit, else its positions; linear and dynamic NTK RoPE's times its factor (as vLLM: positions are divided
+        by it, frequencies stretched; Gemma 3's are already scaled); YaRN's the original ones times its factor (the
+        length it was extended to; vLLM 0.32 takes max_position_embeddings there)."""
         if self.max_seq_length:
             return self.max_seq_length
         s = self.rope_scaling
         if s is not None and s["rope_type"] == "yarn":
             return int(s["original_max_position_embeddings"] * s["factor"])
-        if s is not None and s["rope_type"] == "linear" and not self.model_type.startswith("gemma3"):
+        if s is not None and s["rope_type"] in ("linear", "dynamic") and not self.model_type.startswith("gemma3"):
             return int(self.max_position_embeddings * s["factor"])
         return self.max_position_embeddings
 
@@ -469,7 +470,8 @@ class ModelConfig:
     @staticmethod
     def _rope_scaling(scaling: dict, d: dict, model_type: str) -> dict:
         """rope_scaling with its rope_type named (ValueError for one Flock does not run); LongRoPE's (Phi-3's "su"
-        too) and YaRN's with the lengths they need."""
+        too), YaRN's and Llama 3's with the lengths they need (the original one: max_position_embeddings unless
+        named, as transformers fills it in)."""
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "su":
             scaling["rope_type"] = "longrope"
@@ -478,12 +480,15 @@ class ModelConfig:
         if scaling["rope_type"] not in ROPE_TYPES:
             raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported (supported: "
                              f"{', '.join(ROPE_TYPES[1:])})")
-        if scaling["rope_type"] in ("longrope", "yarn"):
+        if scaling["rope_type"] in ("longrope", "yarn", "llama3"):
             positions = d.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])
             original = (scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
                         or positions)
             scaling |= {"original_max_position_embeddings": original,
                         "factor": scaling.get("factor") or positions / original}
+        if scaling["rope_type"] == "dynamic" and "alpha" in scaling:
+            raise ValueError("rope scaling 'dynamic' with 'alpha' (Hunyuan's NTK alpha) is not supported; with "
+                             "'factor' it is")
         return scaling
 
     @staticmethod
@@ -491,7 +496,7 @@ class ModelConfig:
         """The window and the layers it applies to (None: all), as transformers reads them: Mistral's on every
         layer (4096 when the key is absent), Phi-3's on every layer when set; Gemma 2's on every other layer from
         the first, Gemma 3's on five layers of six, unless `layer_types` says otherwise; Qwen2's and Qwen3's only
-        on the layers `layer_types` marks (from `max_window_layers`, default 28)."""
+        on the layers `layer_types` marks (from `max_window_layers`, default 28; the window 4096 unless set)."""
         if model_type == "mistral":
             return d.get("sliding_window", MISTRAL_DEFAULT_WINDOW), None
         if model_type in ("phi3", "mixtral"):  # on every layer when set, as Mistral's
@@ -508,7 +513,7 @@ class ModelConfig:
             window = d.get("sliding_window")
         elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window", False):
             types = d.get("layer_types") or ModelConfig._qwen_window_layers(d, model_type)
-            window = d.get("sliding_window")
+            window = d.get("sliding_window", QWEN_DEFAULT_WINDOW)
         else:
             return None, None
         sliding = tuple(t == "sliding_attention" for t in types)

@@ -17,13 +17,27 @@ def inv_frequencies(config: ModelConfig, max_positions: int = 0) -> torch.Tensor
     kind = scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "dynamic":  # vLLM's: fixed frequencies, not transformers' recomputed per forward pass
+        return _dynamic_ntk_inv_freq(config, scaling)
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "longrope":
         return 1.0 / (torch.tensor(_longrope_factors(scaling, max_positions), dtype=torch.float32) * powers)
     if kind == "yarn":
         return _yarn_inv_freq(powers, dim, config.rope_theta, scaling)
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, dynamic, llama3, longrope, "
+                              "yarn)")
+
+
+def _dynamic_ntk_inv_freq(config: ModelConfig, s: dict) -> torch.Tensor:
+    """Dynamic NTK's frequencies as vLLM fixes them: the base raised for the positions the model was trained on
+    (`max_trained_positions`, by default max_position_embeddings: then the base as it is, which transformers also
+    keeps up to that length; past it transformers recomputes the base for each pass's longest sequence, which would
+    give a cached prefix other keys than a fresh one)."""
+    dim, positions, factor = config.rotary_dim, config.max_position_embeddings, s["factor"]
+    trained = s.get("max_trained_positions", positions)
+    base = config.rope_theta * (factor * positions / trained - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
 
 
 def _yarn_inv_freq(powers: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:

@@ -153,6 +153,8 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     assert ModelConfig.from_dict(qwen).sliding_window is None  # max_window_layers 28: no layer slides
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 0}).sliding_window == 8
     assert ModelConfig.from_dict(qwen | {"max_window_layers": 1}).layer_windows == [None, 8]  # a backend each
+    unsized = {k: v for k, v in qwen.items() if k != "sliding_window"} | {"max_window_layers": 0}
+    assert ModelConfig.from_dict(unsized).sliding_window == 4096  # transformers' default for Qwen2 and Qwen3
     linear = ModelConfig.from_dict(base | {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear",
                                                                                           "factor": 4.0}})
     assert linear.context_length == 256  # positions divided by the factor (vLLM's length too)

@@ -52,8 +52,41 @@ def test_yarn_frequencies_and_scale_are_transformers(scaling):
     assert ours.context_length == spec["max_position_embeddings"]
 
 
+LLAMA = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1,
+         "num_attention_heads": 1, "max_position_embeddings": 256}
+
+
 def test_rope_kinds_flock_does_not_run_are_named_when_the_config_is_read():
-    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported"):
-        ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
-                               "num_hidden_layers": 1, "num_attention_heads": 1,
-                               "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    for scaling, message in (({"rope_type": "xpos", "factor": 2.0}, "rope scaling 'xpos' is not supported"),
+                             ({"rope_type": "dynamic", "alpha": 1000.0}, "'alpha'")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict(LLAMA | {"rope_scaling": scaling})
+
+
+def test_dynamic_ntk_frequencies_are_vllms():
+    """vLLM's fixed dynamic NTK: the base as it is (transformers' too, up to max_position_embeddings) unless
+    max_trained_positions is shorter; the context stretched by the factor."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = ModelConfig.from_dict(LLAMA | {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    theirs = LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"},
+                         rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    assert torch.equal(inv_frequencies(config), ROPE_INIT_FUNCTIONS["dynamic"](theirs, "cpu", seq_len=256)[0])
+    assert config.context_length == 1024
+    trained = ModelConfig.from_dict(LLAMA | {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0,
+                                                              "max_trained_positions": 128}})
+    base = 10000.0 * (4.0 * 256 / 128 - 3.0) ** (64 / 62)
+    assert torch.allclose(inv_frequencies(trained), 1.0 / base ** (torch.arange(0, 64, 2).float() / 64))
+
+
+def test_llama3_scaling_without_its_original_length_takes_the_positions():
+    """As transformers fills it in: original_max_position_embeddings is max_position_embeddings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = ModelConfig.from_dict(LLAMA | {"rope_scaling": dict(scaling)})
+    theirs = LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}, rope_scaling=scaling)
+    assert config.rope_scaling["original_max_position_embeddings"] == 256
+    assert torch.equal(inv_frequencies(config), ROPE_INIT_FUNCTIONS["llama3"](theirs, "cpu")[0])
