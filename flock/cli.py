@@ -11,7 +11,7 @@ import tempfile
 from flock.api.batch_urls import download, is_url, local_path, upload
 from flock.api.server import add_serve_parser, serve_main
 from flock.api.tools import add_parser_arguments, tool_parser
-from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options, vllm_argv
+from flock.api.vllm_args import CONFIG_EPILOG, add_vllm_arguments, apply_vllm_arguments, chat_options, vllm_argv
 from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
 
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_run(sub) -> None:
-    run = sub.add_parser("run", help="run an OpenAI Batch (or plain prompt) JSONL job; resumable after a crash")
+    run = sub.add_parser("run", help="run an OpenAI Batch (or plain prompt) JSONL job; resumable after a crash",
+                         epilog=CONFIG_EPILOG)
     run.add_argument("input", nargs="?", help="JSONL (or gzipped): OpenAI Batch lines, or plain lines with "
                                               "'prompt', 'prompt_token_ids' or 'messages' and any sampling fields")
     run.add_argument("-i", "--input-file", help="the input, as `vllm run-batch -i` names it (a path or an http(s) "

@@ -240,8 +240,11 @@ def test_logprobs_read_as_vllms_dicts_of_logprob(llm):
 
 def test_max_model_len_past_the_models_positions_is_refused_unless_allowed(monkeypatch):
     """As vLLM's (VLLM_ALLOW_LONG_MAX_MODEL_LEN): the model was never trained past its positions."""
-    with pytest.raises(ValueError, match="max_model_len=8192 is longer than the model's 4096 positions"):
-        LLM("flock/tiny", max_model_len=8192)
+    for value in (None, "0", "false"):  # read as vLLM reads its variable: only 1 or true allow it
+        if value is not None:
+            monkeypatch.setenv("FLOCK_ALLOW_LONG_MAX_MODEL_LEN", value)
+        with pytest.raises(ValueError, match="max_model_len=8192 is longer than the model's 4096 positions"):
+            LLM("flock/tiny", max_model_len=8192)
     monkeypatch.setenv("FLOCK_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM("flock/tiny", max_model_len=8192, num_kv_blocks=600).engine.max_model_len == 8192
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flock.api.reasoning import THINKING_END
 from flock.api.tools import add_parser_arguments, tool_parser
-from flock.api.vllm_args import add_vllm_arguments, apply_vllm_arguments, chat_options
+from flock.api.vllm_args import CONFIG_EPILOG, add_vllm_arguments, apply_vllm_arguments, chat_options
 from flock.engine.args import DEFAULT_MODEL, add_engine_args, engine_kwargs
 from flock.lora import lora_requests
 
@@ -35,7 +35,9 @@ ANSWER_AFTER_ABORT_S = 5
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
+    p = subparsers.add_parser("serve", help="serve the model over HTTP: OpenAI's API (completions, chat, responses, "
+                              "embeddings, files and batches), Anthropic's messages, vLLM's, SGLang's and "
+                              "llama-server's endpoints", epilog=CONFIG_EPILOG)
     add_serve_arguments(p)
     return p
 
@@ -43,9 +45,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", help="model name(s) clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
-                   "endpoints, KEY any of these (default: the VLLM_API_KEY environment variable's, as vLLM)")
+    p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the "
+                   "endpoints that run the model, KEY any of these (default: the VLLM_API_KEY environment variable's, as vLLM)")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
     p.add_argument("--stream-interval", type=_positive, default=1,

@@ -11,6 +11,10 @@ from flock.chat_content import CONTENT_FORMATS
 from flock.tokenizer import ChatOptions
 
 
+CONFIG_EPILOG = ("vLLM's command lines run as they are: --config FILE.yaml (its keys as flags; the command line wins), "
+                 "--max_model_len as --max-model-len, --no-X for a switch's false, --speculative-config.method ngram")
+
+
 def add_vllm_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     v = p.add_argument_group("vLLM's flags (a `vllm serve` or `vllm run-batch` command line runs as it is)")
     v.add_argument("--scheduling-policy", choices=["fcfs", "priority"],

@@ -80,6 +80,7 @@ class Processor:
 
     def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
         cfg = self.config
+        self._check_cpus()
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         ds = ds.map(_Tokenize, fn_constructor_args=(cfg,), concurrency=1).materialize()
@@ -96,6 +97,19 @@ class Processor:
         post = self.postprocess
         return ds.map(lambda row: row if row[ERROR] else post(row) | {ERROR: ""}) if cfg.should_continue_on_error \
             else ds.map(post)
+
+    def _check_cpus(self) -> None:
+        """The replicas' CPUs and one more, for the shuffle that hands them their batches: without it the
+        dataset would wait for ever."""
+        cfg = self.config
+        replicas = cfg.concurrency[0] if isinstance(cfg.concurrency, tuple) else cfg.concurrency
+        if not ray.is_initialized():
+            ray.init()
+        need, have = replicas * cfg.num_cpus + 1, ray.cluster_resources().get("CPU", 0)
+        if need > have + 1e-9:
+            raise ValueError(f"{replicas} replica(s) x {cfg.num_cpus:g} CPUs and 1 CPU for the shuffle that hands them "
+                             f"their batches need {need:g} CPUs, the Ray cluster has {have:g}: lower concurrency or "
+                             "num_cpus (a fraction of a CPU each)")
 
     def _plan(self, ds: ray.data.Dataset) -> tuple[dict[bytes, int], int]:
         """Batches of whole prefix groups: prompt key -> batch, and the number of batches (rows that failed their

@@ -99,6 +99,11 @@ def encoder_config(config: EngineConfig) -> EngineConfig:
     return replace(config, enable_prefix_caching=False, scheduler=scheduler)
 
 
+def allow_long_max_model_len() -> bool:
+    """FLOCK_ALLOW_LONG_MAX_MODEL_LEN read as vLLM reads its VLLM_ALLOW_LONG_MAX_MODEL_LEN: "1" or "true"."""
+    return os.environ.get("FLOCK_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+
+
 class LLMEngine:
     """The step loop: scheduler -> plan -> runner (model, sampler) -> postprocess -> scheduler."""
 
@@ -111,7 +116,7 @@ class LLMEngine:
         self.model_folder = resolved.folder
         max_len = config.max_model_len if config.max_model_len not in (None, -1) else \
             resolved.config.default_max_model_len
-        if max_len > resolved.config.context_length and not os.environ.get("FLOCK_ALLOW_LONG_MAX_MODEL_LEN"):
+        if max_len > resolved.config.context_length and not allow_long_max_model_len():
             raise ValueError(f"max_model_len={max_len} is longer than the model's {resolved.config.context_length} "
                              "positions (as vLLM, set FLOCK_ALLOW_LONG_MAX_MODEL_LEN=1 to run past them anyway)")
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer
 
+from flock.native import cache_root
+
 ASSETS = Path(__file__).parent / "assets"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 
@@ -114,10 +116,6 @@ WHEEL_MODELS: dict[str, WheelModel] = {
 
 def is_builtin(name: str) -> bool:
     return name in BUILTIN_MODELS
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FLOCK_CACHE", Path.home() / ".cache" / "flock"))
 
 
 def materialize(name: str) -> Path:

@@ -58,6 +58,8 @@ def test_processor_checks_rows_and_config(ray_address):
         build_processor(FlockEngineProcessorConfig(batch_size=0))
     with pytest.raises(TypeError, match="unknown engine argument"):
         build_processor(FlockEngineProcessorConfig(engine_kwargs={"nope": 1}))
+    with pytest.raises(ValueError, match="need 3 CPUs, the Ray cluster has 2"):  # it would wait for ever
+        build_processor(FlockEngineProcessorConfig(concurrency=2))(ray.data.range(1))
     processor = build_processor(FlockEngineProcessorConfig(), preprocess=lambda row: {
         "prompt": "hi", "sampling_params": {"top_p": 2.0}})
     with pytest.raises(Exception, match="top_p must be in"):

@@ -170,3 +170,12 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(base | {"eos_token_id": 3}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
     assert ModelConfig.from_folder(tmp_path).eos_token_id == [3, 7]  # generate() stops at both
+
+
+def test_built_in_models_are_kept_in_flock_cache_dir(tmp_path, monkeypatch):
+    """What Flock writes once (a built-in model's folder, like its kernels) goes under FLOCK_CACHE_DIR."""
+    from flock.model.builtin import materialize
+
+    monkeypatch.setenv("FLOCK_CACHE_DIR", str(tmp_path))
+    folder = materialize("flock/tiny")
+    assert folder.is_relative_to(tmp_path) and (folder / "config.json").is_file()
