@@ -94,12 +94,15 @@ class GrammarCompiler:
             value = json.dumps(_canonical(value))
         elif spec.kind == "choice":
             value = tuple(value)
-        any_whitespace = self.any_whitespace if spec.disable_any_whitespace is None else not spec.disable_any_whitespace
-        return spec.kind, value, spec.after, any_whitespace
+        if spec.disable_any_whitespace is None:
+            layout = "any" if self.any_whitespace else "spaced"
+        else:
+            layout = "compact" if spec.disable_any_whitespace else "any"
+        return spec.kind, value, spec.after, layout
 
-    def _compile(self, spec: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.CompiledGrammar:
+    def _compile(self, spec: StructuredOutputsParams, layout: str) -> xgrammar.CompiledGrammar:
         xgr = _xgrammar()
-        grammar = _grammar(xgr, spec, any_whitespace)
+        grammar = _grammar(xgr, spec, layout)
         if spec.after is not None:  # free text up to it first
             free = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": spec.after}
             grammar = xgr.Grammar.concat(
@@ -115,11 +118,14 @@ class GrammarCompiler:
         return self._compiler
 
 
-def _grammar(xgr, spec: StructuredOutputsParams, any_whitespace: bool) -> xgrammar.Grammar:
+def _grammar(xgr, spec: StructuredOutputsParams, layout: str) -> xgrammar.Grammar:
+    """The spec's grammar; JSON's `layout`: "any" whitespace, "spaced" (none but after its commas and colons, as
+    json.dumps writes it) or "compact" (none at all: vLLM's disable_any_whitespace)."""
     if spec.kind in ("json", "json_object"):
         schema = spec.json if spec.kind == "json" else {"type": "object"}
         return xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
-                                            any_whitespace=any_whitespace, strict_mode=spec.kind == "json")
+                                            any_whitespace=layout == "any", strict_mode=spec.kind == "json",
+                                            separators=(",", ":") if layout == "compact" else None)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.regex)
     if spec.kind == "choice":

@@ -28,6 +28,14 @@ _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 # let overlong and surrogate byte sequences through, which decode to no character)
 JSON_CHAR = (r'(?:[ !#-\[\]-~]|\\["\\/bfnrt]|[\u0080-\u07FF]|[\u0800-\uD7FF]|[\uE000-\uFFFF]|['
              + chr(0x10000) + "-" + chr(0x10FFFF) + "])")
+# keywords that constrain only instances of one type: a schema naming no type, and no enum, const or subschemas,
+# takes the type they imply (xgrammar would let any value through them)
+_TYPED_KEYWORDS = {
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "additionalItems", "unevaluatedItems"},
+    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties", "propertyNames", "unevaluatedProperties"}}
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
                "array": (list,), "object": (dict,)}
 
@@ -48,6 +56,8 @@ def enforceable(schema: dict | str) -> dict | str:
 def _walk(schema, path: str) -> None:
     if not isinstance(schema, dict):
         return
+    _type_from_keywords(schema, path)
+    _declare_required(schema, path)
     _refuse_unenforced(schema, path)
     _lengths_as_pattern(schema)
     _filter_enum(schema, path)
@@ -63,12 +73,46 @@ def _walk(schema, path: str) -> None:
         _walk(schema.get(key), f"{path}/{key}")
 
 
+def _type_from_keywords(schema: dict, path: str) -> None:
+    """A schema without a type whose keywords constrain one type's instances only ({"minimum": 18}) gets that
+    type: xgrammar lets any value through them, the typed schema keeps its output valid. Keywords of two types
+    are refused."""
+    if "type" in schema or {"enum", "const", "anyOf", "oneOf", "allOf", "$ref"} & schema.keys():
+        return
+    implied = sorted(t for t, keywords in _TYPED_KEYWORDS.items() if keywords & schema.keys())
+    if len(implied) > 1:
+        raise ValueError(f"keywords of several types ({', '.join(implied)}) without a type at {path} are not "
+                         "supported")
+    if implied:
+        schema["type"] = implied[0]
+
+
+def _declare_required(schema: dict, path: str) -> None:
+    """Required names that only patternProperties or additionalProperties give, declared as properties with
+    their schema: xgrammar leaves undeclared required names out."""
+    required, properties = schema.get("required"), schema.get("properties") or {}
+    if not isinstance(required, list):
+        return
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    extra = schema.get("additionalProperties")
+    for name in (n for n in required if isinstance(n, str) and n not in properties):
+        try:
+            matched = [sub for pattern, sub in patterns.items() if re.search(pattern, name)]
+        except re.error as e:
+            raise ValueError(f"patternProperties at {path}: {e}") from None
+        if len(matched) > 1:
+            raise ValueError(f"required {name!r} at {path} matches several patternProperties; not supported")
+        if matched or extra is True or isinstance(extra, dict):
+            schema.setdefault("properties", {})[name] = matched[0] if matched else {} if extra is True else extra
+            properties = schema["properties"]
+
+
 def _refuse_unenforced(schema: dict, path: str) -> None:
     types = schema.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     constraints = set(schema) - ANNOTATIONS
     unenforced = [k for k in ("not", "if", "dependentRequired", "dependentSchemas", "dependencies", "contains",
-                              "minContains", "maxContains") if k in schema]
+                              "minContains", "maxContains", "$dynamicRef", "$recursiveRef") if k in schema]
     if schema.get("uniqueItems") is True:
         unenforced.append("uniqueItems")
     if "multipleOf" in schema and "integer" not in types:
@@ -84,9 +128,11 @@ def _refuse_unenforced(schema: dict, path: str) -> None:
     for key in ("pattern", "patternProperties", "propertyNames"):
         if _LOOKAROUND.search(json.dumps(schema.get(key, ""))):
             unenforced.append(f"a lookaround in {key}")
-    for key in ("anyOf", "oneOf", "$ref"):
+    for key in ("anyOf", "oneOf", "allOf", "$ref"):
         if key in schema and constraints - {key}:
             unenforced.append(f"{sorted(constraints - {key})[0]} (beside {key})")
+    if "propertyNames" in schema and "properties" in schema:  # xgrammar lets the declared names through (as vLLM)
+        unenforced.append("propertyNames (beside properties)")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         unenforced.append(f"$ref {ref!r} (only '#/...' pointers)")
@@ -96,10 +142,10 @@ def _refuse_unenforced(schema: dict, path: str) -> None:
 
 
 def _undeclared_required(schema: dict) -> list[str]:
-    """Required names that no property can give: xgrammar's strict mode leaves them out."""
+    """Required names that no property can give (_declare_required declared those the others give): xgrammar's
+    strict mode leaves them out."""
     required, properties = schema.get("required"), schema.get("properties") or {}
-    if not isinstance(required, list) or "patternProperties" in schema or schema.get("additionalProperties") not in (
-            None, False):
+    if not isinstance(required, list):
         return []
     return [name for name in required if isinstance(name, str) and name not in properties]
 

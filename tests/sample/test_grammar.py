@@ -127,7 +127,7 @@ def test_the_compiled_grammars_kept_are_bounded(tiny, monkeypatch):
     g = tiny.engine.grammars
     for n in range(4):
         g.compile(StructuredOutputsParams(regex=f"a{{{n + 1}}}"))
-    assert len(g.cache) == 2 and ("regex", "a{4}", None, False) in g.cache
+    assert len(g.cache) == 2 and ("regex", "a{4}", None, "spaced") in g.cache
     assert g._xgr_compiler().get_cache_size_bytes() == 0  # xgrammar's own cache, unbounded, holds none of them
 
 

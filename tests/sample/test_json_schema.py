@@ -22,6 +22,12 @@ from flock.sample.json_schema import JSON_CHAR, enforceable
     ({"type": "object", "dependentSchemas": {"card": {"required": ["billing"]}}}, "dependentSchemas"),
     ({"type": "string", "enum": [1, 2]}, "has its type"),
     ({"enum": ["a", "b"], "pattern": "^a"}, "pattern (beside enum)"),
+    ({"allOf": [{"type": "integer"}], "minimum": 5}, "minimum (beside allOf)"),
+    ({"type": "object", "properties": {"userId": {"type": "integer"}}, "propertyNames": {"pattern": "^[a-z]+$"}},
+     "propertyNames (beside properties)"),
+    ({"properties": {"v": {"$dynamicRef": "#n"}}}, "$dynamicRef"),
+    ({"minimum": 1, "maxLength": 3}, "several types (number, string)"),
+    ({"type": "object", "patternProperties": {"^x": {}, "y$": {}}, "required": ["xy"]}, "several patternProperties"),
 ])
 def test_keywords_xgrammar_ignores_are_refused_by_name(schema, where):
     with pytest.raises(ValueError, match="not supported|has its type") as e:
@@ -41,6 +47,42 @@ def test_rewrites_keep_the_meaning_and_leave_the_request_alone():
     assert out["properties"]["name"] == {"type": "string", "title": "Name", "pattern": f"^{JSON_CHAR}{{2,5}}$"}
     assert out["properties"]["tag"]["enum"] == ["a", "b"]
     assert out["properties"]["note"]["anyOf"][0] == {"type": "string", "pattern": f"^{JSON_CHAR}{{0,3}}$"}
+
+
+def test_untyped_keywords_and_required_names_given_by_patterns_are_enforced():
+    """{"minimum": 18} constrains numbers only: the schema becomes a number's (xgrammar let any value through);
+    a required name that only patternProperties or additionalProperties give becomes a property of that schema
+    (xgrammar left it out)."""
+    grammars = LLM("flock/tiny", load_format="dummy", dtype="float32").engine.grammars
+    cases = [
+        ({"type": "object", "properties": {"age": {"description": "years", "minimum": 18, "maximum": 30}},
+          "required": ["age"]}, '{"age": 20}', ['{"age": 53}', '{"age": "x"}']),
+        ({"type": "object", "properties": {"code": {"maxLength": 2}}, "required": ["code"]}, '{"code": "en"}',
+         ['{"code": "en-US"}']),
+        ({"type": "object", "required": ["id"], "additionalProperties": True}, '{"id": 1}', ['{"x": 1}']),
+        ({"type": "object", "patternProperties": {"^x-[a-z]+$": {"type": "string"}}, "required": ["x-id"]},
+         '{"x-id": "a"}', ["{}", '{"x-id": 1}']),
+    ]
+    for schema, valid, invalid in cases:
+        spec = StructuredOutputsParams(json=schema)
+        assert grammars.matcher(spec).accept_string(valid), schema
+        for text in invalid:
+            matcher = grammars.matcher(spec)
+            assert not (matcher.accept_string(text) and matcher.is_terminated()), (schema, text)
+        jsonschema.validate(json.loads(valid), schema)
+
+
+def test_json_layouts():
+    """By default no free whitespace but after commas and colons (as json.dumps writes); vLLM's
+    disable_any_whitespace none at all; disable_any_whitespace=False any."""
+    grammars = LLM("flock/tiny", load_format="dummy", dtype="float32").engine.grammars
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    for flag, text in ((None, '{"a": 1, "b": 2}'), (True, '{"a":1,"b":2}'), (False, '{ "a" :1 ,\n"b": 2 }')):
+        spec = StructuredOutputsParams(json=schema, disable_any_whitespace=flag)
+        assert grammars.matcher(spec).accept_string(text), flag
+    assert not grammars.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True)).accept_string(
+        '{"a": 1')
 
 
 def test_bounded_strings_are_json_strings():
