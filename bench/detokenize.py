@@ -20,7 +20,7 @@ from bench.harness.report import OUT, markdown_table, write_json
 from bench.harness.stdlib_text import module_docs
 from bench.harness.timing import median_time
 from flock import LLM, SamplingParams
-from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
+from flock.engine.detokenizer import IncrementalText
 
 
 def whole_each_step(tok, ids: list[int]) -> None:
@@ -29,7 +29,7 @@ def whole_each_step(tok, ids: list[int]) -> None:
 
 
 def incremental(tok, ids: list[int]) -> None:
-    text = IncrementalText(tok, True, cleans_up_spaces(tok))
+    text = IncrementalText(tok, True)
     for k in range(1, len(ids) + 1):
         text.update(ids[:k])
 

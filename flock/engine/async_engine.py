@@ -311,7 +311,8 @@ class AsyncEngine:
             log.exception("adding a request failed")
             self._send([(stream, StreamOutput("", len(prompt_token_ids), 0, finish_reason="error", error=str(e)))])
             return
-        self._tracked[stream.key] = _Tracked(req, stream, TextStream(req.params.stop),
+        held = [] if req.params.include_stop_str_in_output else req.params.stop  # included: nothing to take back
+        self._tracked[stream.key] = _Tracked(req, stream, TextStream(held),
                                              self._engine.kv.enable_prefix_caching and req.reads_prefix_cache)
 
     def _abort(self, key: int) -> None:

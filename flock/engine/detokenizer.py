@@ -16,30 +16,22 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback
 PROMPT_CONTEXT_TOKENS = 32
 
 
-def cleans_up_spaces(tokenizer) -> bool:
-    """Whether `tokenizer.decode` removes spaces before punctuation after the backend's decode (transformers
-    does for some tokenizers), a step that `IncrementalText` then repeats on its whole text."""
-    ids = tokenizer.encode("a .", add_special_tokens=False)
-    return tokenizer.decode(ids) != tokenizer.decode(ids, clean_up_tokenization_spaces=False)
-
-
 class IncrementalText:
     """The text a growing list of output token ids adds to their prompt's: `tokenizer.decode(prompt + ids)` past
     the prompt's text, as vLLM's detokenizer gives it (a SentencePiece output keeps the space its first token
-    starts with; bytes of a character split across tokens wait for the rest). A fast tokenizer's text comes from
+    starts with; bytes of a character split across tokens wait for the rest; no clean-up of spaces before
+    punctuation, which transformers' decode makes for some tokenizers). A fast tokenizer's text comes from
     the tokenizers library's DecodeStream primed with the prompt, one token at a time (as vLLM's incremental
     detokenizer); otherwise, or if the stream fails, each update decodes only the new tokens after a few earlier
     ones (the prompt's last ones first) and keeps what they add to those tokens' text. New tokens that end in an
     incomplete character, or would change the text before them, wait for the next update (at most
     `MAX_PENDING_TOKENS` of them); `final` gives them all."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool, clean_up_spaces: bool, stream: bool = True,
-                 prompt_ids: list[int] | None = None):
+    def __init__(self, tokenizer, skip_special_tokens: bool, stream: bool = True, prompt_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.clean_up_spaces = clean_up_spaces
         self.prompt_ids = list(prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
-        self.raw = ""  # the backend's text of ids[:done] (a stream's: but its pending bytes), before any clean-up
+        self.text = ""  # the backend's text of ids[:done] (a stream's: but its pending bytes)
         self.done = 0
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = self._primed_stream() if stream and self._backend is not None else None
@@ -58,17 +50,13 @@ class IncrementalText:
             stream.step(self._backend, token)
         return stream
 
-    @property
-    def text(self) -> str:
-        return self.tokenizer.clean_up_tokenization(self.raw) if self.clean_up_spaces else self.raw
-
     def update(self, ids: list[int]) -> str:
         """The text of `ids` (the ids of the last update and more), without its not yet settled last tokens."""
         if self._stream is not None:
             try:
-                self.raw += "".join(self._stream.step(self._backend, t) or "" for t in ids[self.done :])
+                self.text += "".join(self._stream.step(self._backend, t) or "" for t in ids[self.done :])
             except Exception:  # tokenizers' "invalid prefix" (vLLM meets it too): decode whole, then windows
-                self._stream, self.raw = None, self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids)
+                self._stream, self.text = None, self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids)
             self.done = len(ids)
         elif len(ids) > self.done:
             lead = CONTEXT_TOKENS
@@ -81,19 +69,19 @@ class IncrementalText:
                 before = self._before(ids, lead)
             added = self._after(before, ids[self.done :], partial=True)
             if added is not None:
-                self.raw += added
+                self.text += added
                 self.done = len(ids)
             elif len(ids) - self.done > MAX_PENDING_TOKENS:  # e.g. a model that writes U+FFFD itself
-                self.raw, self.done = self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids), len(ids)
+                self.text, self.done = self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids), len(ids)
         return self.text
 
     def final(self, ids: list[int]) -> str:
         """The whole text of `ids`: the settled text and the tokens still waiting (from a stream, but the bytes of
         a character they leave unfinished, which vLLM drops too)."""
         text = self.update(ids)
-        if self.done == len(ids) and (self._stream is not None or not self.raw.endswith("\ufffd")):
+        if self.done == len(ids) and (self._stream is not None or not self.text.endswith("\ufffd")):
             return text
-        self.raw, self.done = self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids), len(ids)
+        self.text, self.done = self._after(self.prompt_ids[-CONTEXT_TOKENS:], ids), len(ids)
         return self.text
 
     def _before(self, ids: list[int], n: int) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from flock.config import EngineConfig
-from flock.engine.detokenizer import IncrementalText, cleans_up_spaces
+from flock.engine.detokenizer import IncrementalText
 from flock.engine.draft_model import DraftModelProposer
 from flock.engine.encoder_runner import EncoderRunner
 from flock.engine.kernels import start_kernel_builds
@@ -120,7 +120,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_len} is longer than the model's {resolved.config.context_length} "
                              "positions (as vLLM, set FLOCK_ALLOW_LONG_MAX_MODEL_LEN=1 to run past them anyway)")
         self.tokenizer = load_tokenizer(config.tokenizer or resolved.tokenizer_path, config.chat_template)
-        self._cleans_up_spaces = cleans_up_spaces(self.tokenizer)
         self.think_markers = ThinkMarkers.of(self.tokenizer)
         self.eos_token_ids = set(resolved.config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -487,13 +486,12 @@ class LLMEngine:
         n = req.params.min_tokens
         if n == 0:
             return 0
-        held = self._text(req, stream=False).final(req.output_token_ids[:n])
+        held = self._text(req).final(req.output_token_ids[:n])  # a character split at n is not its text yet
         return max(0, len(held) - len(stop) + 1)
 
-    def _text(self, req: Request, stream: bool = True) -> IncrementalText:
+    def _text(self, req: Request) -> IncrementalText:
         """A fresh incremental text of the request's output after its prompt."""
-        return IncrementalText(self.tokenizer, req.params.skip_special_tokens, self._cleans_up_spaces, stream,
-                               req.prompt_token_ids)
+        return IncrementalText(self.tokenizer, req.params.skip_special_tokens, prompt_ids=req.prompt_token_ids)
 
     def running_text(self, req: Request) -> str:
         """The output text so far: of a running request, the text of its settled tokens, decoded incrementally

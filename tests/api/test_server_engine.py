@@ -67,6 +67,13 @@ def test_stream_outputs_add_up(engine):
     assert outs[-1].finish_reason == "length" and all(not o.finished for o in outs[:-1])
     assert [o.num_output_tokens for o in outs] == sorted({o.num_output_tokens for o in outs})
     assert outs[-1].num_output_tokens == 6 and outs[-1].num_prompt_tokens == len(ids(engine, "hello there"))
+    # text that may start a stop string waits for the next, but not when the stop string is kept (as vLLM)
+    far = "a stop string longer than any output here"
+    for keep in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[far],
+                                include_stop_str_in_output=keep)
+        texts = [o.text for o in asyncio.run(collect_one(engine, "hello there", params))]
+        assert any(texts[:-1]) == keep and "".join(texts)
     wait_idle(engine)
 
 
