@@ -31,8 +31,8 @@ from flock.api.messages import MessagesRequest, parse_messages
 from flock.api.messages import renamed as messages_renamed
 from flock.api.pooling import KINDS as POOLING_KINDS, PoolingRequest, pooling_request
 from flock.api.protocol import (COMPLETION_MAX_TOKENS, APIError, GenerationRequest, choices_usage, engine_error,
-                                make_choice, new_id, parse_request, reasoning_usage, refuse_adapter_embeddings,
-                                response_body, with_defaults)
+                                make_choice, max_tokens_cap, model_defaults, new_id, parse_request, reasoning_usage,
+                                refuse_adapter_embeddings, response_body, with_defaults)
 from flock.api.responses import ResponsesRequest, parse_responses, renamed
 from flock.api.scores import ScoreRequest
 from flock.beam_search import BeamSearch
@@ -227,7 +227,7 @@ class BatchJob:
             if gen.stream:
                 raise APIError("stream is not supported in a batch job", param="stream")
             gen.use_lora(self.loras.get(gen.model))
-            gen.fit(self.engine.max_model_len)
+            gen.fit(self.engine.max_model_len, max_tokens_cap(self.engine.config, self.engine.sampling_defaults))
             for ids in gen.prompts:
                 self.engine.check_request(ids, gen.params)
             if gen.beam is not None:
@@ -254,7 +254,8 @@ class BatchJob:
             parsed.storable = False  # a job keeps no responses
             return parsed
         default_max = COMPLETION_MAX_TOKENS if line.kind == "completion" else None
-        return parse_request(line.kind, with_defaults(line.body, defaults | self.flags), self.engine.tokenizer,
+        return parse_request(line.kind, with_defaults(line.body, model_defaults(defaults, line.kind) | self.flags),
+                             self.engine.tokenizer,
                              default_max, cfg.tool_parser, cfg.reasoning_parser)
 
     def _parse_pooling(self, line: BatchLine) -> PoolingRequest:

@@ -139,12 +139,15 @@ class GenerationRequest:
         if self.beam is not None:
             self.beam.lora_request = lora
 
-    def fit(self, max_model_len: int) -> None:
-        """Refuse a max_tokens beyond max_model_len (as vLLM), and apply truncate_prompt_tokens now, so that usage,
-        returned ids and a completion's echo show the prompts that run (a chat's echo stays its last message)."""
+    def fit(self, max_model_len: int, max_tokens_cap: int | None = None) -> None:
+        """Refuse a max_tokens beyond max_model_len (as vLLM), cap it at the server's limit (`max_tokens_cap`), and
+        apply truncate_prompt_tokens now, so that usage, returned ids and a completion's echo show the prompts that
+        run (a chat's echo stays its last message)."""
         if self.max_tokens_field and self.params.max_tokens > max_model_len:
             raise APIError(f"{self.max_tokens_field}={self.params.max_tokens} cannot be greater than max_model_len="
                            f"{max_model_len}; request fewer output tokens", param=self.max_tokens_field)
+        if max_tokens_cap is not None:
+            self.params.max_tokens = min(self.params.max_tokens or max_tokens_cap, max_tokens_cap)
         for i, ids in enumerate(self.prompts):
             try:
                 kept = self.params.truncated(ids, max_model_len)
@@ -297,6 +300,20 @@ def engine_error(e: ValueError, gen: GenerationRequest) -> APIError:
     param = first if first in _SAMPLING_FIELDS | {"logprobs", "top_logprobs", "prompt_logprobs"} else \
         "prompt" if gen.kind == "completion" else "messages"
     return APIError(message, param=param)
+
+
+def model_defaults(defaults: dict, kind: str) -> dict:
+    """The generation config's defaults a body of `kind` takes: a completion's max_tokens is 16 whatever it says,
+    as vLLM's (a chat takes its max_new_tokens)."""
+    return {k: v for k, v in defaults.items() if k != "max_tokens"} if kind == "completion" else defaults
+
+
+def max_tokens_cap(config, defaults: dict) -> int | None:
+    """vLLM's server-wide limit on a request's output tokens: the max_new_tokens of a generation config folder
+    given, else of override_generation_config; None where neither sets one."""
+    if config.generation_config not in ("auto", "vllm"):
+        return defaults.get("max_tokens")
+    return (config.override_generation_config or {}).get("max_new_tokens")
 
 
 def with_defaults(body, defaults: dict):

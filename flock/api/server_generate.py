@@ -38,6 +38,8 @@ from flock.api.protocol import (
     chunk_body,
     engine_error,
     make_choice,
+    max_tokens_cap,
+    model_defaults,
     new_id,
     parse_request,
     reasoning_usage,
@@ -81,6 +83,10 @@ class ServerContext:
     # huge prompt holds up no other client's stream or /health (vLLM tokenizes on an executor too)
     parse_pool: ThreadPoolExecutor = field(init=False)
 
+    @property
+    def max_tokens_cap(self) -> int | None:
+        return max_tokens_cap(self.engine.config, self.engine.sampling_defaults)
+
     def __post_init__(self):
         self.token_text = TokenText(self.engine.tokenizer)
         self.parse_pool = ThreadPoolExecutor(1, thread_name_prefix="flock-parse")
@@ -106,14 +112,14 @@ class Reply:
 
 
 async def generate(kind: str, raw: Request, ctx: ServerContext):
-    defaults = ctx.engine.sampling_defaults | ctx.body_defaults
+    defaults = model_defaults(ctx.engine.sampling_defaults, kind) | ctx.body_defaults
     gen = await ctx.parsed(parse_request, kind, with_defaults(await json_body(raw), defaults),
                            ctx.engine.tokenizer, default_max_tokens=16 if kind == "completion" else None,
                            tool_parser=ctx.tool_parser, reasoning_parser=ctx.reasoning_parser)
     check_model({"model": gen.model}, ctx)
     gen.include_usage = gen.include_usage or ctx.force_include_usage
     gen.use_lora(ctx.loras.get(gen.model))
-    gen.fit(ctx.engine.max_model_len)
+    gen.fit(ctx.engine.max_model_len, ctx.max_tokens_cap)
     given = raw.headers.get("x-request-id") or gen.request_id  # vLLM's order: the header first
     reply = Reply(kind, new_id(kind, given), reported_model(gen.model, ctx), int(time.time()), gen.role)
     if gen.beam is not None:
@@ -254,7 +260,7 @@ async def respond(raw: Request, ctx: ServerContext):
     gen.use_lora(ctx.loras.get(body.get("model")))
     req.storable = ctx.responses.capacity > 0
     try:
-        gen.fit(ctx.engine.max_model_len)
+        gen.fit(ctx.engine.max_model_len, ctx.max_tokens_cap)
     except APIError as e:
         raise renamed(e) from None
     if gen.request_id:  # the body's, as vLLM's (an X-Request-Id header, which proxies repeat, names no response)
@@ -314,7 +320,7 @@ async def answer_messages(raw: Request, ctx: ServerContext):
     gen, model = req.gen, reported_model(body.get("model"), ctx)
     gen.use_lora(ctx.loras.get(body.get("model")))
     try:
-        gen.fit(ctx.engine.max_model_len)
+        gen.fit(ctx.engine.max_model_len, ctx.max_tokens_cap)
     except APIError as e:
         raise messages_renamed(e) from None
     streams = await _submit(gen.engine_requests(), ctx, lambda e: messages_renamed(engine_error(e, gen)), gen.n)

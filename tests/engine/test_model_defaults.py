@@ -47,8 +47,10 @@ def test_a_body_keeps_what_it_sets(folder):
 
 
 def test_server_and_batch_lines_take_the_defaults(folder, tmp_path):
-    """A served body and a batch line without max_tokens stop at the folder's max_new_tokens (5, not 16); with
-    it, at theirs; a `flock run` flag still wins over the folder."""
+    """As vLLM: a served chat and a chat batch line without max_tokens stop at the folder's max_new_tokens (5), a
+    completion at 16 whatever the folder says; one that sets it at its own; a `flock run` flag wins over the
+    folder. The folder given as --generation-config, or override_generation_config's max_new_tokens, caps every
+    request, those that set max_tokens too."""
     import asyncio
 
     import httpx
@@ -61,21 +63,28 @@ def test_server_and_batch_lines_take_the_defaults(folder, tmp_path):
     from flock.engine.async_engine import AsyncEngine
     from flock.engine.engine import LLMEngine
 
+    chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    completion = {"prompt": [5, 6], "ignore_eos": True}
+    cases = [({}, [(completion, 16), (chat, 5), (completion | {"max_tokens": 8}, 8), (chat | {"max_tokens": 8}, 8)]),
+             ({"generation_config": str(folder)}, [(completion | {"max_tokens": 8}, 5), (chat, 5)]),
+             ({"override_generation_config": {"max_new_tokens": 3}}, [(chat | {"max_tokens": 8}, 3), (completion, 3)])]
+    for options, expected in cases:
+        config = EngineConfig.from_kwargs(str(folder), dtype="float32", **options)
+        engine = AsyncEngine(config).start()
+        try:
+            app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
+
+            async def post(body):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                    return (await http.post(path, json=body)).json()["usage"]["completion_tokens"]
+
+            assert [asyncio.run(post(body)) for body, _ in expected] == [n for _, n in expected], options
+        finally:
+            engine.shutdown()
     config = EngineConfig.from_kwargs(str(folder), dtype="float32")
-    engine = AsyncEngine(config).start()
-    try:
-        app = build_app(ServerContext(engine, Metrics(engine), ["m"]))
-
-        async def post(body):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-                return (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"]
-
-        assert asyncio.run(post({"prompt": [5, 6], "ignore_eos": True})) == 5
-        assert asyncio.run(post({"prompt": [5, 6], "ignore_eos": True, "max_tokens": 8})) == 8
-    finally:
-        engine.shutdown()
     inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"custom_id": "a", "prompt": [5, 6], "ignore_eos": True}) + "\n")
+    inp.write_text(json.dumps({"custom_id": "a", "messages": chat["messages"], "ignore_eos": True}) + "\n")
     for flag, expected in ((None, 5), (7, 7)):  # flock run --max-tokens 7
         out = tmp_path / f"out{expected}.jsonl"
         assert run_job(JobConfig(str(inp), str(out), quiet=True, max_tokens=flag), LLMEngine(config)) == 0
