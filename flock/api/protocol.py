@@ -671,7 +671,8 @@ def _sampling_params(body: dict, kind: str, default_max_tokens: int | None, n: i
     for name in LLAMA_CPP_SAMPLING:
         if body.get(name) is not None:
             type_ = type(getattr(params, name))
-            setattr(params, name, typed_field(body, name, type_, None) if type_ is not float else _number(body, name, 0))
+            value = typed_field(body, name, type_, None) if type_ is not float else _number(body, name, 0)
+            setattr(params, name, value)
     try:
         params.validate()
     except ValueError as e:

@@ -15,8 +15,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, cursor_page, parse_request, typed_field,
-                                 with_defaults)
+from flock.api.protocol import (APIError, Choice, GenerationRequest, check_fields, cursor_page, parse_request,
+                                 typed_field, with_defaults)
 from flock.api.reasoning import answer_start
 
 # chat fields a Responses body may carry as they are (vLLM's extra sampling fields among them)

@@ -47,7 +47,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the "
-                   "endpoints that run the model, KEY any of these (default: the VLLM_API_KEY environment variable's, as vLLM)")
+                   "endpoints that run the model, KEY any of these (default: the VLLM_API_KEY environment "
+                   "variable's, as vLLM)")
     p.add_argument("--max-waiting", type=_positive, default=1024,
                    help="at most this many requests wait for admission; more get 429")
     p.add_argument("--stream-interval", type=_positive, default=1,
