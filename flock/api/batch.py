@@ -164,6 +164,15 @@ def _empty(*paths: Path) -> None:
             path.unlink()
 
 
+def progress_bar(iterable, quiet: bool, **kwargs) -> tqdm:
+    """A progress bar on stderr; where stderr is no terminal (a log file, nohup, a cluster job), a line every 5
+    seconds, as vLLM's run-batch writes it."""
+    if quiet or sys.stderr.isatty():
+        return tqdm(iterable, disable=quiet, **kwargs)
+    line = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]\n"
+    return tqdm(iterable, mininterval=5, bar_format=line, **kwargs)
+
+
 LineRequest = GenerationRequest | PoolingRequest | ResponsesRequest | MessagesRequest | LabelScoreRequest
 
 
@@ -198,7 +207,8 @@ class BatchJob:
 
     def submit_all(self) -> None:
         first_line: dict[str, int] = {}
-        for line in read_lines(self.cfg.input):
+        for line in progress_bar(read_lines(self.cfg.input), self.cfg.quiet, desc="flock run: reading", unit="line",
+                                 leave=False):
             try:
                 first = first_line.setdefault(line.custom_id, line.number)  # a bad line claims its id too
                 if isinstance(line, LineError):
@@ -326,8 +336,8 @@ class BatchJob:
         self.answers = {ids[i * len(ids) // count]: None for i in range(count)}
         stats, skipped = self.engine.stats, self.counts.skipped
         self.output.open()  # even with nothing to run: the file marks the job as started
-        bar = tqdm(total=len(self.pending) + skipped, initial=skipped, desc="flock run", unit="req",
-                   disable=True if self.cfg.quiet else None)
+        bar = progress_bar(None, self.cfg.quiet, total=len(self.pending) + skipped, initial=skipped, desc="flock run",
+                           unit="req")
         shown = 0.0
         try:
             for step in run(self.engine):

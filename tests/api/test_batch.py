@@ -196,7 +196,9 @@ def test_summary_shows_answers_spread_over_the_input(engine, tmp_path, capsys):
     inp.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"question {i}", "max_tokens": 3,
                                        "temperature": 0}) + "\n" for i in range(20)))
     assert run_job(JobConfig(str(inp), str(tmp_path / "out.jsonl")), engine) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # stderr is no terminal here: the progress comes as lines (as vLLM's run-batch writes them into a log)
+    assert "flock run: 20/20 req [" in err and "flock run: reading" in err
     answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records(tmp_path / "out.jsonl")}
     shown = out.split("answers (8 of 20, all in ")[1].splitlines()[1:]
     assert [line.split()[0] for line in shown] == ["q0", "q2", "q5", "q7", "q10", "q12", "q15", "q17"]
